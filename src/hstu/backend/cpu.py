@@ -1,0 +1,45 @@
+"""CPU backend: host memory from /proc/meminfo (psutil where installed)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hstu.backend.base import Backend, MemoryInfo
+
+
+def host_memory_info() -> MemoryInfo:
+    """Available and total host memory in bytes (psutil, else /proc/meminfo, else sysconf)."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return MemoryInfo(free_bytes=int(vm.available), total_bytes=int(vm.total))
+    except ImportError:
+        pass
+    try:
+        fields = {}
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+        return MemoryInfo(free_bytes=fields["MemAvailable"], total_bytes=fields["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page, total_bytes=os.sysconf("SC_PHYS_PAGES") * page)
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def memory_info(self) -> MemoryInfo:
+        return host_memory_info()

@@ -1,0 +1,63 @@
+"""Ascend NPU backend via the optional ``torch_npu`` package.
+
+``torch_npu`` without CANN breaks ``import torch`` when autoloaded, so the probe sets
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` (unless the user set it) and catches ImportError and
+RuntimeError (and OSError for missing shared libraries), returning the reason instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from hstu.backend.base import Backend, MemoryInfo
+
+_probe: tuple[object | None, str | None] | None = None
+
+
+def probe_torch_npu() -> tuple[object | None, str | None]:
+    """Import torch_npu once; return (module, None) or (None, reason). Never raises."""
+    global _probe
+    if _probe is not None:
+        return _probe
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    if importlib.util.find_spec("torch_npu") is None:
+        _probe = (None, "torch_npu is not installed (pip install torch-npu matching your torch and CANN)")
+        return _probe
+    try:
+        import torch_npu  # noqa: F401
+
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            _probe = (None, "torch_npu imported but torch.npu.is_available() is False (check npu-smi info, CANN env: source set_env.sh)")
+        else:
+            _probe = (torch_npu, None)
+    except (ImportError, RuntimeError, OSError) as exc:
+        _probe = (None, f"import torch_npu failed: {type(exc).__name__}: {exc}")
+    return _probe
+
+
+class NPUBackend(Backend):
+    name = "npu"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return probe_torch_npu()[1]
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = torch.npu.mem_get_info(self.index)  # type: ignore[attr-defined]
+        return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
+
+    def empty_cache(self) -> None:
+        torch.npu.empty_cache()  # type: ignore[attr-defined]
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.npu.manual_seed_all(seed)  # type: ignore[attr-defined]
+
+    def supports_pinned_memory(self) -> bool:
+        return True

@@ -1,0 +1,280 @@
+"""Command line: ``hstu train | eval | generate | demo`` and the operational tools.
+
+Every handler returns an exit code; errors a user can fix (missing files, malformed data,
+bad options, unavailable devices) print one line to stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("hstu")
+
+
+def default_data_dir() -> Path | None:
+    """$HSTU_DATA_DIR, else ../shared/data/ml-1m beside the current directory or the repo."""
+    env = os.environ.get("HSTU_DATA_DIR")
+    if env:
+        return Path(env)
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        cand = base.parent / "shared" / "data" / "ml-1m"
+        if (cand / "ratings.dat").exists():
+            return cand
+    return None
+
+
+NO_DATA = ("MovieLens-1M not found. Download https://files.grouplens.org/datasets/movielens/ml-1m.zip, unzip it, and "
+           "pass --data-dir PATH/ml-1m (or set HSTU_DATA_DIR). MovieLens may not be redistributed, so hstu does not ship it.")
+
+
+def _model_cfg(args):
+    from hstu.config import load_config_file, model_config_from_preset
+
+    if getattr(args, "config", None):
+        cfgs = load_config_file(args.config)
+        return cfgs.get("model") or model_config_from_preset(args.preset), cfgs.get("train")
+    return model_config_from_preset(args.preset), None
+
+
+def cmd_train(args) -> int:
+    from hstu.config import TrainConfig
+    from hstu.train.loop import DataSpec, fit
+
+    data_dir = args.data_dir or default_data_dir()
+    if data_dir is None:
+        raise FileNotFoundError(NO_DATA)
+    mcfg, tcfg = _model_cfg(args)
+    tcfg = tcfg or TrainConfig()
+    for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
+        v = getattr(args, name, None)
+        if v is not None:
+            setattr(tcfg, name, v)
+    options = {}
+    if getattr(args, "columns", None):
+        options["columns"] = args.columns
+    spec = DataSpec(args.dataset, str(data_dir), args.protocol, args.max_users, args.skip_bad_rows, options)
+    metrics = fit(args.out, mcfg, tcfg, spec, device=args.device, resume=args.resume, progress=not args.quiet)
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from hstu.data.sequences import make_split
+    from hstu.model.checkpoint import load_run
+    from hstu.train.evaluate import evaluate
+    from hstu.train.loop import DataSpec, prepare_data
+
+    model, cfg, _ = load_run(args.run, args.device)
+    spec = DataSpec(**cfg["data"])
+    if args.data_dir:
+        spec.data_dir = args.data_dir
+    if args.protocol:
+        spec.protocol = args.protocol
+    log_, split = prepare_data(spec)
+    split = make_split(log_, spec.protocol)
+    out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{args.split} ({spec.protocol}, {out['users']} users): " + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
+    return 0
+
+
+def _history_from_file(path: str):
+    from hstu.generate.recommend import History, HistoryError
+
+    p = Path(path)
+    try:
+        events = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{p}: history file not found") from None
+    except json.JSONDecodeError as exc:
+        raise HistoryError(f"{p}: not valid JSON: {exc}") from None
+    if not isinstance(events, list):
+        raise HistoryError(f"{p}: expected a JSON list of {{\"item_id\", \"timestamp\"}} objects")
+    items, ts, acts = [], [], []
+    for i, e in enumerate(events):
+        if not isinstance(e, dict) or "item_id" not in e or "timestamp" not in e:
+            raise HistoryError(f"{p}: event [{i}] needs 'item_id' and 'timestamp'")
+        for f in ("item_id", "timestamp"):
+            if not isinstance(e[f], int) or isinstance(e[f], bool):
+                raise HistoryError(f"{p}: event [{i}].{f} must be an integer, got {e[f]!r}")
+        items.append(e["item_id"])
+        ts.append(e["timestamp"])
+        acts.append(e.get("action"))
+    return History(items, ts, acts if any(a is not None for a in acts) else None)
+
+
+def _user_history(rec, cfg, user: int):
+    from hstu.generate.recommend import History
+    from hstu.train.loop import DataSpec, prepare_data
+
+    log_, _ = prepare_data(DataSpec(**cfg["data"]))
+    u = log_.user_index(user)
+    s, e = log_.offsets[u], log_.offsets[u + 1]
+    raw = log_.item_raw_ids[log_.items[s:e]].tolist()
+    acts = [log_.action_names[a - 1] for a in log_.actions[s:e]] if log_.num_actions else None
+    return History(raw, log_.timestamps[s:e].tolist(), acts)
+
+
+def cmd_generate(args) -> int:
+    from hstu.generate.recommend import Recommender
+    from hstu.model.checkpoint import read_json
+
+    if (args.user is None) == (args.history is None):
+        raise ValueError("give exactly one of --user USER_ID or --history FILE")
+    rec = Recommender.from_run(args.run, args.device)
+    cfg = read_json(Path(args.run) / "config.json")
+    hist = _history_from_file(args.history) if args.history else _user_history(rec, cfg, args.user)
+    if args.request_time is not None:
+        hist.request_time = args.request_time
+    prep = rec.prepare(hist, unknown=args.unknown_items)
+    excl = None if args.exclude_history is None else args.exclude_history == "yes"
+    items = rec.recommend([prep], args.k, exclude_history=excl, strategy=args.strategy, top_k=args.top_k,
+                          temperature=args.temperature, beam_width=args.beam_width, seed=args.seed)[0]
+    out = {"user": args.user, "items": items}
+    if prep.warnings:
+        out["warnings"] = prep.warnings
+    if args.json:
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+    else:
+        for w in prep.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        for i, it in enumerate(items, 1):
+            extra = " ".join(f"{k}={it[k]}" for k in ("action", "category") if k in it)
+            print(f"{i}. {it['item_id']}  {it.get('title', '')}  score={it['score']:.3f} {extra}".rstrip())
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Train the small preset on ML-1M, evaluate on test, show next-5 titles for 3 users."""
+    from hstu.config import TrainConfig, model_config_from_preset
+    from hstu.generate.recommend import Recommender
+    from hstu.model.checkpoint import read_json
+    from hstu.train.loop import DataSpec, fit
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    if data_dir is None or not (data_dir / "ratings.dat").exists():
+        raise FileNotFoundError(NO_DATA if data_dir is None else f"{data_dir}/ratings.dat not found. " + NO_DATA)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    print(f"hstu demo: training HSTU (small preset) on {data_dir} for {args.epochs} epochs on {args.device} ...", flush=True)
+    metrics = fit(out, model_config_from_preset("small"), TrainConfig(epochs=args.epochs, seed=args.seed),
+                  DataSpec("ml-1m", str(data_dir)), device=args.device, progress=not args.quiet)
+    t = metrics["test"]
+    print(f"\ntest (full ranking over all items, {t['users']} users): HR@10 {t['HR@10']:.4f}  NDCG@10 {t['NDCG@10']:.4f}  "
+          f"HR@50 {t['HR@50']:.4f}  MRR {t['MRR']:.4f}")
+    print(f"trained {metrics['epochs']} epochs in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n")
+    rec = Recommender.from_run(out, args.device)
+    cfg = read_json(out / "config.json")
+    for user in (1, 2, 3):
+        hist = _user_history(rec, cfg, user)
+        items = rec.recommend([rec.prepare(hist)], 5)[0]
+        last = [rec.titles.get(str(i), str(i)) for i in hist.items[-3:]]
+        print(f"user {user}: last watched: " + " | ".join(last))
+        print("  next 5:      " + " | ".join(it.get("title", str(it["item_id"])) for it in items))
+    print(f"\nrun directory: {out}   total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hstu", description="HSTU generative recommender: train, evaluate, generate, serve, operate.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model on a data set")
+    t.add_argument("--dataset", default="ml-1m", help="ml-1m | taobao | retailrocket | csv")
+    t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
+    g = t.add_mutually_exclusive_group()
+    g.add_argument("--preset", default="small", choices=["small", "large", "prod"])
+    g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--learning-rate", type=float)
+    t.add_argument("--num-negatives", type=int)
+    t.add_argument("--out", required=True, help="run directory")
+    t.add_argument("--max-users", type=int, help="use only the first N users")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
+    t.add_argument("--protocol", default="clean", choices=["clean", "paper"],
+                   help="clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last")
+    t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
+    t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a run (full ranking)")
+    e.add_argument("--run", required=True)
+    e.add_argument("--split", default="test", choices=["valid", "test"])
+    e.add_argument("--protocol", choices=["clean", "paper"])
+    e.add_argument("--data-dir")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    q = sub.add_parser("generate", help="next-k items for a user or a history file")
+    q.add_argument("--run", required=True)
+    q.add_argument("--user", type=int, help="original user id in the run's data set")
+    q.add_argument("--history", help='JSON list of {"item_id", "timestamp"[, "action"]} events')
+    q.add_argument("-k", type=int, default=5)
+    q.add_argument("--strategy", default="greedy", choices=["greedy", "topk", "beam"])
+    q.add_argument("--top-k", type=int, default=50)
+    q.add_argument("--temperature", type=float, default=1.0)
+    q.add_argument("--beam-width", type=int, default=4)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
+    q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
+    q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])
+    q.add_argument("--device", default="cpu")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="train on ML-1M, evaluate, and show next-5 titles for three users")
+    d.add_argument("--data-dir")
+    d.add_argument("--epochs", type=int, default=12)
+    d.add_argument("--seed", type=int, default=42)
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--quiet", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+    for mod in ("hstu.ops.cli", "hstu.model.embedding_cli", "hstu.quant.cli", "hstu.serve.cli", "hstu.bench_cli"):
+        try:
+            module = __import__(mod, fromlist=["add_subcommands"])
+        except ModuleNotFoundError as exc:
+            if exc.name and mod.startswith(exc.name):
+                continue  # feature module not present in this build
+            raise
+        module.add_subcommands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as exc:
+        from hstu.backend import BackendUnavailableError  # noqa: F401
+
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"hstu {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from hstu.backend import BackendUnavailableError
+
+        if isinstance(exc, BackendUnavailableError):
+            print(f"hstu {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

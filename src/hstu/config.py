@@ -1,0 +1,166 @@
+"""Typed configuration: ModelConfig, TrainConfig, GenerateConfig, ServeConfig.
+
+Loaded from TOML or JSON; unknown keys are rejected with a ValueError naming the field.
+Defaults follow the HSTU ML-1M recipe (Zhai et al. 2024, §4.1; reference repository's
+ML-1M configuration) unless a comment says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class ModelConfig:
+    """HSTU encoder sizes (DESIGN.md "The model"; Zhai et al. 2024, §3).
+
+    The fixed width N = max_seq_len + max_output_len is both the positional table size and
+    the attention divisor n, so padding to any width <= N never changes a live output.
+    """
+
+    num_items: int = 0  # set from the data: dense ids 1..num_items, 0 is padding
+    max_seq_len: int = 200  # history events kept (most recent)
+    max_output_len: int = 10  # extra positions for generated tokens (next-k, k <= this)
+    embedding_dim: int = 50  # d
+    num_blocks: int = 2
+    num_heads: int = 1  # H
+    d_qk: int = 50  # per-head query/key width
+    d_v: int = 50  # per-head value width
+    dropout: float = 0.2  # input-embedding and pre-output-projection dropout (recipe: 0.2)
+    num_time_buckets: int = 128  # log time buckets 0..128 (reference: 128 + 1 weights)
+    time_bucket_log_base: float = 0.301  # bucket(dt) = floor(ln(max(|dt|, 1)) / 0.301)
+    use_time_bias: bool = True  # ablation switches (issue: relative bias off, time bias off)
+    use_position_bias: bool = True
+    layer_norm_eps: float = 1e-6
+    temperature: float = 0.05  # cosine-similarity temperature (recipe: 0.05)
+    num_actions: int = 0  # >0: action-type embedding summed into the input + next-action head
+    num_categories: int = 0  # >0: category embedding summed into the input
+
+    @property
+    def width(self) -> int:
+        """N: the fixed padded width and attention divisor n."""
+        return self.max_seq_len + self.max_output_len
+
+    def validate(self) -> None:
+        for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_output_len < 1:
+            raise ValueError(f"ModelConfig.max_output_len must be >= 1, got {self.max_output_len}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.temperature <= 0:
+            raise ValueError(f"ModelConfig.temperature must be > 0, got {self.temperature}")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads.
+    "small": dict(num_blocks=2, num_heads=1, embedding_dim=50, d_qk=50, d_v=50, max_seq_len=200),
+    "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200),
+    # ML-20M recipe size, used by the quantization benchmark as the "production-size" model.
+    "prod": dict(num_blocks=4, num_heads=4, embedding_dim=256, d_qk=64, d_v=64, max_seq_len=200),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Training recipe (HSTU ML-1M: AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
+    batch 128, 128 uniform negatives, temperature 0.05)."""
+
+    epochs: int = 10
+    batch_size: int = 128
+    learning_rate: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.98
+    weight_decay: float = 0.0
+    num_negatives: int = 128
+    # "sequence": the 128 negatives are shared by all positions of one sequence (one batched
+    # GEMM); "position": independent negatives per position (reference-like, slower on CPU).
+    negatives_sharing: str = "sequence"
+    action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
+    seed: int = 42
+    eval_batch_size: int = 256
+    early_stopping_patience: int = 5  # epochs without a better valid NDCG@10
+    eval_every: int = 1
+    num_threads: int = 0  # 0: torch default
+
+    def validate(self) -> None:
+        for name in ("epochs", "batch_size", "num_negatives", "eval_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.negatives_sharing not in ("sequence", "position"):
+            raise ValueError(f"TrainConfig.negatives_sharing must be 'sequence' or 'position', got {self.negatives_sharing!r}")
+
+
+@dataclass
+class GenerateConfig:
+    k: int = 5
+    strategy: str = "greedy"  # greedy | topk | beam
+    top_k: int = 50
+    temperature: float = 1.0
+    beam_width: int = 4
+    seed: int = 0
+    exclude_history: bool | None = None  # None: the data set's default
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 16
+    max_wait_ms: float = 5.0
+    buckets: list[int] = field(default_factory=lambda: [20, 50, 100, 200])
+    max_queue: int = 256
+    request_timeout_s: float = 10.0
+    memory_threshold: float = 0.10
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}; valid: {sorted(names)}")
+    return cls(**data)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON file with optional [model], [train], [generate], [serve] tables.
+
+    Returns a dict of the dataclasses present. Raises ValueError (unknown table or field)
+    or FileNotFoundError.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: cannot parse config: {exc}") from exc
+    classes = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig}
+    unknown = sorted(set(raw) - set(classes))
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {unknown}; valid: {sorted(classes)}")
+    return {k: _from_dict(classes[k], v, f"{path} [{k}]") for k, v in raw.items()}
+
+
+def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
+    return _from_dict(ModelConfig, {**PRESETS[name], **overrides}, f"preset {name}")
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    return _from_dict(ModelConfig, data, "model config")

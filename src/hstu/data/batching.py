@@ -1,0 +1,95 @@
+"""Padded batches from an EventLog: training sequences and evaluation histories.
+
+A batch is right-padded to width W (the longest sequence in the batch, + 1 for evaluation
+where position ``length`` holds the query time). Batches are drawn by length bucket so that
+padding costs little; the divisor N is fixed, so the width never changes a result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hstu.data.sequences import EventLog, Split
+
+
+@dataclass
+class SequenceBatch:
+    """Padded batch. Symbols: B sequences, W padded width.
+
+    ids, timestamps, actions, categories: (B, W) int64, 0 after the live rows (timestamps
+    hold the query time at position ``length`` for evaluation batches).
+    lengths: (B,) int64. users: (B,) int64 EventLog rows. targets: (B,) int64 dense target
+    item (evaluation) or None. target_actions: (B,) or None.
+    """
+
+    ids: torch.Tensor
+    timestamps: torch.Tensor
+    lengths: torch.Tensor
+    actions: torch.Tensor
+    categories: torch.Tensor
+    users: torch.Tensor
+    targets: torch.Tensor | None = None
+    target_actions: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "SequenceBatch":
+        f = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return SequenceBatch(*(f(getattr(self, k)) for k in ("ids", "timestamps", "lengths", "actions", "categories", "users", "targets", "target_actions")))
+
+
+def _pad(log_: EventLog, users: np.ndarray, starts: np.ndarray, ends: np.ndarray, extra: int, query_ts: np.ndarray | None) -> dict:
+    lengths = ends - starts
+    W = int(lengths.max()) + extra
+    B = len(users)
+    out = {k: np.zeros((B, W), np.int64) for k in ("ids", "timestamps", "actions", "categories")}
+    for b in range(B):
+        s, e, L = starts[b], ends[b], lengths[b]
+        out["ids"][b, :L] = log_.items[s:e]
+        out["timestamps"][b, :L] = log_.timestamps[s:e]
+        out["actions"][b, :L] = log_.actions[s:e]
+        out["categories"][b, :L] = log_.categories[s:e]
+        if query_ts is not None:
+            out["timestamps"][b, L] = query_ts[b]
+    out = {k: torch.from_numpy(v) for k, v in out.items()}
+    out["lengths"] = torch.from_numpy(lengths.astype(np.int64))
+    out["users"] = torch.from_numpy(users.astype(np.int64))
+    return out
+
+
+def train_batch(log_: EventLog, split: Split, users: np.ndarray, max_seq_len: int) -> SequenceBatch:
+    """Training sequences (the most recent ``max_seq_len`` training events) of ``users``."""
+    ends = split.train_end[users]
+    starts = np.maximum(log_.offsets[users], ends - max_seq_len)
+    return SequenceBatch(**_pad(log_, users, starts, ends, 0, None))
+
+
+def eval_batch(log_: EventLog, targets: np.ndarray, users: np.ndarray, max_seq_len: int) -> SequenceBatch:
+    """Histories before each user's target event (most recent ``max_seq_len``), the target's
+    time as query time at position ``length``, and the dense target ids."""
+    t = targets[users]
+    if (t < 0).any():
+        raise ValueError("eval_batch: some users have no target in this split")
+    starts = np.maximum(log_.offsets[users], t - max_seq_len)
+    b = _pad(log_, users, starts, t, 1, log_.timestamps[t])
+    return SequenceBatch(**b, targets=torch.from_numpy(log_.items[t]), target_actions=torch.from_numpy(log_.actions[t]))
+
+
+def length_bucketed_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator, pool: int = 50) -> list[np.ndarray]:
+    """Shuffle, then sort by length inside pools of ``pool`` batches, cut into batches, and
+    shuffle the batches: similar lengths share a batch, order stays random."""
+    idx = rng.permutation(len(lengths))
+    batches = []
+    step = batch_size * pool
+    for s in range(0, len(idx), step):
+        chunk = idx[s:s + step]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    order = rng.permutation(len(batches))
+    return [batches[i] for i in order]
+
+
+def history_items(log_: EventLog, users: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
+    """All dense items each user saw before event ``ends[b]`` (for candidate exclusion)."""
+    return [log_.items[log_.offsets[u]:e] for u, e in zip(users, ends)]

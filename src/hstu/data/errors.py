@@ -1,0 +1,12 @@
+"""Data errors that name the file and line."""
+
+from __future__ import annotations
+
+
+class DataFormatError(ValueError):
+    """A malformed input row; ``path`` and ``line`` (1-based) say where."""
+
+    def __init__(self, path: object, line: int | None, message: str) -> None:
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {message}")
+        self.path, self.line = path, line

@@ -1,0 +1,160 @@
+"""Recommender: a run directory's model + id map, turning raw histories into next-k items.
+
+Used by ``hstu generate`` and the HTTP service. Input is validated here (the edge): unknown
+item ids (policy "drop" with a warning, or "reject"), empty histories, over-long histories
+(the most recent ``max_seq_len`` events are kept and the response says how many were cut),
+non-monotonic timestamps (policy "sort", stable, or "reject").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hstu import backend
+from hstu.generate.decode import exclusion_mask, generate
+from hstu.model.checkpoint import load_run
+from hstu.model.hstu import HSTUModel
+
+log = logging.getLogger(__name__)
+
+
+class HistoryError(ValueError):
+    """A history that cannot be used; the message names the field and index."""
+
+
+@dataclass
+class History:
+    """One user's events, original ids. items, timestamps (Unix s), actions: equal lengths."""
+
+    items: list[int]
+    timestamps: list[int]
+    actions: list[str] | None = None
+    request_time: int | None = None  # default: the last event's time
+    exclude: list[int] = field(default_factory=list)  # user block list (original ids)
+
+
+@dataclass
+class Prepared:
+    ids: np.ndarray
+    timestamps: np.ndarray
+    actions: np.ndarray
+    categories: np.ndarray
+    request_time: int
+    warnings: list[str]
+    block: list[int]
+
+
+class Recommender:
+    def __init__(self, model: HSTUModel, idmap: dict, device: str = "cpu") -> None:
+        self.model = model.eval()
+        self.device = backend.select(device).device
+        self.idmap = idmap
+        raw = np.asarray(idmap["item_raw_ids"], dtype=np.int64)
+        self.raw_ids = raw
+        self._dense = {int(r): i for i, r in enumerate(raw) if i > 0}
+        self.titles = idmap.get("titles", {})
+        self.item_category = torch.tensor(idmap.get("item_category") or [0] * len(raw), dtype=torch.int64, device=self.device)
+        self.category_raw = idmap.get("category_raw_ids")
+        self.action_names: list[str] = idmap.get("action_names", [])
+        self.exclude_history_default = bool(idmap.get("exclude_history_default", True))
+
+    @classmethod
+    def from_run(cls, run_dir, device: str = "cpu") -> "Recommender":
+        model, _, ids = load_run(run_dir, device)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return cls(model, ids, device)
+
+    @property
+    def max_len(self) -> int:
+        return self.model.cfg.max_seq_len
+
+    def prepare(self, h: History, unknown: str = "drop", order: str = "sort") -> Prepared:
+        """Validate and map one history. Raises HistoryError naming the field/index."""
+        n = len(h.items)
+        if n == 0:
+            raise HistoryError("history: empty; at least one event is needed")
+        if len(h.timestamps) != n or (h.actions is not None and len(h.actions) != n):
+            raise HistoryError(f"history: items ({n}), timestamps ({len(h.timestamps)}) and actions must have equal lengths")
+        warnings: list[str] = []
+        ts = np.asarray(h.timestamps, dtype=np.int64)
+        idx = np.arange(n)
+        if (np.diff(ts) < 0).any():
+            if order == "reject":
+                bad = int(np.nonzero(np.diff(ts) < 0)[0][0]) + 1
+                raise HistoryError(f"history[{bad}].timestamp: earlier than the event before it (timestamps must not decrease)")
+            idx = np.argsort(ts, kind="stable")
+            warnings.append("history was not in time order; sorted by timestamp (stable)")
+        dense, keep = [], []
+        for i in idx:
+            d = self._dense.get(int(h.items[i]))
+            if d is None:
+                if unknown == "reject":
+                    raise HistoryError(f"history[{i}].item_id: unknown item id {h.items[i]}")
+                continue
+            dense.append(d)
+            keep.append(i)
+        if len(keep) < n:
+            warnings.append(f"dropped {n - len(keep)} event(s) with unknown item ids")
+        if not keep:
+            raise HistoryError("history: no known item ids left after dropping unknown ones")
+        if len(keep) > self.max_len:
+            warnings.append(f"history has {len(keep)} events; kept the most recent {self.max_len}")
+            keep, dense = keep[-self.max_len:], dense[-self.max_len:]
+        keep_a = np.asarray(keep)
+        lut = {a: i + 1 for i, a in enumerate(self.action_names)}
+        acts = np.array([lut.get(str(h.actions[i]), 0) for i in keep_a], np.int64) if h.actions else np.zeros(len(keep_a), np.int64)
+        ids = np.asarray(dense, np.int64)
+        cats = self.item_category[torch.from_numpy(ids)].cpu().numpy()
+        rt = int(h.request_time) if h.request_time is not None else int(ts[keep_a].max())
+        if rt < int(ts[keep_a].max()):
+            warnings.append("request_time is earlier than the last event; using the last event's time")
+            rt = int(ts[keep_a].max())
+        block = [self._dense[int(x)] for x in h.exclude if int(x) in self._dense]
+        return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
+
+    def batch(self, preps: list[Prepared], width: int | None = None) -> dict[str, torch.Tensor]:
+        """Right-padded tensors (B, W) for prepared histories; W = width or the longest."""
+        W = width or max(len(p.ids) for p in preps)
+        B = len(preps)
+        out = {k: torch.zeros(B, W, dtype=torch.int64) for k in ("ids", "timestamps", "actions", "categories")}
+        for b, p in enumerate(preps):
+            L = len(p.ids)
+            out["ids"][b, :L] = torch.from_numpy(p.ids)
+            out["timestamps"][b, :L] = torch.from_numpy(p.timestamps)
+            out["actions"][b, :L] = torch.from_numpy(p.actions)
+            out["categories"][b, :L] = torch.from_numpy(p.categories)
+        out["lengths"] = torch.tensor([len(p.ids) for p in preps], dtype=torch.int64)
+        out["request_time"] = torch.tensor([p.request_time for p in preps], dtype=torch.int64)
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def describe(self, dense: int, score: float, action: int | None = None) -> dict:
+        raw = int(self.raw_ids[dense])
+        item = {"item_id": raw, "score": float(score)}
+        title = self.titles.get(str(raw))
+        if title is not None:
+            item["title"] = title
+        if action is not None and 0 < action <= len(self.action_names):
+            item["action"] = self.action_names[action - 1]
+        if self.category_raw is not None:
+            item["category"] = int(self.category_raw[int(self.item_category[dense])])
+        return item
+
+    @torch.inference_mode()
+    def recommend(self, preps: list[Prepared], k: int = 5, *, exclude_history: bool | None = None, strategy: str = "greedy",
+                  **decode_kwargs) -> list[list[dict]]:
+        """Next-k items for each prepared history; one list of item dicts per history."""
+        b = self.batch(preps)
+        excl_hist = self.exclude_history_default if exclude_history is None else exclude_history
+        mask = exclusion_mask(self.model.cfg.num_items, len(preps), b["ids"] if excl_hist else None, b["lengths"],
+                              [p.block for p in preps], device=self.device)
+        res = generate(self.model, b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
+                       strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=self.item_category,
+                       **decode_kwargs)
+        items, scores = res.items.cpu().tolist(), res.scores.cpu().tolist()
+        acts = res.actions.cpu().tolist() if res.actions is not None else None
+        return [[self.describe(items[i][j], scores[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(len(preps))]

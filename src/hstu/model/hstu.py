@@ -1,0 +1,246 @@
+"""HSTU encoder: Hierarchical Sequential Transduction Units (Zhai et al. 2024, §3).
+
+Symbols: B batch, W padded width (<= N), N = max_seq_len + max_output_len the fixed width,
+d embedding width, H heads, d_qk / d_v per-head widths, S KV-cache capacity (<= N).
+
+Per layer, for input X (B, W, d)                                        (§3, eqs. 1-3)
+    U, V, Q, K = Split(SiLU(LN(X) · W_uvqk))        split order u, v, q, k
+    A = SiLU(Q Kᵀ + rab) / N ⊙ causal mask           (see attention.py, bias.py)
+    Y = X + W_o · Dropout(U ⊙ LN(A · V))
+Rows at positions >= length are zero after every layer, so padding never changes live rows.
+Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hstu.config import ModelConfig
+from hstu.model.attention import AttentionFn, hstu_attention_reference
+from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / max(||x||_2, eps) over the last axis (the reference's normalisation)."""
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
+
+
+class HSTULayer(nn.Module):
+    """One HSTU block. Keyword-only sizes, checked at construction."""
+
+    def __init__(self, *, dim: int, num_heads: int, d_qk: int, d_v: int, width: int, num_buckets: int,
+                 dropout: float = 0.0, eps: float = 1e-6, use_position_bias: bool = True, use_time_bias: bool = True) -> None:
+        super().__init__()
+        if min(dim, num_heads, d_qk, d_v, width) <= 0:
+            raise ValueError(f"HSTULayer sizes must be > 0: dim={dim} heads={num_heads} d_qk={d_qk} d_v={d_v} width={width}")
+        self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
+        self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + d_qk), bias=False)
+        self.o = nn.Linear(num_heads * d_v, dim)
+        self.rel_bias = RelativeBias(width=width, num_buckets=num_buckets, use_position=use_position_bias, use_time=use_time_bias)
+        self.dropout = nn.Dropout(dropout)
+        # Initialisation as in the reference implementation: W_uvqk ~ N(0, 0.02²), W_o Xavier-uniform.
+        nn.init.normal_(self.uvqk.weight, std=0.02)
+        nn.init.xavier_uniform_(self.o.weight)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, W, d) -> u (B, W, H*d_v), v (B, W, H*d_v), q (B, W, H*d_qk), k (B, W, H*d_qk)."""
+        h = F.silu(self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps)))  # (B, W, 2H(d_v+d_qk))
+        hv, hq = self.num_heads * self.d_v, self.num_heads * self.d_qk
+        return torch.split(h, [hv, hv, hq, hq], dim=-1)
+
+    def output(self, x: torch.Tensor, u: torch.Tensor, av: torch.Tensor) -> torch.Tensor:
+        """Y = X + W_o · Dropout(U ⊙ LN(A·V)); all (B, W, ·)."""
+        return x + self.o(self.dropout(u * F.layer_norm(av, (av.shape[-1],), eps=self.eps)))
+
+    def heads(self, t: torch.Tensor, d: int) -> torch.Tensor:
+        B, W, _ = t.shape
+        return t.view(B, W, self.num_heads, d).transpose(1, 2)  # (B, H, W, d)
+
+    def forward(self, x: torch.Tensor, buckets: torch.Tensor, valid: torch.Tensor, attn: AttentionFn = hstu_attention_reference,
+                kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Full (prefill) pass.
+
+        Args:
+            x: (B, W, d) float, padding rows 0.
+            buckets: (B, W, W) int64 time buckets.
+            valid: (B, W, 1) float, 1 at live rows.
+            attn: HSTU attention implementation (reference by default).
+            kv_out: optional cache views (B, H, S, d_qk) and (B, H, S, d_v), S >= W; keys and
+                values of rows 0..W-1 are written into them in place.
+        Returns:
+            (B, W, d), padding rows 0.
+        """
+        u, v, q, k = self.project(x)
+        q, k, v = self.heads(q, self.d_qk), self.heads(k, self.d_qk), self.heads(v, self.d_v)  # (B, H, W, ·)
+        if kv_out is not None:
+            W = x.shape[1]
+            kv_out[0][:, :, :W].copy_(k)
+            kv_out[1][:, :, :W].copy_(v)
+        rab = self.rel_bias(buckets)  # (B, W, W)
+        av = attn(q, k, v, rab, n=self.width)  # (B, W, H*d_v)
+        return self.output(x, u, av) * valid  # (B, W, d)
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets_row: torch.Tensor) -> torch.Tensor:
+        """One decode step: the row at position ``pos`` attends to cached rows 0..pos.
+
+        Args:
+            x: (B, d) the new row's input.
+            pos: (B,) int64 its position (< S).
+            k_cache, v_cache: (B, H, S, d_qk), (B, H, S, d_v); row ``pos`` is written in place.
+            buckets_row: (B, S) int64 time buckets of this row against keys 0..S-1.
+        Returns:
+            (B, d) the row's output.
+        """
+        B, S = buckets_row.shape
+        u, v, q, k = self.project(x.unsqueeze(1))  # (B, 1, ·)
+        bidx = torch.arange(B, device=x.device)
+        k_cache[bidx, :, pos] = k.view(B, self.num_heads, self.d_qk)
+        v_cache[bidx, :, pos] = v.view(B, self.num_heads, self.d_v)
+        q = q.view(B, self.num_heads, 1, self.d_qk)
+        s = torch.matmul(q, k_cache.transpose(-1, -2)).squeeze(2)  # (B, H, S)
+        s = s + self.rel_bias.row(pos, buckets_row).unsqueeze(1)  # (B, H, S)
+        keep = torch.arange(S, device=x.device).view(1, S) <= pos.view(B, 1)  # (B, S)
+        a = F.silu(s) / self.width * keep.unsqueeze(1)  # (B, H, S)
+        av = torch.matmul(a.unsqueeze(2), v_cache).reshape(B, 1, self.num_heads * self.d_v)  # (B, 1, H*d_v)
+        return self.output(x.unsqueeze(1), u, av).squeeze(1)  # (B, d)
+
+
+class HSTUModel(nn.Module):
+    """Embeddings + HSTU blocks + L2-normalised output, with scoring by cosine / temperature.
+
+    ``item_embedding`` may be passed in (e.g. a ShardedEmbedding); it maps (…) int64 ids to
+    (…, d) rows and has row 0 for padding.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
+        super().__init__()
+        cfg.validate()
+        if cfg.num_items <= 0:
+            raise ValueError(f"ModelConfig.num_items must be set from the data (> 0), got {cfg.num_items}")
+        self.cfg = cfg
+        d, N = cfg.embedding_dim, cfg.width
+        if item_embedding is None:
+            item_embedding = nn.Embedding(cfg.num_items + 1, d, padding_idx=0)
+            nn.init.trunc_normal_(item_embedding.weight, std=0.02)
+            with torch.no_grad():
+                item_embedding.weight[0].zero_()
+        self.item_emb = item_embedding
+        self.pos_emb = nn.Embedding(N, d)
+        nn.init.trunc_normal_(self.pos_emb.weight, std=math.sqrt(1.0 / d))  # same scale as item_emb · √d
+        self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
+        self.category_emb = nn.Embedding(cfg.num_categories + 1, d, padding_idx=0) if cfg.num_categories > 0 else None
+        self.action_head = nn.Linear(d, cfg.num_actions + 1) if cfg.num_actions > 0 else None
+        for emb in (self.action_emb, self.category_emb):
+            if emb is not None:
+                nn.init.trunc_normal_(emb.weight, std=0.02)
+        self.input_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(
+            HSTULayer(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, width=N, num_buckets=cfg.num_time_buckets,
+                      dropout=cfg.dropout, eps=cfg.layer_norm_eps, use_position_bias=cfg.use_position_bias, use_time_bias=cfg.use_time_bias)
+            for _ in range(cfg.num_blocks)
+        )
+        self.attention: AttentionFn = hstu_attention_reference
+
+    # ----- input -----
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None,
+              categories: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows."""
+        x = self.item_emb(ids) * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
+        if self.action_emb is not None and actions is not None:
+            x = x + self.action_emb(actions)
+        if self.category_emb is not None and categories is not None:
+            x = x + self.category_emb(categories)
+        return x
+
+    def buckets(self, timestamps: torch.Tensor) -> torch.Tensor:
+        return time_buckets(timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base)
+
+    def check_inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> None:
+        if ids.dtype != torch.int64 or timestamps.dtype != torch.int64 or lengths.dtype != torch.int64:
+            raise TypeError(f"ids, timestamps, lengths must be int64, got {ids.dtype}, {timestamps.dtype}, {lengths.dtype}")
+        if ids.shape != timestamps.shape or ids.dim() != 2:
+            raise ValueError(f"ids and timestamps must both be (B, W), got {tuple(ids.shape)} and {tuple(timestamps.shape)}")
+        if ids.shape[1] > self.cfg.width:
+            raise ValueError(f"padded width W={ids.shape[1]} exceeds the model width N={self.cfg.width}")
+
+    # ----- encoder -----
+    def encode(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, *, actions: torch.Tensor | None = None,
+               categories: torch.Tensor | None = None, kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               normalize: bool = True) -> torch.Tensor:
+        """Run the encoder over padded sequences.
+
+        Args:
+            ids: (B, W) int64 dense item ids, oldest first, 0 after the sequence.
+            timestamps: (B, W) int64 Unix seconds; position ``length`` (when < W) holds the
+                query time used by the last live row's time bias; other padding is ignored.
+            lengths: (B,) int64 live lengths (1..W).
+            actions, categories: optional (B, W) int64 feature ids (0 = none).
+            kv_cache: optional per-layer (k, v) views (B, H, S, d), S >= W, written in place.
+            normalize: L2-normalise the output rows.
+        Returns:
+            (B, W, d) output rows (padding rows 0).
+        Raises:
+            TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
+        """
+        self.check_inputs(ids, timestamps, lengths)
+        B, W = ids.shape
+        pos = torch.arange(W, device=ids.device)
+        valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).to(self.pos_emb.weight.dtype)  # (B, W, 1)
+        x = self.input_dropout(self.embed(ids, pos.expand(B, W), actions, categories)) * valid  # (B, W, d)
+        buckets = self.buckets(timestamps)  # (B, W, W)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, buckets, valid, self.attention, None if kv_cache is None else kv_cache[li])
+        return l2_normalize(x) if normalize else x
+
+    def last_rows(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(B, W, d), (B,) -> (B, d) the rows at lengths - 1 (the user vectors)."""
+        return seq[torch.arange(seq.shape[0], device=seq.device), lengths - 1]
+
+    def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
+             kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
+             categories: torch.Tensor | None = None) -> torch.Tensor:
+        """Append one token per sequence through every layer using the KV cache.
+
+        Args:
+            ids: (B,) int64 new item ids; pos: (B,) int64 their positions.
+            timestamps: (B, S) int64 cache timestamps, with the new token's time already at ``pos``.
+            t_query: (B,) int64 the time the new row's bias compares against (its t[i+1]).
+            kv_cache: per-layer (k, v) caches (B, H, S, d), rows < pos filled; row pos written.
+        Returns:
+            (B, d) L2-normalised output row of the new token.
+        """
+        x = self.embed(ids, pos, actions, categories)  # (B, d)
+        brow = time_buckets_row(t_query, timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base)  # (B, S)
+        for li, layer in enumerate(self.layers):
+            x = layer.step(x, pos, kv_cache[li][0], kv_cache[li][1], brow)
+        return l2_normalize(x)
+
+    # ----- scoring -----
+    def item_vectors(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """L2-normalised item rows [start, end): (end - start, d). Row 0 (padding) is 0."""
+        end = self.cfg.num_items + 1 if end is None else end
+        rows = self.item_emb.rows(start, end) if hasattr(self.item_emb, "rows") else self.item_emb.weight[start:end]
+        return l2_normalize(rows.to(self.pos_emb.weight.dtype))
+
+    def score_all(self, user_vecs: torch.Tensor) -> torch.Tensor:
+        """Cosine similarity / temperature against every item: (B, d) -> (B, num_items + 1).
+
+        Column 0 (padding) is set to -inf.
+        """
+        s = user_vecs @ self.item_vectors().T / self.cfg.temperature  # (B, I+1)
+        s[:, 0] = float("-inf")
+        return s
+
+    def score_items(self, user_vecs: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """(B, d) and (B, C) int64 candidate ids -> (B, C) cosine / temperature."""
+        emb = l2_normalize(self.item_emb(items).to(user_vecs.dtype))  # (B, C, d)
+        return torch.einsum("bd,bcd->bc", user_vecs, emb) / self.cfg.temperature
+
+
+def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:
+    """The one builder; presets only fix numbers (config.PRESETS)."""
+    return HSTUModel(cfg, **kwargs)

@@ -1,0 +1,342 @@
+"""argparse wiring for ``hstu doctor | diagnose | monitor | watchdog``.
+
+``add_subcommands(subparsers)`` is called by the top-level ``hstu`` CLI; each parser sets
+``func=handler`` with ``handler(args) -> int`` (the exit code). ``python -m hstu.ops.cli ...`` runs
+the same commands on their own.
+
+Exit codes: 0 success; 1 doctor found a failing check / diagnose found errors; 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _ensure_logging(verbose: bool = False) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            level=logging.DEBUG if verbose else logging.INFO,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+
+
+def _duration(text: str) -> float:
+    from hstu.ops._common import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+# ---------------------------------------------------------------------------------------- doctor
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from hstu.ops import doctor
+
+    _ensure_logging(getattr(args, "verbose", False))
+    roots = tuple(Path(r) for r in args.ascend_root) if args.ascend_root else None
+    try:
+        table = doctor.load_compat(args.compat) if args.compat else doctor.load_compat()
+    except (OSError, ValueError) as exc:
+        print(f"hstu doctor: {exc}", file=sys.stderr)
+        return 2
+    env = doctor.collect_environment(roots, import_probes=not args.no_import_probes)
+    checks = doctor.run_checks(env, table)
+    print(doctor.render_json(checks, env) if args.json else doctor.render_text(checks))
+    return doctor.exit_code(checks)
+
+
+# ---------------------------------------------------------------------------------------- diagnose
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from hstu.ops import diagnose as dg
+
+    _ensure_logging(getattr(args, "verbose", False))
+    try:
+        kb = dg.load_knowledge_base(args.kb) if args.kb else dg.load_knowledge_base()
+    except (OSError, ValueError) as exc:
+        print(f"hstu diagnose: {exc}", file=sys.stderr)
+        return 2
+    cann = args.cann_version
+    if cann is None:
+        from hstu.ops.probes import probe_ascend
+
+        cann = probe_ascend().cann_version
+    try:
+        report = dg.diagnose(args.paths, kb, cann)
+    except FileNotFoundError as exc:
+        print(f"hstu diagnose: {exc}", file=sys.stderr)
+        return 2
+    print(dg.render_json(report) if args.json else dg.render_text(report))
+    return 1 if report.findings or report.unknown else 0
+
+
+# ---------------------------------------------------------------------------------------- monitor
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from prometheus_client import generate_latest
+
+    from hstu.ops import alerts, monitor
+
+    _ensure_logging(getattr(args, "verbose", False))
+    try:
+        rules = [] if args.no_rules else alerts.load_rules(args.rules)
+    except (OSError, ValueError) as exc:
+        print(f"hstu monitor: {exc}", file=sys.stderr)
+        return 2
+    if args.export_rules:
+        text = alerts.export_prometheus_rules(rules, interval_s=args.interval)
+        if args.export_rules == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.export_rules).write_text(text, encoding="utf-8")
+            print(
+                f"wrote {len(rules)} alerting rule(s) to {args.export_rules}; check with: promtool check rules {args.export_rules}"
+            )
+        return 0
+    engine = alerts.AlertEngine(rules) if rules else None
+    mon = monitor.Monitor(engine=engine, interval_s=args.interval)
+    if args.once:
+        mon.sample_once()
+        sys.stdout.write(generate_latest(monitor.make_registry(mon)).decode())
+        return 0
+    try:
+        host, port = monitor.parse_listen(args.listen)
+    except ValueError as exc:
+        print(f"hstu monitor: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = monitor.MonitorServer(mon, host, port)
+    except OSError as exc:
+        print(f"hstu monitor: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 2
+    h, p = server.start()
+    print(f"hstu monitor: http://{h}:{p}/metrics  /alerts  /health  (interval {args.interval:g} s)", flush=True)
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait(args.duration if args.duration else None)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- watchdog
+
+
+def cmd_watchdog(args: argparse.Namespace) -> int:
+    import re
+
+    from hstu.ops.diagnose import load_knowledge_base
+    from hstu.ops.watchdog import RecoveryPlan, Watchdog
+
+    _ensure_logging(getattr(args, "verbose", False))
+    try:
+        markers = [] if args.no_default_markers else list(load_knowledge_base().reset_markers)
+        markers += [re.compile(m) for m in args.marker or []]
+        plan = RecoveryPlan(
+            reset_cmd=args.on_reset,
+            stop_cmd=args.stop_cmd,
+            start_cmd=args.start_cmd,
+            health_cmd=args.health_cmd,
+            wait_s=args.wait,
+            health_retries=args.health_retries,
+            health_interval_s=args.health_interval,
+            cooldown_s=args.cooldown,
+            step_timeout_s=args.step_timeout,
+            max_attempts=args.max_attempts,
+        )
+        wd = Watchdog(args.log_dir, plan, markers, from_start=args.from_start)
+    except (ValueError, re.error, FileNotFoundError) as exc:
+        print(f"hstu watchdog: {exc}", file=sys.stderr)
+        return 2
+    if args.once:
+        res = wd.step()
+        if res is None:
+            print("no reset marker found")
+            return 0
+        for s in res.steps:
+            print(f"{s.name:<12} rc={s.returncode} {s.seconds:.1f}s  {s.command}")
+        print(f"healthy={res.healthy} service_started={res.service_started}")
+        return 0 if res.healthy is not False else 1
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        wd.run(stop, poll_s=args.poll)
+    except KeyboardInterrupt:
+        pass
+    return 1 if wd.gave_up else 0
+
+
+# ---------------------------------------------------------------------------------------- wiring
+
+
+_EXTRA_MODULES = {"yaml": "pyyaml", "psutil": "psutil", "prometheus_client": "prometheus-client"}
+
+
+def _needs_extra(handler):
+    """Turn a missing optional dependency into a one-line message and exit code 2."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except ModuleNotFoundError as exc:
+            if exc.name not in _EXTRA_MODULES:
+                raise
+            print(f"hstu {args.command}: needs {_EXTRA_MODULES[exc.name]}: pip install 'hstu[ops]'", file=sys.stderr)
+            return 2
+
+    wrapped.__name__ = handler.__name__
+    wrapped.__doc__ = handler.__doc__
+    return wrapped
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``doctor``, ``diagnose``, ``monitor`` and ``watchdog`` to the ``hstu`` command."""
+    p = subparsers.add_parser(
+        "doctor",
+        help="check Python/torch/torch_npu/CANN/driver/CUDA/Triton against the known-good table",
+        description="Check this host against the shipped compatibility table; print pass/warn/fail with the fix. "
+        "Exit 1 if any check fails.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (checks + raw environment)")
+    p.add_argument(
+        "--ascend-root",
+        action="append",
+        metavar="DIR",
+        help="Ascend install root(s) to search instead of /usr/local/Ascend and ~/Ascend (repeatable)",
+    )
+    p.add_argument("--compat", metavar="FILE", help="use another compatibility table (TOML, same schema)")
+    p.add_argument(
+        "--no-import-probes",
+        action="store_true",
+        help="skip the subprocess `import torch_npu` / autoload probes (faster, less precise)",
+    )
+    p.set_defaults(func=_needs_extra(cmd_doctor), command="doctor")
+
+    p = subparsers.add_parser(
+        "diagnose",
+        help="explain errors in Ascend plog/slog logs, tracebacks and dmesg",
+        description="Match logs against the knowledge base; print likely causes with a verify command and "
+        "a fix each, and the evidence lines. Exit 1 if anything was found, 2 on bad input.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="log files or directories (e.g. ~/ascend/log /var/log/npu/slog); - for stdin",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--cann-version",
+        metavar="VER",
+        help="CANN release the logs come from (default: the one installed here, if any)",
+    )
+    p.add_argument("--kb", metavar="FILE", help="use another knowledge base (YAML, same schema)")
+    p.set_defaults(func=_needs_extra(cmd_diagnose), command="diagnose")
+
+    p = subparsers.add_parser(
+        "monitor",
+        help="Prometheus exporter of device/host metrics with composite alert rules",
+        description="Serve /metrics, /alerts and /health; evaluate alert rules on every sample.",
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:9400",
+        metavar="HOST:PORT",
+        help="address to serve on (default %(default)s; port 0 = any)",
+    )
+    p.add_argument(
+        "--interval", type=_duration, default=1.0, metavar="DUR", help="sampling interval, e.g. 1s, 500ms (default 1s)"
+    )
+    p.add_argument(
+        "--rules", metavar="FILE", help="alert rules (YAML/TOML/JSON); default: the packaged default_alerts.yaml"
+    )
+    p.add_argument("--no-rules", action="store_true", help="evaluate no alert rules")
+    p.add_argument(
+        "--export-rules",
+        metavar="FILE",
+        help="write the rules as a Prometheus alerting-rules file (- for stdout) and exit",
+    )
+    p.add_argument("--once", action="store_true", help="take one sample, print it in Prometheus text format, exit")
+    p.add_argument(
+        "--duration", type=_duration, metavar="DUR", help="stop after this long (default: run until Ctrl-C / SIGTERM)"
+    )
+    p.set_defaults(func=_needs_extra(cmd_monitor), command="monitor")
+
+    p = subparsers.add_parser(
+        "watchdog",
+        help="follow device logs for resets and run the recovery with a cool-down",
+        description="On a reset marker: stop service -> reset command -> wait -> health check -> start "
+        "service; never more often than the cool-down.",
+    )
+    p.add_argument(
+        "--log-dir",
+        required=True,
+        metavar="DIR",
+        help="directory (or file) of device logs to follow, e.g. /var/log/npu/slog",
+    )
+    p.add_argument(
+        "--on-reset", required=True, metavar="CMD", help="device reset command, e.g. 'npu-smi set -t reset -i 0 -c 0'"
+    )
+    p.add_argument("--stop-cmd", metavar="CMD", help="stop the service first, e.g. 'systemctl stop hstu-serve'")
+    p.add_argument("--start-cmd", metavar="CMD", help="start the service after a healthy check")
+    p.add_argument(
+        "--health-cmd", metavar="CMD", help="exit 0 when the device is healthy, e.g. 'npu-smi info -t health -i 0'"
+    )
+    p.add_argument("--wait", type=_duration, default=30.0, metavar="DUR", help="wait after the reset (default 30s)")
+    p.add_argument(
+        "--cooldown", type=_duration, default=300.0, metavar="DUR", help="minimum time between recoveries (default 5m)"
+    )
+    p.add_argument("--health-retries", type=int, default=3, metavar="N", help="health-check attempts (default 3)")
+    p.add_argument(
+        "--health-interval", type=_duration, default=10.0, metavar="DUR", help="between health checks (default 10s)"
+    )
+    p.add_argument(
+        "--step-timeout", type=_duration, default=600.0, metavar="DUR", help="timeout of each command (default 10m)"
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="give up after N unhealthy recoveries in a row (default 3)",
+    )
+    p.add_argument("--marker", action="append", metavar="REGEX", help="extra reset-marker regex (repeatable)")
+    p.add_argument("--no-default-markers", action="store_true", help="use only --marker patterns")
+    p.add_argument(
+        "--from-start", action="store_true", help="also scan lines already in the logs (default: only new lines)"
+    )
+    p.add_argument("--poll", type=_duration, default=1.0, metavar="DUR", help="log polling interval (default 1s)")
+    p.add_argument("--once", action="store_true", help="check the logs once, recover if needed, exit")
+    p.set_defaults(func=_needs_extra(cmd_watchdog), command="watchdog")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hstu", description="hstu operations tools")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""``hstu diagnose PATH...``: match Ascend plog/slog, Python tracebacks and dmesg text against the
+shipped knowledge base (``knowledge_base.yaml``) and report likely causes, in order, with the
+command that verifies each and the fix, plus the evidence lines (file:line).
+
+Ranking: findings are ordered by where their first evidence appears (inputs in the order given,
+lines in file order), because the first error in a log is usually the cause and later ones its
+consequences; generic code-family matches (``fallback``) come after specific entries. Lines that
+look like errors but match nothing are listed as unknown, grouped by their text with numbers
+masked; CANN error codes among them are decoded (module, user vs internal range), never guessed at.
+
+Inputs: files (``.gz`` read transparently), directories (walked recursively; text files whose names
+look like logs), or ``-`` for stdin. Input is untrusted text: undecodable bytes are replaced.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hstu.ops._common import ascend_release, ascend_version_key
+
+log = logging.getLogger(__name__)
+
+SEVERITIES = ("fatal", "error", "warning")
+BACKENDS = ("npu", "cuda", "any", "host")
+MAX_EVIDENCE = 5
+LOG_NAME_RE = re.compile(r"(?i)(\.(log|txt|out|err|gz)$|plog|slog|dmesg|syslog|messages|kern|device-\d|trace)")
+
+_ENTRY_KEYS = {"id", "title", "backend", "severity", "patterns", "codes", "causes", "source", "fallback"}
+_CAUSE_KEYS = {"why", "verify", "fix", "cann"}
+
+
+@dataclass(frozen=True)
+class Cause:
+    why: str
+    verify: str
+    fix: str
+    cann: str | None = None  # e.g. ">=8.5.0" or ">=8.0.RC1,<8.5.0"; None: every release
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    title: str
+    backend: str
+    severity: str
+    patterns: tuple[re.Pattern, ...]
+    causes: tuple[Cause, ...]
+    source: str
+    fallback: bool = False
+
+    def search(self, line: str) -> re.Match | None:
+        for pat in self.patterns:
+            m = pat.search(line)
+            if m:
+                return m
+        return None
+
+
+@dataclass(frozen=True)
+class KnowledgeBase:
+    entries: tuple[Entry, ...]
+    families: dict[str, dict[str, str]]
+    unknown_markers: tuple[re.Pattern, ...]
+    reset_markers: tuple[re.Pattern, ...]
+    path: str
+
+
+def _code_pattern(codes: list[int]) -> str:
+    alt = "|".join(str(int(c)) for c in codes)
+    # a return code next to a word that introduces one; digits/dots on either side excluded (timestamps)
+    return rf"(?i)(?:code|ret\w*|result|return(?:ed)?|error|status|errno)[^\d\n]{{0,12}}(?<![\d.])(?:{alt})(?![\d.])"
+
+
+def _compile(pattern: str, where: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{where}: invalid regex {pattern!r}: {exc}") from exc
+
+
+def cann_spec_matches(spec: str, version: str) -> bool:
+    """Whether CANN ``version`` satisfies ``spec`` (comma-separated ``>=``, ``>``, ``<=``, ``<``, ``==``).
+
+    Raises ValueError on a malformed spec or version.
+    """
+    v = ascend_version_key(ascend_release(version))
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.match(r"^(>=|<=|==|>|<)\s*(\S+)$", part)
+        if not m:
+            raise ValueError(f"bad CANN spec {spec!r}: expected e.g. '>=8.5.0' or '>=8.0.RC1,<8.5.0'")
+        op, ref = m.group(1), ascend_version_key(m.group(2))
+        ok = {">=": v >= ref, "<=": v <= ref, "==": v == ref, ">": v > ref, "<": v < ref}[op]
+        if not ok:
+            return False
+    return True
+
+
+def validate_knowledge_base(data: Any, where: str) -> KnowledgeBase:
+    """Check the parsed YAML and compile it; raise ValueError naming the entry and field."""
+    if not isinstance(data, dict) or data.get("schema_version") != 1:
+        raise ValueError(f"{where}: expected a mapping with schema_version: 1")
+    families = data.get("families") or {}
+    if not isinstance(families, dict):
+        raise ValueError(f"{where}: families must be a mapping of module letter -> {{module: ...}}")
+    for letter, fam in families.items():
+        if not isinstance(fam, dict) or not isinstance(fam.get("module"), str):
+            raise ValueError(f"{where}: families.{letter}: needs a 'module' string")
+        if "since" in fam:
+            ascend_version_key(str(fam["since"]))
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(data.get("entries") or []):
+        ref = f"{where}: entries[{i}]" + (f" ({raw.get('id')})" if isinstance(raw, dict) and raw.get("id") else "")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{ref}: must be a mapping")
+        unknown = set(raw) - _ENTRY_KEYS
+        if unknown:
+            raise ValueError(f"{ref}: unknown key(s) {sorted(unknown)}; valid: {sorted(_ENTRY_KEYS)}")
+        for key in ("id", "title", "backend", "severity", "source"):
+            if not isinstance(raw.get(key), str) or not raw[key].strip():
+                raise ValueError(f"{ref}: field {key!r} must be a non-empty string")
+        if raw["id"] in seen:
+            raise ValueError(f"{ref}: duplicate id {raw['id']!r}")
+        seen.add(raw["id"])
+        if raw["backend"] not in BACKENDS:
+            raise ValueError(f"{ref}: backend must be one of {BACKENDS}, got {raw['backend']!r}")
+        if raw["severity"] not in SEVERITIES:
+            raise ValueError(f"{ref}: severity must be one of {SEVERITIES}, got {raw['severity']!r}")
+        pats = [_compile(p, f"{ref}.patterns") for p in raw.get("patterns") or []]
+        codes = raw.get("codes") or []
+        if not isinstance(codes, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
+            raise ValueError(f"{ref}: codes must be a list of integers")
+        if codes:
+            pats.append(_compile(_code_pattern(codes), f"{ref}.codes"))
+        if not pats:
+            raise ValueError(f"{ref}: needs at least one pattern or code")
+        causes = []
+        for j, c in enumerate(raw.get("causes") or []):
+            cref = f"{ref}.causes[{j}]"
+            if not isinstance(c, dict):
+                raise ValueError(f"{cref}: must be a mapping")
+            bad = set(c) - _CAUSE_KEYS
+            if bad:
+                raise ValueError(f"{cref}: unknown key(s) {sorted(bad)}; valid: {sorted(_CAUSE_KEYS)}")
+            for key in ("why", "verify", "fix"):
+                if not isinstance(c.get(key), str) or not c[key].strip():
+                    raise ValueError(f"{cref}: field {key!r} must be a non-empty string")
+            if c.get("cann") is not None:
+                cann_spec_matches(str(c["cann"]), "8.0.0")  # raises on a malformed spec
+            causes.append(Cause(c["why"], c["verify"], c["fix"], str(c["cann"]) if c.get("cann") else None))
+        if not causes:
+            raise ValueError(f"{ref}: needs at least one cause")
+        entries.append(
+            Entry(
+                raw["id"],
+                raw["title"],
+                raw["backend"],
+                raw["severity"],
+                tuple(pats),
+                tuple(causes),
+                raw["source"],
+                bool(raw.get("fallback", False)),
+            )
+        )
+    if not entries:
+        raise ValueError(f"{where}: no entries")
+    markers = tuple(_compile(p, f"{where}: unknown_markers") for p in data.get("unknown_markers") or [])
+    resets = tuple(_compile(p, f"{where}: reset_markers") for p in data.get("reset_markers") or [])
+    return KnowledgeBase(tuple(entries), {str(k): v for k, v in families.items()}, markers, resets, where)
+
+
+def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
+    """Load and validate the knowledge base (the packaged one when ``path`` is None)."""
+    if path is None:
+        text, where = (
+            resources.files("hstu.ops").joinpath("knowledge_base.yaml").read_text("utf-8"),
+            "hstu/ops/knowledge_base.yaml",
+        )
+    else:
+        text, where = Path(path).read_text(encoding="utf-8"), str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where}: invalid YAML: {exc}") from exc
+    return validate_knowledge_base(data, where)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class Evidence:
+    path: str
+    line: int  # 1-based
+    text: str
+    context: str | None = None  # innermost traceback frame, when the line ends a Python traceback
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def _is_text(path: Path) -> bool:
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as fh:
+            return b"\0" not in fh.read(8192)
+    except OSError:
+        return False
+
+
+def expand_paths(paths: Iterable[str]) -> list[str]:
+    """Files to read for ``paths``: files as given, directories walked (sorted) for log-like text files.
+
+    Raises FileNotFoundError naming a path that does not exist.
+    """
+    out: list[str] = []
+    for p in paths:
+        if p == "-":
+            out.append(p)
+            continue
+        path = Path(p).expanduser()
+        if path.is_file():
+            out.append(str(path))
+        elif path.is_dir():
+            for root, dirs, files in os.walk(path):
+                dirs.sort()
+                for name in sorted(files):
+                    f = Path(root) / name
+                    if LOG_NAME_RE.search(name) and _is_text(f):
+                        out.append(str(f))
+        else:
+            raise FileNotFoundError(f"no such file or directory: {p}")
+    return out
+
+
+def iter_lines(files: Iterable[str]) -> Iterator[tuple[str, int, str]]:
+    """Yield (path, 1-based line number, text without newline) for each file ("-" = stdin)."""
+    for f in files:
+        if f == "-":
+            for i, line in enumerate(sys.stdin, 1):
+                yield "<stdin>", i, line.rstrip("\r\n")
+            continue
+        opener = gzip.open if f.endswith(".gz") else open
+        try:
+            with opener(f, "rt", encoding="utf-8", errors="replace") as fh:  # type: ignore[operator]
+                for i, line in enumerate(fh, 1):
+                    yield f, i, line.rstrip("\r\n")
+        except OSError as exc:
+            log.warning("cannot read %s: %s", f, exc)
+
+
+# ------------------------------------------------------------------------------------------ matching
+
+
+@dataclass
+class Finding:
+    entry: Entry
+    causes: list[Cause]
+    evidence: list[Evidence] = field(default_factory=list)
+    count: int = 0
+    first_seen: int = 0
+    groups: dict[str, str] = field(default_factory=dict)
+
+    def filled(self, text: str) -> str:
+        """Fill {name} from the first match's named groups and <log> with the first evidence file."""
+        text = re.sub(r"\{(\w+)\}", lambda m: self.groups.get(m.group(1)) or m.group(0), text)
+        if self.evidence:
+            text = text.replace("<log>", self.evidence[0].path)
+        return text
+
+
+@dataclass
+class Unknown:
+    key: str
+    evidence: list[Evidence] = field(default_factory=list)
+    count: int = 0
+    first_seen: int = 0
+    note: str | None = None
+
+
+@dataclass
+class Report:
+    findings: list[Finding]
+    unknown: list[Unknown]
+    files: list[str]
+    lines: int
+    cann_version: str | None
+
+
+_PLOG_HEAD = re.compile(r"^\[(?:ERROR|WARNING|INFO|DEBUG|EVENT)\]\s+(\w+)\(\d+,[^)]*\):\S+\s+\[[^\]]*\]\d*\s*")
+_DMESG_HEAD = re.compile(r"^\[\s*\d+\.\d+\]\s*")
+_NUM = re.compile(r"0x[0-9a-fA-F]+|\d+")
+_CANN_CODE = re.compile(r"\bE([0-9A-Z])([0-9]{4})\b")
+_TB_START = re.compile(r"^\s*Traceback \(most recent call last\):")
+_TB_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _unknown_key(text: str) -> str:
+    t = _PLOG_HEAD.sub(lambda m: m.group(1) + ": ", text)
+    t = _DMESG_HEAD.sub("", t)
+    return _NUM.sub("#", t.strip())[:200]
+
+
+def decode_cann_code(code: str, kb: KnowledgeBase, cann_version: str | None = None) -> str | None:
+    """Describe a CANN error code from its format alone: module and user/internal range."""
+    m = _CANN_CODE.fullmatch(code)
+    if not m:
+        return None
+    letter, num = m.group(1), int(m.group(2))
+    fam = kb.families.get(letter)
+    kind = "internal error (9000-9999)" if num >= 9000 else "user error (0000-8999)"
+    if fam is None:
+        return f"CANN code {code}: module letter {letter!r} is not in the error-code reference; {kind}"
+    since = fam.get("since")
+    if since and cann_version:
+        try:
+            if ascend_version_key(ascend_release(cann_version)) < ascend_version_key(str(since)):
+                return f"CANN code {code}: letter {letter!r} ({fam['module']}) is only defined from CANN {since}; you run {cann_version}"
+        except ValueError:
+            pass
+    return f"CANN code {code}: module {fam['module']}, {kind}"
+
+
+def diagnose_lines(
+    lines: Iterable[tuple[str, int, str]], kb: KnowledgeBase | None = None, cann_version: str | None = None
+) -> Report:
+    """Match ``(path, line_no, text)`` triples against the knowledge base; see the module docstring."""
+    kb = kb or load_knowledge_base()
+    findings: dict[str, Finding] = {}
+    unknown: dict[str, Unknown] = {}
+    files: dict[str, None] = {}
+    specific = [e for e in kb.entries if not e.fallback]
+    fallback = [e for e in kb.entries if e.fallback]
+    tb_frame: dict[str, str | None] = {}  # path -> innermost frame of an open traceback
+    n = 0
+    for n, (path, lineno, text) in enumerate(lines, 1):
+        files.setdefault(path)
+        if _TB_START.match(text):
+            tb_frame[path] = ""
+            continue
+        fm = _TB_FRAME.match(text)
+        if fm and path in tb_frame:
+            tb_frame[path] = f'File "{fm.group(1)}", line {fm.group(2)}, in {fm.group(3)}'
+            continue
+        if len(text) < 6:
+            continue
+        context = None
+        if tb_frame.get(path) is not None and text and not text[0].isspace():
+            context = tb_frame.pop(path) or None  # the exception line closes the traceback
+        hits = [(e, m) for e in specific if (m := e.search(text))]
+        if not hits:
+            hits = [(e, m) for e in fallback if (m := e.search(text))]
+        for e, m in hits:
+            f = findings.get(e.id)
+            if f is None:
+                causes = [
+                    c
+                    for c in e.causes
+                    if c.cann is None or cann_version is None or cann_spec_matches(c.cann, cann_version)
+                ]
+                f = findings[e.id] = Finding(e, causes, first_seen=n)
+            if not f.groups:
+                f.groups = {k: v for k, v in m.groupdict().items() if v}
+            f.count += 1
+            if len(f.evidence) < MAX_EVIDENCE:
+                f.evidence.append(Evidence(path, lineno, text[:400], context))
+        if hits:
+            continue
+        if any(p.search(text) for p in kb.unknown_markers):
+            key = _unknown_key(text)
+            u = unknown.get(key)
+            if u is None:
+                codes = [c.group(0) for c in _CANN_CODE.finditer(text)]
+                note = decode_cann_code(codes[0], kb, cann_version) if codes else None
+                u = unknown[key] = Unknown(key, first_seen=n, note=note)
+            u.count += 1
+            if len(u.evidence) < 2:
+                u.evidence.append(Evidence(path, lineno, text[:400], context))
+    ranked = sorted(findings.values(), key=lambda f: (f.entry.fallback, f.first_seen))
+    return Report(ranked, sorted(unknown.values(), key=lambda u: u.first_seen), list(files), n, cann_version)
+
+
+def diagnose(paths: Iterable[str], kb: KnowledgeBase | None = None, cann_version: str | None = None) -> Report:
+    """Diagnose files/directories (see :func:`expand_paths`). Raises FileNotFoundError for a bad path."""
+    files = expand_paths(paths)
+    report = diagnose_lines(iter_lines(files), kb, cann_version)
+    for f in files:  # list files that were read but empty too
+        if f not in report.files and f != "-":
+            report.files.append(f)
+    return report
+
+
+# ------------------------------------------------------------------------------------------ output
+
+MAX_UNKNOWN_TEXT = 20
+
+
+def render_text(report: Report) -> str:
+    out = [
+        f"read {report.lines} lines from {len(report.files)} file(s)"
+        + (f"; CANN {report.cann_version}" if report.cann_version else "; CANN version unknown (all causes shown)")
+    ]
+    if not report.findings and not report.unknown:
+        out.append("no known errors and nothing that looks like an error")
+    for rank, f in enumerate(report.findings, 1):
+        e = f.entry
+        tag = " (code family)" if e.fallback else ""
+        out.append("")
+        out.append(f"{rank}. [{e.severity}] {e.title}{tag}  ({e.id}, {e.backend}; {f.count} line(s))")
+        for ev in f.evidence:
+            out.append(f"   {ev.where()}: {ev.text.strip()}")
+            if ev.context:
+                out.append(f"      at {ev.context}")
+        if f.count > len(f.evidence):
+            out.append(f"   ... {f.count - len(f.evidence)} more line(s)")
+        out.append("   likely causes, most likely first:")
+        for i, c in enumerate(f.causes, 1):
+            cond = f" [CANN {c.cann}]" if c.cann and report.cann_version is None else ""
+            out.append(f"   {i}) {f.filled(c.why)}{cond}")
+            out.append(f"      verify: {f.filled(c.verify)}")
+            out.append(f"      fix:    {f.filled(c.fix)}")
+        out.append(f"   source: {e.source}")
+    if report.unknown:
+        out.append("")
+        out.append(
+            f"unknown ({len(report.unknown)} distinct error line(s) the knowledge base does not cover; not guessed):"
+        )
+        for u in report.unknown[:MAX_UNKNOWN_TEXT]:
+            ev = u.evidence[0]
+            out.append(f"   {ev.where()}: {ev.text.strip()}" + (f"  (x{u.count})" if u.count > 1 else ""))
+            if u.note:
+                out.append(f"      {u.note}")
+        if len(report.unknown) > MAX_UNKNOWN_TEXT:
+            out.append(f"   ... {len(report.unknown) - MAX_UNKNOWN_TEXT} more (see --json)")
+    return "\n".join(out)
+
+
+def _ev(ev: Evidence) -> dict[str, Any]:
+    d = {"path": ev.path, "line": ev.line, "text": ev.text}
+    if ev.context:
+        d["context"] = ev.context
+    return d
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(
+        {
+            "files": report.files,
+            "lines": report.lines,
+            "cann_version": report.cann_version,
+            "findings": [
+                {
+                    "rank": i,
+                    "id": f.entry.id,
+                    "title": f.entry.title,
+                    "severity": f.entry.severity,
+                    "backend": f.entry.backend,
+                    "fallback": f.entry.fallback,
+                    "count": f.count,
+                    "evidence": [_ev(e) for e in f.evidence],
+                    "causes": [
+                        {"why": f.filled(c.why), "verify": f.filled(c.verify), "fix": f.filled(c.fix), "cann": c.cann}
+                        for c in f.causes
+                    ],
+                    "source": f.entry.source,
+                }
+                for i, f in enumerate(report.findings, 1)
+            ],
+            "unknown": [
+                {"text": u.evidence[0].text, "count": u.count, "evidence": [_ev(e) for e in u.evidence], "note": u.note}
+                for u in report.unknown
+            ],
+        },
+        indent=2,
+    )

@@ -1,0 +1,66 @@
+"""Full-ranking evaluation (HR@K, NDCG@K, MRR) on the valid or test targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hstu.data.batching import eval_batch
+from hstu.data.sequences import EventLog, Split
+from hstu.model.hstu import HSTUModel
+from hstu.train.metrics import DEFAULT_KS, ranking_metrics, target_ranks
+
+
+def exclude_history(scores: torch.Tensor, log_: EventLog, users: np.ndarray, ends: np.ndarray, keep: torch.Tensor | None = None) -> None:
+    """Set scores of items each user saw before ``ends[b]`` to -inf, in place.
+
+    keep: optional (B,) ids that must stay scorable (never used for the reported protocol).
+    """
+    rows, cols = [], []
+    for b, (u, e) in enumerate(zip(users, ends)):
+        h = np.unique(log_.items[log_.offsets[u]:e])
+        rows.append(np.full(len(h), b))
+        cols.append(h)
+    if rows:
+        r = torch.from_numpy(np.concatenate(rows)).to(scores.device)
+        c = torch.from_numpy(np.concatenate(cols)).to(scores.device)
+        scores[r, c] = float("-inf")
+
+
+@torch.inference_mode()
+def evaluate_ranks(model: HSTUModel, log_: EventLog, split: Split, which: str, *, batch_size: int = 256,
+                   exclude: bool | None = None, device: torch.device | str = "cpu", users: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rank every evaluated user's target among all items.
+
+    Returns (users (U',) int64 rows of the EventLog, ranks (U',) int64, 1-based).
+    exclude: drop history items from the candidates (None: the data set's default).
+    """
+    was_training = model.training
+    model.eval()
+    targets = split.targets(which)
+    if users is None:
+        users = np.nonzero(targets >= 0)[0]
+    exclude = log_.exclude_history_default if exclude is None else exclude
+    item_vecs = model.item_vectors()  # (I+1, d)
+    order = users[np.argsort(targets[users] - log_.offsets[users], kind="stable")]  # by history length
+    all_ranks = []
+    for s in range(0, len(order), batch_size):
+        ub = order[s:s + batch_size]
+        b = eval_batch(log_, targets, ub, model.cfg.max_seq_len).to(device)
+        seq = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
+        scores = model.last_rows(seq, b.lengths) @ item_vecs.T / model.cfg.temperature  # (B, I+1)
+        scores[:, 0] = float("-inf")
+        if exclude:
+            exclude_history(scores, log_, ub, targets[ub])
+        all_ranks.append(target_ranks(scores, b.targets).cpu().numpy())
+    model.train(was_training)
+    ranks = np.concatenate(all_ranks) if all_ranks else np.zeros(0, np.int64)
+    return order, ranks
+
+
+def evaluate(model: HSTUModel, log_: EventLog, split: Split, which: str, ks=DEFAULT_KS, **kwargs) -> dict[str, float]:
+    """Mean HR@K, NDCG@K, MRR over the users evaluated on ``which`` ("valid" | "test")."""
+    _, ranks = evaluate_ranks(model, log_, split, which, **kwargs)
+    out = ranking_metrics(ranks, ks)
+    out["users"] = int(len(ranks))
+    return out

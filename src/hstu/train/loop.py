@@ -1,0 +1,187 @@
+"""Training recipe: setup → epochs (sampled softmax, AdamW) → validation / early stopping →
+checkpoint every epoch → final evaluation of the best weights.
+
+Features: deterministic with a seed (batch order, negatives, init); length-bucketed batches
+(padding costs little; results do not depend on the width since the divisor N is fixed);
+tqdm progress with loss and sequences/s; ``resume`` continues from RUN_DIR/last.*.
+
+Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs;
+BackendUnavailableError for a missing device; FileExistsError when RUN_DIR holds a run and
+neither ``resume`` nor ``overwrite`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import hstu
+from hstu import backend
+from hstu.config import ModelConfig, TrainConfig
+from hstu.data import EventLog, Split, load_dataset, make_split, train_batch
+from hstu.data.batching import length_bucketed_batches
+from hstu.model.hstu import HSTUModel, build_hstu
+from hstu.model.checkpoint import load_run, load_weights, read_json, save_weights, write_json  # noqa: F401 (load_run re-exported)
+from hstu.train.checkpoint import load_train_state, save_train_state
+from hstu.train.evaluate import evaluate
+from hstu.train.losses import next_action_loss, sampled_softmax_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSpec:
+    dataset: str = "ml-1m"
+    data_dir: str = ""
+    protocol: str = "clean"
+    max_users: int | None = None
+    skip_bad_rows: bool = False
+    options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
+
+
+def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
+    log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
+    if spec.max_users:
+        log_ = subset_users(log_, spec.max_users)
+    return log_, make_split(log_, spec.protocol)
+
+
+def subset_users(log_: EventLog, n: int) -> EventLog:
+    """The first ``n`` users (ascending original id); the item vocabulary is kept whole."""
+    if n <= 0:
+        raise ValueError(f"max_users must be > 0, got {n}")
+    n = min(n, log_.num_users)
+    e = int(log_.offsets[n])
+    cut = {k: getattr(log_, k)[:e] for k in ("items", "timestamps", "actions", "categories", "values")}
+    return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[:n + 1]})
+
+
+def idmap(log_: EventLog) -> dict:
+    raw = log_.item_raw_ids.tolist()
+    return {
+        "dataset": log_.name,
+        "item_raw_ids": raw,
+        "item_category": log_.item_category.tolist(),
+        "category_raw_ids": None if log_.category_raw_ids is None else log_.category_raw_ids.tolist(),
+        "action_names": log_.action_names,
+        "titles": {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
+        "exclude_history_default": log_.exclude_history_default,
+        "last_timestamp": int(log_.timestamps.max()),
+    }
+
+
+def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> ModelConfig:
+    cfg.num_items = log_.num_items
+    if use_features:
+        cfg.num_actions = log_.num_actions if log_.num_actions > 1 else 0
+        cfg.num_categories = log_.num_categories
+    return cfg
+
+
+def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt, gen: torch.Generator, epoch: int,
+                    device: torch.device, progress: bool = True) -> dict:
+    model.train()
+    lengths = np.minimum(split.train_end - log_.offsets[:-1], model.cfg.max_seq_len)
+    users = np.nonzero(lengths >= 2)[0]
+    rng = np.random.default_rng(tcfg.seed * 1000 + epoch)
+    batches = [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng)]
+    t0, total, n_pos, n_seq = time.perf_counter(), 0.0, 0, 0
+    bar = tqdm(batches, desc=f"epoch {epoch}", disable=not progress, leave=False, mininterval=2.0)
+    for ub in bar:
+        b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
+        out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
+        loss, n = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
+                                       temperature=model.cfg.temperature, sharing=tcfg.negatives_sharing, generator=gen,
+                                       num_items=model.cfg.num_items)
+        if model.action_head is not None:
+            loss = loss + tcfg.action_loss_weight * next_action_loss(out, b.actions, b.lengths, model.action_head)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += loss.item() * len(ub)
+        n_pos += n
+        n_seq += len(ub)
+        bar.set_postfix(loss=f"{loss.item():.4f}", seq_s=f"{n_seq / (time.perf_counter() - t0):.0f}")
+    secs = time.perf_counter() - t0
+    return {"loss": total / max(n_seq, 1), "seconds": secs, "sequences_per_s": n_seq / secs, "positions": n_pos}
+
+
+def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
+        resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
+    """Train, checkpoint every epoch, evaluate; returns the metrics.json object."""
+    tcfg.validate()
+    run = Path(run_dir)
+    if (run / "last.json").exists() and not resume and not overwrite:
+        raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+    run.mkdir(parents=True, exist_ok=True)
+    dev = backend.select(device)
+    if tcfg.num_threads:
+        torch.set_num_threads(tcfg.num_threads)
+    dev.manual_seed(tcfg.seed)
+    log_, split = prepare_data(spec)
+    if resume:
+        saved = read_json(run / "config.json")
+        mcfg = ModelConfig(**saved["model"])
+    else:
+        mcfg = model_config_for(log_, mcfg, use_features)
+    model = build_hstu(mcfg).to(dev.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+    gen = torch.Generator(device=dev.device)
+    gen.manual_seed(tcfg.seed)
+    cfg_json = {"model": asdict(mcfg), "train": asdict(tcfg), "data": asdict(spec), "hstu_version": hstu.__version__}
+    state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
+    history: list[dict] = []
+    if resume and (run / "last.json").exists():
+        state.update({k: v for k, v in load_train_state(run, model, opt, gen).items() if k != "param_groups"})
+        history = read_json(run / "history.json") if (run / "history.json").exists() else []
+        log.info("resumed %s at epoch %d", run, state["epoch"])
+    write_json(run / "config.json", cfg_json)
+    write_json(run / "idmap.json", idmap(log_))
+    paper = spec.protocol == "paper"
+    while state["epoch"] < tcfg.epochs:
+        epoch = state["epoch"] + 1
+        stats = train_one_epoch(model, log_, split, tcfg, opt, gen, epoch, dev.device, progress)
+        state["train_seconds"] += stats["seconds"]
+        entry = {"epoch": epoch, **stats}
+        if epoch % tcfg.eval_every == 0 or epoch == tcfg.epochs:
+            entry["valid"] = evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device)
+            if paper:
+                entry["test"] = entry["valid"]  # the paper protocol evaluates on the last item
+            score = entry["valid"]["NDCG@10"]
+            if score > state["best"]:
+                state.update(best=score, best_epoch=epoch, bad_epochs=0)
+                save_weights(run / "model.safetensors", model)
+            else:
+                state["bad_epochs"] += 1
+        log.info("epoch %d: %s", epoch, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k != "valid"}
+                 | {"valid": {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")}})
+        history.append(entry)
+        state["epoch"] = epoch
+        save_train_state(run, model, opt, gen, state)
+        write_json(run / "history.json", history)
+        if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
+            log.info("early stopping at epoch %d (best %d)", epoch, state["best_epoch"])
+            break
+    if paper:  # report the last epoch, as the published protocol does
+        save_weights(run / "model.safetensors", model)
+    load_weights(run / "model.safetensors", model, dev.device)
+    metrics = {
+        "valid": evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device),
+        "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=dev.device),
+        "epochs": state["epoch"],
+        "best_epoch": state["epoch"] if paper else state["best_epoch"],
+        "train_seconds": round(state["train_seconds"], 2),
+        "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
+        "protocol": spec.protocol,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {dev.device}",
+    }
+    write_json(run / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,73 @@
+"""Ranking and classification metrics.
+
+Full-ranking protocol (Zhai et al. 2024, §4.1.1; Kang & McAuley 2018): score every item, exclude
+the user's history items where the data set says so, rank the target.
+Ties are broken against the target: rank = 1 + #{items with score >= target score, other than
+the target}, so a model that scores everything equally ranks the target last, never first.
+
+HR@K = 1[rank <= K];  NDCG@K = 1[rank <= K] / log2(rank + 1);  MRR = 1 / rank (untruncated).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+DEFAULT_KS = (1, 10, 50, 200)
+
+
+def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Pessimistic 1-based ranks.
+
+    Args:
+        scores: (B, I) float, excluded items at -inf.
+        targets: (B,) int64 column of each target (its score must be finite).
+    Returns:
+        (B,) int64 ranks in 1..I.
+    """
+    t = scores.gather(1, targets.view(-1, 1))  # (B, 1)
+    return (scores >= t).sum(dim=1)  # the target itself plus every other item scoring >= it
+
+
+def ranking_metrics(ranks: np.ndarray, ks=DEFAULT_KS) -> dict[str, float]:
+    """Mean HR@K, NDCG@K (K in ks) and MRR over 1-based ranks (B,)."""
+    r = np.asarray(ranks, dtype=np.float64)
+    if r.size == 0:
+        raise ValueError("ranking_metrics: no ranks")
+    out = {}
+    for k in ks:
+        hit = r <= k
+        out[f"HR@{k}"] = float(hit.mean())
+        out[f"NDCG@{k}"] = float(np.where(hit, 1.0 / np.log2(r + 1.0), 0.0).mean())
+    out["MRR"] = float((1.0 / r).mean())
+    return out
+
+
+def auc(pos_scores: np.ndarray, neg_scores: np.ndarray) -> float:
+    """AUC of positive vs negative scores per user, averaged over users.
+
+    pos_scores: (B,), neg_scores: (B, M). Ties count one half (Mann-Whitney).
+    """
+    p = np.asarray(pos_scores, np.float64)[:, None]
+    n = np.asarray(neg_scores, np.float64)
+    return float(((p > n).mean(axis=1) + 0.5 * (p == n).mean(axis=1)).mean())
+
+
+def shannon_entropy(items) -> float:
+    """Entropy in nats of the empirical distribution of generated items (diversity)."""
+    _, counts = np.unique(np.asarray(items).ravel(), return_counts=True)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def long_tail_coverage(items, popularity: np.ndarray, head_share: float = 0.2) -> float:
+    """Share of generated items outside the ``head_share`` most popular items.
+
+    popularity: (I+1,) interaction counts by dense id.
+    """
+    n_head = max(1, int(math.ceil(head_share * (popularity[1:] > 0).sum())))
+    head = set((np.argsort(-popularity[1:], kind="stable")[:n_head] + 1).tolist())
+    flat = np.asarray(items).ravel()
+    return float(np.mean([i not in head for i in flat])) if flat.size else 0.0

@@ -12,9 +12,10 @@ the whole process (interpreter, torch, row index); the issue's bar is <= 1.15.
 
 Lookups: batches of ids drawn from a Zipf law (rank k with probability proportional to k^-s, ranks
 scattered over the ids by a fixed permutation), run under ``torch.inference_mode``; rows/s = ids
-looked up per second, median of --repeats timed passes over the same batches. Three tables with the
+looked up per second, median of --repeats timed passes, each over its own fresh batches (after a
+warm-up pass over others). Three tables with the
 same shape: all shards ``device``; all ``host`` (pinned in place on CUDA); ``host`` + a device-side
-hot-row cache of ``--cache-fraction`` of the table bytes (LRU), whose hit rate is reported from the
+hot-row cache of ``--cache-fraction`` of the table bytes (LRU), whose hit rate is reported over the
 timed passes (the warm-up pass fills it). On a CPU-only machine device and host are the same memory:
 there the comparison shows the cost of the host path and of the cache bookkeeping, not a PCIe gain.
 
@@ -76,11 +77,11 @@ def measure_build(rows: int, dim: int, dtype: str, shards: int, threads: int | N
 
 def zipf_batches(vocab: int, batch: int, n_batches: int, s: float, seed: int) -> list[torch.Tensor]:
     """``n_batches`` int64 tensors of ``batch`` ids in [1, vocab): Zipf(s) over ranks, ranks permuted to ids."""
-    rng = np.random.default_rng(seed)
     ranks = np.arange(1, vocab, dtype=np.float64)
     cdf = np.cumsum(ranks**-s)
     cdf /= cdf[-1]
-    perm = rng.permutation(vocab - 1) + 1  # rank k -> id perm[k]
+    perm = np.random.default_rng(12345).permutation(vocab - 1) + 1  # rank k -> id perm[k], the same for every seed
+    rng = np.random.default_rng(seed)
     out = []
     for _ in range(n_batches):
         k = np.minimum(np.searchsorted(cdf, rng.random(batch)), vocab - 2)
@@ -88,23 +89,26 @@ def zipf_batches(vocab: int, batch: int, n_batches: int, s: float, seed: int) ->
     return out
 
 
-def time_lookups(emb: ShardedEmbedding, batches: list[torch.Tensor], repeats: int) -> float:
-    """Median rows/s over ``repeats`` passes (after one warm-up pass)."""
+def time_lookups(emb: ShardedEmbedding, passes: list[list[torch.Tensor]]) -> float:
+    """Median rows/s over ``passes[1:]``; ``passes[0]`` warms up (pages, allocator, cache).
+
+    Every pass has its own batches (fresh Zipf draws), so the cache hit rate is measured on ids
+    it has not been shown before, not on a replay.
+    """
     backend = emb.backend
-    dev = [b.to(emb.compute_device) for b in batches]
-    n = sum(b.numel() for b in dev)
     rates = []
     with torch.inference_mode():
-        for b in dev:  # warm-up (fills caches, pages, allocator)
-            emb(b)
-        emb.reset_cache_metrics()
-        for _ in range(repeats):
+        for i, batches in enumerate(passes):
+            dev = [b.to(emb.compute_device) for b in batches]
+            if i == 1:
+                emb.reset_cache_metrics()
             backend.synchronize()
             t0 = time.perf_counter()
             for b in dev:
                 emb(b)
             backend.synchronize()
-            rates.append(n / (time.perf_counter() - t0))
+            if i:
+                rates.append(sum(b.numel() for b in dev) / (time.perf_counter() - t0))
     return statistics.median(rates)
 
 
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--device", default="auto", help="compute device for lookups: auto, cpu, cuda, npu")
     ap.add_argument("--batch", type=int, default=16384, help="ids per lookup batch")
-    ap.add_argument("--batches", type=int, default=None, help="batches per timed pass (default 20 quick / 40 full)")
+    ap.add_argument("--batches", type=int, default=None, help="batches per timed pass (default 10 quick / 40 full)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent s of id popularity")
     ap.add_argument("--cache-fraction", type=float, default=0.05, help="cache bytes as a fraction of the table")
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = args.rows or (12_000_000 if args.full else 1_000_000)
-    n_batches = args.batches or (40 if args.full else 20)
+    n_batches = args.batches or (40 if args.full else 10)
     backend = select(args.device)
     results: dict[str, object] = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_build:
         b = measure_build(rows, args.dim, args.dtype, args.shards, args.threads)
         results.update({k: b[k] for k in ("build_peak_rss_ratio", "build_net_rss_ratio", "peak_rss", "rss_before", "table_bytes", "build_s")})
-    batches = zipf_batches(rows, args.batch, n_batches, args.zipf, seed=0)
+    passes = [zipf_batches(rows, args.batch, n_batches, args.zipf, seed=i) for i in range(args.repeats + 1)]
     table_bytes = rows * args.dim * torch.tensor([], dtype=parse_dtype(args.dtype)).element_size()
     cache_bytes = int(table_bytes * args.cache_fraction)
     configs = [
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         emb = ShardedEmbedding(rows, args.dim, num_shards=args.shards, dtype=args.dtype, device=backend, **kw)
         build_s = time.perf_counter() - t0
         emb.requires_grad_(False)
-        rate = time_lookups(emb, batches, args.repeats)
+        rate = time_lookups(emb, passes)
         results[f"lookup_rows_per_s_{name}"] = rate
         results[f"table_build_s_{name}"] = build_s
         if emb.caches:
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             f"-> ratio {results['build_peak_rss_ratio']:.3f} (net of interpreter {results['build_net_rss_ratio']:.3f}), "
             f"{results['build_s']:.1f} s"
         )
-    print(f"  lookups: batches of {args.batch} ids, Zipf s={args.zipf}, median of {args.repeats} passes x {n_batches} batches")
+    print(f"  lookups: batches of {args.batch} ids, Zipf s={args.zipf}, median of {args.repeats} passes x {n_batches} fresh batches")
     print(f"  {'placement':<22}{'rows/s':>14}{'vs device':>11}")
     dev_rate = results["lookup_rows_per_s_device"]
     for name, label in (("device", "device"), ("host", "host"), ("host_cached", "host + cache")):

@@ -28,6 +28,7 @@ class ModelConfig:
     the attention divisor n, so padding to any width <= N never changes a live output.
     """
 
+    architecture: str = "hstu"  # "hstu" | "sasrec" (baseline, Kang & McAuley 2018)
     num_items: int = 0  # set from the data: dense ids 1..num_items, 0 is padding
     max_seq_len: int = 200  # history events kept (most recent)
     max_output_len: int = 10  # extra positions for generated tokens (next-k, k <= this)

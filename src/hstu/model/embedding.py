@@ -765,6 +765,8 @@ class ShardedEmbedding(nn.Module):
             if p not in PLACEMENTS:
                 raise ValueError(f"ShardedEmbedding: placement[{i}] {p!r} unknown; valid: {', '.join(PLACEMENTS)}")
         self.dtypes = [parse_dtype(x, field=f"dtype[{i}]") for i, x in enumerate(_per_shard(dtype, S, "dtype"))]
+        if cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"ShardedEmbedding: cache_policy {cache_policy!r} unknown; valid: {', '.join(CACHE_POLICIES)}")
         T = V + O
         cache_total = parse_bytes(cache_bytes, field="cache_bytes")
         device_is_host = self.compute_device.type == "cpu"
@@ -807,6 +809,8 @@ class ShardedEmbedding(nn.Module):
         self.cache_policy, self.cache_ways = cache_policy, int(cache_ways)
         host_ids = [s for s in range(S) if self.placements[s] == "host"]
         if cache_total and host_ids:
+            if device_is_host:
+                log.info("hot-row cache on a CPU compute device: host and device are one memory, so it adds only bookkeeping")
             host_rows = sum(self.shard_rows[s] for s in host_ids)
             for s in host_ids:
                 share = cache_total * self.shard_rows[s] // host_rows

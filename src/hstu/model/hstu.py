@@ -242,5 +242,12 @@ class HSTUModel(nn.Module):
 
 
 def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:
-    """The one builder; presets only fix numbers (config.PRESETS)."""
+    """The one builder; presets only fix numbers (config.PRESETS). ``cfg.architecture``
+    "sasrec" builds the SASRec baseline, which has the same interface."""
+    if cfg.architecture == "sasrec":
+        from hstu.model.sasrec import SASRecModel
+
+        return SASRecModel(cfg, **kwargs)
+    if cfg.architecture != "hstu":
+        raise ValueError(f"unknown ModelConfig.architecture {cfg.architecture!r}; valid: hstu, sasrec")
     return HSTUModel(cfg, **kwargs)

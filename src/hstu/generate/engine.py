@@ -1,0 +1,784 @@
+"""Bucketed generative inference engine: static shapes per length bucket, a preallocated KV-cache
+pool per bucket, graph capture / compilation per bucket, beam search, user-prefix cache.
+
+API (what a server calls)::
+
+    eng = Engine(model, buckets=(20, 50, 100, 200), max_batch=16, k_max=10, device="cpu",
+                 kernels="auto", graphs="auto", prefix_cache_bytes=0)
+    eng.bucket_for(length) -> int                     # bucket edge a history of that length runs in
+    eng.warmup() -> dict[int, float]                  # capture / compile every bucket now (s per bucket)
+    eng.cache_bytes_per_bucket() -> dict[int, int]    # preallocated pool bytes per bucket edge
+    res = eng.generate(ids, timestamps, lengths, k, request_time=None, exclude=None,
+                       strategy="greedy"|"topk"|"beam", top_k=50, temperature=1.0, beam_width=4,
+                       seed=0, actions=None, categories=None, item_category=None,
+                       user_ids=None, use_cache=True)
+    res: EngineResult(items (B, k), scores (B, k), actions, beam_logprob,
+                      bucket (B,), truncated (B,), prefix_rows (B,))
+
+Inputs are padded (B, W) int64 tensors on the engine's device, rows of any lengths in one call
+(users are grouped by bucket, chunked by ``max_batch``, results returned in input order).
+``exclude`` is the (B, I+1) bool mask of :func:`hstu.generate.decode.exclusion_mask` (history,
+block lists) and gets the generated items added in place; already generated items are always
+excluded. Not thread-safe: one caller at a time (a server's batcher thread).
+
+How it works. Symbols: B users, E a bucket's upper edge, C = E + 1 history capacity (row E is a
+scratch row for padding writes), K = k_max, R = max_batch pool rows, Ly layers, H heads, N the
+model's fixed width, I items.
+
+- Buckets. A history of length L runs in the smallest bucket with E >= L, padded right to E.
+  Because the attention divisor is the fixed N and padding rows are masked, padding never
+  changes a live row (hstu.py), so bucketed == unbucketed up to float reassociation
+  (tests/test_engine.py checks 1e-5). Histories longer than the largest edge keep their most
+  recent E events; ``truncated`` reports how many were cut. The batch is padded to the next
+  size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch) so every call has a static shape.
+- KV-cache pool, per bucket, allocated once at construction and written in place:
+  history K/V (Ly x R x H x C x d) filled by the prefill, and generated-token K/V
+  (Ly x R x H x K x d) filled one slot per decode step. The history part is shared by all the
+  beams of a user (beam search reorders only the small generated part). No cache growth,
+  no torch.cat, no factory call (empty / zeros / arange ...) in the decode loop
+  (tests/test_engine_alloc.py).
+- A decode step attends to the history rows and to the generated rows in two pieces and adds
+  them: HSTU attention is pointwise SiLU with no softmax, so A·V splits over key segments.
+  An appended token has timestamp = request time = the query time, so a cached step equals a
+  full recompute of the grown sequence.
+- Graphs (``graphs``): "eager"; "compile" (torch.compile, one compilation per bucket: the
+  batch is then always padded to max_batch, beam steps and prefix extensions stay eager);
+  "cuda_graph" (torch.cuda.CUDAGraph per bucket and batch size, captured at warmup or first
+  use); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "auto": cuda_graph on CUDA,
+  npu_graph on NPU when available, eager on CPU (torch.compile costs tens of seconds per
+  bucket on a 2-core CPU; ask for it by name).
+- Kernels: a :class:`hstu.model.kernels.KernelSet` from the per-backend registry ("auto":
+  the reference on CPU / CUDA, the float64-free set on NPU; "triton" on CUDA by name).
+- Prefix cache (``prefix_cache_bytes`` > 0 and ``user_ids`` given): see prefix_cache.py.
+  A hit copies the cached rows 0..P-1 into the pool and computes only rows P..L-1 (the new
+  events and the old last row, whose time bias used the old request time).
+- Decoding: greedy; "topk" (seeded sampling among the top_k best at ``temperature``; the same
+  call with the same seed returns the same items); "beam" (width W, ranked by the **sum of
+  log-probabilities**, log-softmax over the non-excluded items; every beam has length k, so
+  length normalisation would not change the ranking; width 1 equals greedy).
+- ``use_cache=False``: the same engine (buckets, kernels, padding) recomputes the whole grown
+  sequence at every step, at width E + K: the benchmark's "no cache" side and a second oracle.
+
+Errors (ValueError unless noted): k < 1 or k > k_max; an empty history (the model has no
+cold-start path: position 0 needs an item; serve popular items upstream); an item id outside
+1..num_items in a live position (row and position named); shapes / dtypes; inputs on another
+device (StrayTensorError).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from hstu.generate.decode import GenerationResult
+from hstu.generate.hardening import check_inputs_on, harden
+from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
+from hstu.model.hstu import HSTUModel, l2_normalize
+from hstu.model.kernels import KernelSet, get_kernels
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (20, 50, 100, 200)
+
+
+@dataclass
+class EngineResult(GenerationResult):
+    """GenerationResult plus: bucket (B,) int64 edge each row ran in; truncated (B,) int64 events
+    cut from the oldest end; prefix_rows (B,) int64 rows reused from the prefix cache (0 = miss)."""
+
+    bucket: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    prefix_rows: torch.Tensor | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _ladder(max_batch: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return tuple(out)
+
+
+class _Bucket:
+    """Pool and static input buffers of one bucket (edge E); see the module docstring."""
+
+    def __init__(self, eng: "Engine", E: int) -> None:
+        m, c = eng.model, eng.model.cfg
+        R, K, H, dev = eng.max_batch, eng.k_max, c.num_heads, eng.device
+        dt = eng.dtype
+        self.E, self.C = E, E + 1
+        C = self.C
+        z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
+        # KV-cache pool
+        self.hk = [z(R, H, C, c.d_qk) for _ in range(c.num_blocks)]
+        self.hv = [z(R, H, C, c.d_v) for _ in range(c.num_blocks)]
+        self.gk = [z(R, H, K, c.d_qk) for _ in range(c.num_blocks)]
+        self.gv = [z(R, H, K, c.d_v) for _ in range(c.num_blocks)]
+        self.gk_scratch, self.gv_scratch = z(R, H, K, c.d_qk), z(R, H, K, c.d_v)  # beam reorder
+        # static inputs (prefill / extend)
+        i64 = torch.int64
+        self.ids = z(R, E, d=i64)
+        self.t = z(R, E + 2, d=i64)  # event times, request time at L and after
+        self.lengths = torch.ones(R, dtype=i64, device=dev)
+        self.actions = z(R, E, d=i64)
+        self.categories = z(R, E, d=i64)
+        self.kvalid = z(R, C, d=torch.bool)
+        self.start = z(R, d=i64)
+        # static inputs (decode step)
+        self.item = z(R, d=i64)
+        self.pos = z(R, d=i64)
+        self.s_idx = z(1, d=i64)
+        self.rt = z(R, d=i64)
+        self.act = z(R, d=i64)
+        self.cat = z(R, d=i64)
+        self.len_r = torch.ones(R, dtype=i64, device=dev)
+        self.gpos = z(R, K, d=i64)
+        self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
+        self.has_features = (m.action_emb is not None, m.category_emb is not None)
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        return [*self.hk, *self.hv, *self.gk, *self.gv, self.gk_scratch, self.gv_scratch]
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pool_tensors())
+
+    def total_bytes(self) -> int:
+        io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.kvalid, self.start, self.item, self.pos,
+              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos]
+        return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
+
+
+class _GraphRunner:
+    """Capture ``fn`` (reads only static buffers) into a device graph; calls replay it.
+
+    Device-generic over ``torch.cuda`` / ``torch.npu`` (CUDAGraph / NPUGraph, graph, Stream):
+    PyTorch docs, "CUDA Graphs" (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs);
+    torch_npu mirrors the API as torch.npu.NPUGraph. Two warm-up runs on a side stream first,
+    as the docs require; ``fn`` must be idempotent (ours rewrite the same cache rows).
+    """
+
+    def __init__(self, fn: Callable[[], torch.Tensor], api, graph_cls) -> None:
+        side = api.Stream()
+        side.wait_stream(api.current_stream())
+        with api.stream(side):
+            for _ in range(2):
+                fn()
+        api.current_stream().wait_stream(side)
+        self.graph = graph_cls()
+        with api.graph(self.graph):
+            self.out = fn()
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class Engine:
+    """See the module docstring. Construction hardens the model (eval, frozen, on ``device``),
+    allocates every bucket's pool and logs its bytes.
+
+    Args:
+        model: an HSTUModel; moved to ``device`` and hardened in place.
+        buckets: increasing bucket edges; the largest must be <= model max_seq_len.
+        max_batch: pool rows per bucket (users per chunk; beam search runs max_batch // W users).
+        k_max: the largest k a call may ask for (<= model max_output_len).
+        device: "cpu", "cuda", "cuda:1", "npu", ... or None for the model's device.
+        kernels: kernel-set name for the backend ("auto", "reference", "triton", "npu").
+        graphs: "auto" | "eager" | "compile" | "cuda_graph" | "npu_graph".
+        batch_sizes: padded batch sizes (default powers of two up to max_batch; (max_batch,)
+            under "compile").
+        prefix_cache_bytes: > 0 enables the user-prefix cache with that LRU bound.
+        compile_backend: torch.compile backend under graphs="compile" ("inductor"; "aot_eager"
+            traces the same graphs without code generation, which the tests use).
+    Raises:
+        ValueError: bad buckets / sizes / graph mode (the message quotes the value).
+    """
+
+    def __init__(self, model: HSTUModel, *, buckets: Sequence[int] = DEFAULT_BUCKETS, max_batch: int = 16, k_max: int = 10,
+                 device: torch.device | str | None = None, kernels: str = "auto", graphs: str = "auto",
+                 batch_sizes: Sequence[int] | None = None, prefix_cache_bytes: int = 0, compile_backend: str = "inductor") -> None:
+        cfg = model.cfg
+        edges = tuple(int(b) for b in buckets)
+        if not edges or any(b <= 0 for b in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"buckets must be increasing positive edges, got {list(buckets)}")
+        if edges[-1] > cfg.max_seq_len:
+            raise ValueError(f"largest bucket {edges[-1]} exceeds the model max_seq_len={cfg.max_seq_len}")
+        if not 1 <= k_max <= cfg.max_output_len:
+            raise ValueError(f"k_max must be in 1..max_output_len={cfg.max_output_len}, got {k_max}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.model = harden(model.to(dev), dev)
+        self.dtype = model.pos_emb.weight.dtype
+        self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
+        self.kernels: KernelSet = get_kernels(dev.type, kernels)
+        self.graphs = self._graph_mode(graphs)
+        if batch_sizes is None:
+            batch_sizes = (self.max_batch,) if self.graphs == "compile" else _ladder(self.max_batch)
+        self.batch_sizes = tuple(sorted(int(b) for b in batch_sizes))
+        if self.batch_sizes[-1] != self.max_batch or self.batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")
+        self.compile_backend = compile_backend
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._buckets = {E: _Bucket(self, E) for E in edges}
+        self._recompute: dict[int, _Bucket] = {}  # use_cache=False buckets (width E + K), made on first use
+        self._arange = torch.arange(cfg.width + k_max + 2, device=dev)
+        R = self.max_batch
+        self._bidx = self._arange[:R]
+        self._excl = torch.zeros(R, cfg.num_items + 1, dtype=torch.bool, device=dev)
+        self._excl_scratch = torch.zeros_like(self._excl)
+        self._scores = torch.zeros(R, cfg.num_items + 1, dtype=self.dtype, device=dev)
+        self._out_items = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
+        self._out_scores = torch.zeros(R, k_max, dtype=self.dtype, device=dev)
+        self._out_actions = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
+        self._items_scratch = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
+        self._scores_scratch = torch.zeros(R, k_max, dtype=self.dtype, device=dev)
+        self._zero_tb = torch.zeros(R, 1, k_max, dtype=torch.int64, device=dev)  # bucket(|rt - rt|) = 0
+        self._gen = torch.Generator(device=dev)
+        self.refresh()
+        for E, b in self._buckets.items():
+            log.info("engine bucket %d: KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
+                     E, b.kv_bytes() / 2**20, R, b.C, k_max, cfg.num_blocks, b.total_bytes() / 2**20)
+        log.info("engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, prefix cache %s",
+                 dev, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes),
+                 f"{prefix_cache_bytes / 2**20:.1f} MiB" if self.prefix else "off")
+
+    # ----- setup -----
+    def _graph_mode(self, graphs: str) -> str:
+        valid = ("auto", "eager", "compile", "cuda_graph", "npu_graph")
+        if graphs not in valid:
+            raise ValueError(f"graphs must be one of {valid}, got {graphs!r}")
+        kind = self.device.type
+        if graphs == "auto":
+            if kind == "cuda":
+                return "cuda_graph"
+            if kind == "npu" and hasattr(getattr(torch, "npu", None), "NPUGraph"):
+                return "npu_graph"
+            return "eager"
+        need = {"cuda_graph": "cuda", "npu_graph": "npu"}.get(graphs)
+        if need is not None and kind != need:
+            raise ValueError(f"graphs={graphs!r} needs a {need} device, the engine is on {self.device}")
+        if graphs == "npu_graph" and not hasattr(getattr(torch, "npu", None), "NPUGraph"):
+            raise ValueError("graphs='npu_graph' needs torch_npu with torch.npu.NPUGraph (torch_npu >= 2.5)")
+        return graphs
+
+    def refresh(self) -> None:
+        """Re-read the item table (normalised, transposed) after the model's weights change."""
+        with torch.inference_mode():
+            self._item_vecs_t = self.model.item_vectors().T.contiguous()  # (d, I+1)
+
+    # ----- public helpers -----
+    def bucket_for(self, length: int) -> int:
+        """Edge of the bucket a history of ``length`` events runs in (the largest edge for longer
+        histories, which are truncated). ValueError for length < 1."""
+        if length < 1:
+            raise ValueError(f"history length must be >= 1 (empty history), got {length}")
+        for E in self.edges:
+            if length <= E:
+                return E
+        return self.edges[-1]
+
+    def cache_bytes_per_bucket(self) -> dict[int, int]:
+        """Preallocated KV-pool bytes per bucket edge (history + generated K/V + beam scratch)."""
+        return {E: b.kv_bytes() for E, b in self._buckets.items()}
+
+    def memory_report(self) -> dict:
+        """Bytes per bucket (kv, total with static inputs), decode buffers and the prefix cache."""
+        shared = sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores, self._item_vecs_t))
+        return {"buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
+                "shared_decode_buffers": shared, "prefix_cache": self.prefix.bytes if self.prefix else 0,
+                "prefix_cache_max": self.prefix.max_bytes if self.prefix else 0}
+
+    def warmup(self, strategies: Sequence[str] = ("greedy",)) -> dict[int, float]:
+        """Run every bucket at every batch size once (capturing graphs / compiling now rather than
+        on the first request). Returns seconds per bucket edge."""
+        out = {}
+        for E in self.edges:
+            t0 = time.perf_counter()
+            for Bp in self.batch_sizes:
+                ids = torch.ones(Bp, E, dtype=torch.int64, device=self.device)
+                ts = torch.zeros(Bp, E, dtype=torch.int64, device=self.device)
+                lengths = torch.full((Bp,), E, dtype=torch.int64, device=self.device)
+                for s in strategies:
+                    self.generate(ids, ts, lengths, min(2, self.k_max), strategy=s, beam_width=min(2, Bp), request_time=ts[:, 0] + 1)
+            out[E] = time.perf_counter() - t0
+            log.info("warmup bucket %d (%s): %.2f s", E, self.graphs, out[E])
+        return out
+
+    # ----- compiled / captured pieces -----
+    def _runner(self, b: _Bucket, key: tuple, fn: Callable[[], torch.Tensor], graphable: bool) -> Callable[[], torch.Tensor]:
+        r = b.runners.get(key)
+        if r is not None:
+            return r
+        mode = self.graphs if graphable else "eager"
+        if mode == "compile":
+            r = torch.compile(fn, dynamic=False, backend=self.compile_backend)
+        elif mode in ("cuda_graph", "npu_graph"):
+            api = getattr(torch, self.device.type)
+            r = _GraphRunner(fn, api, api.CUDAGraph if mode == "cuda_graph" else api.NPUGraph)
+        else:
+            r = fn
+        b.runners[key] = r
+        return r
+
+    def _bias_tables(self, layer):
+        rb = layer.rel_bias
+        return (rb.pos_w if rb.use_position else None), (rb.ts_w if rb.use_time else None)
+
+    def _tb(self, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor | None:
+        c = self.model.cfg
+        if not c.use_time_bias:
+            return None
+        return self.kernels.time_buckets(t_q, t_k, num_buckets=c.num_time_buckets, log_base=c.time_bucket_log_base)
+
+    def _layer(self, layer, x: torch.Tensor):
+        c = self.model.cfg
+        return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
+
+    def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
+        return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)
+
+    def _prefill_fn(self, b: _Bucket, Bp: int) -> Callable[[], torch.Tensor]:
+        m, c, ks = self.model, self.model.cfg, self.kernels
+        E = b.E
+        ids, t, lengths, acts, cats = b.ids[:Bp], b.t[:Bp], b.lengths[:Bp], b.actions[:Bp], b.categories[:Bp]
+        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
+        pos = self._arange[:E]
+        bidx = self._arange[:Bp]
+
+        def prefill() -> torch.Tensor:
+            valid = (pos.view(1, E) < lengths.view(Bp, 1)).unsqueeze(-1).to(self.dtype)  # (Bp, E, 1)
+            x = m.embed(ids, pos, *self._feat(b, acts, cats)) * valid  # (Bp, E, d)
+            tb = self._tb(t[:, 1:E + 1], t[:, :E])  # (Bp, E, E): |t[i+1] - t[j]|
+            for li, layer in enumerate(m.layers):
+                u, v, q, k = self._layer(layer, x)  # (Bp, E, ·)
+                q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, E, ·)
+                hk[li][:, :, :E].copy_(k)
+                hv[li][:, :, :E].copy_(v)
+                pw, tw = self._bias_tables(layer)
+                av = ks.attention(q, k, v, q_pos=pos, k_pos=pos, k_valid=None, tb=tb, pos_w=pw, ts_w=tw, n=c.width)  # (Bp, E, H*d_v)
+                x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, E, d)
+            return l2_normalize(x[bidx, lengths - 1])  # (Bp, d)
+
+        return prefill
+
+    def _extend_fn(self, b: _Bucket, Bp: int, T: int) -> Callable[[], torch.Tensor]:
+        """Rows start[b] .. start[b] + T - 1 against cached rows (prefix-cache hit)."""
+        m, c, ks = self.model, self.model.cfg, self.kernels
+        E, C, H = b.E, b.C, c.num_heads
+        ids, t, lengths, acts, cats = b.ids[:Bp], b.t[:Bp], b.lengths[:Bp], b.actions[:Bp], b.categories[:Bp]
+        start, kvalid = b.start[:Bp], b.kvalid[:Bp]
+        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
+        ar_T, kpos = self._arange[:T], self._arange[:C]
+        bidx = self._arange[:Bp]
+
+        def extend() -> torch.Tensor:
+            raw = start.view(Bp, 1) + ar_T.view(1, T)  # (Bp, T) positions
+            live = raw < lengths.view(Bp, 1)  # (Bp, T)
+            p = torch.where(live, raw, torch.full_like(raw, E))  # padding rows -> scratch row E
+            g = p.clamp(max=E - 1)
+            valid = live.unsqueeze(-1).to(self.dtype)  # (Bp, T, 1)
+            x = m.embed(ids.gather(1, g), p, *self._feat(b, acts.gather(1, g), cats.gather(1, g))) * valid  # (Bp, T, d)
+            tb = self._tb(t.gather(1, p + 1), t[:, :C])  # (Bp, T, C)
+            for li, layer in enumerate(m.layers):
+                u, v, q, k = self._layer(layer, x)  # (Bp, T, ·)
+                q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, T, ·)
+                hk[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_qk), k)
+                hv[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_v), v)
+                pw, tw = self._bias_tables(layer)
+                av = ks.attention(q, hk[li], hv[li], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw, n=c.width)
+                x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, T, d)
+            return l2_normalize(x[bidx, lengths - 1 - start])  # (Bp, d)
+
+        return extend
+
+    def _step_fn(self, b: _Bucket, Bp: int, W: int) -> Callable[[], torch.Tensor]:
+        """One decode step for Bp users x W beams: R = Bp * W new rows at positions ``pos``."""
+        m, c, ks = self.model, self.model.cfg, self.kernels
+        C, H, R = b.C, c.num_heads, Bp * W
+        item, pos, s_idx, rt, act, cat = b.item[:R], b.pos[:R], b.s_idx, b.rt[:Bp], b.act[:R], b.cat[:R]
+        t_hist, kvalid, gpos = b.t[:Bp, :C], b.kvalid[:Bp], b.gpos[:R]
+        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
+        gk, gv = [k[:R] for k in b.gk], [v[:R] for v in b.gv]
+        kpos = self._arange[:C]
+        zero_tb = self._zero_tb[:R]
+
+        def step() -> torch.Tensor:
+            x = m.embed(item, pos, *self._feat(b, act, cat))  # (R, d)
+            tb_h = self._tb(rt.view(Bp, 1), t_hist)  # (Bp, 1, C): |request time - t_j|, the same for every beam
+            tb_h = tb_h.expand(Bp, W, C) if tb_h is not None else None
+            qpos_h, qpos_g = pos.view(Bp, W), pos.view(R, 1)
+            for li, layer in enumerate(m.layers):
+                u, v, q, k = self._layer(layer, x)  # (R, ·)
+                gk[li].index_copy_(2, s_idx, k.view(R, H, 1, c.d_qk))
+                gv[li].index_copy_(2, s_idx, v.view(R, H, 1, c.d_v))
+                pw, tw = self._bias_tables(layer)
+                qh = q.view(Bp, W, H, c.d_qk).transpose(1, 2)  # (Bp, H, W, d_qk)
+                av_h = ks.attention(qh, hk[li], hv[li], q_pos=qpos_h, k_pos=kpos, k_valid=kvalid, tb=tb_h, pos_w=pw, ts_w=tw,
+                                    n=c.width)  # (Bp, W, H*d_v): history rows
+                av_g = ks.attention(q.view(R, H, 1, c.d_qk), gk[li], gv[li], q_pos=qpos_g, k_pos=gpos, k_valid=None,
+                                    tb=zero_tb if tw is not None else None, pos_w=pw, ts_w=tw, n=c.width)  # (R, 1, H*d_v)
+                av = av_h.reshape(R, H * c.d_v) + av_g.view(R, H * c.d_v)  # (R, H*d_v)
+                x = x + layer.o(ks.ln_mul(av, u, eps=layer.eps))  # (R, d)
+            return l2_normalize(x)  # (R, d)
+
+        return step
+
+    # ----- the call -----
+    @torch.inference_mode()
+    def generate(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, k: int, *,
+                 request_time: torch.Tensor | None = None, exclude: torch.Tensor | None = None, strategy: str = "greedy",
+                 top_k: int = 50, temperature: float = 1.0, beam_width: int = 4, seed: int = 0,
+                 actions: torch.Tensor | None = None, categories: torch.Tensor | None = None,
+                 item_category: torch.Tensor | None = None, user_ids: Sequence[Hashable] | None = None,
+                 use_cache: bool = True) -> EngineResult:
+        """Next-k items for a batch of histories of any lengths.
+
+        Args:
+            ids, timestamps: (B, W) int64 dense item ids (1..I) and Unix seconds, oldest first,
+                anything after each length (ignored).
+            lengths: (B,) int64 >= 1.
+            k: 1..k_max steps.
+            request_time: (B,) int64 Unix seconds (default: each row's last event time); the
+                query time of the last history row and the timestamp of generated tokens.
+            exclude: (B, I+1) bool, True = never generate; updated in place with the generated
+                items (default: only padding id 0 excluded).
+            strategy: "greedy" | "topk" | "beam" (see the module docstring).
+            actions, categories: optional (B, W) int64 history features (0 = none);
+                item_category: (I+1,) int64 category of each item, fed with generated items.
+            user_ids: B hashable user keys for the prefix cache (ignored when it is off).
+            use_cache: False = recompute the grown sequence each step (greedy / topk only).
+        Returns:
+            EngineResult, rows in input order.
+        Raises:
+            ValueError: see the module docstring. StrayTensorError: an input on another device.
+        """
+        c = self.model.cfg
+        B = self._validate(ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids)
+        dev = self.device
+        warnings: list[str] = []
+        lengths = lengths.clone()
+        zeros = torch.zeros_like(ids)
+        actions = actions if actions is not None else zeros
+        categories = categories if categories is not None else zeros
+        if request_time is None:
+            request_time = timestamps.gather(1, (lengths - 1).clamp(min=0).view(B, 1)).view(B)
+        check_inputs_on(dev, request_time=request_time, item_category=item_category)
+        # truncate over-long histories to their most recent events
+        Emax = self.edges[-1]
+        truncated = (lengths - Emax).clamp(min=0)
+        if bool((truncated > 0).any()):
+            shift = truncated.view(B, 1) + self._arange[:Emax].view(1, Emax)  # (B, Emax)
+            ids, timestamps = ids.gather(1, shift), timestamps.gather(1, shift)
+            actions, categories = actions.gather(1, shift), categories.gather(1, shift)
+            lengths = lengths.clamp(max=Emax)
+            n_cut = int((truncated > 0).sum())
+            msg = f"{n_cut} history(ies) longer than the largest bucket {Emax}: kept the most recent {Emax} events"
+            warnings.append(msg)
+            log.warning(msg)
+        if exclude is None:
+            exclude = torch.zeros(B, c.num_items + 1, dtype=torch.bool, device=dev)
+        exclude[:, 0] = True
+        W = beam_width if strategy == "beam" else 1
+        if strategy == "beam" and W > self.max_batch:
+            raise ValueError(f"beam_width={W} exceeds max_batch={self.max_batch} (pool rows)")
+        out = EngineResult(items=torch.zeros(B, k, dtype=torch.int64, device=dev), scores=torch.zeros(B, k, dtype=self.dtype, device=dev),
+                           actions=torch.zeros(B, k, dtype=torch.int64, device=dev) if self.model.action_head is not None else None,
+                           beam_logprob=torch.zeros(B, dtype=self.dtype, device=dev) if strategy == "beam" else None,
+                           truncated=truncated, prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev), warnings=warnings)
+        self._gen.manual_seed(seed)
+        L_host = lengths.tolist()
+        bucket_of = [self.bucket_for(L) for L in L_host]
+        out.bucket = torch.tensor(bucket_of, dtype=torch.int64, device=dev)
+        req = dict(ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
+                   request_time=request_time, exclude=exclude, item_category=item_category)
+        per_group = max(1, self.max_batch // W)
+        for E in self.edges:
+            rows = [i for i in range(B) if bucket_of[i] == E]
+            if not rows:
+                continue
+            hits: dict[int, PrefixEntry] = {}
+            if self.prefix is not None and user_ids is not None and use_cache:
+                for i in rows:
+                    L = L_host[i]
+                    e = self.prefix.lookup(user_ids[i], ids[i, :L], timestamps[i, :L], actions[i, :L], categories[i, :L])
+                    if e is not None:
+                        hits[i] = e
+            groups = [[i for i in rows if i not in hits], [i for i in rows if i in hits]]
+            for g in groups:
+                for j in range(0, len(g), per_group):
+                    chunk = g[j:j + per_group]
+                    self._run_group(E, chunk, W, k, strategy, top_k, temperature, req, out, {i: hits[i] for i in chunk if i in hits},
+                                    user_ids, use_cache)
+        return out
+
+    def _validate(self, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids) -> int:
+        c = self.model.cfg
+        check_inputs_on(self.device, ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
+                        exclude=exclude)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        if k > self.k_max:
+            raise ValueError(f"k={k} exceeds the engine's k_max={self.k_max}")
+        if strategy not in ("greedy", "topk", "beam"):
+            raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
+        if strategy == "beam" and beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {beam_width}")
+        if strategy == "beam" and not use_cache:
+            raise ValueError("use_cache=False supports greedy and topk only")
+        for name, t in (("ids", ids), ("timestamps", timestamps), ("lengths", lengths), ("actions", actions), ("categories", categories)):
+            if t is not None and t.dtype != torch.int64:
+                raise TypeError(f"{name} must be int64, got {t.dtype}")
+        if ids.dim() != 2 or ids.shape != timestamps.shape:
+            raise ValueError(f"ids and timestamps must both be (B, W), got {tuple(ids.shape)} and {tuple(timestamps.shape)}")
+        B, Wd = ids.shape
+        if B == 0:
+            raise ValueError("empty batch")
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths must be (B,) = ({B},), got {tuple(lengths.shape)}")
+        for name, t in (("actions", actions), ("categories", categories)):
+            if t is not None and t.shape != ids.shape:
+                raise ValueError(f"{name} must have the shape of ids {tuple(ids.shape)}, got {tuple(t.shape)}")
+        if exclude is not None and (exclude.shape != (B, c.num_items + 1) or exclude.dtype != torch.bool):
+            raise ValueError(f"exclude must be (B, I+1) = ({B}, {c.num_items + 1}) bool, got {tuple(exclude.shape)} {exclude.dtype}")
+        if user_ids is not None and len(user_ids) != B:
+            raise ValueError(f"user_ids has {len(user_ids)} entries for a batch of {B}")
+        empty = (lengths < 1).nonzero().view(-1).tolist()
+        if empty:
+            raise ValueError(f"empty history at row(s) {empty[:10]}: HSTU needs at least one event (no cold-start path in the "
+                             "model; serve a popularity list upstream)")
+        if int(lengths.max()) > Wd:
+            bad = int((lengths > Wd).nonzero()[0])
+            raise ValueError(f"lengths[{bad}]={int(lengths[bad])} exceeds the padded width {Wd}")
+        live = self._arange[:Wd].view(1, Wd) < lengths.view(B, 1)
+        bad = live & ((ids < 1) | (ids > c.num_items))
+        if bool(bad.any()):
+            r, p = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"ids[{r}, {p}]={int(ids[r, p])}: unknown item id (valid dense ids 1..{c.num_items}; 0 is padding)")
+        return B
+
+    def _bucket(self, E: int, use_cache: bool) -> _Bucket:
+        if use_cache:
+            return self._buckets[E]
+        if E not in self._recompute:
+            self._recompute[E] = _Bucket(self, E + self.k_max)
+        return self._recompute[E]
+
+    def _pad_users(self, n: int, W: int) -> int:
+        cap = self.max_batch // W
+        for s in self.batch_sizes:
+            if s >= n and s <= cap:
+                return s
+        return cap if W > 1 else self.max_batch
+
+    def _run_group(self, E, rows, W, k, strategy, top_k, temperature, req, out: EngineResult, hits: dict[int, PrefixEntry],
+                   user_ids, use_cache) -> None:
+        c, dev = self.model.cfg, self.device
+        b = self._bucket(E, use_cache)
+        Bu = len(rows)
+        Bp = self._pad_users(Bu, W)
+        R = Bp * W
+        ri = torch.tensor(rows, dtype=torch.int64, device=dev)
+        L = req["lengths"][ri]  # (Bu,)
+        rt = req["request_time"][ri]
+        # ---- static inputs: real rows then padding users (length 1, item 1) ----
+        Eb = b.E
+        w = min(req["ids"].shape[1], Eb)
+        live = (self._arange[:w].view(1, w) < L.view(Bu, 1))
+        b.ids[:Bp].zero_()
+        b.ids[Bu:Bp, 0] = 1
+        b.ids[:Bu, :w] = req["ids"][ri, :w] * live
+        b.actions[:Bp].zero_()
+        b.actions[:Bu, :w] = req["actions"][ri, :w] * live
+        b.categories[:Bp].zero_()
+        b.categories[:Bu, :w] = req["categories"][ri, :w] * live
+        b.lengths[:Bp].fill_(1)
+        b.lengths[:Bu] = L
+        b.rt[:Bp].zero_()
+        b.rt[:Bu] = rt
+        b.t[:Bp].copy_(b.rt[:Bp].view(Bp, 1).expand(Bp, Eb + 2))  # request time at L and after
+        b.t[:Bu, :w] = torch.where(live, req["timestamps"][ri, :w], rt.view(Bu, 1))
+        b.kvalid[:Bp] = self._arange[:b.C].view(1, b.C) < b.lengths[:Bp].view(Bp, 1)
+        # ---- encode: prefill, or copy the cached prefix and extend ----
+        if hits:
+            P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
+            b.start[:Bp].zero_()
+            b.start[:Bu] = P
+            for j, i in enumerate(rows):
+                e = hits[i]
+                for li in range(c.num_blocks):
+                    b.hk[li][j, :, :e.rows].copy_(e.k[li])
+                    b.hv[li][j, :, :e.rows].copy_(e.v[li])
+            need = int((L - P).max())
+            T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
+            user = self._runner(b, ("extend", Bp, T), self._extend_fn(b, Bp, T), self.graphs != "compile")()
+            out.prefix_rows[ri] = P
+        else:
+            user = self._runner(b, ("prefill", Bp), self._prefill_fn(b, Bp), True)()
+        if self.prefix is not None and user_ids is not None and use_cache:
+            self._store_prefix(b, rows, L, user_ids, req)
+        # ---- decode ----
+        if W > 1:
+            user = user.repeat_interleave(W, dim=0)  # (R, d)
+            b.len_r[:R] = b.lengths[:Bp].repeat_interleave(W)
+        else:
+            b.len_r[:R] = b.lengths[:Bp]
+        excl = self._excl[:R]
+        excl.zero_()
+        ex_rows = req["exclude"][ri]  # (Bu, I+1)
+        if W > 1:
+            excl.view(Bp, W, -1)[:Bu].copy_(ex_rows.view(Bu, 1, -1).expand(Bu, W, -1))
+        else:
+            excl[:Bu].copy_(ex_rows)
+        excl[:, 0] = True
+        b.pos[:R] = b.len_r[:R]
+        b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[:self.k_max].view(1, self.k_max)
+        ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
+        if use_cache:
+            step = self._runner(b, ("step", Bp, W), self._step_fn(b, Bp, W), W == 1 or self.graphs != "compile")
+            res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic)
+        else:
+            prefill = self._runner(b, ("prefill", Bp), self._prefill_fn(b, Bp), True)
+            res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic)
+        items, scores, acts, blp, final_excl = res
+        out.items[ri] = items[:Bu]
+        out.scores[ri] = scores[:Bu]
+        if out.actions is not None and acts is not None:
+            out.actions[ri] = acts[:Bu]
+        if out.beam_logprob is not None and blp is not None:
+            out.beam_logprob[ri] = blp[:Bu]
+        req["exclude"][ri] = final_excl[:Bu]
+
+    def _store_prefix(self, b: _Bucket, rows, L: torch.Tensor, user_ids, req) -> None:
+        for j, i in enumerate(rows):
+            n = int(L[j])
+            if n < 2:
+                continue
+            e = PrefixEntry(ids=b.ids[j, :n].clone(), timestamps=b.t[j, :n].clone(), actions=b.actions[j, :n].clone(),
+                            categories=b.categories[j, :n].clone(), k=[hk[j, :, :n - 1].clone() for hk in b.hk],
+                            v=[hv[j, :, :n - 1].clone() for hv in b.hv])
+            self.prefix.put(user_ids[i], e)
+
+    def _pick(self, scores: torch.Tensor, strategy: str, top_k: int, temperature: float) -> torch.Tensor:
+        if strategy == "greedy":
+            return scores.argmax(dim=1)
+        vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)
+        probs = torch.softmax(vals / temperature, dim=1)
+        return idx.gather(1, torch.multinomial(probs, 1, generator=self._gen)).squeeze(1)
+
+    def _next_action(self, user: torch.Tensor) -> torch.Tensor | None:
+        if self.model.action_head is None:
+            return None
+        return self.model.action_head(user)[:, 1:].argmax(dim=1) + 1
+
+    def _decode(self, b: _Bucket, Bp: int, W: int, k: int, user: torch.Tensor, step: Callable[[], torch.Tensor], strategy: str,
+                top_k: int, temperature: float, item_category: torch.Tensor | None):
+        """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers."""
+        R = Bp * W
+        I1 = self._scores.shape[1]
+        scores, excl = self._scores[:R], self._excl[:R]
+        items, sc, acts = self._out_items[:R], self._out_scores[:R], self._out_actions[:R]
+        bidx = self._bidx[:R]
+        beam_lp = None
+        beam = strategy == "beam"
+        temp = self.model.cfg.temperature
+        for s in range(k):
+            torch.matmul(user, self._item_vecs_t, out=scores)
+            scores.div_(temp).masked_fill_(excl, float("-inf"))  # (R, I+1)
+            act = self._next_action(user)
+            if not beam:
+                choice = self._pick(scores, strategy, top_k, temperature)  # (R,)
+                items[:, s] = choice
+                sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
+            else:
+                logp = torch.log_softmax(scores, dim=1).view(Bp, W, I1)
+                if s == 0:  # every beam is the same sequence: expand beam 0 only
+                    top_lp, choice2 = logp[:, 0].topk(W, dim=1)  # (Bp, W)
+                    parent = choice2.mul(0)
+                else:
+                    top_lp, flat = (beam_lp.unsqueeze(-1) + logp).view(Bp, W * I1).topk(W, dim=1)
+                    parent, choice2 = flat.div(I1, rounding_mode="floor"), flat.remainder(I1)
+                src = (bidx[:Bp].view(Bp, 1) * W + parent).view(R)  # parent row of each new beam
+                choice = choice2.view(R)
+                step_score = scores[src, choice]  # (R,)
+                for buf, scratch in ((items, self._items_scratch[:R]), (sc, self._scores_scratch[:R]), (excl, self._excl_scratch[:R])):
+                    torch.index_select(buf, 0, src, out=scratch)
+                    buf.copy_(scratch)
+                items[:, s] = choice
+                sc[:, s] = step_score
+                if act is not None:
+                    act = act.index_select(0, src)
+                if s > 0:
+                    torch.index_select(acts, 0, src, out=self._items_scratch[:R])
+                    acts.copy_(self._items_scratch[:R])
+                beam_lp = top_lp
+            excl.scatter_(1, choice.view(R, 1), True)
+            if act is not None:
+                acts[:, s] = act
+            if s == k - 1:
+                break
+            if beam and W > 1 and s > 0:
+                for g, scratch in ((b.gk, b.gk_scratch), (b.gv, b.gv_scratch)):
+                    for t in g:
+                        torch.index_select(t[:R], 0, src, out=scratch[:R])
+                        t[:R].copy_(scratch[:R])
+            b.item[:R].copy_(choice)
+            b.s_idx.fill_(s)
+            if act is not None:
+                b.act[:R].copy_(act)
+            if item_category is not None:
+                torch.index_select(item_category, 0, choice, out=b.cat[:R])
+            user = step()  # (R, d)
+            b.pos[:R].add_(1)
+        if not beam:
+            return items[:, :k], sc[:, :k], acts[:, :k], None, excl
+        best = beam_lp.argmax(dim=1)  # (Bp,)
+        rows = bidx[:Bp] * W + best
+        return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, excl[rows]
+
+    def _decode_recompute(self, b: _Bucket, Bp: int, k: int, user: torch.Tensor, prefill: Callable[[], torch.Tensor], strategy: str,
+                          top_k: int, temperature: float, item_category: torch.Tensor | None):
+        """No KV cache: append each pick to the padded inputs and rerun the bucket's prefill."""
+        R = Bp
+        scores, excl = self._scores[:R], self._excl[:R]
+        items, sc, acts = self._out_items[:R], self._out_scores[:R], self._out_actions[:R]
+        bidx = self._bidx[:R]
+        temp = self.model.cfg.temperature
+        for s in range(k):
+            torch.matmul(user, self._item_vecs_t, out=scores)
+            scores.div_(temp).masked_fill_(excl, float("-inf"))
+            act = self._next_action(user)
+            choice = self._pick(scores, strategy, top_k, temperature)
+            items[:, s] = choice
+            sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
+            excl.scatter_(1, choice.view(R, 1), True)
+            if act is not None:
+                acts[:, s] = act
+            if s == k - 1:
+                break
+            p = b.lengths[:R]
+            b.ids[bidx, p] = choice
+            if act is not None and b.has_features[0]:
+                b.actions[bidx, p] = act
+            if item_category is not None:
+                b.categories[bidx, p] = item_category[choice]
+            b.lengths[:R].add_(1)  # times at L.. already hold the request time
+            user = prefill()
+        return items[:, :k], sc[:, :k], acts[:, :k], None, excl
+
+
+def engine_from_config(model: HSTUModel, serve_cfg, device: str | None = None, **kwargs) -> Engine:
+    """An Engine sized from a ServeConfig (buckets, max_batch)."""
+    return Engine(model, buckets=tuple(serve_cfg.buckets), max_batch=serve_cfg.max_batch, device=device, **kwargs)
+
+
+__all__ = ["Engine", "EngineResult", "DEFAULT_BUCKETS", "engine_from_config"]

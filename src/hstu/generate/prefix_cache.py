@@ -1,0 +1,149 @@
+"""User-prefix cache: per-layer keys / values of a returning user's history, LRU-bounded in bytes.
+
+Why only rows 0..L-2 are kept. Row i's time bias compares t[i+1] with every earlier event
+(Zhai et al. 2024, §3, rab^t); for the last history row L-1, t[L] is the *request* time. A
+later request has a different request time, so row L-1 (and every layer's K/V of it, which
+depend on the layer input) must be recomputed; rows 0..L-2 used only event times and are
+reusable as long as the new history starts with the same L events (same items, times,
+actions, categories at the same positions). A returning user with history h' therefore
+computes rows L-1 .. len(h')-1 only (the new events plus the old last row).
+
+Invalidation: a history that does not start with the cached events (edited, reordered, or
+shifted because it passed the longest bucket and was truncated to its most recent events)
+drops the entry and counts as a miss.
+
+Symbols: Ly layers, H heads, P = L - 1 cached rows, d_qk / d_v. Tensors live on the engine's
+device. Thread-safe (one lock around the table).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixEntry:
+    """One user's cached prefix.
+
+    ids, timestamps, actions, categories: (L,) int64, the L events the rows were computed from.
+    k, v: per layer (H, L - 1, d_qk) and (H, L - 1, d_v): rows 0..L-2 of every layer.
+    """
+
+    ids: torch.Tensor
+    timestamps: torch.Tensor
+    actions: torch.Tensor
+    categories: torch.Tensor
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    nbytes: int = 0
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def rows(self) -> int:
+        """Reusable rows P = L - 1."""
+        return self.length - 1
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0
+    misses: int = 0
+    invalidations: int = 0
+    evictions: int = 0
+    too_large: int = 0
+    rows_reused: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class PrefixCache:
+    """LRU map user id -> :class:`PrefixEntry`, bounded by ``max_bytes`` (tensor bytes).
+
+    Raises ValueError for ``max_bytes`` < 0. An entry larger than the bound is not stored.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"prefix cache max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self.stats = PrefixStats()
+        self._table: OrderedDict[Hashable, PrefixEntry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __contains__(self, user: Hashable) -> bool:
+        return user in self._table
+
+    def lookup(self, user: Hashable, ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor,
+               categories: torch.Tensor) -> PrefixEntry | None:
+        """The entry whose events are a prefix of this history (L' >= L), else None.
+
+        Args: one history's live events, (L',) int64 each (actions / categories zeros if absent).
+        A present entry that is not a prefix is dropped (invalidation). A hit moves the entry
+        to the most-recent end. Counts hits / misses / invalidations.
+        """
+        with self._lock:
+            e = self._table.get(user)
+            if e is None:
+                self.stats.misses += 1
+                return None
+            L = e.length
+            ok = (ids.shape[0] >= L and e.rows >= 1 and torch.equal(ids[:L], e.ids) and torch.equal(timestamps[:L], e.timestamps)
+                  and torch.equal(actions[:L], e.actions) and torch.equal(categories[:L], e.categories))
+            if not ok:
+                self._drop(user)
+                self.stats.invalidations += 1
+                self.stats.misses += 1
+                return None
+            self._table.move_to_end(user)
+            self.stats.hits += 1
+            self.stats.rows_reused += e.rows
+            return e
+
+    def put(self, user: Hashable, entry: PrefixEntry) -> bool:
+        """Store (replace) a user's entry, evicting least-recently-used ones to fit. False if
+        the entry alone exceeds ``max_bytes`` (not stored)."""
+        entry.nbytes = sum(t.numel() * t.element_size() for t in (entry.ids, entry.timestamps, entry.actions, entry.categories,
+                                                                   *entry.k, *entry.v))
+        with self._lock:
+            self._drop(user)
+            if entry.nbytes > self.max_bytes:
+                self.stats.too_large += 1
+                return False
+            while self.bytes + entry.nbytes > self.max_bytes and self._table:
+                old, _ = next(iter(self._table.items()))
+                self._drop(old)
+                self.stats.evictions += 1
+            self._table[user] = entry
+            self.bytes += entry.nbytes
+            return True
+
+    def invalidate(self, user: Hashable) -> bool:
+        """Drop a user's entry; True if there was one."""
+        with self._lock:
+            return self._drop(user)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._table.clear()
+            self.bytes = 0
+
+    def _drop(self, user: Hashable) -> bool:
+        e = self._table.pop(user, None)
+        if e is None:
+            return False
+        self.bytes -= e.nbytes
+        return True

@@ -1,0 +1,92 @@
+"""PyTorch reference of the fused HSTU pieces: the oracle and fallback of every backend.
+
+Zhai et al. 2024, §3, eqs. 1-3, split into the pieces a backend may fuse:
+
+    uvqk:       U, V, Q, K = Split(SiLU(LN(X) · W_uvqk))            (eq. 1)
+    time_buckets: bucket(|t_q - t_k|) = clamp(floor(ln(max(|dt|, 1)) / log_base), 0, nb)
+    attention:  A = SiLU(Q Kᵀ + rab) / n ⊙ mask;  out = A · V       (eq. 2, bias inside)
+    ln_mul:     U ⊙ LN(A · V)                                         (eq. 3, before W_o)
+
+Symbols: B batch, H heads, T query rows, S key rows, d_qk / d_v per-head widths, N the model's
+fixed width (the divisor n and the position table size 2N - 1).
+
+Unlike :func:`hstu.model.attention.hstu_attention_reference` (square, causal by index), the
+attention here takes the absolute position of every query and key row, so the same function
+serves a full prefill (T = S), an extension of a cached prefix (T new rows against S cached
+rows) and a decode step (T = 1), and splits over key segments: with a pointwise SiLU and no
+softmax, out = A_1 · V_1 + A_2 · V_2 for keys split into two segments.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def uvqk(x: torch.Tensor, weight: torch.Tensor, *, num_heads: int, d_qk: int, d_v: int, eps: float) -> tuple[torch.Tensor, ...]:
+    """LN (no affine) -> x · Wᵀ -> SiLU -> split.
+
+    Args:
+        x: (…, d) float rows. weight: (2H(d_v + d_qk), d), the ``uvqk`` Linear's weight.
+    Returns:
+        u, v (…, H*d_v) and q, k (…, H*d_qk), views of one (…, 2H(d_v+d_qk)) tensor.
+    """
+    h = F.silu(F.linear(F.layer_norm(x, (x.shape[-1],), eps=eps), weight))  # (…, 2H(d_v+d_qk))
+    hv, hq = num_heads * d_v, num_heads * d_qk
+    return torch.split(h, [hv, hv, hq, hq], dim=-1)
+
+
+def ln_mul(av: torch.Tensor, u: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """U ⊙ LN(A·V) over the last axis (no affine): (…, H*d_v), (…, H*d_v) -> (…, H*d_v)."""
+    return u * F.layer_norm(av, (av.shape[-1],), eps=eps)
+
+
+def time_buckets(t_q: torch.Tensor, t_k: torch.Tensor, *, num_buckets: int, log_base: float) -> torch.Tensor:
+    """Log time bucket of every (query, key) pair, as :func:`hstu.model.bias.time_buckets`.
+
+    Args:
+        t_q: (B, T) int64 Unix seconds, each query row's t[i+1] (its next event's time; the
+            request time for the last history row and for generated rows).
+        t_k: (B, S) int64 Unix seconds of the key rows.
+    Returns:
+        (B, T, S) int64 in [0, num_buckets]. float64 keeps the floor exact up to 2^53 s.
+    """
+    delta = (t_q.unsqueeze(2) - t_k.unsqueeze(1)).abs().clamp(min=1)  # (B, T, S)
+    idx = torch.floor(torch.log(delta.to(torch.float64)) / log_base).to(torch.int64)
+    return idx.clamp(0, num_buckets)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              k_valid: torch.Tensor | None, tb: torch.Tensor | None, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
+              n: int) -> torch.Tensor:
+    """HSTU attention with the relative bias computed inside (eq. 2).
+
+    rab[b, i, j] = pos_w[N - 1 + k_pos[j] - q_pos[i]] + ts_w[tb[b, i, j]]
+    A[b, h, i, j] = SiLU(q·k + rab) / n, kept where k_pos[j] <= q_pos[i] and k_valid[b, j].
+
+    Args:
+        q: (B, H, T, d_qk); k: (B, H, S, d_qk); v: (B, H, S, d_v), float.
+        q_pos: (B, T) or (T,) int64 absolute positions of the query rows.
+        k_pos: (B, S) or (S,) int64 absolute positions of the key rows.
+        k_valid: (B, S) bool, False masks key j (padding rows of a cache); None: all keys valid.
+        tb: (B, T, S) int64 time buckets (:func:`time_buckets`) or None when ``ts_w`` is None.
+        pos_w: (2N - 1,) position table or None (no position bias); ts_w: (nb + 1,) or None.
+        n: the divisor, the model's fixed width N.
+    Returns:
+        (B, T, H * d_v), heads concatenated. Masked entries are set to exactly 0 (masked_fill,
+        not a multiply), so stale cache rows never leak, even non-finite ones. No factory call
+        (no arange / zeros), so it can run inside a decode loop that is checked for them.
+    """
+    B, H, T, _ = q.shape
+    s = torch.matmul(q, k.transpose(-1, -2))  # (B, H, T, S)
+    rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # (B, T, S) or (T, S): k_pos[j] - q_pos[i]
+    drop = rel > 0  # (B, T, S) or (T, S)
+    if k_valid is not None:
+        drop = drop | ~k_valid.unsqueeze(1)  # (B, T, S)
+    if pos_w is not None:
+        s = s + pos_w[(rel + (pos_w.shape[0] - 1) // 2).clamp(0, pos_w.shape[0] - 1)].unsqueeze(-3)  # (B, H, T, S)
+    if ts_w is not None:
+        s = s + ts_w[tb].unsqueeze(1)  # (B, H, T, S)
+    a = (F.silu(s) / n).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
+    out = torch.matmul(a, v)  # (B, H, T, d_v)
+    return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])  # (B, T, H*d_v)

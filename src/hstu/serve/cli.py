@@ -1,0 +1,135 @@
+"""``hstu serve``: run the HTTP service for a run directory under uvicorn.
+
+    hstu serve --run RUN_DIR [--host 127.0.0.1] [--port 8000] [--device cpu] [--max-batch 16]
+               [--max-wait-ms 5] [--buckets 20,50,100,200] [--max-queue 256] [--request-timeout-s 10]
+               [--memory-threshold 0.10] [--unknown-items drop|reject] [--timestamp-order sort|reject]
+               [--cold-start popular|reject] [--data-dir DIR] [--engine auto|never|require] [--config FILE]
+
+Binds loopback by default. ``--port 0`` picks a free port; the line
+``hstu serve: listening on http://HOST:PORT`` on stdout gives the address once the socket is
+bound (the service answers /healthz at once and /readyz once every bucket is warm). SIGINT /
+SIGTERM stop accepting connections, let in-flight requests finish (up to the request timeout),
+then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (20, 50, 100, 200)
+
+
+def parse_buckets(text: str) -> list[int]:
+    """"20,50,100" -> [20, 50, 100]; ValueError naming --buckets on anything else."""
+    try:
+        edges = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--buckets: expected comma-separated integers such as 20,50,100,200, got {text!r}") from None
+    if not edges or any(e < 1 for e in edges) or edges != sorted(set(edges)):
+        raise ValueError(f"--buckets: edges must be distinct, ascending and >= 1, got {text!r}")
+    return edges
+
+
+def fit_buckets(edges: list[int] | None, max_seq_len: int) -> list[int]:
+    """Explicit edges must fit the model (ValueError otherwise); the defaults are clipped to
+    ``max_seq_len`` and closed by it, so that every history up to the model's length has a bucket."""
+    if edges is not None:
+        if edges[-1] > max_seq_len:
+            raise ValueError(f"--buckets: edge {edges[-1]} exceeds the model's max_seq_len={max_seq_len}")
+        return edges
+    out = [e for e in DEFAULT_BUCKETS if e < max_seq_len]
+    return out + [max_seq_len]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to (host, port); port 0 picks a free one."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from hstu.backend.memory_guard import parse_bytes
+    from hstu.config import ServeConfig, load_config_file
+    from hstu.generate.recommend import Recommender
+    from hstu.model.checkpoint import read_json
+    from hstu.serve.app import ServePolicy, create_app
+    from hstu.serve.popularity import popularity_for_run
+
+    cfg = ServeConfig()
+    if args.config:
+        cfg = load_config_file(args.config).get("serve") or cfg
+    for name in ("host", "port", "max_batch", "max_wait_ms", "max_queue", "request_timeout_s", "memory_threshold"):
+        v = getattr(args, name)
+        if v is not None:
+            setattr(cfg, name, v)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = Path(args.run)
+    rec = Recommender.from_run(run, args.device)
+    explicit = parse_buckets(args.buckets) if args.buckets else (list(cfg.buckets) if args.config else None)
+    cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
+    policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
+                         max_body_bytes=parse_bytes(args.max_body_bytes, field="--max-body-bytes"), max_candidates=args.max_candidates,
+                         cold_start=args.cold_start, use_engine=args.engine, device=args.device)
+    popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
+    app = create_app(cfg, rec, policy=policy, popularity=popularity)
+    sock = bind(cfg.host, cfg.port)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(), access_log=args.access_log,
+                            timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1, limit_concurrency=args.limit_concurrency)
+    server = uvicorn.Server(config)
+    # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown; with these no-op
+    # handlers in place that re-raise does nothing, so a drained shutdown exits 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print(f"hstu serve: listening on http://{host}:{port} (run {run}, buckets {cfg.buckets})", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def add_subcommands(subparsers) -> None:
+    """Add ``serve`` to the ``hstu`` command line."""
+    s = subparsers.add_parser("serve", help="HTTP recommendation service for a run (FastAPI + uvicorn)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--run", required=True, help="run directory written by `hstu train`")
+    s.add_argument("--host", help="bind address (default 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
+    s.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
+    s.add_argument("--max-batch", type=int, help="requests per batch (default 16)")
+    s.add_argument("--max-wait-ms", type=float, help="close a batch this long after its oldest request (default 5)")
+    s.add_argument("--buckets", help="length-bucket edges in events (default 20,50,100,200 clipped to the model's max_seq_len)")
+    s.add_argument("--max-queue", type=int, help="waiting requests per bucket before 429 (default 256)")
+    s.add_argument("--request-timeout-s", type=float, help="per-request timeout before 503 (default 10)")
+    s.add_argument("--memory-threshold", type=float, help="free-memory fraction under which caches are released / load shed (default 0.10)")
+    s.add_argument("--unknown-items", default="drop", choices=["drop", "reject"], help="unknown item ids: drop with a warning, or 422")
+    s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")
+    s.add_argument("--cold-start", default="popular", choices=["popular", "reject"],
+                   help="empty histories: most popular training items, or 422")
+    s.add_argument("--data-dir", help="the run's training data (for cold-start popularity), if it moved since training")
+    s.add_argument("--max-body-bytes", default="1MiB", help="larger bodies answer 413 (default 1MiB)")
+    s.add_argument("--max-candidates", type=int, default=1000, help="most candidates per /v1/score request")
+    s.add_argument("--engine", default="auto", choices=["auto", "never", "require"],
+                   help="generate through hstu.generate.engine when available (auto), never, or fail without it")
+    s.add_argument("--limit-concurrency", type=int, help="uvicorn: most concurrent connections before plain 503s")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    s.add_argument("--config", help="TOML/JSON with a [serve] table (flags override it)")
+    s.set_defaults(func=cmd_serve)
+
+
+__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "parse_buckets"]

@@ -1,0 +1,302 @@
+"""Batch execution for the service: the one place where a bucket's batch meets the model.
+
+:meth:`BatchRunner.run_batch` takes the jobs of one length bucket (each a prepared history plus
+what to do with it) and returns one result per job. Two kinds of job share a batch:
+
+- ``generate``: next-k items. Jobs are grouped so that grouping never changes a result:
+  greedy jobs with the same history-exclusion setting run together with k = the group's largest
+  k, and each job keeps its first k items (greedy step j depends only on steps < j, so the
+  prefix of a longer run equals the shorter run); beam jobs group by (beam width, k, exclusion)
+  since a beam's final ranking depends on k; seeded top-k sampling runs each job alone so a
+  seed always gives the same items whatever else is in the batch.
+- ``score``: target-aware candidate scoring. The histories are encoded once at the bucket's
+  static width ``edge + 1`` (the last slot holds the query time, DESIGN.md "The model"), the
+  user vector is the last live row, and each candidate's score is
+  ``user · normalised candidate embedding / temperature`` (``HSTUModel.score_items``). No
+  candidate is appended to the sequence, so no candidate sees another one.
+
+Backends for ``generate``: ``hstu.generate.engine.Engine`` (static shapes per bucket, KV-cache
+pool, warm-up; issue "Generative inference engine") when that module can be imported and
+accepts the run, else :meth:`hstu.generate.recommend.Recommender.recommend` (which pads each
+batch to its longest history; results are identical since the attention divisor is the fixed
+width N, but the shapes are not static). ``BatchRunner.backend_name`` says which one runs.
+
+Symbols: B jobs in the batch, E the bucket's upper edge (events), C candidates per job.
+Input is trusted here (validated by the app): histories hold 1..E known dense ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstu.generate.decode import exclusion_mask
+from hstu.generate.recommend import Prepared, Recommender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeOptions:
+    """Decoding choice of one generate job (see :class:`hstu.serve.schemas.Decoding`)."""
+
+    strategy: str = "greedy"
+    top_k: int = 50
+    temperature: float = 1.0
+    beam_width: int = 4
+    seed: int = 0
+
+
+@dataclass
+class Job:
+    """One request's work inside a batch.
+
+    kind: "generate" or "score". prepared: the validated history (dense ids, length 1..E).
+    k, decoding, exclude_history: generate only (exclude_history None = the data set's default).
+    candidates: score only, (C,) int64 dense ids, 0 where the original id is unknown (scored
+    then discarded). Fields below ``candidates`` belong to the batcher.
+    """
+
+    kind: str
+    prepared: Prepared
+    k: int = 0
+    decoding: DecodeOptions = field(default_factory=DecodeOptions)
+    exclude_history: bool | None = None
+    candidates: np.ndarray | None = None
+    # batcher bookkeeping
+    future: Any = None
+    enqueued_at: float = 0.0
+    expired: bool = False
+
+
+class BatchRunner:
+    """Runs a bucket's batch on the model; one instance per served run.
+
+    Args:
+        recommender: the loaded run (model, id map).
+        buckets: ascending bucket edges (events), each <= the model's max_seq_len.
+        max_batch: the largest batch the batcher forms (used for warm-up and the engine's pools).
+        use_engine: "auto" (the engine when importable), "never", or "require" (raise if missing).
+
+    Raises:
+        ValueError: bad buckets (not ascending, < 1 or > max_seq_len) or max_batch < 1.
+        ImportError: ``use_engine="require"`` and ``hstu.generate.engine`` is missing.
+
+    Thread safety: ``run_batch`` / ``warmup`` are called from the service's single model thread;
+    a lock makes concurrent calls safe but serial.
+    """
+
+    def __init__(self, recommender: Recommender, buckets: list[int], max_batch: int, use_engine: str = "auto") -> None:
+        cfg = recommender.model.cfg
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"buckets must be distinct ascending positive edges, got {buckets}")
+        if buckets[-1] > cfg.max_seq_len:
+            raise ValueError(f"bucket {buckets[-1]} exceeds the model's max_seq_len={cfg.max_seq_len}; use edges <= {cfg.max_seq_len}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if use_engine not in ("auto", "never", "require"):
+            raise ValueError(f"use_engine must be auto, never or require, got {use_engine!r}")
+        self.rec = recommender
+        self.model = recommender.model
+        self.buckets = list(buckets)
+        self.max_batch = max_batch
+        self.max_k = cfg.max_output_len
+        self.num_items = cfg.num_items
+        self._lock = threading.Lock()
+        self.engine = self._make_engine(use_engine)
+        self.backend_name = "engine" if self.engine is not None else "recommender"
+        self.warm: set[int] = set()
+
+    # ----- backend choice -----
+    def _make_engine(self, use_engine: str):
+        if use_engine == "never":
+            return None
+        try:
+            from hstu.generate.engine import Engine  # issue 4; optional until it lands
+        except ImportError as exc:
+            if use_engine == "require":
+                raise ImportError(f"hstu.generate.engine is required (--engine require) but cannot be imported: {exc}") from exc
+            log.info("hstu.generate.engine not available (%s); generating through Recommender.recommend", exc)
+            return None
+        try:
+            return _engine_adapter(Engine, self)
+        except Exception as exc:  # an engine that cannot take this run must not take the service down
+            if use_engine == "require":
+                raise
+            log.warning("hstu.generate.engine.Engine could not be built for this run (%s); using Recommender.recommend", exc)
+            return None
+
+    def bucket_for(self, length: int) -> int:
+        """The smallest edge >= ``length``; ValueError if none (the app truncates first)."""
+        for b in self.buckets:
+            if length <= b:
+                return b
+        raise ValueError(f"history length {length} exceeds the largest bucket {self.buckets[-1]}")
+
+    # ----- execution -----
+    @torch.inference_mode()
+    def run_batch(self, bucket: int, jobs: list[Job]) -> list[Any]:
+        """Execute one bucket's batch; returns, per job in order, a result or the exception it raised.
+
+        A generate result is the list of k item dicts of ``Recommender.describe``
+        ({"item_id" (original id), "score", "title"?, "action"?, "category"?}); a score result is
+        a (C,) float64 NumPy array of scores in candidate order (NaN where the id is unknown).
+        """
+        if bucket not in self.buckets:
+            raise ValueError(f"unknown bucket {bucket}; valid: {self.buckets}")
+        for j in jobs:
+            if len(j.prepared.ids) > bucket:
+                raise ValueError(f"history of {len(j.prepared.ids)} events does not fit bucket {bucket}")
+        out: list[Any] = [None] * len(jobs)
+        with self._lock:
+            score_idx = [i for i, j in enumerate(jobs) if j.kind == "score"]
+            if score_idx:
+                self._guarded(out, score_idx, lambda: self._score(bucket, [jobs[i] for i in score_idx]))
+            for idx, run in self._generate_groups(bucket, jobs):
+                self._guarded(out, idx, run)
+        return out
+
+    @staticmethod
+    def _guarded(out: list[Any], idx: list[int], run) -> None:
+        try:
+            res = run()
+            for i, r in zip(idx, res):
+                out[i] = r
+        except Exception as exc:  # noqa: BLE001 - reported to each request of the group
+            log.exception("batch group of %d job(s) failed", len(idx))
+            for i in idx:
+                out[i] = exc
+
+    def _generate_groups(self, bucket: int, jobs: list[Job]):
+        groups: dict[tuple, list[int]] = {}
+        for i, j in enumerate(jobs):
+            if j.kind != "generate":
+                continue
+            d = j.decoding
+            excl = self.rec.exclude_history_default if j.exclude_history is None else bool(j.exclude_history)
+            if d.strategy == "greedy":
+                key = ("greedy", excl)
+            elif d.strategy == "beam":
+                key = ("beam", excl, d.beam_width, j.k)
+            else:
+                key = ("topk", i)
+            groups.setdefault(key, []).append(i)
+        for key, idx in groups.items():
+            group = [jobs[i] for i in idx]
+            excl = self.rec.exclude_history_default if group[0].exclude_history is None else bool(group[0].exclude_history)
+            yield idx, (lambda g=group, e=excl: self._generate(bucket, g, e))
+
+    def _generate(self, bucket: int, group: list[Job], excl: bool) -> list[list[dict]]:
+        d = group[0].decoding
+        kmax = max(j.k for j in group)
+        kw: dict[str, Any] = {}
+        if d.strategy == "topk":
+            kw = dict(top_k=d.top_k, temperature=d.temperature, seed=d.seed)
+        elif d.strategy == "beam":
+            kw = dict(beam_width=d.beam_width)
+        preps = [j.prepared for j in group]
+        if self.engine is not None:
+            lists = self.engine.recommend(bucket, preps, kmax, exclude_history=excl, strategy=d.strategy, **kw)
+        else:
+            lists = self.rec.recommend(preps, kmax, exclude_history=excl, strategy=d.strategy, **kw)
+        return [items[: j.k] for items, j in zip(lists, group)]
+
+    def _score(self, bucket: int, jobs: list[Job]) -> list[np.ndarray]:
+        model = self.model
+        b = self.rec.batch([j.prepared for j in jobs], width=bucket + 1)  # static (B, E + 1)
+        B = len(jobs)
+        bidx = torch.arange(B, device=b["ids"].device)
+        b["timestamps"][bidx, b["lengths"]] = b["request_time"]  # query-time slot
+        seq = model.encode(b["ids"], b["timestamps"], b["lengths"], actions=b["actions"], categories=b["categories"])  # (B, E+1, d)
+        user = model.last_rows(seq, b["lengths"])  # (B, d)
+        C = max(len(j.candidates) for j in jobs)
+        cand = torch.zeros(B, C, dtype=torch.int64)
+        for r, j in enumerate(jobs):
+            cand[r, : len(j.candidates)] = torch.from_numpy(np.asarray(j.candidates, dtype=np.int64))
+        scores = model.score_items(user, cand.to(user.device)).double().cpu().numpy()  # (B, C)
+        out = []
+        for r, j in enumerate(jobs):
+            s = scores[r, : len(j.candidates)].copy()
+            s[np.asarray(j.candidates) == 0] = np.nan
+            out.append(s)
+        return out
+
+    # ----- warm-up and memory -----
+    def synthetic_jobs(self, bucket: int, n: int) -> list[Job]:
+        """``n`` full-length (``bucket`` events) generate and score jobs over real item ids, for warm-up."""
+        ids = (np.arange(bucket, dtype=np.int64) % self.num_items) + 1
+        ts = 1_000_000_000 + 60 * np.arange(bucket, dtype=np.int64)
+        cats = self.rec.item_category[torch.from_numpy(ids).to(self.rec.item_category.device)].cpu().numpy()
+        prep = Prepared(ids, ts, np.zeros(bucket, np.int64), cats, int(ts[-1]), [], [])
+        jobs = [Job("generate", prep, k=self.max_k) for _ in range(n)]
+        jobs += [Job("score", prep, candidates=ids[: min(bucket, 8)]) for _ in range(n)]
+        return jobs
+
+    def warmup(self, bucket: int) -> float:
+        """Run the bucket's generate and score paths at full batch and alone (with the engine: at
+        every batch size of its ladder); returns seconds taken. Marks the bucket warm."""
+        t0 = time.perf_counter()
+        sizes = sorted(set(self.engine.batch_sizes), reverse=True) if self.engine is not None else (self.max_batch, 1)
+        for n in sizes:  # every padded batch size the engine uses (captures graphs on CUDA / NPU now)
+            res = self.run_batch(bucket, self.synthetic_jobs(bucket, n))
+            err = next((r for r in res if isinstance(r, Exception)), None)
+            if err is not None:
+                raise RuntimeError(f"warm-up of bucket {bucket} failed: {err}") from err
+        self.warm.add(bucket)
+        return time.perf_counter() - t0
+
+    def release_caches(self) -> None:
+        """Drop what can be rebuilt (the engine's user-prefix cache, Python garbage; the engine's
+        KV-cache pools are preallocated once and kept); called by the memory guard before the
+        backend's ``empty_cache``."""
+        if self.engine is not None and hasattr(self.engine, "release_caches"):
+            self.engine.release_caches()
+        gc.collect()
+
+
+class _EngineAdapter:
+    """``hstu.generate.engine.Engine`` behind the ``Recommender.recommend`` call shape, with each
+    batch padded to the bucket's upper edge (static (B, E) inputs; the engine pads B to its
+    batch-size ladder)."""
+
+    def __init__(self, engine_cls, runner: BatchRunner) -> None:
+        rec = runner.rec
+        self.rec = rec
+        self.engine = engine_cls(rec.model, buckets=tuple(runner.buckets), max_batch=runner.max_batch, k_max=runner.max_k,
+                                 device=rec.device)
+        self.batch_sizes = tuple(getattr(self.engine, "batch_sizes", (runner.max_batch, 1)))
+
+    def recommend(self, bucket: int, preps: list[Prepared], k: int, *, exclude_history: bool, strategy: str, **kw) -> list[list[dict]]:
+        rec = self.rec
+        b = rec.batch(preps, width=bucket)  # (B, E) static per bucket
+        B = len(preps)
+        mask = exclusion_mask(rec.model.cfg.num_items, B, b["ids"] if exclude_history else None, b["lengths"], [p.block for p in preps],
+                              device=rec.device)  # (B, I+1)
+        res = self.engine.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
+                                   strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=rec.item_category,
+                                   **kw)
+        items, scores = res.items.cpu().tolist(), res.scores.cpu().tolist()
+        acts = res.actions.cpu().tolist() if res.actions is not None else None
+        return [[rec.describe(items[i][j], scores[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(B)]
+
+    def release_caches(self) -> None:
+        prefix = getattr(self.engine, "prefix", None)
+        if prefix is not None:
+            prefix.clear()
+
+
+def _engine_adapter(engine_cls, runner: BatchRunner) -> _EngineAdapter:
+    """Build the issue-4 engine for ``runner``'s run (buckets, max_batch, k_max = the model's
+    max_output_len, the recommender's device). Raises whatever the engine raises when it cannot
+    serve the run (the caller falls back to the Recommender)."""
+    return _EngineAdapter(engine_cls, runner)
+
+
+__all__ = ["BatchRunner", "DecodeOptions", "Job"]

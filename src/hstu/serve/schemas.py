@@ -1,0 +1,151 @@
+"""Request and response bodies of the HTTP service (pydantic v2, strict types).
+
+Types are strict (https://docs.pydantic.dev/latest/concepts/strict_mode/): ``"5"`` is not an
+integer and ``true`` is not an item id, so a wrong type answers 422 naming the field instead of
+being coerced. Unknown fields are rejected too (``extra="forbid"``), which catches misspelt
+options such as ``"exlude"``. Ranges that depend on the loaded model (``k`` up to the model's
+``max_output_len``, the number of candidates) are checked by the app after parsing and answered
+with the same 422 body.
+
+Units: timestamps and ``request_time`` are Unix seconds (int); ``latency_ms`` is milliseconds
+measured in the server from the request's arrival to the response; scores are the model's
+cosine similarity / temperature (DESIGN.md "The model"), except on the cold-start path where a
+score is the item's share of the training events (documented on :class:`GenerateResponse`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MAX = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class Event(_Strict):
+    """One history event: original item id, Unix seconds, optional action name (e.g. "buy")."""
+
+    item_id: int = Field(ge=-INT64_MAX, le=INT64_MAX, description="original item id, as in the training data")
+    timestamp: int = Field(ge=0, le=INT64_MAX, description="Unix seconds")
+    action: str | None = Field(default=None, max_length=64, description="action name from the run's idmap (unknown names count as none)")
+
+
+class Decoding(_Strict):
+    """How the k items are chosen (see ``hstu.generate.decode``).
+
+    - ``greedy``: the best remaining item at every step; deterministic and independent of the
+      batch a request lands in.
+    - ``topk``: sample among the ``top_k`` best at softmax ``temperature``, seeded by ``seed``;
+      each such request runs on its own so that a seed always gives the same items.
+    - ``beam``: ``beam_width`` beams ranked by the sum of log-probabilities.
+    """
+
+    strategy: Literal["greedy", "topk", "beam"] = "greedy"
+    top_k: int = Field(default=50, ge=1, le=100_000)
+    temperature: float = Field(default=1.0, gt=0.0, le=100.0)
+    beam_width: int = Field(default=4, ge=1, le=16)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+
+
+UnknownPolicy = Literal["drop", "reject"]
+OrderPolicy = Literal["sort", "reject"]
+
+
+class GenerateRequest(_Strict):
+    """``POST /v1/generate`` body.
+
+    An empty ``history`` takes the cold-start path (most popular training items; see
+    :class:`GenerateResponse`). ``unknown_items`` and ``timestamp_order`` override the server's
+    policies for this request.
+    """
+
+    user_id: int | str | None = Field(default=None, description="echoed back; routing key for a load balancer")
+    history: list[Event] = Field(description="events, ideally oldest first")
+    k: int = Field(default=5, ge=1, le=1000, description="items to return, 1..the model's max_output_len")
+    exclude: list[int] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
+    exclude_history: bool | None = Field(default=None, description="never return history items (default: the data set's)")
+    request_time: int | None = Field(default=None, ge=0, le=INT64_MAX, description="Unix seconds; default: the last event's time")
+    decoding: Decoding | None = None
+    unknown_items: UnknownPolicy | None = Field(default=None, description="drop (with a warning) or reject unknown item ids")
+    timestamp_order: OrderPolicy | None = Field(default=None, description="sort (stable) or reject out-of-order histories")
+
+
+class ScoreRequest(_Strict):
+    """``POST /v1/score`` body: candidates are scored each against the history alone
+    (target-aware: no candidate sees another one). Scores come back in input order."""
+
+    user_id: int | str | None = None
+    history: list[Event] = Field(description="at least one event (no cold-start scoring)")
+    candidates: list[int] = Field(min_length=1, description="original item ids to score")
+    request_time: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    unknown_items: UnknownPolicy | None = None
+    timestamp_order: OrderPolicy | None = None
+
+
+class Item(BaseModel):
+    item_id: int
+    score: float
+    action: str | None = None
+    title: str | None = None
+    category: int | None = None
+
+
+class GenerateResponse(BaseModel):
+    """Next-k items.
+
+    ``bucket``: the length bucket (upper edge, events) the history ran in; ``null`` on the
+    cold-start path. ``cold_start``: true when the history was empty (or empty after dropping
+    unknown ids): the items are the run's most popular training items (by event count, ties by
+    id) minus exclusions, and each ``score`` is the item's share of training events (0..1), not
+    a model score. ``history_length``: events actually used (after dropping unknown ids and
+    keeping the most recent ones). ``warnings``: what was changed in the input.
+    """
+
+    user_id: int | str | None = None
+    items: list[Item]
+    bucket: int | None
+    latency_ms: float
+    history_length: int
+    cold_start: bool = False
+    warnings: list[str] = Field(default_factory=list)
+
+
+class ScoreResponse(BaseModel):
+    """``scores[i]`` belongs to ``candidates[i]``; null for an unknown candidate id (policy "drop")."""
+
+    user_id: int | str | None = None
+    scores: list[float | None]
+    bucket: int
+    latency_ms: float
+    history_length: int
+    warnings: list[str] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    type: str
+    message: str
+    field: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """The one error body of every non-2xx answer."""
+
+    error: ErrorInfo
+    errors: list[ErrorInfo] | None = None
+
+
+__all__ = [
+    "Decoding",
+    "ErrorBody",
+    "ErrorInfo",
+    "Event",
+    "GenerateRequest",
+    "GenerateResponse",
+    "Item",
+    "ScoreRequest",
+    "ScoreResponse",
+]

@@ -1,0 +1,271 @@
+"""Evaluation slices beyond mean HR/NDCG, each with a 95 % bootstrap confidence interval over users.
+
+For one scorer (a trained model, or a baseline of :mod:`hstu.train.baselines`) on one split:
+- next item: HR@K, NDCG@K, MRR (full ranking, as :mod:`hstu.train.evaluate`);
+- next action: accuracy and macro-F1 of the action predicted for the target event (the model's
+  ``action_head`` on the user vector);
+- purchases: HR@10 over users whose target action is a purchase (buy / transaction / …);
+- cold start: HR@10 / NDCG@10 with every history truncated to its most recent 1 and 2 events
+  ("users with < 3 prior events"), the target unchanged (it stays held out);
+- diversity: Shannon entropy (nats) of the generated next-k items pooled across users, and
+  long-tail coverage: the share of generated items outside the 20 % most popular items (by
+  training events). Models generate with :func:`hstu.generate.generate` (greedy, KV cache);
+  baselines' next-k are their top-k.
+
+Bootstrap: percentile intervals (Efron & Tibshirani 1993, §13.3) from ``R`` resamples of the
+evaluated users with replacement (seeded); set-level statistics (macro-F1, entropy) are recomputed
+on each resample. Paired comparisons resample the same users for both scorers; a win is "beyond
+the CI" when the 95 % interval of the difference excludes 0.
+
+Symbols: U evaluated users, B users per batch, I items, k generated items per user, R resamples.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hstu.data.batching import eval_batch
+from hstu.data.ecommerce import PURCHASE_ACTIONS
+from hstu.data.sequences import EventLog, Split
+from hstu.train.evaluate import exclude_history
+from hstu.train.metrics import target_ranks
+
+log = logging.getLogger(__name__)
+
+COLD_START_LENGTHS = (1, 2)
+
+
+# ----------------------------------------------------------------------------- scorers
+class ModelScorer:
+    """Wraps an HSTUModel / SASRecModel as a scorer: scores (B, I+1) and next actions (B,)."""
+
+    def __init__(self, model, name: str = "model", device: torch.device | str = "cpu") -> None:
+        self.model, self.name, self.device = model, name, torch.device(device)
+
+    def _batch(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, max_history: int | None):
+        L = self.model.cfg.max_seq_len if max_history is None else min(max_history, self.model.cfg.max_seq_len)
+        targets = np.full(log_.num_users, -1, np.int64)
+        targets[users] = ends
+        return eval_batch(log_, targets, users, L).to(self.device)
+
+    @torch.inference_mode()
+    def predict(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, max_history: int | None = None):
+        """(B,) rows, (B,) target event indices -> (scores (B, I+1) float, next actions (B,) or None).
+
+        The history is the (at most ``max_history``, and ``max_seq_len``) events before ``ends``."""
+        was = self.model.training
+        self.model.eval()
+        b = self._batch(log_, users, ends, max_history)
+        seq = self.model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
+        user = self.model.last_rows(seq, b.lengths)  # (B, d)
+        scores = user @ self.model.item_vectors().T / self.model.cfg.temperature  # (B, I+1)
+        scores[:, 0] = float("-inf")
+        acts = None
+        if self.model.action_head is not None:
+            acts = (self.model.action_head(user)[:, 1:].argmax(dim=1) + 1).cpu().numpy()
+        self.model.train(was)
+        return scores, acts
+
+    @torch.inference_mode()
+    def generate(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, k: int, exclude: bool) -> np.ndarray:
+        """(B, k) dense items generated greedily (KV cache), request time = the target's time."""
+        from hstu.generate.decode import exclusion_mask, generate
+
+        was = self.model.training
+        self.model.eval()
+        b = self._batch(log_, users, ends, None)
+        mask = exclusion_mask(self.model.cfg.num_items, len(users), b.ids if exclude else None, b.lengths, device=self.device)
+        item_category = torch.from_numpy(log_.item_category).to(self.device)
+        res = generate(self.model, b.ids, b.timestamps, b.lengths, k, request_time=b.timestamps[torch.arange(len(users)), b.lengths],
+                       exclude=mask, actions=b.actions, categories=b.categories, item_category=item_category)
+        self.model.train(was)
+        return res.items.cpu().numpy()
+
+
+class BaselineScorer:
+    """Wraps a baseline of :mod:`hstu.train.baselines` as a scorer."""
+
+    def __init__(self, baseline) -> None:
+        self.baseline, self.name = baseline, baseline.name
+
+    def predict(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, max_history: int | None = None):
+        return self.baseline.scores(users, ends, max_history), self.baseline.next_actions(users, ends, max_history)
+
+    def generate(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, k: int, exclude: bool) -> np.ndarray:
+        s = self.baseline.scores(users, ends)
+        if exclude:
+            exclude_history(s, log_, users, ends)
+        return s.topk(k, dim=1).indices.numpy()
+
+
+# ----------------------------------------------------------------------------- per-user results
+@dataclass
+class UserResults:
+    """Per-user outcomes on one split (all (U,) unless stated), users in EventLog-row order."""
+
+    users: np.ndarray
+    ranks: np.ndarray  # 1-based target rank among all items
+    target_actions: np.ndarray
+    pred_actions: np.ndarray | None
+    generated: np.ndarray | None  # (U, k) dense items
+
+
+def collect(scorer, log_: EventLog, split: Split, which: str, *, exclude: bool | None = None, max_history: int | None = None,
+            k: int = 10, generate: bool = True, batch_size: int = 128) -> UserResults:
+    """Rank every evaluated user's target (and generate next-k) with ``scorer``.
+
+    exclude: drop history items (those before the target, whole history even when
+    ``max_history`` truncates the input) from the candidates; None: the data set's default.
+    """
+    targets = split.targets(which)
+    users = np.nonzero(targets >= 0)[0]
+    exclude = log_.exclude_history_default if exclude is None else exclude
+    ranks, acts, gens = [], [], []
+    for s in range(0, len(users), batch_size):
+        ub = users[s:s + batch_size]
+        ends = targets[ub]
+        scores, a = scorer.predict(log_, ub, ends, max_history)
+        if exclude:
+            exclude_history(scores, log_, ub, ends)
+        ranks.append(target_ranks(scores, torch.from_numpy(log_.items[ends]).to(scores.device)).cpu().numpy())
+        acts.append(a)
+        if generate:
+            gens.append(scorer.generate(log_, ub, ends, k, exclude))
+    has_acts = bool(acts) and acts[0] is not None
+    return UserResults(users=users, ranks=np.concatenate(ranks).astype(np.int64), target_actions=log_.actions[targets[users]],
+                       pred_actions=np.concatenate(acts).astype(np.int64) if has_acts else None,
+                       generated=np.concatenate(gens) if generate and gens else None)
+
+
+# ----------------------------------------------------------------------------- statistics
+def hits(ranks: np.ndarray, k: int) -> np.ndarray:
+    """(U,) float64 1[rank <= k]."""
+    return (np.asarray(ranks) <= k).astype(np.float64)
+
+
+def ndcgs(ranks: np.ndarray, k: int) -> np.ndarray:
+    """(U,) float64 1[rank <= k] / log2(rank + 1)."""
+    r = np.asarray(ranks, np.float64)
+    return np.where(r <= k, 1.0 / np.log2(r + 1.0), 0.0)
+
+
+def macro_f1(y_true: np.ndarray, y_pred: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """Macro-averaged F1 over the classes occurring in ``y_true`` or ``y_pred`` (weighted counts).
+
+    F1_c = 2 TP_c / (2 TP_c + FP_c + FN_c) = 2 TP_c / (#pred_c + #true_c).
+    """
+    y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
+    w = np.ones(len(y_true)) if weights is None else np.asarray(weights, np.float64)
+    C = int(max(y_true.max(initial=0), y_pred.max(initial=0))) + 1
+    tp = np.bincount(y_true[y_true == y_pred], weights=w[y_true == y_pred], minlength=C)
+    denom = np.bincount(y_true, weights=w, minlength=C) + np.bincount(y_pred, weights=w, minlength=C)
+    present = denom > 0
+    return float(np.mean(2 * tp[present] / denom[present])) if present.any() else float("nan")
+
+
+def bootstrap_weights(n: int, resamples: int = 1000, seed: int = 0) -> np.ndarray:
+    """(R, n) int64 multiplicities of each user in R resamples with replacement."""
+    rng = np.random.default_rng(seed)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples)
+
+
+def ci_mean(values: np.ndarray, weights: np.ndarray, level: float = 0.95) -> dict:
+    """{"value": mean, "ci": [lo, hi]} of the per-user ``values`` (U,) with bootstrap ``weights`` (R, U)."""
+    v = np.asarray(values, np.float64)
+    stats = weights @ v / v.size
+    return _summary(float(v.mean()), stats, level)
+
+
+def _summary(value: float, stats: np.ndarray, level: float) -> dict:
+    a = (1 - level) / 2
+    lo, hi = np.nanpercentile(stats, [100 * a, 100 * (1 - a)])
+    return {"value": value, "ci": [float(lo), float(hi)]}
+
+
+def ci_stat(fn, n: int, weights: np.ndarray, level: float = 0.95) -> dict:
+    """Bootstrap CI of a set-level statistic ``fn(w)`` of per-user weights (n,) (w = 1: the value)."""
+    stats = np.array([fn(w) for w in weights], np.float64)
+    return _summary(float(fn(np.ones(n))), stats, level)
+
+
+def weighted_entropy(items: np.ndarray, w: np.ndarray) -> float:
+    """Shannon entropy (nats) of the items of (U, k) ``items``, user u counted w[u] times."""
+    flat = items.ravel()
+    uniq, inv = np.unique(flat, return_inverse=True)
+    c = np.bincount(inv, weights=np.repeat(np.asarray(w, np.float64), items.shape[1]), minlength=len(uniq))
+    p = c[c > 0] / c.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def tail_flags(items: np.ndarray, popularity: np.ndarray, head_share: float = 0.2) -> np.ndarray:
+    """(U,) share of each user's generated items outside the ``head_share`` most popular items
+    (the per-user terms whose mean is :func:`hstu.train.metrics.long_tail_coverage`)."""
+    n_head = max(1, int(np.ceil(head_share * (popularity[1:] > 0).sum())))
+    head = np.zeros(len(popularity), bool)
+    head[np.argsort(-popularity[1:], kind="stable")[:n_head] + 1] = True
+    return (~head[items]).mean(axis=1)
+
+
+def slice_report(res: UserResults, log_: EventLog, *, weights: np.ndarray | None = None, popularity: np.ndarray | None = None,
+                 cold: dict[int, UserResults] | None = None, ks=(10, 50), resamples: int = 1000, seed: int = 0) -> dict:
+    """Every slice metric of one scorer with 95 % bootstrap CIs (see the module docstring).
+
+    Args:
+        res: per-user results on the split (full histories).
+        weights: (R, U) bootstrap multiplicities (shared across scorers for paired CIs);
+            default: ``bootstrap_weights(U, resamples, seed)``.
+        popularity: (I+1,) training counts for long-tail coverage.
+        cold: results with histories truncated to n events, n in COLD_START_LENGTHS.
+    Returns:
+        JSON-ready dict of {"value", "ci"} entries (and user counts).
+    """
+    U = len(res.users)
+    W = bootstrap_weights(U, resamples, seed) if weights is None else weights
+    out: dict = {"users": U, "next_item": {}}
+    for k in ks:
+        out["next_item"][f"HR@{k}"] = ci_mean(hits(res.ranks, k), W)
+        out["next_item"][f"NDCG@{k}"] = ci_mean(ndcgs(res.ranks, k), W)
+    out["next_item"]["MRR"] = ci_mean(1.0 / res.ranks, W)
+    if res.pred_actions is not None and log_.num_actions:
+        y, p = res.target_actions, res.pred_actions
+        out["next_action"] = {
+            "accuracy": ci_mean((y == p).astype(np.float64), W),
+            "macro_f1": ci_stat(lambda w: macro_f1(y, p, w), U, W),
+            "classes": log_.action_names,
+            "predicted_share": {n: float((p == a + 1).mean()) for a, n in enumerate(log_.action_names)},
+        }
+    if log_.num_actions:
+        buy_ids = [a + 1 for a, n in enumerate(log_.action_names) if n.lower() in PURCHASE_ACTIONS]
+        sel = np.isin(res.target_actions, buy_ids)
+        if sel.any():
+            Ws = bootstrap_weights(int(sel.sum()), W.shape[0], seed + 1)
+            out["purchase"] = {"users": int(sel.sum()), "HR@10": ci_mean(hits(res.ranks[sel], 10), Ws),
+                               "NDCG@10": ci_mean(ndcgs(res.ranks[sel], 10), Ws)}
+    if cold:
+        for name, fn in (("HR@10", hits), ("NDCG@10", ndcgs)):
+            per_user = np.mean([fn(cold[n].ranks, 10) for n in sorted(cold)], axis=0)  # (U,) mean over truncations
+            out.setdefault("cold_start", {"history_lengths": sorted(cold)})[name] = ci_mean(per_user, W)
+            for n in sorted(cold):
+                out["cold_start"].setdefault("by_history", {}).setdefault(str(n), {})[name] = ci_mean(fn(cold[n].ranks, 10), W)
+    if res.generated is not None:
+        g = res.generated
+        out["diversity"] = {"k": int(g.shape[1]), "entropy_nats": ci_stat(lambda w: weighted_entropy(g, w), U, W),
+                            "distinct_items": int(len(np.unique(g)))}
+        if popularity is not None:
+            out["diversity"]["long_tail_coverage"] = ci_mean(tail_flags(g, popularity), W)
+    return out
+
+
+def paired_comparison(a: np.ndarray, b: np.ndarray, weights: np.ndarray, level: float = 0.95) -> dict:
+    """Per-user values of two scorers on the same users (U,) -> ratio and difference of the means
+    with paired bootstrap CIs; ``beyond_ci`` when the difference's interval excludes 0."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ma, mb = weights @ a / a.size, weights @ b / b.size
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = _summary(float(a.mean() / b.mean()) if b.mean() > 0 else float("inf"), ma / mb, level)
+    diff = _summary(float(a.mean() - b.mean()), ma - mb, level)
+    return {"ratio": ratio, "difference": diff, "beyond_ci": bool(diff["ci"][0] > 0 or diff["ci"][1] < 0)}

@@ -1,0 +1,72 @@
+"""End to end through the console script in a subprocess: train 1 epoch on 300 users,
+eval, generate (by user and from a history file), and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def hstu(*args, check=True):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, "-m", "hstu.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"hstu {args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from conftest import ML1M, need
+
+    need(ML1M / "ratings.dat")
+    out = tmp_path_factory.mktemp("run")
+    hstu("train", "--dataset", "ml-1m", "--data-dir", ML1M, "--preset", "small", "--epochs", 1, "--max-users", 300, "--out", out, "--quiet")
+    return out
+
+
+def test_train_writes_metrics(run_dir):
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert set(m) >= {"valid", "test", "epochs", "train_seconds"}
+    assert m["epochs"] == 1 and m["test"]["users"] == 300
+    assert 0.0 <= m["test"]["HR@10"] <= 1.0
+
+
+def test_eval_json_matches_metrics(run_dir):
+    out = json.loads(hstu("eval", "--run", run_dir, "--split", "test", "--json").stdout)
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert out["HR@10"] == pytest.approx(m["test"]["HR@10"]) and out["NDCG@10"] == pytest.approx(m["test"]["NDCG@10"])
+
+
+def test_generate_for_user_and_history(run_dir, tmp_path):
+    out = json.loads(hstu("generate", "--run", run_dir, "--user", 1, "-k", 5, "--json").stdout)
+    assert out["user"] == 1 and len(out["items"]) == 5
+    ids = [it["item_id"] for it in out["items"]]
+    assert len(set(ids)) == 5 and all(isinstance(it["title"], str) for it in out["items"])
+    from hstu.data import load_dataset
+    from conftest import ML1M
+
+    log_ = load_dataset("ml-1m", ML1M)
+    seen = set(log_.item_raw_ids[log_.items[: log_.offsets[1]]].tolist())
+    assert not set(ids) & seen  # ML-1M excludes the user's history by default
+    hist = tmp_path / "h.json"
+    hist.write_text(json.dumps([{"item_id": 1, "timestamp": 978300000}, {"item_id": 2858, "timestamp": 978300100}]))
+    out2 = json.loads(hstu("generate", "--run", run_dir, "--history", hist, "--json").stdout)
+    assert len(out2["items"]) == 5 and not {1, 2858} & {it["item_id"] for it in out2["items"]}
+
+
+def test_clear_errors(run_dir, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"item_id": "x", "timestamp": 1}]))
+    p = hstu("generate", "--run", run_dir, "--history", bad, check=False)
+    assert p.returncode == 2 and "item_id must be an integer" in p.stderr
+    p = hstu("generate", "--run", run_dir, "--user", 999999, check=False)
+    assert p.returncode == 2 and "unknown user id 999999" in p.stderr
+    p = hstu("eval", "--run", tmp_path / "missing", check=False)
+    assert p.returncode == 2 and "not found" in p.stderr
+    p = hstu("train", "--data-dir", tmp_path, "--out", tmp_path / "o", "--device", "cuda", check=False)
+    assert p.returncode == 2

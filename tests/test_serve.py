@@ -1,0 +1,481 @@
+"""HTTP service: a real uvicorn server on 127.0.0.1 (port 0) driven through httpx, no mocks.
+
+A tiny run (small preset, max_seq_len 50, 200 ML-1M users, one epoch) is trained once per
+session; the servers use buckets 10, 20, 50. Expected values come from a second path: the
+Recommender called directly (a separate instance), a float64 copy of the model for scores,
+and pandas over ratings.dat for cold-start popularity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from hstu.config import ServeConfig, TrainConfig, model_config_from_preset
+from hstu.generate.recommend import History, Recommender
+from hstu.model.checkpoint import read_json
+from hstu.serve.app import ServePolicy, create_app
+from hstu.serve.cli import bind, fit_buckets, parse_buckets
+from hstu.serve.popularity import popularity_for_run
+
+REPO = Path(__file__).resolve().parents[1]
+ML1M = REPO.parent / "shared" / "data" / "ml-1m"
+USERS = 200
+BUCKETS = [10, 20, 50]
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures: a tiny trained run, its ratings, live servers
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    if not (ML1M / "ratings.dat").exists():
+        pytest.skip(f"{ML1M}/ratings.dat is absent (shared data is provided beside the repo in CI and dev sessions)")
+    from hstu.train.loop import DataSpec, fit
+
+    out = tmp_path_factory.mktemp("serve") / "run"
+    fit(out, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1), DataSpec("ml-1m", str(ML1M), max_users=USERS),
+        progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ratings(run_dir) -> pd.DataFrame:
+    """ratings.dat of the first USERS users, per user in time order (stable: file order on ties)."""
+    df = pd.read_csv(ML1M / "ratings.dat", sep=":", header=None, usecols=[0, 2, 6], names=["user", "item", "ts"], encoding="latin-1")
+    users = np.sort(df.user.unique())[:USERS]
+    df = df[df.user.isin(users)]
+    return df.sort_values(["user", "ts"], kind="stable").reset_index(drop=True)
+
+
+@pytest.fixture(scope="session")
+def rec(run_dir) -> Recommender:
+    return Recommender.from_run(run_dir)
+
+
+@pytest.fixture(scope="session")
+def ref(run_dir) -> Recommender:
+    """A second, independent instance for the expected results."""
+    return Recommender.from_run(run_dir)
+
+
+@pytest.fixture(scope="session")
+def popularity(run_dir, rec):
+    return popularity_for_run(read_json(run_dir / "config.json"), rec.idmap)
+
+
+class LiveServer:
+    """uvicorn in a thread on a pre-bound loopback socket; waits for /readyz (or /healthz)."""
+
+    def __init__(self, app, wait_ready: bool = True) -> None:
+        self.app = app
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.wait_ready = wait_ready
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        probe = "/readyz" if self.wait_ready else "/healthz"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + probe, timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"server at {self.url} not {probe} within 120 s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(rec, popularity=None, **kw) -> LiveServer:
+    policy_keys = {"unknown_items", "timestamp_order", "max_body_bytes", "max_candidates", "cold_start", "warmup"}
+    policy = ServePolicy(**{k: v for k, v in kw.items() if k in policy_keys})
+    cfg = ServeConfig(**{"buckets": BUCKETS, **{k: v for k, v in kw.items() if k not in policy_keys}})
+    return LiveServer(create_app(cfg, rec, policy=policy, popularity=popularity))
+
+
+@pytest.fixture(scope="module")
+def server(rec, popularity):
+    with serve(rec, popularity, max_batch=16, max_wait_ms=30, max_body_bytes=64 * 1024) as s:
+        yield s
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60, **kw)
+
+
+async def _gather(url: str, path: str, bodies: list) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=len(bodies))) as c:
+        return await asyncio.gather(*(c.post(path, json=b) for b in bodies))
+
+
+def gather(url: str, path: str, bodies: list) -> list[httpx.Response]:
+    """POST every body at once (one connection each); responses in order."""
+    return asyncio.run(_gather(url, path, bodies))
+
+
+def events(df: pd.DataFrame, user: int, n: int | None = None) -> list[dict]:
+    rows = df[df.user == user]
+    rows = rows if n is None else rows.iloc[:n]
+    return [{"item_id": int(i), "timestamp": int(t)} for i, t in zip(rows.item, rows.ts)]
+
+
+def direct(ref: Recommender, hist: list[dict], k: int, **kw) -> list[dict]:
+    prep = ref.prepare(History([e["item_id"] for e in hist], [e["timestamp"] for e in hist]))
+    return ref.recommend([prep], k, **kw)[0]
+
+
+def user_vector64(ref: Recommender, hist: list[dict]) -> torch.Tensor:
+    """The history's user vector from a float64 copy of the model on the unpadded (1, L + 1) sequence."""
+    m = copy.deepcopy(ref.model).double()
+    ids = torch.tensor([[ref._dense[e["item_id"]] for e in hist] + [0]])  # noqa: SLF001 - test reference
+    ts = torch.tensor([[e["timestamp"] for e in hist] + [hist[-1]["timestamp"]]])
+    L = torch.tensor([len(hist)])
+    with torch.no_grad():
+        return m.last_rows(m.encode(ids, ts, L), L)[0]
+
+
+def score64(ref: Recommender, user: torch.Tensor, raw_items: list[int]) -> np.ndarray:
+    w = ref.model.item_emb.weight.detach().double()
+    e = w[[ref._dense[i] for i in raw_items]]  # noqa: SLF001
+    e = e / e.norm(dim=1, keepdim=True)
+    return (e @ user / ref.model.cfg.temperature).numpy()
+
+
+# ----------------------------------------------------------------------------------------------
+# probes, docs, metrics names
+# ----------------------------------------------------------------------------------------------
+def test_probes_docs_and_metric_names(server) -> None:
+    assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
+    r = httpx.get(server.url + "/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert r.json()["buckets"] == {"10": True, "20": True, "50": True}
+    assert "swagger" in httpx.get(server.url + "/docs").text.lower()
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics"} <= set(paths)
+    m = metrics(server.url)
+    names = {n for n, _ in m}
+    for name in ("hstu_serve_request_duration_seconds_bucket", "hstu_serve_batch_size_bucket", "hstu_serve_queue_depth",
+                 "hstu_serve_generated_items_total", "hstu_serve_rejected_requests_total", "hstu_serve_memory_free_bytes",
+                 "hstu_serve_memory_total_bytes", "hstu_serve_requests_total", "hstu_serve_ready"):
+        assert name in names, name
+    for b in BUCKETS:  # the ops alert rule "data-movement storm" reads this exact series name and label
+        assert m[("hstu_serve_queue_depth", (("bucket", str(b)),))] == 0
+        assert m[("hstu_serve_bucket_warm", (("bucket", str(b)),))] == 1
+    assert m[("hstu_serve_ready", ())] == 1
+    assert m[("hstu_serve_memory_free_bytes", (("memory", "host"),))] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# results equal the model called directly
+# ----------------------------------------------------------------------------------------------
+def test_generate_concurrent_equals_direct_recommender(server, ratings, ref) -> None:
+    """24 concurrent greedy requests of mixed lengths (all three buckets) and k: each equals the
+    Recommender run on that history alone, so batching and bucket padding change nothing."""
+    users = sorted(ratings.user.unique())[:24]
+    bodies = [{"history": events(ratings, u, n), "k": k} for u, n, k in zip(users, [3, 8, 10, 15, 20, 35, 50, 12] * 3, [1, 5, 10] * 8)]
+    before = metrics(server.url)
+    resp = gather(server.url, "/v1/generate", bodies)
+    after = metrics(server.url)
+    for body, r in zip(bodies, resp):
+        assert r.status_code == 200, r.text
+        got = r.json()
+        want = direct(ref, body["history"], body["k"])
+        assert [i["item_id"] for i in got["items"]] == [i["item_id"] for i in want]
+        np.testing.assert_allclose([i["score"] for i in got["items"]], [i["score"] for i in want], rtol=1e-4, atol=1e-4)
+        n = len(body["history"])
+        assert got["bucket"] == min(b for b in BUCKETS if b >= n) and got["history_length"] == n and not got["cold_start"]
+        assert got["latency_ms"] > 0 and "title" in got["items"][0]
+    # batching grouped concurrent requests: fewer batches than requests (observed in the metrics)
+    count = sum(after.get(("hstu_serve_batch_size_count", (("bucket", str(b)),)), 0) - before.get(("hstu_serve_batch_size_count", (("bucket", str(b)),)), 0) for b in BUCKETS)
+    total = sum(after.get(("hstu_serve_batch_size_sum", (("bucket", str(b)),)), 0) - before.get(("hstu_serve_batch_size_sum", (("bucket", str(b)),)), 0) for b in BUCKETS)
+    assert total == len(bodies) and count < len(bodies), (count, total)
+    gen = after[("hstu_serve_generated_items_total", ())] - before[("hstu_serve_generated_items_total", ())]
+    assert gen == sum(b["k"] for b in bodies)
+
+
+def test_beam_and_topk_equal_direct(server, ratings, ref) -> None:
+    hist = events(ratings, sorted(ratings.user.unique())[3], 18)
+    bodies = [{"history": hist, "k": 4, "decoding": {"strategy": "beam", "beam_width": 3}},
+              {"history": hist, "k": 6, "decoding": {"strategy": "topk", "top_k": 20, "temperature": 0.5, "seed": 7}},
+              {"history": hist, "k": 6, "decoding": {"strategy": "topk", "top_k": 20, "temperature": 0.5, "seed": 7}},
+              {"history": hist, "k": 5, "exclude_history": False}]
+    resp = gather(server.url, "/v1/generate", bodies)
+    items = [[i["item_id"] for i in r.json()["items"]] for r in resp]
+    assert items[0] == [i["item_id"] for i in direct(ref, hist, 4, strategy="beam", beam_width=3)]
+    want_topk = [i["item_id"] for i in direct(ref, hist, 6, strategy="topk", top_k=20, temperature=0.5, seed=7)]
+    assert items[1] == items[2] == want_topk  # a seed gives the same items whatever the batch
+    assert items[3] == [i["item_id"] for i in direct(ref, hist, 5, exclude_history=False)]
+
+
+def test_score_is_target_aware_and_equals_float64_model(server, ratings, ref) -> None:
+    hist = events(ratings, sorted(ratings.user.unique())[5], 30)
+    cands = [int(x) for x in ratings.item.unique()[:40]]
+    r = post(server.url, "/v1/score", {"history": hist, "candidates": cands})
+    assert r.status_code == 200, r.text
+    got = np.array(r.json()["scores"])
+    want = score64(ref, user_vector64(ref, hist), cands)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # float32 server vs float64 reference
+    assert r.json()["bucket"] == 50 and r.json()["history_length"] == 30
+    # each candidate sees only the history: alone, reversed or duplicated, its score is the same
+    alone = [post(server.url, "/v1/score", {"history": hist, "candidates": [c]}).json()["scores"][0] for c in cands[:3]]
+    np.testing.assert_allclose(alone, got[:3], rtol=1e-5, atol=1e-5)
+    rev = post(server.url, "/v1/score", {"history": hist, "candidates": cands[::-1] + cands[:1]}).json()["scores"]
+    np.testing.assert_allclose(rev, list(got[::-1]) + [got[0]], rtol=1e-5, atol=1e-5)
+    # the first generated item's score equals its target-aware score
+    g = post(server.url, "/v1/generate", {"history": hist, "k": 1}).json()["items"][0]
+    s = post(server.url, "/v1/score", {"history": hist, "candidates": [g["item_id"]]}).json()["scores"][0]
+    assert s == pytest.approx(g["score"], rel=1e-4, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# input policies and bad input
+# ----------------------------------------------------------------------------------------------
+def test_cold_start_is_training_popularity(server, ratings) -> None:
+    # independent popularity: each user's events but the last two (protocol "clean"), by count then id
+    train = ratings.groupby("user", group_keys=False).apply(lambda g: g.iloc[:-2])
+    counts = train.item.value_counts()
+    table = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    r = post(server.url, "/v1/generate", {"history": [], "k": 5, "user_id": "new-user"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["cold_start"] is True and got["bucket"] is None and got["user_id"] == "new-user" and got["history_length"] == 0
+    assert [i["item_id"] for i in got["items"]] == [int(i) for i, _ in table[:5]]
+    np.testing.assert_allclose([i["score"] for i in got["items"]], [c / len(train) for _, c in table[:5]])
+    top = [int(i) for i, _ in table[:7]]
+    r = post(server.url, "/v1/generate", {"history": [], "k": 5, "exclude": top[:2]})
+    assert [i["item_id"] for i in r.json()["items"]] == top[2:7]
+    # every id unknown under "drop": cold start, with the warning
+    r = post(server.url, "/v1/generate", {"history": [{"item_id": 10**9, "timestamp": 5}], "k": 2}).json()
+    assert r["cold_start"] and "unknown" in r["warnings"][0] and [i["item_id"] for i in r["items"]] == top[:2]
+
+
+def test_unknown_items_drop_or_reject(server, ratings, ref) -> None:
+    hist = events(ratings, sorted(ratings.user.unique())[7], 12)
+    dirty = hist[:4] + [{"item_id": 10**9, "timestamp": hist[4]["timestamp"]}] + hist[4:]
+    r = post(server.url, "/v1/generate", {"history": dirty, "k": 3}).json()
+    assert r["history_length"] == 12 and any("unknown" in w for w in r["warnings"])
+    assert [i["item_id"] for i in r["items"]] == [i["item_id"] for i in direct(ref, hist, 3)]
+    r = post(server.url, "/v1/generate", {"history": dirty, "k": 3, "unknown_items": "reject"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "history[4].item_id"
+    # scoring: unknown candidates get null (drop) or 422 naming the index (reject)
+    r = post(server.url, "/v1/score", {"history": hist, "candidates": [hist[0]["item_id"], 10**9]}).json()
+    assert r["scores"][0] is not None and r["scores"][1] is None and r["warnings"]
+    r = post(server.url, "/v1/score", {"history": hist, "candidates": [hist[0]["item_id"], 10**9], "unknown_items": "reject"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "candidates[1]"
+
+
+def test_long_history_keeps_most_recent_events(server, ratings, ref) -> None:
+    u = next(u for u in sorted(ratings.user.unique()) if (ratings.user == u).sum() >= 80)
+    hist = events(ratings, u, 80)
+    r = post(server.url, "/v1/generate", {"history": hist, "k": 5}).json()
+    assert r["bucket"] == 50 and r["history_length"] == 50
+    assert any("most recent 50" in w for w in r["warnings"])
+    assert [i["item_id"] for i in r["items"]] == [i["item_id"] for i in direct(ref, hist[-50:], 5)]
+
+
+def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
+    hist = events(ratings, sorted(ratings.user.unique())[11], 9)
+    hist = [dict(e, timestamp=1_000_000 + 60 * i) for i, e in enumerate(hist)]  # distinct times
+    shuffled = [hist[i] for i in (3, 0, 1, 2, 8, 4, 5, 7, 6)]
+    r = post(server.url, "/v1/generate", {"history": shuffled, "k": 4}).json()
+    assert any("sorted" in w for w in r["warnings"])
+    assert [i["item_id"] for i in r["items"]] == [i["item_id"] for i in direct(ref, hist, 4)]
+    r = post(server.url, "/v1/generate", {"history": shuffled, "k": 4, "timestamp_order": "reject"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].timestamp"
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"history": [{"item_id": 1, "timestamp": 1}], "k": 0}, "k"),
+    ({"history": [{"item_id": 1, "timestamp": 1}], "k": 11}, "k"),  # model max_output_len = 10
+    ({"history": [{"item_id": "1", "timestamp": 1}]}, "history[0].item_id"),
+    ({"history": [{"item_id": 1, "timestamp": 1.5}]}, "history[0].timestamp"),
+    ({"history": [{"item_id": 1, "timestamp": -3}]}, "history[0].timestamp"),
+    ({"history": [{"item_id": 1}]}, "history[0].timestamp"),
+    ({"history": [{"item_id": 1, "timestamp": 1}], "k": "5"}, "k"),
+    ({"history": [{"item_id": 1, "timestamp": 1}], "k": True}, "k"),
+    ({"history": {"item_id": 1}}, "history"),
+    ({"k": 5}, "history"),
+    ({"history": [], "exlude": [1]}, "exlude"),
+    ({"history": [], "decoding": {"strategy": "nucleus"}}, "decoding.strategy"),
+    ({"history": [], "decoding": {"strategy": "beam", "beam_width": 0}}, "decoding.beam_width"),
+])
+def test_generate_bad_input_names_the_field(server, body, field) -> None:
+    r = post(server.url, "/v1/generate", body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and err["message"].startswith(field), err
+
+
+def test_score_bad_input_and_malformed_json(server) -> None:
+    r = post(server.url, "/v1/score", {"history": [], "candidates": [1]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "history"
+    r = post(server.url, "/v1/score", {"history": [{"item_id": 1, "timestamp": 1}], "candidates": []})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "candidates"
+    r = post(server.url, "/v1/score", {"history": [{"item_id": 1, "timestamp": 1}], "candidates": list(range(1, 1002))})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "candidates"
+    r = httpx.post(server.url + "/v1/generate", content=b'{"history": [', headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error"
+
+
+def test_body_too_large_413(server) -> None:
+    big = {"history": [{"item_id": 1, "timestamp": i} for i in range(3000)]}  # ~100 KB > 64 KiB limit
+    before = metrics(server.url)[("hstu_serve_rejected_requests_total", (("reason", "body_too_large"),))]
+    r = post(server.url, "/v1/generate", big)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "body_too_large"
+    data = json.dumps(big).encode()  # the same body streamed without Content-Length (chunked)
+    r = httpx.post(server.url + "/v1/generate", content=iter([data[i:i + 8192] for i in range(0, len(data), 8192)]),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    after = metrics(server.url)[("hstu_serve_rejected_requests_total", (("reason", "body_too_large"),))]
+    assert after - before == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# backpressure, timeout, memory shedding, graceful shutdown
+# ----------------------------------------------------------------------------------------------
+def test_queue_full_429_and_timeout_503(rec) -> None:
+    """Queue of 2 per bucket, batches held for 3 s, 1.5 s timeout: of 10 simultaneous requests in
+    one bucket, 2 are queued (then time out: 503) and 8 are refused at once (429), all with
+    Retry-After; once the held batch closes, the queue is free again."""
+    with serve(rec, max_queue=2, max_batch=64, max_wait_ms=3000, request_timeout_s=1.5) as s:
+        body = {"history": [{"item_id": 1, "timestamp": 1}, {"item_id": 2, "timestamp": 2}], "k": 2}
+        resp = gather(s.url, "/v1/generate", [body] * 10)
+        codes = sorted(r.status_code for r in resp)
+        assert codes == [429] * 8 + [503] * 2, codes
+        for r in resp:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == ("queue_full" if r.status_code == 429 else "timeout")
+        m = metrics(s.url)
+        assert m[("hstu_serve_rejected_requests_total", (("reason", "queue_full"),))] == 8
+        assert m[("hstu_serve_rejected_requests_total", (("reason", "timeout"),))] == 2
+        assert m[("hstu_serve_requests_total", (("code", "429"), ("endpoint", "/v1/generate")))] == 8
+        svc = s.app.state.service
+        deadline = time.monotonic() + 30
+        while svc.batcher.depth() and time.monotonic() < deadline:  # the held batch (of expired jobs) closes and is skipped
+            time.sleep(0.05)
+        assert metrics(s.url)[("hstu_serve_queue_depth", (("bucket", "10"),))] == 0
+        assert metrics(s.url).get(("hstu_serve_batch_size_count", (("bucket", "10"),)), 0) == 0  # nothing ran for them
+        r = post(s.url, "/v1/generate", body)  # queued again (not refused), then times out like the others
+        assert r.status_code == 503 and r.json()["error"]["type"] == "timeout"
+        assert httpx.get(s.url + "/healthz").status_code == 200
+
+
+def test_memory_guard_sheds_with_503_and_stays_up(rec) -> None:
+    """A threshold of 100 % of memory can never be met: caches are released, the batch is shed
+    with 503 and the metrics say so; the process keeps answering."""
+    with serve(rec, memory_threshold=1.0, max_wait_ms=1) as s:
+        body = {"history": [{"item_id": 1, "timestamp": 1}], "k": 2}
+        for _ in range(3):
+            r = post(s.url, "/v1/generate", body)
+            assert r.status_code == 503 and r.json()["error"]["type"] == "memory" and int(r.headers["retry-after"]) >= 1
+        r = post(s.url, "/v1/score", {"history": body["history"], "candidates": [1, 2]})
+        assert r.status_code == 503
+        m = metrics(s.url)
+        assert m[("hstu_serve_rejected_requests_total", (("reason", "memory"),))] == 4
+        assert m[("hstu_serve_memory_guard_triggers_total", ())] == 4
+        assert httpx.get(s.url + "/healthz").status_code == 200
+        assert post(s.url, "/v1/generate", {"history": [], "k": 2}).status_code == 422  # no popularity given: cold start off
+
+
+def test_graceful_shutdown_drains_in_flight(rec) -> None:
+    s = serve(rec, max_wait_ms=800, max_batch=64).__enter__()
+    svc = s.app.state.service
+    body = {"history": [{"item_id": 1, "timestamp": 1}], "k": 3}
+    results: list = []
+
+    def client() -> None:
+        results.extend(gather(s.url, "/v1/generate", [body] * 4))
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 30
+    while svc.batcher.in_flight < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert svc.batcher.in_flight == 4
+    s.stop()  # like SIGTERM: stop accepting, finish in-flight requests, then the lifespan drains
+    t.join(60)
+    assert [r.status_code for r in results] == [200] * 4
+    assert not s.thread.is_alive() and svc.batcher.draining
+    with pytest.raises(httpx.TransportError):
+        httpx.get(s.url + "/healthz", timeout=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+def test_bucket_options() -> None:
+    assert parse_buckets("10,20,50") == [10, 20, 50]
+    for bad in ("10,x", "20,10", "0,5", ""):
+        with pytest.raises(ValueError, match="--buckets"):
+            parse_buckets(bad)
+    assert fit_buckets(None, 50) == [20, 50] and fit_buckets(None, 200) == [20, 50, 100, 200]
+    with pytest.raises(ValueError, match="max_seq_len=50"):
+        fit_buckets([10, 100], 50)
+
+
+def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
+    """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--buckets", "10,20,50", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split("listening on ")[1].split()[0]
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/readyz", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        hist = events(ratings, sorted(ratings.user.unique())[0], 15)
+        r = post(url, "/v1/generate", {"history": hist, "k": 3})
+        assert r.status_code == 200 and len(r.json()["items"]) == 3 and r.json()["bucket"] == 20
+        assert post(url, "/v1/generate", {"history": [], "k": 3}).json()["cold_start"] is True  # data found via config.json
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    assert rc == 0
+
+
+
+def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
+    from hstu.cli import main
+
+    assert main(["serve", "--run", str(run_dir), "--buckets", "10,100"]) == 2
+    err = capsys.readouterr().err
+    assert "--buckets" in err and "max_seq_len=50" in err

@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
+        "load_avg_1m_at_start": os.getloadavg()[0],  # shared CI/dev cores: context for the timings
     }
     if not args.skip_build:
         b = measure_build(rows, args.dim, args.dtype, args.shards, args.threads)

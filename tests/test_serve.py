@@ -479,3 +479,46 @@ def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
     assert main(["serve", "--run", str(run_dir), "--buckets", "10,100"]) == 2
     err = capsys.readouterr().err
     assert "--buckets" in err and "max_seq_len=50" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# pieces without HTTP
+# ----------------------------------------------------------------------------------------------
+def test_popularity_from_counts_orders_by_count_then_id() -> None:
+    from hstu.serve.popularity import popularity_for_run, popularity_from_counts
+
+    counts = [99, 3, 7, 7, 0, 1]  # index 0 (padding) is ignored whatever it holds
+    p = popularity_from_counts(counts)
+    assert p.order.tolist() == [2, 3, 1, 5, 4] and p.events == 18
+    assert p.top(3, blocked={3}) == [(2, 7 / 18), (1, 3 / 18), (5, 1 / 18)]
+    stored = popularity_for_run({}, {"item_raw_ids": [0, 10, 20, 30, 40, 50], "item_train_counts": counts})
+    assert stored is not None and stored.order.tolist() == p.order.tolist()
+    assert popularity_for_run({}, {"item_raw_ids": [0, 10]}) is None  # no counts, no data entry: cold start off
+    with pytest.raises(ValueError, match="item_train_counts"):
+        popularity_from_counts([0, -1])
+
+
+def test_runner_engine_and_recommender_paths_agree(rec, ratings) -> None:
+    """One mixed batch (greedy k 1..10, beam, no-history-exclusion, score) through the engine
+    path and through Recommender.recommend: same items, scores within float32 reassociation."""
+    from hstu.serve.runner import BatchRunner, DecodeOptions, Job
+
+    users = sorted(ratings.user.unique())[30:38]
+    preps = [rec.prepare(History([e["item_id"] for e in h], [e["timestamp"] for e in h]))
+             for h in (events(ratings, u, n) for u, n in zip(users, [21, 30, 44, 50, 25, 33, 40, 49]))]
+    jobs = lambda: [Job("generate", preps[0], k=1), Job("generate", preps[1], k=10), Job("generate", preps[2], k=4),  # noqa: E731
+                    Job("generate", preps[3], k=3, decoding=DecodeOptions("beam", beam_width=2)),
+                    Job("generate", preps[4], k=5, exclude_history=False), Job("score", preps[5], candidates=np.array([1, 2, 0, 3])),
+                    Job("generate", preps[6], k=2), Job("score", preps[7], candidates=np.array([5]))]
+    a = BatchRunner(rec, BUCKETS, 16, use_engine="require").run_batch(50, jobs())
+    b = BatchRunner(rec, BUCKETS, 16, use_engine="never").run_batch(50, jobs())
+    for x, y in zip(a, b):
+        assert not isinstance(x, Exception) and not isinstance(y, Exception), (x, y)
+        if isinstance(x, np.ndarray):
+            assert np.isnan(x).tolist() == np.isnan(y).tolist() == [c == 0 for c in ([1, 2, 0, 3] if len(x) == 4 else [5])]
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+        else:
+            assert [i["item_id"] for i in x] == [i["item_id"] for i in y]
+            np.testing.assert_allclose([i["score"] for i in x], [i["score"] for i in y], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="does not fit bucket 20"):
+        BatchRunner(rec, BUCKETS, 16, use_engine="never").run_batch(20, jobs())

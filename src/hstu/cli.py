@@ -65,7 +65,6 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from hstu.data.sequences import make_split
     from hstu.model.checkpoint import load_run
     from hstu.train.evaluate import evaluate
     from hstu.train.loop import DataSpec, prepare_data
@@ -77,7 +76,6 @@ def cmd_eval(args) -> int:
     if args.protocol:
         spec.protocol = args.protocol
     log_, split = prepare_data(spec)
-    split = make_split(log_, spec.protocol)
     out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device)
     if args.json:
         print(json.dumps(out, indent=2))

@@ -19,6 +19,15 @@ from hstu.data.sequences import EventLog, Split
 class SequenceBatch:
     """Padded batch. Symbols: B sequences, W padded width.
 
+    Worked example (B = 2, lengths [3, 1], an evaluation batch so W = 3 + 1):
+
+        jagged (EventLog):  items [7, 2, 9 | 4], offsets [0, 3, 4]
+        padded ids          [[7, 2, 9, 0],
+                             [4, 0, 0, 0]]
+        padded timestamps   [[t0, t1, t2, tq0],     tq = query time (the target's time),
+                             [s0, sq1, 0, 0]]       at position `length`
+        lengths             [3, 1]
+
     ids, timestamps, actions, categories: (B, W) int64, 0 after the live rows (timestamps
     hold the query time at position ``length`` for evaluation batches).
     lengths: (B,) int64. users: (B,) int64 EventLog rows. targets: (B,) int64 dense target

@@ -65,6 +65,7 @@ class ServePolicy:
     max_body_bytes: larger request bodies answer 413 (default 1 MiB, ~15k events).
     max_candidates: most candidates per /v1/score request.
     cold_start: "popular" (most popular training items) or "reject" (422) for empty histories.
+    max_queue_delay_ms: refuse with 429 when the predicted queueing delay is longer (default 1000).
     use_engine: "auto" | "never" | "require" (see :class:`hstu.serve.runner.BatchRunner`).
     warmup: warm every bucket at start-up (readiness waits for it).
     """
@@ -74,6 +75,7 @@ class ServePolicy:
     max_body_bytes: int = 1 << 20
     max_candidates: int = 1000
     cold_start: str = "popular"
+    max_queue_delay_ms: float = 1000.0
     use_engine: str = "auto"
     warmup: bool = True
     device: str = "cpu"
@@ -86,6 +88,8 @@ class ServePolicy:
                 raise ValueError(f"ServePolicy.{name} must be one of {valid}, got {getattr(self, name)!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"ServePolicy.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queue_delay_ms <= 0:
+            raise ValueError(f"ServePolicy.max_queue_delay_ms must be > 0, got {self.max_queue_delay_ms}")
         if self.max_candidates < 1:
             raise ValueError(f"ServePolicy.max_candidates must be >= 1, got {self.max_candidates}")
 
@@ -244,7 +248,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.batcher = MicroBatcher(svc.runner, svc.metrics, svc.guard, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms,
-                                   max_queue=cfg.max_queue, request_timeout_s=cfg.request_timeout_s)
+                                   max_queue=cfg.max_queue, request_timeout_s=cfg.request_timeout_s,
+                                   max_queue_delay_s=policy.max_queue_delay_ms / 1000.0)
         svc.batcher.start()
         if policy.warmup:
             svc.warm_task = asyncio.get_running_loop().create_task(svc.batcher.warmup())

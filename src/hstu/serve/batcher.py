@@ -10,8 +10,8 @@ parsing requests meanwhile). While a batch runs, the next one fills.
 
 Backpressure: a request is refused at once, never queued, when its bucket already holds
 ``max_queue`` waiting requests, or when the predicted wait (requests ahead / ``max_batch`` batches
-of the recent mean batch time) exceeds the request timeout: :class:`Rejected` 429 with a
-Retry-After in seconds. A queued request that is not answered within ``request_timeout_s`` gets
+of the recent mean batch time) exceeds ``max_queue_delay_s`` (default: the request timeout):
+:class:`Rejected` 429 with a Retry-After in seconds. A queued request that is not answered within ``request_timeout_s`` gets
 503 and is skipped if its batch has not started. Before each batch the memory guard checks free
 memory (device, or host on CPU): below the threshold it releases caches; if memory is still low
 the whole batch is shed with 503 (reason "memory") and the process keeps running.
@@ -68,6 +68,8 @@ class MicroBatcher:
         max_batch: requests per batch (>= 1). max_wait_ms: deadline from the oldest request (>= 0).
         max_queue: waiting requests per bucket before 429 (>= 1).
         request_timeout_s: time a request may wait for its result before 503 (> 0).
+        max_queue_delay_s: refuse (429) when the predicted queueing delay is longer (> 0;
+            default ``request_timeout_s``).
 
     Raises:
         ValueError: a setting out of range (the message names it).
@@ -76,7 +78,7 @@ class MicroBatcher:
     """
 
     def __init__(self, runner: BatchRunner, metrics: ServeMetrics, guard: MemoryGuard | None, *, max_batch: int, max_wait_ms: float,
-                 max_queue: int, request_timeout_s: float) -> None:
+                 max_queue: int, request_timeout_s: float, max_queue_delay_s: float | None = None) -> None:
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1)):
             if int(value) < low:
                 raise ValueError(f"{name} must be >= {low}, got {value!r}")
@@ -84,9 +86,12 @@ class MicroBatcher:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
         if request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+        if max_queue_delay_s is not None and max_queue_delay_s <= 0:
+            raise ValueError(f"max_queue_delay_s must be > 0, got {max_queue_delay_s!r}")
         self.runner, self.metrics, self.guard = runner, metrics, guard
         self.max_batch, self.max_wait = int(max_batch), float(max_wait_ms) / 1000.0
         self.max_queue, self.timeout = int(max_queue), float(request_timeout_s)
+        self.max_delay = float(max_queue_delay_s) if max_queue_delay_s is not None else self.timeout
         self.buckets = {e: _Bucket(e, deque(), asyncio.Event()) for e in runner.buckets}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
         self.draining = False
@@ -153,7 +158,7 @@ class MicroBatcher:
         """Queue ``job`` in ``bucket`` and wait for its result.
 
         Raises:
-            Rejected: 429 queue full / predicted wait over the timeout; 503 draining, timed out,
+            Rejected: 429 queue full / predicted wait over ``max_queue_delay_s``; 503 draining, timed out,
                 or shed by the memory guard.
             Exception: whatever ``run_batch`` reported for this job.
         """
@@ -162,10 +167,10 @@ class MicroBatcher:
             raise Rejected(503, "draining", "the server is shutting down", 1)
         b = self.buckets[bucket]
         predicted = (self.depth() / self.max_batch + 1) * self.batch_time_s
-        if len(b.queue) >= self.max_queue or predicted > self.timeout:
+        if len(b.queue) >= self.max_queue or predicted > self.max_delay:
             self.metrics.reject("queue_full")
             why = (f"bucket {bucket} queue is full ({len(b.queue)} waiting)" if len(b.queue) >= self.max_queue
-                   else f"predicted wait {predicted:.1f} s exceeds the request timeout {self.timeout:g} s")
+                   else f"predicted queueing delay {predicted:.2f} s exceeds {self.max_delay:g} s")
             raise Rejected(429, "queue_full", f"overloaded: {why}; retry later", self.retry_after())
         loop = asyncio.get_running_loop()
         job.future = loop.create_future()

@@ -2,7 +2,7 @@
 
     hstu serve --run RUN_DIR [--host 127.0.0.1] [--port 8000] [--device cpu] [--max-batch 16]
                [--max-wait-ms 5] [--buckets 20,50,100,200] [--max-queue 256] [--request-timeout-s 10]
-               [--memory-threshold 0.10] [--unknown-items drop|reject] [--timestamp-order sort|reject]
+               [--max-queue-delay-ms 1000] [--memory-threshold 0.10] [--unknown-items drop|reject] [--timestamp-order sort|reject]
                [--cold-start popular|reject] [--data-dir DIR] [--engine auto|never|require] [--config FILE]
 
 Binds loopback by default. ``--port 0`` picks a free port; the line
@@ -82,7 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
     policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
                          max_body_bytes=parse_bytes(args.max_body_bytes, field="--max-body-bytes"), max_candidates=args.max_candidates,
-                         cold_start=args.cold_start, use_engine=args.engine, device=args.device)
+                         cold_start=args.cold_start, max_queue_delay_ms=args.max_queue_delay_ms, use_engine=args.engine, device=args.device)
     popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
     app = create_app(cfg, rec, policy=policy, popularity=popularity)
     sock = bind(cfg.host, cfg.port)
@@ -115,6 +115,8 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--buckets", help="length-bucket edges in events (default 20,50,100,200 clipped to the model's max_seq_len)")
     s.add_argument("--max-queue", type=int, help="waiting requests per bucket before 429 (default 256)")
     s.add_argument("--request-timeout-s", type=float, help="per-request timeout before 503 (default 10)")
+    s.add_argument("--max-queue-delay-ms", type=float, default=1000.0,
+                   help="refuse (429) when the predicted queueing delay is longer (default 1000)")
     s.add_argument("--memory-threshold", type=float, help="free-memory fraction under which caches are released / load shed (default 0.10)")
     s.add_argument("--unknown-items", default="drop", choices=["drop", "reject"], help="unknown item ids: drop with a warning, or 422")
     s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")

@@ -188,7 +188,7 @@ class BatchRunner:
             else:
                 key = ("topk", i)
             groups.setdefault(key, []).append(i)
-        for key, idx in groups.items():
+        for idx in groups.values():
             group = [jobs[i] for i in idx]
             excl = self.rec.exclude_history_default if group[0].exclude_history is None else bool(group[0].exclude_history)
             yield idx, (lambda g=group, e=excl: self._generate(bucket, g, e))

@@ -24,8 +24,9 @@ def sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Te
         out: (B, W, d) L2-normalised encoder rows.
         ids: (B, W) int64 item ids (0 padding); lengths (B,) int64.
         item_emb: callable (…) int64 -> (…, d) rows.
-        sharing: "sequence" (M negatives per sequence, shared by its positions) or
-            "position" (M negatives per position).
+        sharing: "sequence" (M negatives per sequence, shared by its positions: one batched
+            GEMM) or "position" (M independent negatives per position, gathered; the
+            reference's scheme, slower on CPU).
     Returns:
         (loss scalar, number of supervised positions P).
     """

@@ -12,9 +12,10 @@ For one scorer (a trained model, or a baseline of :mod:`hstu.train.baselines`) o
   training events). Models generate with :func:`hstu.generate.generate` (greedy, KV cache);
   baselines' next-k are their top-k.
 
-Bootstrap: percentile intervals (Efron & Tibshirani 1993, §13.3) from ``R`` resamples of the
-evaluated users with replacement (seeded); set-level statistics (macro-F1, entropy) are recomputed
-on each resample. Paired comparisons resample the same users for both scorers; a win is "beyond
+Bootstrap: ``R`` resamples of the evaluated users with replacement (seeded). Means over users get
+percentile intervals (Efron & Tibshirani 1993, §13.3); set-level statistics (macro-F1, entropy)
+are recomputed on each resample and get basic (pivotal) intervals, which correct their
+resampling bias. Paired comparisons resample the same users for both scorers; a win is "beyond
 the CI" when the 95 % interval of the difference excludes 0.
 
 Symbols: U evaluated users, B users per batch, I items, k generated items per user, R resamples.
@@ -114,6 +115,7 @@ class UserResults:
     generated: np.ndarray | None  # (U, k) dense items
 
 
+@torch.inference_mode()
 def collect(scorer, log_: EventLog, split: Split, which: str, *, exclude: bool | None = None, max_history: int | None = None,
             k: int = 10, generate: bool = True, batch_size: int = 128) -> UserResults:
     """Rank every evaluated user's target (and generate next-k) with ``scorer``.
@@ -187,9 +189,16 @@ def _summary(value: float, stats: np.ndarray, level: float) -> dict:
 
 
 def ci_stat(fn, n: int, weights: np.ndarray, level: float = 0.95) -> dict:
-    """Bootstrap CI of a set-level statistic ``fn(w)`` of per-user weights (n,) (w = 1: the value)."""
+    """Basic (pivotal) bootstrap CI [2θ - q_hi, 2θ - q_lo] of a set-level statistic θ = ``fn(w)``
+    of per-user weights (n,) (w = 1: the value; Davison & Hinkley 1997, eq. 5.6). Pooled
+    statistics such as the entropy of all generated items are biased under resampling (repeated
+    users mean fewer distinct items), which the pivotal interval corrects and the percentile
+    interval does not."""
     stats = np.array([fn(w) for w in weights], np.float64)
-    return _summary(float(fn(np.ones(n))), stats, level)
+    value = float(fn(np.ones(n)))
+    a = (1 - level) / 2
+    lo, hi = np.nanpercentile(stats, [100 * a, 100 * (1 - a)])
+    return {"value": value, "ci": [float(2 * value - hi), float(2 * value - lo)]}
 
 
 def weighted_entropy(items: np.ndarray, w: np.ndarray) -> float:

@@ -73,8 +73,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
         pos_w: (2N - 1,) position table or None (no position bias); ts_w: (nb + 1,) or None.
         n: the divisor, the model's fixed width N.
     Returns:
-        (B, T, H * d_v), heads concatenated. Masked entries are set to exactly 0 (masked_fill,
-        not a multiply), so stale cache rows never leak, even non-finite ones. No factory call
+        (B, T, H * d_v), heads concatenated. Masked scores are set to exactly 0 (masked_fill,
+        not a multiply of SiLU(s)), so finite stale cache rows contribute exactly 0 (a cache is
+        zero-initialised and only ever holds finite K/V). No factory call
         (no arange / zeros), so it can run inside a decode loop that is checked for them.
     """
     B, H, T, _ = q.shape

@@ -50,6 +50,8 @@ def available(device: torch.device | str | None = None) -> str | None:
     dev = torch.device(device) if device is not None else None
     if dev is None or dev.type != "cuda":
         return f"the Triton kernel runs on CUDA tensors (got {dev}); set TRITON_INTERPRET=1 to run it on the CPU interpreter"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
     return None
 
 

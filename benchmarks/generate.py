@@ -1,0 +1,282 @@
+"""Benchmark the generative inference engine: ratios measured side by side in one run.
+
+    python benchmarks/generate.py --quick --json benchmarks/results/generate_quick.json   # < 60 s on 2 cores
+    python benchmarks/generate.py --json benchmarks/results/generate_full.json            # more repeats, bigger mixes
+    python benchmarks/generate.py --graphs compile ...                                    # torch.compile per bucket
+
+Model: random weights, the "small" preset (2 blocks, 1 head, d = 50, N = 210) with
+num_items = 3706 (ML-1M's catalogue); no training needed, the cost does not depend on weights.
+Every comparison alternates its two sides call by call (A, B, A, B, ...) so that a noisy,
+shared machine slows both alike; each side reports P50 / P99 of its calls in ms and the
+speedup is P50(slow side) / P50(fast side). Histories: random items, increasing timestamps.
+
+1. KV cache vs full recompute: next-5, batch 1 and 16, length 50 / 100 / 200, by the same
+   engine (same buckets, kernels, padding; ``use_cache=False`` reruns the bucket's prefill at
+   width E + k_max on the grown sequence). Ideal about 4.5x (5 prefills against 1 prefill and
+   4 one-token steps); the fraction of the ideal reached is reported.
+2. Bucketed (edges 20/50/100/200) vs one bucket padded to 200, next-5 over a mix of users
+   whose history lengths follow a real distribution: ML-1M (hstu.data.load_dataset, capped at
+   200), Taobao (rows per user of UserBehavior_head.csv) and uniform 1..200. Throughput =
+   users / s over the mix, each engine called with the whole mix (it groups by bucket and
+   runs chunks of 16). Ideal gains from the mix itself: linear work sum(200) / sum(edge),
+   attention sum(200²) / sum(edge²).
+3. User-prefix cache hit (a returning user with one new event, 199 cached events) vs miss
+   (prefix dropped first) at length 200, batch 16: next-5 end to end and the encode alone
+   (k = 1: prefill or extension plus one scoring pass).
+4. Latency growth from length 50 to 200 at batch 32 (next-5, max_batch 32): the ratio
+   P50(L=200) / P50(L=50) (the reference port: +123 % on A100, +387 % on an unoptimised NPU).
+Memory: peak RSS (getrusage), device peak where present, KV pool bytes per bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hstu.backend import select
+from hstu.config import PRESETS, ModelConfig
+from hstu.generate.engine import Engine
+from hstu.model import build_hstu
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+EDGES = (20, 50, 100, 200)
+log = logging.getLogger("bench.generate")
+
+
+def make_model(device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=3706, dropout=0.0, **PRESETS["small"])
+    return build_hstu(cfg).to(device).eval()
+
+
+def histories(lengths: np.ndarray, width: int, num_items: int, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    L = torch.as_tensor(lengths, dtype=torch.int64)
+    ids = torch.randint(1, num_items + 1, (B, width), generator=g)
+    ts = 10**9 + torch.cumsum(torch.randint(1, 10**5, (B, width), generator=g), dim=1)
+    live = torch.arange(width).view(1, -1) < L.view(-1, 1)
+    ids, ts = ids * live, ts * live
+    rt = ts.max(dim=1).values + 60
+    return ids.to(device), ts.to(device), L.to(device), rt.to(device)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs) * 1000.0, q))
+
+
+def side_by_side(fns: dict, reps: int, sync, setup=None) -> dict:
+    """Call each fn in turn, reps times; returns {name: [seconds]}."""
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if setup is not None:
+                setup(name)
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    return {"p50_ms": round(pct(times, 50), 3), "p99_ms": round(pct(times, 99), 3), "n": len(times)}
+
+
+def ml1m_lengths() -> np.ndarray | None:
+    path = DATA / "ml-1m"
+    if not (path / "ratings.dat").exists():
+        return None
+    from hstu.data import load_dataset
+
+    log_ = load_dataset("ml-1m", path)
+    return np.diff(log_.offsets)
+
+
+def taobao_lengths() -> np.ndarray | None:
+    path = DATA / "taobao-userbehavior-head" / "UserBehavior_head.csv"
+    if not path.exists():
+        return None
+    import pandas as pd
+
+    users = pd.read_csv(path, header=None, usecols=[0], names=["user"])["user"]
+    return users.value_counts().to_numpy()
+
+
+def bucket_edge(n: int) -> int:
+    return next(e for e in EDGES if n <= e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few repeats and small mixes (< 60 s on 2 cores)")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--graphs", default="auto", help="engine graph mode: auto | eager | compile | cuda_graph | npu_graph")
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    be = select(args.device)
+    dev = be.device
+    sync = be.synchronize
+    model = make_model(dev)
+    I = model.cfg.num_items
+    reps = 7 if args.quick else 40
+    mix_users = 96 if args.quick else 1024
+    eng_kw = dict(device=dev, graphs=args.graphs, kernels=args.kernels)
+    eng = Engine(model, buckets=EDGES, max_batch=16, k_max=10, **eng_kw)
+    flat = Engine(model, buckets=(200,), max_batch=16, k_max=10, **eng_kw)
+    warm = {"bucketed": eng.warmup(), "padded": flat.warmup()} if eng.graphs != "eager" else {}
+    out: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "quick": args.quick, "device": str(dev),
+                 "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                             "python": platform.python_version(), "load_avg_at_start": list(os.getloadavg())},
+                 "model": {"preset": "small", "num_items": I, "width_N": model.cfg.width, "weights": "random"},
+                 "engine": {"buckets": list(EDGES), "max_batch": 16, "k_max": 10, "graphs": eng.graphs, "kernels": eng.kernels.name},
+                 "warmup_s": warm, "kv_pool_bytes_per_bucket": eng.cache_bytes_per_bucket()}
+    print(f"device {dev}, graphs {eng.graphs}, kernels {eng.kernels.name}, reps {reps}; KV pool bytes per bucket "
+          f"{eng.cache_bytes_per_bucket()}")
+
+    # ---- 1. KV cache vs recompute ----
+    kv = {}
+    print("\n1. next-5: KV cache vs full recompute (same engine); ideal 4.5x")
+    for B in (1, 16):
+        for L in (50, 100, 200):
+            ids, ts, Ls, rt = histories(np.full(B, L), L, I, dev, seed=L + B)
+            t = side_by_side({"cached": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
+                              "recompute": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt, use_cache=False)}, reps, sync)
+            sp = pct(t["recompute"], 50) / pct(t["cached"], 50)
+            kv[f"L{L}_B{B}"] = {"cached": summary(t["cached"]), "recompute": summary(t["recompute"]), "speedup": round(sp, 3),
+                                "fraction_of_ideal_4.5": round(sp / 4.5, 3)}
+            print(f"  B={B:2d} L={L:3d}: cached P50 {pct(t['cached'], 50):7.2f} ms (P99 {pct(t['cached'], 99):7.2f}), "
+                  f"recompute P50 {pct(t['recompute'], 50):7.2f} ms (P99 {pct(t['recompute'], 99):7.2f})  -> {sp:.2f}x "
+                  f"({sp / 4.5:.0%} of ideal)")
+    out["kv_vs_recompute"] = kv
+    k = kv["L200_B16"]
+    out["kv_vs_recompute_speedup_L200_B16"] = {"speedup": k["speedup"], "fraction_of_ideal": k["fraction_of_ideal_4.5"],
+                                               "cached_p50_ms": k["cached"]["p50_ms"], "cached_p99_ms": k["cached"]["p99_ms"],
+                                               "recompute_p50_ms": k["recompute"]["p50_ms"], "recompute_p99_ms": k["recompute"]["p99_ms"]}
+
+    # ---- 2. bucketed vs pad-to-200 ----
+    print("\n2. next-5 over a user mix: bucketed (20/50/100/200) vs one bucket padded to 200")
+    rng = np.random.default_rng(0)
+    dists = {"ml-1m": ml1m_lengths(), "taobao": taobao_lengths(), "uniform_1_200": np.arange(1, 201)}
+    bucketed = {}
+    for name, pool in dists.items():
+        if pool is None:
+            print(f"  {name}: data absent under {DATA}, skipped")
+            continue
+        lens = np.minimum(rng.choice(pool, size=mix_users, replace=True), 200)
+        ids, ts, Ls, rt = histories(lens, 200, I, dev, seed=1)
+        t = side_by_side({"bucketed": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
+                          "padded": lambda: flat.generate(ids, ts, Ls, 5, request_time=rt)}, max(3, reps // 2), sync)
+        edges = np.array([bucket_edge(int(n)) for n in lens])
+        ideal_lin = 200.0 * len(lens) / edges.sum()
+        ideal_att = 200.0**2 * len(lens) / (edges.astype(np.float64) ** 2).sum()
+        sp = pct(t["padded"], 50) / pct(t["bucketed"], 50)
+        full_pool = np.minimum(pool, 200)
+        bucketed[name] = {"users": int(len(lens)), "median_len": float(np.median(full_pool)), "share_at_cap": round(float((full_pool >= 200).mean()), 3),
+                          "bucketed": summary(t["bucketed"]), "padded": summary(t["padded"]),
+                          "bucketed_users_per_s": round(len(lens) / np.median(t["bucketed"]), 1),
+                          "padded_users_per_s": round(len(lens) / np.median(t["padded"]), 1),
+                          "speedup": round(sp, 3), "ideal_linear": round(ideal_lin, 3), "ideal_attention": round(ideal_att, 3),
+                          "fraction_of_ideal_linear": round(sp / ideal_lin, 3), "fraction_of_ideal_attention": round(sp / ideal_att, 3)}
+        print(f"  {name:13s} (median {np.median(full_pool):.0f}, {(full_pool >= 200).mean():.0%} at the cap; {len(lens)} users): "
+              f"bucketed P50 {pct(t['bucketed'], 50):8.1f} ms, padded P50 {pct(t['padded'], 50):8.1f} ms -> {sp:.2f}x throughput "
+              f"(ideal {ideal_lin:.2f}x linear, {ideal_att:.2f}x attention; {sp / ideal_lin:.0%} / {sp / ideal_att:.0%})")
+    out["bucketed_vs_padded"] = bucketed
+    main_mix = bucketed.get("ml-1m") or bucketed.get("uniform_1_200")
+    out["bucketed_vs_padded_speedup"] = {"distribution": "ml-1m" if "ml-1m" in bucketed else "uniform_1_200",
+                                         "speedup": main_mix["speedup"], "fraction_of_ideal_linear": main_mix["fraction_of_ideal_linear"],
+                                         "fraction_of_ideal_attention": main_mix["fraction_of_ideal_attention"],
+                                         "bucketed_p50_ms": main_mix["bucketed"]["p50_ms"], "bucketed_p99_ms": main_mix["bucketed"]["p99_ms"],
+                                         "padded_p50_ms": main_mix["padded"]["p50_ms"], "padded_p99_ms": main_mix["padded"]["p99_ms"]}
+
+    # ---- 3. prefix cache hit vs miss ----
+    print("\n3. user-prefix cache at length 200, batch 16: hit (199 cached events + 1 new) vs miss")
+    peng = Engine(model, buckets=EDGES, max_batch=16, k_max=10, prefix_cache_bytes=256 * 2**20, **eng_kw)
+    B = 16
+    ids, ts, Ls, rt = histories(np.full(B, 200), 200, I, dev, seed=7)
+    users = [f"user{i}" for i in range(B)]
+    prev = Ls - 1
+    prefix = {}
+    for kk in (5, 1):
+        def setup(name):
+            peng.prefix.clear()
+            if name == "hit":  # the previous visit: 199 events, an earlier request time
+                peng.generate(ids, ts, prev, 1, request_time=ts[:, 198] + 30, user_ids=users)
+
+        t = side_by_side({"hit": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users),
+                          "miss": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users)}, reps, sync, setup)
+        chk = peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users)  # sanity: a stored entry is reused
+        assert int(chk.prefix_rows.min()) == 199, chk.prefix_rows
+        sp = pct(t["miss"], 50) / pct(t["hit"], 50)
+        key = "next5" if kk == 5 else "encode_only_k1"
+        prefix[key] = {"hit": summary(t["hit"]), "miss": summary(t["miss"]), "speedup": round(sp, 3)}
+        print(f"  {key:15s}: hit P50 {pct(t['hit'], 50):7.2f} ms (P99 {pct(t['hit'], 99):7.2f}), miss P50 {pct(t['miss'], 50):7.2f} ms "
+              f"(P99 {pct(t['miss'], 99):7.2f}) -> {sp:.2f}x")
+    out["prefix_cache"] = prefix
+    p = prefix["next5"]
+    out["prefix_hit_vs_miss_speedup_L200"] = {"speedup": p["speedup"], "what": "next-5, batch 16, one new event",
+                                              "hit_p50_ms": p["hit"]["p50_ms"], "hit_p99_ms": p["hit"]["p99_ms"],
+                                              "miss_p50_ms": p["miss"]["p50_ms"], "miss_p99_ms": p["miss"]["p99_ms"],
+                                              "encode_only_speedup": prefix["encode_only_k1"]["speedup"]}
+    del peng
+
+    # ---- 4. latency growth 50 -> 200 at batch 32 ----
+    print("\n4. next-5 latency growth from length 50 to 200 at batch 32")
+    e32 = Engine(model, buckets=EDGES, max_batch=32, k_max=10, **eng_kw)
+    if e32.graphs != "eager":
+        e32.warmup()
+    h50 = histories(np.full(32, 50), 200, I, dev, seed=50)
+    h200 = histories(np.full(32, 200), 200, I, dev, seed=200)
+    t = side_by_side({"L50": lambda: e32.generate(*h50[:3], 5, request_time=h50[3]),
+                      "L200": lambda: e32.generate(*h200[:3], 5, request_time=h200[3])}, reps, sync)
+    growth = pct(t["L200"], 50) / pct(t["L50"], 50)
+    out["latency_growth_L50_to_L200_B32"] = {"ratio": round(growth, 3), "increase_percent": round(100 * (growth - 1), 1),
+                                             "L50_p50_ms": round(pct(t["L50"], 50), 3), "L50_p99_ms": round(pct(t["L50"], 99), 3),
+                                             "L200_p50_ms": round(pct(t["L200"], 50), 3), "L200_p99_ms": round(pct(t["L200"], 99), 3),
+                                             "reference_port": {"A100": "+123 %", "NPU unoptimised": "+387 %"}}
+    print(f"  L=50 P50 {pct(t['L50'], 50):.2f} ms (P99 {pct(t['L50'], 99):.2f}), L=200 P50 {pct(t['L200'], 50):.2f} ms "
+          f"(P99 {pct(t['L200'], 99):.2f}) -> x{growth:.2f} ({100 * (growth - 1):+.0f} %)")
+
+    # ---- memory ----
+    mem = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if dev.type == "cuda":
+        mem["device_peak_bytes"] = int(torch.cuda.max_memory_allocated(dev))
+    elif dev.type == "npu":  # pragma: no cover
+        mem["device_peak_bytes"] = int(torch.npu.max_memory_allocated(dev))  # type: ignore[attr-defined]
+    mem["engine_memory"] = {str(k): v for k, v in eng.memory_report()["buckets"].items()}
+    out["memory"] = mem
+    out["seconds"] = round(time.perf_counter() - t_start, 1)
+    print(f"\nmemory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB" +
+          (f", device peak {mem['device_peak_bytes'] / 2**20:.0f} MiB" if "device_peak_bytes" in mem else ""))
+    print(f"summary: kv/recompute L200 B16 {out['kv_vs_recompute_speedup_L200_B16']['speedup']:.2f}x (floor 3.5), "
+          f"bucketed/padded {out['bucketed_vs_padded_speedup']['speedup']:.2f}x (floor 1.3), "
+          f"prefix hit/miss {out['prefix_hit_vs_miss_speedup_L200']['speedup']:.2f}x (floor 3), "
+          f"growth L50->L200 B32 x{growth:.2f}; {out['seconds']} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Load test of ``hstu serve``: replays ML-1M histories at increasing offered loads over loopback.
+
+    python benchmarks/serve_load.py --run RUN_DIR [--quick] [--json PATH]
+
+What it does (stops by itself; every phase is bounded in time and in requests in flight):
+
+1. Starts ``hstu serve --run RUN_DIR --port 0`` as a subprocess on 127.0.0.1 (pinned to
+   ``--server-cpus``, default the first two cores, when the machine has more than two), waits
+   for /readyz. ``--url`` targets an already running server instead.
+2. Builds request bodies from ML-1M (``ratings.dat``): a random user, the history cut at a random
+   point (the request "happens" then), the most recent ``--history`` (200) events kept by the
+   client, ``k`` items asked for; all three buckets of the small preset get traffic.
+3. Steps of open-loop Poisson arrivals at increasing rates (``--steps``), ``--step-s`` seconds
+   each. Latency is measured from each request's *scheduled* send time, so a client or server
+   that falls behind is charged for it (no coordinated omission). Per step: offered and
+   achieved QPS (200s per second), P50/P90/P99 latency of the 200s, status counts. The steps
+   stop after two steps in a row with P99 > 100 ms or any non-200 answer.
+4. Overload: 2 x the highest QPS that kept P99 <= 100 ms, for ``--overload-s`` seconds: every
+   request must be answered with 200, 429 or 503 (counts of anything else are reported:
+   ``overload_5xx_other_than_503``, ``overload_non_http_errors`` = connection errors / client
+   timeouts).
+5. Recovery: half that QPS (half the first step if none passed); the server should be back to
+   200s within P99 <= 100 ms.
+6. SIGTERM to the server; its exit code (0 = drained and stopped) is reported.
+
+The client is one asyncio process using httpx (pre-encoded bodies, a bounded connection pool);
+on a 2-core machine it shares the cores with the server, which lowers the figure: the output
+records the core count and the server's CPU affinity.
+
+``--json PATH`` writes the result with keys ``max_qps_p99_under_100ms``,
+``overload_non_http_errors``, ``overload_5xx_other_than_503`` (and the per-step table, the
+server's own metrics: mean batch size, rejections by reason, the exact command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+P99_TARGET_S = 0.100
+
+
+def load_histories(data_dir: Path, keep: int, n: int, seed: int, k: int) -> list[bytes]:
+    """``n`` pre-encoded /v1/generate bodies from ML-1M users' histories cut at random points."""
+    path = data_dir / "ratings.dat"
+    if not path.exists():
+        sys.exit(f"serve_load: {path} not found; pass --data-dir PATH/ml-1m (MovieLens-1M, GroupLens)")
+    df = pd.read_csv(path, sep=":", header=None, usecols=[0, 2, 6], names=["user", "item", "ts"], encoding="latin-1")
+    df = df.sort_values(["user", "ts"], kind="stable")
+    users = df.user.to_numpy()
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]])
+    ends = np.r_[starts[1:], len(users)]
+    items, ts = df.item.to_numpy(), df.ts.to_numpy()
+    rng = random.Random(seed)
+    bodies = []
+    for _ in range(n):
+        u = rng.randrange(len(starts))
+        s, e = int(starts[u]), int(ends[u])
+        cut = rng.randint(s + 1, e)  # history = events before the cut (>= 1 event)
+        lo = max(s, cut - keep)
+        hist = [{"item_id": int(i), "timestamp": int(t)} for i, t in zip(items[lo:cut], ts[lo:cut])]
+        bodies.append(json.dumps({"user_id": int(users[s]), "history": hist, "k": k}).encode())
+    return bodies
+
+
+class Phase:
+    """Results of one offered-load phase."""
+
+    def __init__(self, name: str, offered: float, seconds: float) -> None:
+        self.name, self.offered, self.seconds = name, offered, seconds
+        self.lat: list[float] = []
+        self.codes: dict[str, int] = {}
+        self.sent = 0
+        self.dropped_client = 0  # not sent: client in-flight cap reached
+
+    def add(self, code: str, latency: float | None) -> None:
+        self.codes[code] = self.codes.get(code, 0) + 1
+        if code == "200" and latency is not None:
+            self.lat.append(latency)
+
+    def summary(self) -> dict:
+        lat = np.array(self.lat) if self.lat else np.array([np.nan])
+        ok = self.codes.get("200", 0)
+        pct = lambda q: None if not self.lat else round(float(np.percentile(lat, q)) * 1e3, 2)  # noqa: E731
+        return {"phase": self.name, "offered_qps": round(self.offered, 1), "achieved_qps": round(ok / self.seconds, 1), "sent": self.sent,
+                "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "max_ms": pct(100), "codes": dict(sorted(self.codes.items())),
+                "client_dropped": self.dropped_client}
+
+    @property
+    def p99(self) -> float:
+        return float(np.percentile(self.lat, 99)) if self.lat else float("inf")
+
+    @property
+    def all_ok(self) -> bool:
+        return set(self.codes) <= {"200"} and self.dropped_client == 0
+
+
+async def run_phase(client: httpx.AsyncClient, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int) -> Phase:
+    """Poisson arrivals at ``phase.offered`` per second for ``phase.seconds``; waits for every answer."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    tasks: set[asyncio.Task] = set()
+    headers = {"content-type": "application/json"}
+
+    async def one(body: bytes, scheduled: float) -> None:
+        try:
+            r = await client.post("/v1/generate", content=body, headers=headers)
+            phase.add(str(r.status_code), loop.time() - scheduled)
+        except httpx.TimeoutException:
+            phase.add("client_timeout", None)
+        except httpx.TransportError as exc:
+            phase.add(f"transport_error:{type(exc).__name__}", None)
+
+    t = t0
+    end = t0 + phase.seconds
+    while True:
+        t += rng.expovariate(phase.offered)
+        if t >= end:
+            break
+        delay = t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if len(tasks) >= max_in_flight:
+            phase.dropped_client += 1
+            continue
+        phase.sent += 1
+        task = loop.create_task(one(bodies[rng.randrange(len(bodies))], t))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+    return phase
+
+
+def scrape(url: str) -> dict:
+    """Server-side view from /metrics: batches, mean batch size and model time, mean server
+    latency of answered requests, rejections by reason."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    tot: dict[str, float] = {}
+    rejected = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{")[0].split()[0]
+        if name in ("hstu_serve_batch_size_sum", "hstu_serve_batch_size_count", "hstu_serve_batch_duration_seconds_sum",
+                    "hstu_serve_request_duration_seconds_sum", "hstu_serve_request_duration_seconds_count"):
+            tot[name] = tot.get(name, 0.0) + float(line.split()[-1])
+        elif name == "hstu_serve_rejected_requests_total":
+            rejected[re.search(r'reason="([^"]+)"', line).group(1)] = float(line.split()[-1])
+    n = tot.get("hstu_serve_batch_size_count", 0.0)
+    r = tot.get("hstu_serve_request_duration_seconds_count", 0.0)
+    return {"batches": int(n), "mean_batch_size": round(tot.get("hstu_serve_batch_size_sum", 0.0) / n, 2) if n else 0.0,
+            "mean_batch_ms": round(1e3 * tot.get("hstu_serve_batch_duration_seconds_sum", 0.0) / n, 2) if n else None,
+            "mean_server_latency_ms": round(1e3 * tot.get("hstu_serve_request_duration_seconds_sum", 0.0) / r, 2) if r else None,
+            "rejected": rejected}
+
+
+def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
+    if args.url:
+        return None, args.url.rstrip("/"), None
+    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", args.run, "--port", "0", "--max-batch", str(args.max_batch),
+           "--max-wait-ms", str(args.max_wait_ms), "--cold-start", "reject", "--threads", str(args.threads)]
+    if args.buckets:
+        cmd += ["--buckets", args.buckets]
+    cpus = None
+    ncpu = os.cpu_count() or 1
+    if args.server_cpus:
+        cpus = [int(c) for c in args.server_cpus.split(",")]
+    elif ncpu > 2:
+        cpus = [0, 1]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not args.verbose else None, text=True, env=env,
+                            cwd=REPO, preexec_fn=pre)
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+)", line)
+    if not m:
+        proc.kill()
+        sys.exit(f"serve_load: server did not start (got {line!r}); run `{' '.join(cmd)}` to see why")
+    url = m.group(1)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            sys.exit("serve_load: server not ready within 120 s")
+        time.sleep(0.2)
+    if cpus is not None and args.client_cpus_rest:
+        rest = [c for c in range(ncpu) if c not in cpus]
+        if rest:
+            os.sched_setaffinity(0, rest)
+    return proc, url, cpus
+
+
+async def main_async(args, url: str, bodies: list[bytes]) -> dict:
+    rng = random.Random(args.seed)
+    limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
+    t_start = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(args.client_timeout_s), limits=limits) as client:
+        # warm the connections and the server's code paths (not measured)
+        await run_phase(client, bodies, Phase("warmup", min(50.0, args.steps[0]), 1.0), rng, args.max_in_flight)
+        steps: list[Phase] = []
+        misses = 0
+        for qps in args.steps:
+            if time.monotonic() - t_start > args.budget_s * 0.6:
+                break
+            ph = await run_phase(client, bodies, Phase(f"step {qps:g}", qps, args.step_s), rng, args.max_in_flight)
+            steps.append(ph)
+            print(json.dumps(ph.summary()), flush=True)
+            misses = misses + 1 if (ph.p99 > P99_TARGET_S or not ph.all_ok) else 0
+            if misses == 2:  # two failing steps in a row: past the knee (one alone may be a noisy neighbour)
+                break
+        good = [p for p in steps if p.p99 <= P99_TARGET_S and p.all_ok]
+        best = max(good, key=lambda p: p.summary()["achieved_qps"]) if good else None
+        best_qps = best.summary()["achieved_qps"] if best else 0.0
+        over_qps = 2 * (best_qps if best_qps > 0 else args.steps[0])
+        await asyncio.sleep(1.0)
+        over = await run_phase(client, bodies, Phase(f"overload {over_qps:g}", over_qps, args.overload_s), rng, args.max_in_flight)
+        print(json.dumps(over.summary()), flush=True)
+        await asyncio.sleep(1.0)
+        rec_qps = best_qps / 2 if best_qps > 0 else args.steps[0] / 2
+        recov = await run_phase(client, bodies, Phase(f"recovery {rec_qps:g}", rec_qps, args.recovery_s), rng, args.max_in_flight)
+        print(json.dumps(recov.summary()), flush=True)
+    codes = over.codes
+    other_5xx = sum(n for c, n in codes.items() if c.isdigit() and c.startswith("5") and c != "503")
+    non_http = sum(n for c, n in codes.items() if not c.isdigit())
+    unexpected_4xx = sum(n for c, n in codes.items() if c.isdigit() and c.startswith("4") and c != "429")
+    return {
+        "max_qps_p99_under_100ms": best_qps,
+        "p99_ms_at_max": best.summary()["p99_ms"] if best else None,
+        "overload_non_http_errors": non_http,
+        "overload_5xx_other_than_503": other_5xx,
+        "overload_4xx_other_than_429": unexpected_4xx,
+        "overload_answered_ratio": round(sum(n for c, n in codes.items() if c in ("200", "429", "503")) / max(1, over.sent), 4),
+        "recovered": recov.all_ok and recov.p99 <= P99_TARGET_S,
+        "steps": [p.summary() for p in steps],
+        "overload": over.summary(),
+        "recovery": recov.summary(),
+    }
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", help="run directory to serve (small preset trained on ML-1M)")
+    p.add_argument("--url", help="use a running server instead of starting one")
+    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "ml-1m"), help="MovieLens-1M directory (ratings.dat)")
+    p.add_argument("--quick", action="store_true", help="short steps; the whole run stays within ~90 s")
+    p.add_argument("--steps", help="offered loads in requests/s, comma-separated (default by mode)")
+    p.add_argument("--step-s", type=float, help="seconds per step (default 3 quick, 10 full)")
+    p.add_argument("--overload-s", type=float, help="seconds of 2x overload (default 6 quick, 20 full)")
+    p.add_argument("--recovery-s", type=float, help="seconds of the recovery phase (default 3 quick, 10 full)")
+    p.add_argument("-k", type=int, default=5, help="items per request")
+    p.add_argument("--history", type=int, default=200, help="most recent events a client sends")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--buckets", help="server buckets (default: the server's)")
+    p.add_argument("--threads", type=int, default=2, help="server torch threads")
+    p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
+    p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
+    p.add_argument("--connections", type=int, default=256, help="client connection pool size")
+    p.add_argument("--max-in-flight", type=int, default=2000, help="client cap on outstanding requests (beyond it, arrivals are counted as dropped)")
+    p.add_argument("--client-timeout-s", type=float, default=30.0)
+    p.add_argument("--bodies", type=int, default=3000, help="distinct pre-encoded request bodies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the result here")
+    p.add_argument("--verbose", action="store_true", help="show the server's log")
+    args = p.parse_args(argv)
+    if not args.run and not args.url:
+        p.error("give --run RUN_DIR (or --url of a running server)")
+    quick = args.quick
+    args.steps = [float(x) for x in (args.steps or ("10,25,50,100,150,200,250,300,400,500,600" if quick else
+                                                   "25,50,100,150,200,250,300,350,400,500,600,800,1000")).split(",")]
+    args.step_s = args.step_s or (3.0 if quick else 10.0)
+    args.overload_s = args.overload_s or (6.0 if quick else 20.0)
+    args.recovery_s = args.recovery_s or (3.0 if quick else 10.0)
+    args.budget_s = 90.0 if quick else 900.0
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k)
+    proc, url, cpus = start_server(args)
+    try:
+        res = asyncio.run(main_async(args, url, bodies))
+        res["server_metrics"] = scrape(url)
+    finally:
+        rc = None
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "killed after 60 s"
+    run_info = None
+    if args.run:
+        cfg = json.loads((Path(args.run) / "config.json").read_text())
+        met = json.loads((Path(args.run) / "metrics.json").read_text()) if (Path(args.run) / "metrics.json").exists() else {}
+        run_info = {"dir": args.run, "model": {k: cfg["model"].get(k) for k in ("num_items", "max_seq_len", "num_blocks", "embedding_dim")},
+                    "data": cfg.get("data"), "epochs": met.get("epochs"), "test_NDCG@10": (met.get("test") or {}).get("NDCG@10")}
+    res.update({
+        "run": run_info,
+        "server_exit_code_after_sigterm": rc,
+        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
+        "settings": {"k": args.k, "history": args.history, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+                     "server_threads": args.threads, "server_cpus": cpus, "step_s": args.step_s, "overload_s": args.overload_s},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "wall_s": round(time.monotonic() - t0, 1),
+        "note": "client (one asyncio/httpx process) and server share this machine; P99 from scheduled send times (open loop)",
+    })
+    print(json.dumps({k: res[k] for k in ("max_qps_p99_under_100ms", "p99_ms_at_max", "overload_non_http_errors",
+                                          "overload_5xx_other_than_503", "recovered", "wall_s")}))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``hstu quantize``: write an INT8 / BF16 / FP16 copy of a trained run, with a per-layer report.
+
+    hstu quantize --run RUN_DIR --scheme int8|bf16|fp16 --out RUN_DIR_Q
+                  [--embeddings fp16|bf16|int8|fp32] [--keep-float layers.1.o,...]
+                  [--calib-users 256] [--data-dir DIR] [--no-calibrate] [--report-only] [--json]
+
+The calibration batch comes from the run's own data set (config.json "data"; ``--data-dir``
+overrides the path): histories before each sampled user's validation target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+
+def cmd_quantize(args) -> int:
+    from hstu.model.checkpoint import load_run
+    from hstu.quant import apply_precision, read_quant_meta, save_quantized_run
+    from hstu.quant.calibrate import calibration_batch, format_report, layer_report
+    from hstu.quant.int8 import Int8Linear
+
+    if read_quant_meta(args.run) is not None:
+        raise ValueError(f"{args.run} is already quantized; quantize the float run it was made from")
+    if not args.report_only and not args.out:
+        raise ValueError("--out is required (or pass --report-only)")
+    float_model, cfg, _ = load_run(args.run, "cpu")
+    kw = {}
+    if args.scheme == "int8":
+        kw = dict(embeddings=args.embeddings or "fp16", keep_float=args.keep_float or (), kernel=args.kernel)
+    elif args.embeddings or args.keep_float:
+        raise ValueError(f"--embeddings and --keep-float apply to --scheme int8 only, not {args.scheme}")
+    qmodel = apply_precision(copy.deepcopy(float_model), args.scheme, **kw)
+    kernels = {m.kernel for m in qmodel.modules() if isinstance(m, Int8Linear)}
+    for k in kernels:
+        print(f"INT8 kernel: {k.name} ({'integer GEMM' if k.integer else 'FALLBACK, no integer GEMM'}): {k.reason}", file=sys.stderr)
+
+    report = None
+    if not args.no_calibrate:
+        from hstu.data.sequences import make_split
+        from hstu.train.loop import DataSpec, prepare_data
+
+        spec = DataSpec(**cfg["data"])
+        if args.data_dir:
+            spec.data_dir = args.data_dir
+        log_, _ = prepare_data(spec)
+        split = make_split(log_, spec.protocol)
+        batch = calibration_batch(log_, split, float_model.cfg.max_seq_len, num_users=args.calib_users, seed=args.seed)
+        report = layer_report(float_model, qmodel, batch)
+        report["kernel"] = [k.name for k in kernels]
+    meta = None
+    if not args.report_only:
+        meta = save_quantized_run(qmodel, args.run, args.out, calibration=report)
+    if args.json:
+        print(json.dumps({"report": report, "quant": meta}, indent=2))
+    else:
+        if report:
+            print(format_report(report))
+        if meta:
+            b = meta["bytes"]
+            ratio = f" ({b['file'] / b['float_file']:.3f}x the float file)" if b.get("float_file") else ""
+            print(f"wrote {args.out}: scheme {meta['scheme']}, embeddings {meta['embeddings']}, "
+                  f"{len(meta['quantized'])} INT8 layers, kept float: {', '.join(meta['keep_float']) or 'none'}; "
+                  f"{b['file']} bytes{ratio}")
+    return 0
+
+
+def add_subcommands(subparsers) -> None:
+    """Add ``quantize`` to the ``hstu`` CLI (handler returns an exit code)."""
+    q = subparsers.add_parser("quantize", help="write an INT8 / BF16 / FP16 copy of a run, with a per-layer error report",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("--run", required=True, help="float run directory (from `hstu train`)")
+    q.add_argument("--scheme", required=True, choices=["int8", "bf16", "fp16"])
+    q.add_argument("--out", help="new directory for the quantized run")
+    q.add_argument("--embeddings", choices=["fp16", "bf16", "int8", "fp32"],
+                   help="int8 scheme: item-table storage (default fp16; int8 = row-wise with per-row scales)")
+    q.add_argument("--keep-float", help="int8 scheme: comma-separated layers kept in float32, e.g. layers.1.o or layers.0")
+    q.add_argument("--kernel", default="auto", choices=["auto", "fbgemm", "qnnpack", "int_mm", "dequant"],
+                   help="int8 GEMM kernel (default: the integer kernel of this device)")
+    q.add_argument("--calib-users", type=int, default=256, help="users in the calibration batch")
+    q.add_argument("--seed", type=int, default=0, help="calibration user sample seed")
+    q.add_argument("--data-dir", help="data directory for calibration (default: the run's)")
+    q.add_argument("--no-calibrate", action="store_true", help="skip the per-layer report (no data needed)")
+    q.add_argument("--report-only", action="store_true", help="print the per-layer report, write nothing")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_quantize)

@@ -1,0 +1,279 @@
+"""Engine equivalence: every path (bucketed, cached, recompute, beam, features, truncation)
+against the model and the lead's decode.py oracle; bad input. Tolerances: float32 rows computed
+in a different association order (two key segments, bucket padding) differ by ~1e-7 relative;
+1e-5 is the bar (issue 4). The float64 oracle is the same model cast to float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hstu.config import ModelConfig
+from hstu.generate import exclusion_mask, generate, generate_recompute
+from hstu.generate.engine import Engine
+from hstu.model import build_hstu
+
+I = 300  # items
+EDGES = (20, 40, 60)
+
+
+def small_model(seed: int = 0, **kw) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
+                      dropout=0.0, **kw)
+    return build_hstu(cfg).eval()
+
+
+def histories(lengths: list[int], width: int = 60, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    B = len(lengths)
+    L = torch.tensor(lengths, dtype=torch.int64)
+    ids = torch.randint(1, I + 1, (B, width), generator=g)
+    ts = torch.sort(torch.randint(10**8, 10**8 + 10**7, (B, width), generator=g), dim=1).values
+    live = torch.arange(width).view(1, -1) < L.view(-1, 1)
+    ids, ts = ids * live, ts * live
+    rt = ts.max(dim=1).values + torch.randint(1, 10**5, (B,), generator=g)
+    return ids, ts, L, rt
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, buckets=EDGES, max_batch=4, k_max=6)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
+    torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=rtol * float(b.abs().max()))
+
+
+LENS = [1, 2, 19, 20, 21, 39, 40, 41, 60, 7]
+
+
+def test_first_scores_match_float64_encoder(model, engine):
+    """Step-0 scores = cosine(user, item) / temperature with the user vector of model.encode,
+    run in float64 on the full width N (the oracle)."""
+    ids, ts, L, rt = histories(LENS)
+    res = engine.generate(ids, ts, L, 1, request_time=rt)
+    m64 = copy.deepcopy(model).double()
+    B, N = ids.shape[0], model.cfg.width
+    ids_n = torch.nn.functional.pad(ids, (0, N - ids.shape[1]))
+    ts_n = torch.nn.functional.pad(ts, (0, N - ts.shape[1]))
+    ts_n[torch.arange(B), L] = rt  # the query time sits at position `length`
+    with torch.no_grad():
+        user = m64.last_rows(m64.encode(ids_n, ts_n, L), L)
+        want = m64.score_all(user)
+    close(res.scores[:, 0], want[torch.arange(B), res.items[:, 0]])
+    assert torch.equal(res.items[:, 0], want.argmax(dim=1))
+
+
+def test_cached_equals_recompute_and_reference(model, engine):
+    ids, ts, L, rt = histories(LENS)
+    ex = exclusion_mask(I, len(LENS), ids, L)
+    got = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex.clone())
+    no_cache = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex.clone(), use_cache=False)
+    oracle = generate_recompute(model, ids, ts, L, 5, request_time=rt, exclude=ex.clone())
+    lead = generate(model, ids, ts, L, 5, request_time=rt, exclude=ex.clone())
+    for other in (no_cache, oracle, lead):
+        assert torch.equal(got.items, other.items)
+        close(got.scores, other.scores)
+
+
+def test_bucketed_equals_single_padded_bucket(model, engine):
+    ids, ts, L, rt = histories(LENS, seed=3)
+    flat = Engine(model, buckets=(60,), max_batch=16, k_max=6)
+    a = engine.generate(ids, ts, L, 4, request_time=rt)
+    b = flat.generate(ids, ts, L, 4, request_time=rt)
+    assert torch.equal(a.items, b.items)
+    close(a.scores, b.scores)
+    assert a.bucket.tolist() == [engine.bucket_for(n) for n in LENS]
+    assert set(b.bucket.tolist()) == {60}
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.sampled_from([1, 2, 5, 19, 20, 21, 40, 41, 59, 60]), min_size=1, max_size=6), seed=st.integers(0, 10**6))
+def test_bucket_and_batch_order_never_change_a_result(model, engine, lengths, seed):
+    ids, ts, L, rt = histories(lengths, seed=seed)
+    a = engine.generate(ids, ts, L, 3, request_time=rt)
+    ref = generate(model, ids, ts, L, 3, request_time=rt, exclude=exclusion_mask(I, len(lengths), None, None))
+    assert torch.equal(a.items, ref.items)
+    close(a.scores, ref.scores)
+    perm = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed))
+    p = engine.generate(ids[perm], ts[perm], L[perm], 3, request_time=rt[perm])
+    assert torch.equal(p.items, a.items[perm])
+
+
+def test_beam_matches_reference_beam_and_width_one_is_greedy(model, engine):
+    ids, ts, L, rt = histories(LENS[:6], seed=5)
+    ex = exclusion_mask(I, 6, ids, L)
+    for w in (2, 3):
+        got = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex.clone(), strategy="beam", beam_width=w)
+        ref = generate(model, ids, ts, L, 5, request_time=rt, exclude=ex.clone(), strategy="beam", beam_width=w)
+        assert torch.equal(got.items, ref.items)
+        close(got.beam_logprob, ref.beam_logprob)
+        close(got.scores, ref.scores)
+    b1 = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex.clone(), strategy="beam", beam_width=1)
+    g = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex.clone())
+    assert torch.equal(b1.items, g.items)
+
+
+def test_topk_sampling_is_seeded_and_top1_is_greedy(engine):
+    ids, ts, L, rt = histories(LENS, seed=7)
+    a = engine.generate(ids, ts, L, 5, request_time=rt, strategy="topk", top_k=20, seed=11)
+    b = engine.generate(ids, ts, L, 5, request_time=rt, strategy="topk", top_k=20, seed=11)
+    c = engine.generate(ids, ts, L, 5, request_time=rt, strategy="topk", top_k=20, seed=12)
+    assert torch.equal(a.items, b.items) and not torch.equal(a.items, c.items)
+    one = engine.generate(ids, ts, L, 5, request_time=rt, strategy="topk", top_k=1, seed=3)
+    g = engine.generate(ids, ts, L, 5, request_time=rt)
+    assert torch.equal(one.items, g.items)
+    for r in (a, c):  # no repeats within a row, never the padding id
+        assert all(len(set(row)) == 5 and 0 not in row for row in r.items.tolist())
+
+
+def test_exclusion_history_and_block_list(engine):
+    ids, ts, L, rt = histories(LENS, seed=9)
+    block = [[5, 6, 7]] * len(LENS)
+    first = engine.generate(ids, ts, L, 3, request_time=rt).items
+    block = [row[:2] for row in first.tolist()]  # block the two items it would pick first
+    ex = exclusion_mask(I, len(LENS), ids, L, block)
+    res = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex)
+    for b, row in enumerate(res.items.tolist()):
+        hist = set(ids[b, :L[b]].tolist())
+        assert not (set(row) & hist) and not (set(row) & set(block[b]))
+        assert all(ex[b, i] for i in row)  # generated items were added to the mask in place
+
+
+def test_features_match_reference():
+    """Actions + categories in the input and a next-action head: same items as decode.generate."""
+    m = small_model(seed=4, num_actions=3, num_categories=5)
+    eng = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
+    ids, ts, L, rt = histories(LENS, seed=11)
+    g = torch.Generator().manual_seed(2)
+    acts = torch.randint(1, 4, ids.shape, generator=g) * (ids > 0)
+    item_cat = torch.randint(1, 6, (I + 1,), generator=g)
+    cats = item_cat[ids] * (ids > 0)
+    ex = exclusion_mask(I, len(LENS), None, None)
+    got = eng.generate(ids, ts, L, 5, request_time=rt, actions=acts, categories=cats, item_category=item_cat, exclude=ex.clone())
+    ref = generate(m, ids, ts, L, 5, request_time=rt, actions=acts, categories=cats, item_category=item_cat, exclude=ex.clone())
+    assert torch.equal(got.items, ref.items) and torch.equal(got.actions, ref.actions)
+    close(got.scores, ref.scores)
+
+
+@pytest.mark.parametrize("flags", [dict(use_time_bias=False), dict(use_position_bias=False)])
+def test_bias_ablations_match_reference(flags):
+    m = small_model(seed=6, **flags)
+    eng = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
+    ids, ts, L, rt = histories(LENS, seed=12)
+    ex = exclusion_mask(I, len(LENS), None, None)
+    got = eng.generate(ids, ts, L, 4, request_time=rt, exclude=ex.clone())
+    ref = generate(m, ids, ts, L, 4, request_time=rt, exclude=ex.clone())
+    assert torch.equal(got.items, ref.items)
+    close(got.scores, ref.scores)
+
+
+def test_truncation_keeps_most_recent_events(model):
+    eng = Engine(model, buckets=(10, 20), max_batch=4, k_max=6)
+    ids, ts, L, rt = histories([35, 20, 3], width=40, seed=13)
+    res = eng.generate(ids, ts, L, 3, request_time=rt)
+    assert res.truncated.tolist() == [15, 0, 0] and res.warnings
+    cut = torch.zeros_like(ids)
+    cut_ts = torch.zeros_like(ts)
+    cut[0, :20], cut_ts[0, :20] = ids[0, 15:35], ts[0, 15:35]
+    cut[1:], cut_ts[1:] = ids[1:], ts[1:]
+    ref = generate(model, cut, cut_ts, L.clamp(max=20), 3, request_time=rt, exclude=exclusion_mask(I, 3, None, None))
+    assert torch.equal(res.items, ref.items)
+
+
+def test_default_request_time_is_last_event(engine, model):
+    ids, ts, L, _ = histories([5, 30], seed=14)
+    last = ts[torch.arange(2), L - 1]
+    a = engine.generate(ids, ts, L, 2)
+    b = engine.generate(ids, ts, L, 2, request_time=last)
+    assert torch.equal(a.items, b.items)
+
+
+def test_bad_input(engine):
+    ids, ts, L, rt = histories([5, 8])
+    with pytest.raises(ValueError, match="empty history at row"):
+        engine.generate(ids, ts, torch.tensor([5, 0]), 3, request_time=rt)
+    for k in (0, -1):
+        with pytest.raises(ValueError, match="k must be"):
+            engine.generate(ids, ts, L, k, request_time=rt)
+    with pytest.raises(ValueError, match="k_max"):
+        engine.generate(ids, ts, L, 7, request_time=rt)
+    bad = ids.clone()
+    bad[1, 4] = I + 1
+    with pytest.raises(ValueError, match=r"ids\[1, 4\]=301: unknown item id"):
+        engine.generate(bad, ts, L, 3, request_time=rt)
+    bad[1, 4] = 0
+    with pytest.raises(ValueError, match="unknown item id"):
+        engine.generate(bad, ts, L, 3, request_time=rt)
+    bad = ids.clone()
+    bad[1, 20] = 10**6  # after the length: ignored
+    engine.generate(bad, ts, L, 3, request_time=rt)
+    with pytest.raises(TypeError, match="int64"):
+        engine.generate(ids.int(), ts, L, 3, request_time=rt)
+    with pytest.raises(ValueError, match="strategy"):
+        engine.generate(ids, ts, L, 3, request_time=rt, strategy="nucleus")
+    with pytest.raises(ValueError, match="exceeds the padded width"):
+        engine.generate(ids[:, :6], ts[:, :6], L, 3, request_time=rt)
+    with pytest.raises(ValueError, match="exclude must be"):
+        engine.generate(ids, ts, L, 3, request_time=rt, exclude=torch.zeros(2, I, dtype=torch.bool))
+    with pytest.raises(ValueError, match="empty history"):
+        engine.bucket_for(0)
+
+
+def test_bad_construction(model):
+    with pytest.raises(ValueError, match="increasing"):
+        Engine(model, buckets=(40, 20))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        Engine(model, buckets=(20, 100))
+    with pytest.raises(ValueError, match="k_max"):
+        Engine(model, buckets=(20,), k_max=7)
+    with pytest.raises(ValueError, match="graphs"):
+        Engine(model, buckets=(20,), k_max=6, graphs="turbo")
+    with pytest.raises(ValueError, match="needs a cuda device"):
+        Engine(model, buckets=(20,), k_max=6, graphs="cuda_graph")
+    with pytest.raises(ValueError, match="no kernel set"):
+        Engine(model, buckets=(20,), k_max=6, kernels="flash")
+
+
+def test_cache_bytes_per_bucket_formula(model, engine):
+    c = model.cfg
+    R, K, H = 4, 6, c.num_heads
+    for E, n in engine.cache_bytes_per_bucket().items():
+        per_row = (E + 1) * (c.d_qk + c.d_v) + K * (c.d_qk + c.d_v)  # history + generated slots
+        want = 4 * (c.num_blocks * R * H * per_row + R * H * K * (c.d_qk + c.d_v))  # + beam scratch, float32
+        assert n == want
+    assert engine.bucket_for(1) == 20 and engine.bucket_for(20) == 20 and engine.bucket_for(21) == 40
+    assert engine.bucket_for(61) == 60  # longer histories are truncated into the largest bucket
+
+
+def test_hardening_applied(model, engine):
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+def test_compile_mode_traces_each_bucket_once_and_matches():
+    """graphs="compile" with the aot_eager backend (dynamo capture + functionalisation, no C++
+    code generation, to keep the test fast): same items, one graph per bucket and kind."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=I, max_seq_len=20, max_output_len=3, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8,
+                      dropout=0.0)
+    m = build_hstu(cfg).eval()
+    eng = Engine(m, buckets=(20,), max_batch=2, k_max=3, graphs="compile", compile_backend="aot_eager")
+    ids, ts, L, rt = histories([3, 17], width=20)
+    got = eng.generate(ids, ts, L, 3, request_time=rt)
+    ref = generate(m, ids, ts, L, 3, request_time=rt, exclude=exclusion_mask(I, 2, None, None))
+    assert torch.equal(got.items, ref.items)
+    close(got.scores, ref.scores)
+    again = eng.generate(ids, ts, L, 3, request_time=rt)
+    assert torch.equal(again.items, got.items)
+    assert sorted(k[0] for k in eng._buckets[20].runners) == ["prefill", "step"]

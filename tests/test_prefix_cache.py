@@ -1,0 +1,114 @@
+"""User-prefix cache: a hit computes only the new rows (plus the old last row, whose time bias
+used the old request time) and equals a full computation; invalidation; LRU bound in bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu.config import ModelConfig
+from hstu.generate import exclusion_mask, generate
+from hstu.generate.engine import Engine
+from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
+from hstu.model import build_hstu
+
+I = 300
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
+                      dropout=0.0)
+    return build_hstu(cfg).eval()
+
+
+def full(model, ids, ts, L, rt, k=4):
+    return generate(model, ids, ts, L, k, request_time=rt, exclude=exclusion_mask(I, ids.shape[0], None, None))
+
+
+def data(B=6, width=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, I + 1, (B, width), generator=g)
+    ts = torch.sort(torch.randint(10**8, 10**8 + 10**7, (B, width), generator=g), dim=1).values
+    return ids, ts
+
+
+def check(res, ref):
+    assert torch.equal(res.items, ref.items)
+    torch.testing.assert_close(res.scores, ref.scores, rtol=1e-5, atol=1e-5 * float(ref.scores.abs().max()))
+
+
+def test_returning_users_compute_only_new_rows_and_match_full(model):
+    eng = Engine(model, buckets=(20, 40, 60), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data()
+    users = [f"u{i}" for i in range(6)]
+    L1 = torch.tensor([2, 5, 19, 20, 33, 50])
+    rt1 = ts[torch.arange(6), L1 - 1] + 60
+    first = eng.generate(ids, ts, L1, 4, request_time=rt1, user_ids=users)
+    assert first.prefix_rows.tolist() == [0] * 6 and len(eng.prefix) == 6
+    check(first, full(model, ids, ts, L1, rt1))
+    # same history again with a later request time; one new event; several new events;
+    # crossing a bucket edge (20 -> 21)
+    L2 = L1 + torch.tensor([0, 1, 1, 1, 4, 10])
+    rt2 = ts[torch.arange(6), L2 - 1] + 3600
+    second = eng.generate(ids, ts, L2, 4, request_time=rt2, user_ids=users)
+    assert second.prefix_rows.tolist() == (L1 - 1).tolist()  # rows 0..L-2 reused
+    check(second, full(model, ids, ts, L2, rt2))
+    assert eng.prefix.stats.hits == 6
+
+
+def test_history_that_does_not_extend_the_prefix_is_invalidated(model):
+    eng = Engine(model, buckets=(20, 40, 60), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data(B=4, seed=1)
+    users = ["a", "b", "c", "d"]
+    L = torch.tensor([10, 10, 10, 10])
+    rt = ts[:, 9] + 5
+    eng.generate(ids, ts, L, 3, request_time=rt, user_ids=users)
+    ids2, ts2 = ids.clone(), ts.clone()
+    ids2[0, 3] = ids2[0, 3] % I + 1  # an edited item
+    ts2[1, 9] += 1  # an edited time of the last cached event
+    L2 = torch.tensor([12, 12, 8, 12])  # c: shorter history
+    rt2 = ts2[torch.arange(4), L2 - 1] + 5
+    res = eng.generate(ids2, ts2, L2, 3, request_time=rt2, user_ids=users)
+    assert res.prefix_rows.tolist() == [0, 0, 0, 9]
+    assert eng.prefix.stats.invalidations == 3
+    check(res, full(model, ids2, ts2, L2, rt2, k=3))
+
+
+def test_truncated_history_shifts_and_misses(model):
+    eng = Engine(model, buckets=(20,), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data(B=1, seed=2)
+    eng.generate(ids, ts, torch.tensor([20]), 2, user_ids=["u"])
+    res = eng.generate(ids, ts, torch.tensor([21]), 2, user_ids=["u"])  # window moved by one event
+    assert res.prefix_rows.tolist() == [0] and res.truncated.tolist() == [1]
+    assert eng.prefix.stats.invalidations == 1
+
+
+def test_lru_bound_in_bytes():
+    def entry(n):
+        z = torch.zeros(n, dtype=torch.int64)
+        return PrefixEntry(ids=z, timestamps=z.clone(), actions=z.clone(), categories=z.clone(), k=[torch.zeros(1, n - 1, 4)],
+                           v=[torch.zeros(1, n - 1, 4)])
+
+    one = 4 * 8 * 10 + 2 * 4 * 9 * 4  # 4 int64 vectors of 10 + two float32 (1, 9, 4)
+    cache = PrefixCache(max_bytes=3 * one)
+    for u in "abc":
+        assert cache.put(u, entry(10))
+    assert cache.bytes == 3 * one and len(cache) == 3
+    z = torch.zeros(10, dtype=torch.int64)
+    assert cache.lookup("a", z, z, z, z) is not None  # "a" is now the most recent
+    cache.put("d", entry(10))
+    assert "b" not in cache and {"a", "c", "d"} <= {u for u in "abcd" if u in cache}
+    assert cache.stats.evictions == 1 and cache.bytes <= cache.max_bytes
+    assert not cache.put("big", entry(100)) and cache.stats.too_large == 1
+    assert cache.invalidate("a") and not cache.invalidate("a")
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixCache(-1)
+
+
+def test_engine_prefix_cache_respects_bound(model):
+    eng = Engine(model, buckets=(60,), max_batch=4, k_max=6, prefix_cache_bytes=20_000)
+    ids, ts = data(B=6, seed=3)
+    eng.generate(ids, ts, torch.full((6,), 50), 2, user_ids=list(range(6)))
+    assert 0 < len(eng.prefix) < 6 and eng.prefix.bytes <= 20_000

@@ -1,0 +1,313 @@
+"""hstu.quant: per-channel INT8 arithmetic, the integer Linear kernel, INT8 / BF16 models on real
+data, the per-layer report, quantized checkpoints and the scheme check. Nothing here is timed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hstu.quant import (QuantCheckpointError, apply_precision, load_for_inference, load_quantized_run, save_quantized_run,
+                        select_int8_kernel, tensor_bytes)
+from hstu.quant.calibrate import calibration_batch, format_report, layer_report
+from hstu.quant.checkpoint import quantized_state
+from hstu.quant.int8 import Int8Embedding, Int8Linear, dequantize_per_channel, quantize_per_channel
+
+ML1M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ml-1m"
+HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+# ----- arithmetic -----------------------------------------------------------------------------
+
+def test_per_channel_hand_example():
+    w = torch.tensor([[0.5, -1.27, 0.0, 0.3],
+                      [2.54, 1.0, -0.061, 0.0],
+                      [0.0, 0.0, 0.0, 0.0]])
+    q, s = quantize_per_channel(w)
+    # row 0: s = 1.27 / 127 = 0.01 -> 0.5/0.01 = 50, -127, 0, 30
+    # row 1: s = 2.54 / 127 = 0.02 -> 127, 50, -3.05 -> -3, 0
+    # row 2: all zero -> scale 1, q = 0
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert q.tolist() == [[50, -127, 0, 30], [127, 50, -3, 0], [0, 0, 0, 0]]
+    assert torch.allclose(s, torch.tensor([0.01, 0.02, 1.0]), rtol=1e-6)
+    back = dequantize_per_channel(q, s)
+    assert torch.allclose(back, torch.tensor([[0.5, -1.27, 0.0, 0.3], [2.54, 1.0, -0.06, 0.0], [0.0] * 4]), atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), k=st.integers(1, 17), seed=st.integers(0, 2**16), mag=st.floats(1e-4, 1e3))
+def test_per_channel_error_bound(n, k, seed, mag):
+    """|W - Q·s| <= s/2 per entry (round to nearest), |Q| <= 127 and the row maximum maps to ±127."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * mag
+    q, s = quantize_per_channel(w)
+    err = (w - q.double() * s.double()[:, None]).abs()
+    assert (err <= s.double()[:, None] * (0.5 + 1e-5)).all()
+    assert q.abs().max() <= 127
+    assert (q.abs().amax(dim=1) == 127).all()
+
+
+def test_quantize_rejects_bad_weights():
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_per_channel(torch.zeros(3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_per_channel(torch.tensor([[1.0, float("nan")]]))
+
+
+# ----- the integer kernel -----------------------------------------------------------------------
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="this torch build has no FBGEMM quantized engine")
+def test_cpu_kernel_is_integer_gemm():
+    """The CPU path is FBGEMM's integer GEMM: it equals an int64 emulation of 7-bit per-tensor
+    activations × per-channel int8 weights exactly (up to the float32 rescale), and differs from
+    dequantize-then-matmul by far more than that."""
+    k = select_int8_kernel("cpu")
+    assert k.name == "fbgemm" and k.integer
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(50, 200)
+    m = Int8Linear.from_float(lin)
+    x = torch.randn(7, 43, 50) * 2 + 0.3  # leading axes are flattened
+    y = m(x).reshape(-1, 200).double()
+    x2 = x.reshape(-1, 50)
+    scale, zp = torch._choose_qparams_per_tensor(x2, True)  # the qparams FBGEMM's dynamic linear uses (reduce_range)
+    xq = torch.clamp(torch.round(x2 / scale) + zp, 0, 127).to(torch.int64)
+    acc = (xq - zp) @ m.weight_int8.to(torch.int64).T  # exact integer GEMM
+    emulated = acc.double() * scale * m.weight_scale.double()[None, :] + m.bias.double()
+    float_path = x2.double() @ m.dequantized_weight().double().T + m.bias.double()
+    assert (y - emulated).abs().max() < 1e-5  # float32 rescale rounding only
+    assert (y - float_path).abs().max() > 1e-3  # so it is not dequantize-then-matmul
+
+
+@pytest.mark.parametrize("kernel", ["auto", "int_mm", "dequant"])
+def test_int8_linear_within_bound_of_float64(kernel):
+    """Each kernel against the float64 product with the dequantized weight; the tolerance is the
+    activation rounding bound  max|y - ref| <= Δx/2 · Σ_k |Wq[n, k]|  (Δx: the activation step)."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 96)
+    m = Int8Linear.from_float(lin, kernel=kernel)
+    x = torch.randn(33, 64)
+    ref = x.double() @ m.dequantized_weight().double().T + m.bias.double()
+    y = m(x).double()
+    rowsum = m.dequantized_weight().double().abs().sum(dim=1)  # (N,)
+    if m.kernel.name in ("fbgemm", "qnnpack"):
+        scale, _ = torch._choose_qparams_per_tensor(x, m.kernel.name == "fbgemm")
+        bound = 0.5 * scale * rowsum[None, :] * (1 + 1e-4) + 1e-5
+    elif m.kernel.name == "int_mm":
+        step = x.abs().amax(dim=1).double() / 127  # per-row symmetric activations
+        bound = 0.5 * step[:, None] * rowsum[None, :] * (1 + 1e-4) + 1e-5
+    else:
+        bound = torch.full_like(ref, 1e-4)  # float32 GEMM rounding
+    assert ((y - ref).abs() <= bound).all()
+    assert m.kernel.integer == (m.kernel.name != "dequant")
+
+
+def test_int8_linear_has_no_float_weight():
+    m = Int8Linear.from_float(torch.nn.Linear(8, 8, bias=False))
+    assert not hasattr(m, "weight")
+    with pytest.raises(AttributeError, match="call the module"):
+        m.weight  # noqa: B018
+
+
+def test_unknown_kernel_rejected():
+    with pytest.raises(ValueError, match="valid"):
+        select_int8_kernel("cpu", "cublas")
+    with pytest.raises(ValueError, match="CPU only"):
+        select_int8_kernel("meta", "fbgemm")
+
+
+def test_other_device_falls_back_visibly():
+    k = select_int8_kernel("meta")
+    assert k.name == "dequant" and not k.integer and "no integer GEMM kernel" in k.reason
+
+
+def test_int8_embedding_rows():
+    emb = torch.nn.Embedding(5, 3, padding_idx=0)
+    with torch.no_grad():
+        emb.weight.copy_(torch.tensor([[0, 0, 0], [1.27, -0.5, 0.0], [0.2, 0.4, -0.8], [3, 3, 3], [-1, 0, 0.001]], dtype=torch.float32))
+    q = Int8Embedding.from_float(emb)
+    assert q.weight_int8[1].tolist() == [127, -50, 0] and q.weight_int8[0].tolist() == [0, 0, 0]
+    ids = torch.tensor([[1, 2], [0, 4]])
+    out = q(ids)
+    assert out.shape == (2, 2, 3) and out.dtype == torch.float32
+    s = q.weight_scale.double()
+    assert ((out.double() - emb.weight.double()[ids]).abs() <= 0.5 * s[ids].unsqueeze(-1) + 1e-7).all()
+    assert torch.equal(q.rows(1, 3), out[0])
+
+
+# ----- models on real data ----------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    if not (ML1M / "ratings.dat").exists():
+        pytest.skip(f"{ML1M} is absent (shared data is provided beside the repo in CI and dev sessions)")
+    from hstu.config import TrainConfig, model_config_from_preset
+    from hstu.train.loop import DataSpec, fit
+
+    run = tmp_path_factory.mktemp("quant") / "run"
+    fit(run, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1, seed=0),
+        DataSpec("ml-1m", str(ML1M), max_users=200), progress=False)
+    return run
+
+
+@pytest.fixture(scope="session")
+def calib(tiny_run):
+    from hstu.data.sequences import make_split
+    from hstu.model.checkpoint import read_json
+    from hstu.train.loop import DataSpec, prepare_data
+
+    spec = DataSpec(**read_json(tiny_run / "config.json")["data"])
+    log_, _ = prepare_data(spec)
+    return calibration_batch(log_, make_split(log_, spec.protocol), 50, num_users=64, seed=0)
+
+
+def _float(run):
+    from hstu.model.checkpoint import load_run
+
+    return load_run(run, "cpu")[0]
+
+
+def _users(model, b):
+    with torch.inference_mode():
+        return model.last_rows(model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories), b.lengths)
+
+
+@pytest.mark.parametrize("precision,min_cos", [
+    # INT8: weights ±s/2 per channel and 7-bit per-tensor activations in every block Linear; the
+    # L2-normalised user vectors keep a cosine >= 0.995 to float (measured ~0.9999 on this run).
+    ("int8", 0.995),
+    # BF16: 8 significant bits in every activation and weight; measured ~0.9995.
+    ("bf16", 0.99),
+])
+def test_quantized_model_close_to_float_on_real_data(tiny_run, calib, precision, min_cos):
+    fm = _float(tiny_run)
+    qm = apply_precision(copy.deepcopy(fm), precision)
+    uf, uq = _users(fm, calib), _users(qm, calib)
+    assert uq.dtype == torch.float32  # similarity stays in float32 for every scheme
+    cos = torch.nn.functional.cosine_similarity(uf.double(), uq.double(), dim=-1)
+    assert cos.min() >= min_cos
+    # candidate scores e·u / T: by Cauchy-Schwarz |Δscore| <= (||Δu|| + ||Δe||) / T, where the item
+    # rows e are unit vectors stored in fp16 (INT8 scheme) or bf16: ||Δe|| <= 2^-10 resp. 2^-7.
+    cand = calib.ids[:, :20]
+    with torch.inference_mode():
+        sf, sq = fm.score_items(uf, cand), qm.score_items(uq, cand)
+    de = 2.0 ** -10 if precision == "int8" else 2.0 ** -7
+    bound = ((uf - uq).norm(dim=-1, keepdim=True) + de) / fm.cfg.temperature  # (B, 1)
+    assert ((sf - sq).abs() <= bound).all()
+
+
+def test_layer_report_and_keep_float(tiny_run, calib):
+    fm = _float(tiny_run)
+    qm = apply_precision(copy.deepcopy(fm), "int8", keep_float="layers.1.o")
+    rep = layer_report(fm, qm, calib)
+    by = {r["name"]: r for r in rep["linears"]}
+    assert list(by) == ["layers.0.uvqk", "layers.0.o", "layers.1.uvqk", "layers.1.o"]
+    assert by["layers.1.o"]["kind"] == "float32" and by["layers.1.o"]["max_abs_err"] == 0.0
+    for name in ("layers.0.uvqk", "layers.0.o", "layers.1.uvqk"):
+        r = by[name]
+        assert r["kind"] == "int8" and 0 < r["max_abs_err"] < 0.05 * r["max_abs_ref"]
+        assert r["shape"] == ([200, 50] if name.endswith("uvqk") else [50, 50])
+    assert rep["users"] == 64 and len(rep["blocks"]) == 2 and rep["user_vector"]["min_cosine"] > 0.99
+    assert "layers.0.uvqk" in format_report(rep)
+    with pytest.raises(ValueError, match="unknown layer 'layers.7'.*valid: layers.0.uvqk"):
+        apply_precision(copy.deepcopy(fm), "int8", keep_float=["layers.7"])
+
+
+def test_int8_embeddings_option(tiny_run, calib):
+    fm = _float(tiny_run)
+    qm = apply_precision(copy.deepcopy(fm), "int8", embeddings="int8")
+    assert isinstance(qm.item_emb, Int8Embedding)
+    cos = torch.nn.functional.cosine_similarity(_users(fm, calib).double(), _users(qm, calib).double(), dim=-1)
+    assert cos.min() > 0.99
+    iv = qm.item_vectors()
+    assert iv.shape == (fm.cfg.num_items + 1, fm.cfg.embedding_dim) and iv.dtype == torch.float32
+
+
+def test_generate_runs_quantized(tiny_run, calib):
+    from hstu.generate import generate
+    from hstu.generate.decode import exclusion_mask
+
+    fm = _float(tiny_run)
+    b = calib
+    B = 8
+    ids, ts, lens = b.ids[:B], b.timestamps[:B], b.lengths[:B]
+    rt = ts[torch.arange(B), lens]
+    for precision in ("int8", "bf16"):
+        qm = apply_precision(copy.deepcopy(fm), precision)
+        res = generate(qm, ids, ts, lens, 3, request_time=rt, exclude=exclusion_mask(fm.cfg.num_items, B, ids, lens))
+        assert res.items.shape == (B, 3) and (res.items > 0).all()
+        assert res.scores.dtype == torch.float32
+
+
+# ----- checkpoints ------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_and_sizes(tiny_run, calib, tmp_path):
+    fm = _float(tiny_run)
+    qm = apply_precision(copy.deepcopy(fm), "int8")
+    out = tmp_path / "q8"
+    meta = save_quantized_run(qm, tiny_run, out, calibration={"note": "test"})
+    assert not (out / "model.safetensors").exists()  # the float loader cannot pick it up by mistake
+    saved = json.loads((out / "quant.json").read_text())
+    assert saved["scheme"] == "int8" and saved["embeddings"] == "fp16" and saved["versions"]["torch"] == torch.__version__
+    assert saved["layers"]["layers.0.uvqk"]["granularity"] == "per_output_channel" and saved["layers"]["layers.0.uvqk"]["shape"] == [200, 50]
+    lm, cfg, ids = load_quantized_run(out, "cpu", scheme="int8")
+    assert cfg["quant"]["scheme"] == "int8" and ids["item_raw_ids"]
+    assert isinstance(lm.layers[0].uvqk, Int8Linear)
+    assert torch.equal(lm.layers[0].uvqk.weight_int8, qm.layers[0].uvqk.weight_int8)
+    assert torch.equal(_users(lm, calib), _users(qm, calib))  # bit-identical after the round trip
+    # dense part: int8 weights + float32 scales and biases + fp16 bias tables vs float32
+    fb, qb = tensor_bytes(fm.state_dict()), tensor_bytes(quantized_state(qm))
+    assert qb["dense"] <= 0.3 * fb["dense"]
+    assert meta["bytes"]["file"] < 0.6 * meta["bytes"]["float_file"]
+    assert load_for_inference(out, "cpu")[0].quant_meta["scheme"] == "int8"
+
+
+def test_wrong_scheme_refused(tiny_run, tmp_path):
+    fm = _float(tiny_run)
+    q8, qb = tmp_path / "q8", tmp_path / "qbf16"
+    save_quantized_run(apply_precision(copy.deepcopy(fm), "int8"), tiny_run, q8)
+    save_quantized_run(apply_precision(copy.deepcopy(fm), "bf16"), tiny_run, qb)
+    with pytest.raises(QuantCheckpointError, match="quantized with scheme 'int8' but 'bf16' was requested"):
+        load_quantized_run(q8, scheme="bf16")
+    with pytest.raises(QuantCheckpointError, match="quantized with scheme 'bf16' but 'int8' was requested"):
+        load_for_inference(qb, precision="int8")
+    with pytest.raises(QuantCheckpointError, match="needs the float run"):
+        load_for_inference(q8, precision="fp32")
+    with pytest.raises(FileNotFoundError, match="not a quantized run"):
+        load_quantized_run(tiny_run)
+    assert load_quantized_run(qb, scheme="bf16")[0].pos_emb.weight.dtype == torch.bfloat16
+    # quant.json edited to claim another scheme: the weights' own metadata disagrees
+    meta = json.loads((q8 / "quant.json").read_text())
+    meta["scheme"] = "bf16"
+    (q8 / "quant.json").write_text(json.dumps(meta))
+    with pytest.raises(QuantCheckpointError, match="written for scheme 'int8'"):
+        load_quantized_run(q8)
+    with pytest.raises(FileExistsError, match="not empty"):
+        save_quantized_run(apply_precision(copy.deepcopy(fm), "int8"), tiny_run, q8)
+
+
+def test_float_run_converted_on_load(tiny_run):
+    m, cfg, _ = load_for_inference(tiny_run, "cpu", "int8")
+    assert isinstance(m.layers[1].o, Int8Linear) and "quant" not in cfg
+    with pytest.raises(ValueError, match="valid"):
+        load_for_inference(tiny_run, "cpu", "int4")
+
+
+def test_cli_quantize(tiny_run, tmp_path, capsys):
+    from hstu.cli import main
+
+    out = tmp_path / "cli8"
+    rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(out), "--keep-float", "layers.1",
+               "--calib-users", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "layers.0.uvqk" in text and "kept float: layers.1.uvqk, layers.1.o" in text
+    saved = json.loads((out / "quant.json").read_text())
+    assert saved["quantized"] == ["layers.0.uvqk", "layers.0.o"] and saved["calibration"]["users"] == 16
+    rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--report-only", "--keep-float", "layers.9"])
+    assert rc == 2 and "unknown layer 'layers.9'" in capsys.readouterr().err
+    rc = main(["quantize", "--run", str(out), "--scheme", "int8", "--out", str(tmp_path / "again")])
+    assert rc == 2 and "already quantized" in capsys.readouterr().err

@@ -27,6 +27,9 @@ The client is one asyncio process using httpx (pre-encoded bodies, a bounded con
 on a 2-core machine it shares the cores with the server, which lowers the figure: the output
 records the core count and the server's CPU affinity.
 
+Each phase also reports the server process's CPU time per request (psutil), a figure that a
+busy machine disturbs less than latency: 2 cores / that time bounds the QPS of an idle 2-core box.
+
 ``--json PATH`` writes the result with keys ``max_qps_p99_under_100ms``,
 ``overload_non_http_errors``, ``overload_5xx_other_than_503`` (and the per-step table, the
 server's own metrics: mean batch size, rejections by reason, the exact command).
@@ -93,13 +96,16 @@ class Phase:
         if code == "200" and latency is not None:
             self.lat.append(latency)
 
+    server_cpu_s: float | None = None  # server process CPU seconds (user + system) during the phase
+
     def summary(self) -> dict:
         lat = np.array(self.lat) if self.lat else np.array([np.nan])
         ok = self.codes.get("200", 0)
+        cpu = None if self.server_cpu_s is None or not self.sent else round(1e3 * self.server_cpu_s / self.sent, 2)
         pct = lambda q: None if not self.lat else round(float(np.percentile(lat, q)) * 1e3, 2)  # noqa: E731
         return {"phase": self.name, "offered_qps": round(self.offered, 1), "achieved_qps": round(ok / self.seconds, 1), "sent": self.sent,
                 "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "max_ms": pct(100), "codes": dict(sorted(self.codes.items())),
-                "client_dropped": self.dropped_client}
+                "client_dropped": self.dropped_client, "server_cpu_ms_per_request": cpu}
 
     @property
     def p99(self) -> float:
@@ -110,9 +116,19 @@ class Phase:
         return set(self.codes) <= {"200"} and self.dropped_client == 0
 
 
-async def run_phase(client: httpx.AsyncClient, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int) -> Phase:
-    """Poisson arrivals at ``phase.offered`` per second for ``phase.seconds``; waits for every answer."""
+def _cpu(server) -> float | None:
+    if server is None:
+        return None
+    t = server.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+async def run_phase(client: httpx.AsyncClient, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int,
+                    server=None) -> Phase:
+    """Poisson arrivals at ``phase.offered`` per second for ``phase.seconds``; waits for every answer.
+    ``server``: a psutil.Process of the server, to record its CPU time (None: not recorded)."""
     loop = asyncio.get_running_loop()
+    cpu0 = _cpu(server)
     t0 = loop.time()
     tasks: set[asyncio.Task] = set()
     headers = {"content-type": "application/json"}
@@ -144,6 +160,8 @@ async def run_phase(client: httpx.AsyncClient, bodies: list[bytes], phase: Phase
         task.add_done_callback(tasks.discard)
     if tasks:
         await asyncio.wait(tasks)
+    if cpu0 is not None:
+        phase.server_cpu_s = _cpu(server) - cpu0
     return phase
 
 
@@ -211,7 +229,7 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
     return proc, url, cpus
 
 
-async def main_async(args, url: str, bodies: list[bytes]) -> dict:
+async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
     rng = random.Random(args.seed)
     limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
     t_start = time.monotonic()
@@ -223,7 +241,7 @@ async def main_async(args, url: str, bodies: list[bytes]) -> dict:
         for qps in args.steps:
             if time.monotonic() - t_start > args.budget_s * 0.6:
                 break
-            ph = await run_phase(client, bodies, Phase(f"step {qps:g}", qps, args.step_s), rng, args.max_in_flight)
+            ph = await run_phase(client, bodies, Phase(f"step {qps:g}", qps, args.step_s), rng, args.max_in_flight, server)
             steps.append(ph)
             print(json.dumps(ph.summary()), flush=True)
             misses = misses + 1 if (ph.p99 > P99_TARGET_S or not ph.all_ok) else 0
@@ -234,11 +252,13 @@ async def main_async(args, url: str, bodies: list[bytes]) -> dict:
         best_qps = best.summary()["achieved_qps"] if best else 0.0
         over_qps = 2 * (best_qps if best_qps > 0 else args.steps[0])
         await asyncio.sleep(1.0)
-        over = await run_phase(client, bodies, Phase(f"overload {over_qps:g}", over_qps, args.overload_s), rng, args.max_in_flight)
+        over = await run_phase(client, bodies, Phase(f"overload {over_qps:g}", over_qps, args.overload_s), rng, args.max_in_flight,
+                               server)
         print(json.dumps(over.summary()), flush=True)
         await asyncio.sleep(1.0)
         rec_qps = best_qps / 2 if best_qps > 0 else args.steps[0] / 2
-        recov = await run_phase(client, bodies, Phase(f"recovery {rec_qps:g}", rec_qps, args.recovery_s), rng, args.max_in_flight)
+        recov = await run_phase(client, bodies, Phase(f"recovery {rec_qps:g}", rec_qps, args.recovery_s), rng, args.max_in_flight,
+                                server)
         print(json.dumps(recov.summary()), flush=True)
     codes = over.codes
     other_5xx = sum(n for c, n in codes.items() if c.isdigit() and c.startswith("5") and c != "503")
@@ -302,7 +322,13 @@ def main(argv=None) -> int:
     bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k)
     proc, url, cpus = start_server(args)
     try:
-        res = asyncio.run(main_async(args, url, bodies))
+        try:
+            import psutil
+
+            server = psutil.Process(proc.pid) if proc is not None else None
+        except ImportError:
+            server = None
+        res = asyncio.run(main_async(args, url, bodies, server))
         res["server_metrics"] = scrape(url)
     finally:
         rc = None

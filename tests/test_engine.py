@@ -47,7 +47,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Engine(model, buckets=EDGES, max_batch=4, k_max=6)
+    # batch padded to 1, 2 or 4 users (as under graph capture): padding users are exercised too
+    return Engine(model, buckets=EDGES, max_batch=4, k_max=6, batch_sizes=(1, 2, 4))
 
 
 def close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
@@ -88,7 +89,7 @@ def test_cached_equals_recompute_and_reference(model, engine):
 
 def test_bucketed_equals_single_padded_bucket(model, engine):
     ids, ts, L, rt = histories(LENS, seed=3)
-    flat = Engine(model, buckets=(60,), max_batch=16, k_max=6)
+    flat = Engine(model, buckets=(60,), max_batch=16, k_max=6)  # eager default: batches unpadded
     a = engine.generate(ids, ts, L, 4, request_time=rt)
     b = flat.generate(ids, ts, L, 4, request_time=rt)
     assert torch.equal(a.items, b.items)
@@ -139,7 +140,6 @@ def test_topk_sampling_is_seeded_and_top1_is_greedy(engine):
 
 def test_exclusion_history_and_block_list(engine):
     ids, ts, L, rt = histories(LENS, seed=9)
-    block = [[5, 6, 7]] * len(LENS)
     first = engine.generate(ids, ts, L, 3, request_time=rt).items
     block = [row[:2] for row in first.tolist()]  # block the two items it would pick first
     ex = exclusion_mask(I, len(LENS), ids, L, block)
@@ -228,6 +228,12 @@ def test_bad_input(engine):
         engine.generate(ids, ts, L, 3, request_time=rt, exclude=torch.zeros(2, I, dtype=torch.bool))
     with pytest.raises(ValueError, match="empty history"):
         engine.bucket_for(0)
+    nearly_all = torch.ones(2, I + 1, dtype=torch.bool)
+    nearly_all[:, 1:4] = False  # three items left
+    with pytest.raises(ValueError, match=r"row\(s\) \[0, 1\]: fewer than 4 items left"):
+        engine.generate(ids, ts, L, 4, request_time=rt, exclude=nearly_all.clone())
+    res = engine.generate(ids, ts, L, 3, request_time=rt, exclude=nearly_all.clone(), strategy="topk")
+    assert sorted(res.items[0].tolist()) == [1, 2, 3]
 
 
 def test_bad_construction(model):
@@ -277,3 +283,29 @@ def test_compile_mode_traces_each_bucket_once_and_matches():
     again = eng.generate(ids, ts, L, 3, request_time=rt)
     assert torch.equal(again.items, got.items)
     assert sorted(k[0] for k in eng._buckets[20].runners) == ["prefill", "step"]
+
+
+def test_engine_serves_recommender_batches(model, engine):
+    """The server path: Recommender.prepare / .batch feed the engine; same items as .recommend."""
+    from hstu.generate.recommend import History, Recommender
+
+    rec = Recommender(model, {"item_raw_ids": [0] + [1000 + i for i in range(1, I + 1)]})
+    hists = [History(items=[1000 + i for i in (5, 9, 33)], timestamps=[100, 200, 300], request_time=400),
+             History(items=[1000 + i for i in range(1, 45)], timestamps=list(range(1000, 1044)), exclude=[1007])]
+    preps = [rec.prepare(h) for h in hists]
+    want = rec.recommend(preps, k=4)
+    b = rec.batch(preps)
+    mask = exclusion_mask(I, 2, b["ids"], b["lengths"], [p.block for p in preps])  # history excluded (MovieLens-style default)
+    res = engine.generate(b["ids"], b["timestamps"], b["lengths"], 4, request_time=b["request_time"], exclude=mask,
+                          actions=b["actions"], categories=b["categories"], item_category=rec.item_category)
+    got = [[int(rec.raw_ids[i]) for i in row] for row in res.items.tolist()]
+    assert got == [[d["item_id"] for d in row] for row in want]
+
+
+def test_warmup_runs_every_bucket_and_batch_size(model):
+    eng = Engine(model, buckets=(20, 40), max_batch=2, k_max=6, batch_sizes=(1, 2))
+    secs = eng.warmup(("greedy", "beam"))
+    assert set(secs) == {20, 40} and all(s >= 0 for s in secs.values())
+    for E in (20, 40):
+        keys = set(eng._buckets[E].runners)
+        assert {("prefill", 1), ("prefill", 2), ("step", 1, 1), ("step", 2, 1), ("step", 1, 2)} <= keys

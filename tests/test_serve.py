@@ -414,7 +414,7 @@ def test_memory_guard_sheds_with_503_and_stays_up(rec) -> None:
 
 
 def test_graceful_shutdown_drains_in_flight(rec) -> None:
-    s = serve(rec, max_wait_ms=800, max_batch=64).__enter__()
+    s = serve(rec, max_wait_ms=3000, max_batch=64).__enter__()  # a 3 s batch window: all 4 are in flight at stop
     svc = s.app.state.service
     body = {"history": [{"item_id": 1, "timestamp": 1}], "k": 3}
     results: list = []

@@ -85,11 +85,10 @@ class TrainConfig:
     beta2: float = 0.98
     weight_decay: float = 0.0
     num_negatives: int = 128
-    # "sequence": 128 negatives shared by all positions of a sequence (one batched GEMM);
-    # "position": independent negatives per position (the reference's scheme, slower on CPU).
-    # Measured: a per-batch pool of 1024 shared negatives learns far slower than either, so
-    # the number of distinct negatives per batch matters.
-    negatives_sharing: str = "sequence"
+    # Each run of this many consecutive positions shares its own 128 negatives (1 = per
+    # position as in the reference, >= max_seq_len = per sequence); see train/losses.py.
+    negatives_chunk: int = 16
+    negatives_sharing: str = "sequence"  # TEMP compat for train/distributed.py
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256
@@ -101,8 +100,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "num_negatives", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.negatives_sharing not in ("sequence", "position"):
-            raise ValueError(f"TrainConfig.negatives_sharing must be 'sequence' or 'position', got {self.negatives_sharing!r}")
+        if self.negatives_chunk < 1:
+            raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
 
 
 @dataclass

@@ -13,7 +13,17 @@ API (what a server calls)::
                        seed=0, actions=None, categories=None, item_category=None,
                        user_ids=None, use_cache=True)
     res: EngineResult(items (B, k), scores (B, k), actions, beam_logprob,
-                      bucket (B,), truncated (B,), prefix_rows (B,))
+                      bucket (B,), truncated (B,), prefix_rows (B,), warnings)
+
+From a Recommender's prepared histories (what a server does; tests/test_engine.py)::
+
+    b = rec.batch(preps)                                  # padded tensors on the device
+    mask = exclusion_mask(I, len(preps), b["ids"] if exclude_history else None, b["lengths"],
+                          [p.block for p in preps], device=eng.device)
+    res = eng.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"],
+                       exclude=mask, actions=b["actions"], categories=b["categories"],
+                       item_category=rec.item_category, user_ids=[...])
+    items = [[rec.describe(i, s) for i, s in zip(r, sc)] for r, sc in zip(res.items.tolist(), res.scores.tolist())]
 
 Inputs are padded (B, W) int64 tensors on the engine's device, rows of any lengths in one call
 (users are grouped by bucket, chunked by ``max_batch``, results returned in input order).
@@ -29,8 +39,9 @@ model's fixed width, I items.
   Because the attention divisor is the fixed N and padding rows are masked, padding never
   changes a live row (hstu.py), so bucketed == unbucketed up to float reassociation
   (tests/test_engine.py checks 1e-5). Histories longer than the largest edge keep their most
-  recent E events; ``truncated`` reports how many were cut. The batch is padded to the next
-  size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch) so every call has a static shape.
+  recent E events; ``truncated`` reports how many were cut. Under graph capture the batch is
+  padded to the next size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch; max_batch only
+  under "compile") so every call has a static shape; eager runs any batch size unpadded.
 - KV-cache pool, per bucket, allocated once at construction and written in place:
   history K/V (Ly x R x H x C x d) filled by the prefill, and generated-token K/V
   (Ly x R x H x K x d) filled one slot per decode step. The history part is shared by all the
@@ -45,8 +56,8 @@ model's fixed width, I items.
   batch is then always padded to max_batch, beam steps and prefix extensions stay eager);
   "cuda_graph" (torch.cuda.CUDAGraph per bucket and batch size, captured at warmup or first
   use); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "auto": cuda_graph on CUDA,
-  npu_graph on NPU when available, eager on CPU (torch.compile costs tens of seconds per
-  bucket on a 2-core CPU; ask for it by name).
+  npu_graph on NPU when available, eager on CPU (inductor compilation took ~340 s for two
+  buckets on the shared 2-core dev machine; ask for it by name).
 - Kernels: a :class:`hstu.model.kernels.KernelSet` from the per-backend registry ("auto":
   the reference on CPU / CUDA, the float64-free set on NPU; "triton" on CUDA by name).
 - Prefix cache (``prefix_cache_bytes`` > 0 and ``user_ids`` given): see prefix_cache.py.
@@ -55,14 +66,16 @@ model's fixed width, I items.
 - Decoding: greedy; "topk" (seeded sampling among the top_k best at ``temperature``; the same
   call with the same seed returns the same items); "beam" (width W, ranked by the **sum of
   log-probabilities**, log-softmax over the non-excluded items; every beam has length k, so
-  length normalisation would not change the ranking; width 1 equals greedy).
+  length normalisation would not change the ranking; width 1 equals greedy). With a
+  next-action head, the predicted action of each generated token is fed to the next step in
+  every strategy (decode.py's beam feeds none; the two differ only for such models).
 - ``use_cache=False``: the same engine (buckets, kernels, padding) recomputes the whole grown
   sequence at every step, at width E + K: the benchmark's "no cache" side and a second oracle.
 
 Errors (ValueError unless noted): k < 1 or k > k_max; an empty history (the model has no
 cold-start path: position 0 needs an item; serve popular items upstream); an item id outside
-1..num_items in a live position (row and position named); shapes / dtypes; inputs on another
-device (StrayTensorError).
+1..num_items in a live position (row and position named); fewer than max(k, beam width) items
+left after exclusion (row named); shapes / dtypes; inputs on another device (StrayTensorError).
 """
 
 from __future__ import annotations
@@ -139,6 +152,7 @@ class _Bucket:
         self.cat = z(R, d=i64)
         self.len_r = torch.ones(R, dtype=i64, device=dev)
         self.gpos = z(R, K, d=i64)
+        self.tb_hist = z(R, 1, C, d=i64)  # time buckets |request time - t_j|: fixed for a request, set before the loop
         self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
         self.has_features = (m.action_emb is not None, m.category_emb is not None)
 
@@ -150,7 +164,7 @@ class _Bucket:
 
     def total_bytes(self) -> int:
         io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.kvalid, self.start, self.item, self.pos,
-              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos]
+              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.tb_hist]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
 
@@ -191,8 +205,8 @@ class Engine:
         device: "cpu", "cuda", "cuda:1", "npu", ... or None for the model's device.
         kernels: kernel-set name for the backend ("auto", "reference", "triton", "npu").
         graphs: "auto" | "eager" | "compile" | "cuda_graph" | "npu_graph".
-        batch_sizes: padded batch sizes (default powers of two up to max_batch; (max_batch,)
-            under "compile").
+        batch_sizes: padded batch sizes (default: powers of two up to max_batch under graph
+            capture, (max_batch,) under "compile", every size 1..max_batch in eager mode).
         prefix_cache_bytes: > 0 enables the user-prefix cache with that LRU bound.
         compile_backend: torch.compile backend under graphs="compile" ("inductor"; "aot_eager"
             traces the same graphs without code generation, which the tests use).
@@ -222,8 +236,9 @@ class Engine:
         self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
         self.kernels: KernelSet = get_kernels(dev.type, kernels)
         self.graphs = self._graph_mode(graphs)
-        if batch_sizes is None:
-            batch_sizes = (self.max_batch,) if self.graphs == "compile" else _ladder(self.max_batch)
+        if batch_sizes is None:  # static batch shapes only where something is captured
+            batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(self.graphs,
+                                                                                                         _ladder(self.max_batch))
         self.batch_sizes = tuple(sorted(int(b) for b in batch_sizes))
         if self.batch_sizes[-1] != self.max_batch or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")
@@ -405,8 +420,9 @@ class Engine:
         """One decode step for Bp users x W beams: R = Bp * W new rows at positions ``pos``."""
         m, c, ks = self.model, self.model.cfg, self.kernels
         C, H, R = b.C, c.num_heads, Bp * W
-        item, pos, s_idx, rt, act, cat = b.item[:R], b.pos[:R], b.s_idx, b.rt[:Bp], b.act[:R], b.cat[:R]
-        t_hist, kvalid, gpos = b.t[:Bp, :C], b.kvalid[:Bp], b.gpos[:R]
+        item, pos, s_idx, act, cat = b.item[:R], b.pos[:R], b.s_idx, b.act[:R], b.cat[:R]
+        kvalid, gpos = b.kvalid[:Bp], b.gpos[:R]
+        tb_h = b.tb_hist[:Bp].expand(Bp, W, C) if c.use_time_bias else None  # (Bp, W, C), the same for every beam
         hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
         gk, gv = [k[:R] for k in b.gk], [v[:R] for v in b.gv]
         kpos = self._arange[:C]
@@ -414,8 +430,6 @@ class Engine:
 
         def step() -> torch.Tensor:
             x = m.embed(item, pos, *self._feat(b, act, cat))  # (R, d)
-            tb_h = self._tb(rt.view(Bp, 1), t_hist)  # (Bp, 1, C): |request time - t_j|, the same for every beam
-            tb_h = tb_h.expand(Bp, W, C) if tb_h is not None else None
             qpos_h, qpos_g = pos.view(Bp, W), pos.view(R, 1)
             for li, layer in enumerate(m.layers):
                 u, v, q, k = self._layer(layer, x)  # (R, ·)
@@ -489,6 +503,9 @@ class Engine:
             exclude = torch.zeros(B, c.num_items + 1, dtype=torch.bool, device=dev)
         exclude[:, 0] = True
         W = beam_width if strategy == "beam" else 1
+        short = ((c.num_items - exclude[:, 1:].sum(dim=1)) < max(k, W)).nonzero().view(-1).tolist()
+        if short:
+            raise ValueError(f"row(s) {short[:10]}: fewer than {max(k, W)} items left after exclusion (k={k}, beam width {W})")
         if strategy == "beam" and W > self.max_batch:
             raise ValueError(f"beam_width={W} exceeds max_batch={self.max_batch} (pool rows)")
         out = EngineResult(items=torch.zeros(B, k, dtype=torch.int64, device=dev), scores=torch.zeros(B, k, dtype=self.dtype, device=dev),
@@ -608,6 +625,8 @@ class Engine:
         b.t[:Bp].copy_(b.rt[:Bp].view(Bp, 1).expand(Bp, Eb + 2))  # request time at L and after
         b.t[:Bu, :w] = torch.where(live, req["timestamps"][ri, :w], rt.view(Bu, 1))
         b.kvalid[:Bp] = self._arange[:b.C].view(1, b.C) < b.lengths[:Bp].view(Bp, 1)
+        if c.use_time_bias:
+            b.tb_hist[:Bp] = self._tb(b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)

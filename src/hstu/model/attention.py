@@ -45,6 +45,12 @@ _REGISTRY: dict[str, dict[str, AttentionFn]] = {
 }
 
 
+def _load_kernel_sets() -> None:
+    """Import hstu.model.kernels once, which registers its backends' square-attention variants
+    ("triton" on cuda, "npu" on npu) here; imported lazily because it imports this module."""
+    import hstu.model.kernels  # noqa: F401
+
+
 def register_attention(backend: str, name: str, fn: AttentionFn) -> None:
     """Add an HSTU attention implementation for a backend ("cpu" | "cuda" | "npu")."""
     if backend not in _REGISTRY:
@@ -54,6 +60,7 @@ def register_attention(backend: str, name: str, fn: AttentionFn) -> None:
 
 def get_attention(backend: str, name: str = "reference") -> AttentionFn:
     """Look up an implementation; ValueError lists the valid names for that backend."""
+    _load_kernel_sets()
     impls = _REGISTRY.get(backend)
     if impls is None:
         raise ValueError(f"unknown backend {backend!r}; valid: {sorted(_REGISTRY)}")
@@ -63,4 +70,5 @@ def get_attention(backend: str, name: str = "reference") -> AttentionFn:
 
 
 def available_attention(backend: str) -> list[str]:
+    _load_kernel_sets()
     return sorted(_REGISTRY.get(backend, {}))

@@ -240,11 +240,14 @@ class BatchRunner:
         return jobs
 
     def warmup(self, bucket: int) -> float:
-        """Run the bucket's generate and score paths at full batch and alone (with the engine: at
-        every batch size of its ladder); returns seconds taken. Marks the bucket warm."""
+        """Run the bucket's generate and score paths at full batch and alone (with an engine that
+        captures graphs or compiles: at every batch size of its ladder); returns seconds taken.
+        Marks the bucket warm."""
         t0 = time.perf_counter()
-        sizes = sorted(set(self.engine.batch_sizes), reverse=True) if self.engine is not None else (self.max_batch, 1)
-        for n in sizes:  # every padded batch size the engine uses (captures graphs on CUDA / NPU now)
+        sizes = [self.max_batch, 1]
+        if self.engine is not None and self.engine.graphs != "eager":  # capture every padded batch size now, not on a request
+            sizes = sorted(set(self.engine.batch_sizes), reverse=True)
+        for n in sizes:
             res = self.run_batch(bucket, self.synthetic_jobs(bucket, n))
             err = next((r for r in res if isinstance(r, Exception)), None)
             if err is not None:
@@ -272,6 +275,7 @@ class _EngineAdapter:
         self.engine = engine_cls(rec.model, buckets=tuple(runner.buckets), max_batch=runner.max_batch, k_max=runner.max_k,
                                  device=rec.device)
         self.batch_sizes = tuple(getattr(self.engine, "batch_sizes", (runner.max_batch, 1)))
+        self.graphs = str(getattr(self.engine, "graphs", "eager"))
 
     def recommend(self, bucket: int, preps: list[Prepared], k: int, *, exclude_history: bool, strategy: str, **kw) -> list[list[dict]]:
         rec = self.rec

@@ -64,7 +64,15 @@ def subset_users(log_: EventLog, n: int) -> EventLog:
     return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[:n + 1]})
 
 
-def idmap(log_: EventLog) -> dict:
+def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:
+    """(I+1,) int64 number of training events per dense item (popularity, cold-start serving)."""
+    keep = np.zeros(log_.num_events, dtype=bool)
+    for s, e in zip(log_.offsets[:-1], split.train_end):
+        keep[s:e] = True
+    return np.bincount(log_.items[keep], minlength=log_.num_items + 1).astype(np.int64)
+
+
+def idmap(log_: EventLog, split: Split | None = None) -> dict:
     raw = log_.item_raw_ids.tolist()
     return {
         "dataset": log_.name,
@@ -75,6 +83,7 @@ def idmap(log_: EventLog) -> dict:
         "titles": {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
         "exclude_history_default": log_.exclude_history_default,
         "last_timestamp": int(log_.timestamps.max()),
+        **({"item_train_counts": train_item_counts(log_, split).tolist()} if split is not None else {}),
     }
 
 
@@ -99,7 +108,7 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
         b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         loss, n = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
-                                       temperature=model.cfg.temperature, sharing=tcfg.negatives_sharing, generator=gen,
+                                       temperature=model.cfg.temperature, chunk=tcfg.negatives_chunk, generator=gen,
                                        num_items=model.cfg.num_items)
         if model.action_head is not None:
             loss = loss + tcfg.action_loss_weight * next_action_loss(out, b.actions, b.lengths, model.action_head)
@@ -144,7 +153,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         history = read_json(run / "history.json") if (run / "history.json").exists() else []
         log.info("resumed %s at epoch %d", run, state["epoch"])
     write_json(run / "config.json", cfg_json)
-    write_json(run / "idmap.json", idmap(log_))
+    write_json(run / "idmap.json", idmap(log_, split))
     paper = spec.protocol == "paper"
     while state["epoch"] < tcfg.epochs:
         epoch = state["epoch"] + 1

@@ -1,0 +1,92 @@
+"""Shared pieces of the quality benchmarks (reproduce_ml1m.py, taobao.py): resumable training runs,
+provenance (machine, git commit, exact command) and the validation-curve plot."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from hstu.config import ModelConfig, TrainConfig
+from hstu.model.checkpoint import read_json
+from hstu.train.loop import DataSpec, fit
+
+log = logging.getLogger("benchmarks")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def command() -> str:
+    """The exact command line that is running (for the result files)."""
+    return "python " + " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def git_commit() -> str:
+    """HEAD commit, with "+dirty" when the working tree differs from it (read-only git calls)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def machine() -> dict:
+    """CPU model, core counts, torch threads and versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu") -> tuple[dict, list]:
+    """Finished run (metrics.json present): read it. Otherwise train, continuing from
+    RUN_DIR/last.* when a previous invocation was interrupted. Returns (metrics, history)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.json").exists():
+        log.info("%s: finished run found, not retraining (delete the directory to retrain)", run_dir)
+        return read_json(run_dir / "metrics.json"), read_json(run_dir / "history.json")
+    resume = (run_dir / "last.json").exists() and (run_dir / "config.json").exists()
+    if resume:
+        log.info("%s: resuming an interrupted run", run_dir)
+    metrics = fit(run_dir, mcfg, tcfg, spec, device=device, resume=resume, progress=False)
+    return metrics, read_json(run_dir / "history.json")
+
+
+def plot_curves(path: Path, curves: dict[str, tuple[list[int], list[float]]], *, title: str, ylabel: str = "validation NDCG@10",
+                hlines: dict[str, float] | None = None, points: dict[str, tuple[list[int], list[float]]] | None = None) -> None:
+    """Line per run (epoch -> value), optional horizontal reference lines and marker series; PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    for name, (x, y) in curves.items():
+        ax.plot(x, y, label=name, linewidth=1.6)
+    for name, (x, y) in (points or {}).items():
+        ax.plot(x, y, "o", label=name, markersize=5)
+    for i, (name, y) in enumerate((hlines or {}).items()):
+        ax.axhline(y, linestyle="--", linewidth=1.0, color=f"C{len(curves) + len(points or {}) + i}", label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,198 @@
+"""Reproduce the published ML-1M results (Zhai et al. 2024; reference repository README) with this
+code: HSTU small, HSTU large and SASRec in the same harness (same data, split, sampled-softmax loss,
+full-ranking evaluation), side by side with the published numbers and the reference trajectory.
+
+    python benchmarks/reproduce_ml1m.py                                  # all three, both protocols (hours on 2 cores)
+    python benchmarks/reproduce_ml1m.py --models hstu-small --protocols paper --paper-epochs 45
+    python benchmarks/reproduce_ml1m.py --report-only                     # rewrite results from finished runs
+
+Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
+batch 128, 128 uniform negatives, temperature 0.05, L2-normalised embeddings, dropout 0.2,
+max_seq_len 200, up to 101 epochs.
+
+Protocols: "clean" trains on all but the last two events per user, stops early on validation
+NDCG@10 (second-to-last event) and reports test (last event) at the best validation epoch;
+"paper" trains on all but the last event and reports the last event after every epoch (as the
+published numbers do: there validation and test are the same event).
+
+Floors checked (written to OUT/ml1m_summary.json):
+ (1) HSTU small, paper protocol, within 0.005 of (or above) the reference trajectory at epochs 5..45;
+ (2) HSTU large, clean protocol, test HR@10 >= .3097 and NDCG@10 >= .1720;
+ (3) HSTU (small and large) beat SASRec on the same clean split (HR@10 and NDCG@10);
+ plus training speed: sequences/s on this machine (floor for small on 2 CPU cores: >= 85).
+Also: the cold-start slice on ML-1M (histories truncated to 1 and 2 events) with bootstrap CIs.
+
+Writes OUT/ml1m_<model>.json (metrics, epochs, seconds, machine, git commit, command),
+OUT/ml1m_summary.json and OUT/ml1m_valid_ndcg.png. Finished runs in RUNS/ are reused, interrupted
+ones resumed (the exact command is recorded per run in RUNS/<run>/command.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from _common import command, git_commit, machine, plot_curves, train_or_resume
+from hstu.config import TrainConfig, model_config_from_preset
+from hstu.model.checkpoint import load_run
+from hstu.train.loop import DataSpec, prepare_data
+from hstu.train.slices import COLD_START_LENGTHS, ModelScorer, collect, slice_report
+
+log = logging.getLogger("benchmarks.ml1m")
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-1m"
+
+MODELS = {  # name -> (preset, architecture)
+    "hstu-small": ("small", "hstu"),
+    "hstu-large": ("large", "hstu"),
+    "sasrec": ("small", "sasrec"),  # the reference's SASRec on ML-1M: 2 blocks, 1 head, d = 50, dropout 0.2
+}
+# Published full-ranking test results on ML-1M (Zhai et al. 2024; reference repository README).
+PUBLISHED = {
+    "sasrec": {"HR@10": 0.2853, "NDCG@10": 0.1603},
+    "hstu-small": {"HR@10": 0.3097, "NDCG@10": 0.1720},
+    "hstu-large": {"HR@10": 0.3294, "NDCG@10": 0.1893, "HR@50": 0.5935, "NDCG@50": 0.2481, "HR@200": 0.7839},
+}
+# Reference implementation on this very data: test HR@10 / NDCG@10, paper protocol, small, seed 42.
+REFERENCE_TRAJECTORY = {5: (0.2048, 0.1117), 10: (0.2561, 0.1410), 15: (0.2710, 0.1499), 20: (0.2748, 0.1525),
+                        25: (0.2755, 0.1552), 30: (0.2841, 0.1568), 35: (0.2856, 0.1585), 40: (0.2909, 0.1615),
+                        45: (0.2863, 0.1609)}
+TOLERANCE = 0.005
+SPEED_FLOOR_SMALL = 85.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    p.add_argument("--runs", default="runs/ml1m")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
+    p.add_argument("--protocols", default="clean,paper")
+    p.add_argument("--epochs", type=int, default=101, help="upper bound for the clean protocol (early stopping)")
+    p.add_argument("--patience", type=int, default=10, help="clean protocol: epochs without a better valid NDCG@10")
+    p.add_argument("--paper-epochs", type=int, default=101, help="epochs under the paper protocol (no early stopping)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--resamples", type=int, default=1000)
+    p.add_argument("--report-only", action="store_true", help="do not train; report the finished runs found")
+    return p.parse_args(argv)
+
+
+def trajectory(history: list[dict]) -> dict[int, dict]:
+    return {h["epoch"]: {"HR@10": h["test"]["HR@10"], "NDCG@10": h["test"]["NDCG@10"]} for h in history if "test" in h}
+
+
+def floor_trajectory(traj: dict[int, dict]) -> dict:
+    rows, ok = [], True
+    for ep, (hr, nd) in REFERENCE_TRAJECTORY.items():
+        ours = traj.get(ep)
+        if ours is None:
+            rows.append({"epoch": ep, "reference": [hr, nd], "ours": None, "holds": None})
+            ok = False
+            continue
+        holds = ours["HR@10"] >= hr - TOLERANCE and ours["NDCG@10"] >= nd - TOLERANCE
+        ok &= holds
+        rows.append({"epoch": ep, "reference": [hr, nd], "ours": [ours["HR@10"], ours["NDCG@10"]], "holds": holds})
+    return {"holds": ok, "tolerance": TOLERANCE, "epochs": rows}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    runs, out = Path(args.runs), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prov = {"machine": machine(), "git_commit": git_commit(), "command": command()}
+    models = [m for m in args.models.split(",") if m]
+    protocols = [p for p in args.protocols.split(",") if p]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"unknown model {m!r}; valid: {list(MODELS)}")
+    results: dict[str, dict] = {}
+    for name in models:
+        preset, arch = MODELS[name]
+        entry: dict = {"model": name, "published": PUBLISHED.get(name), **prov}
+        for protocol in protocols:
+            run = runs / f"{name}-{protocol}"
+            if args.report_only and not (run / "metrics.json").exists():
+                log.info("%s: no finished run, skipped (--report-only)", run)
+                continue
+            spec = DataSpec("ml-1m", args.data_dir, protocol)
+            epochs = args.epochs if protocol == "clean" else args.paper_epochs
+            tcfg = TrainConfig(epochs=epochs, batch_size=128, learning_rate=1e-3, beta1=0.9, beta2=0.98, weight_decay=0.0,
+                               num_negatives=128, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
+            run.mkdir(parents=True, exist_ok=True)
+            if not (run / "metrics.json").exists():
+                (run / "command.txt").write_text(prov["command"] + "\n")
+            metrics, history = train_or_resume(run, model_config_from_preset(preset, architecture=arch), tcfg, spec, device=args.device)
+            res = {"run_dir": str(run), "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
+                   "test": metrics["test"], "valid": metrics["valid"], "epochs": metrics["epochs"], "best_epoch": metrics["best_epoch"],
+                   "train_seconds": metrics["train_seconds"], "sequences_per_s": metrics["sequences_per_s"],
+                   "machine_of_run": metrics.get("machine"),
+                   "history": [{"epoch": h["epoch"], "loss": h["loss"], "seconds": h["seconds"], "sequences_per_s": h["sequences_per_s"],
+                                **({"valid_HR@10": h["valid"]["HR@10"], "valid_NDCG@10": h["valid"]["NDCG@10"]} if "valid" in h else {})}
+                               for h in history]}
+            if protocol == "paper":
+                res["trajectory"] = trajectory(history)
+            if protocol == "clean":
+                model, _, _ = load_run(run, args.device)
+                log_, split = prepare_data(spec)
+                scorer = ModelScorer(model, name, args.device)
+                full = collect(scorer, log_, split, "test", k=10)
+                cold = {n: collect(scorer, log_, split, "test", max_history=n, generate=False) for n in COLD_START_LENGTHS}
+                from hstu.train.baselines import training_counts
+
+                res["slices"] = slice_report(full, log_, popularity=training_counts(log_, split), cold=cold, resamples=args.resamples,
+                                             seed=args.seed)
+            entry[protocol] = res
+        results[name] = entry
+        (out / f"ml1m_{name}.json").write_text(json.dumps(entry, indent=2))
+
+    summary: dict = {**prov, "published": PUBLISHED, "reference_trajectory": {str(k): v for k, v in REFERENCE_TRAJECTORY.items()}}
+    floors: dict = {}
+    small_paper = results.get("hstu-small", {}).get("paper")
+    if small_paper:
+        floors["1_small_paper_trajectory"] = floor_trajectory(small_paper["trajectory"])
+    large_clean = results.get("hstu-large", {}).get("clean")
+    if large_clean:
+        t = large_clean["test"]
+        floors["2_large_clean"] = {"HR@10": t["HR@10"], "NDCG@10": t["NDCG@10"],
+                                   "holds": t["HR@10"] >= 0.3097 and t["NDCG@10"] >= 0.1720}
+    sas = results.get("sasrec", {}).get("clean")
+    if sas:
+        for name in ("hstu-small", "hstu-large"):
+            c = results.get(name, {}).get("clean")
+            if c:
+                floors[f"3_{name}_beats_sasrec"] = {
+                    "HR@10": [c["test"]["HR@10"], sas["test"]["HR@10"]], "NDCG@10": [c["test"]["NDCG@10"], sas["test"]["NDCG@10"]],
+                    "holds": c["test"]["HR@10"] > sas["test"]["HR@10"] and c["test"]["NDCG@10"] > sas["test"]["NDCG@10"]}
+    speed = {f"{n}-{p}": results[n][p]["sequences_per_s"] for n in results for p in protocols if p in results[n]}
+    floors["speed_sequences_per_s"] = {"values": speed, "floor_small": SPEED_FLOOR_SMALL,
+                                       "holds": all(v >= SPEED_FLOOR_SMALL for k, v in speed.items() if k.startswith("hstu-small"))}
+    summary["floors"] = floors
+    summary["test"] = {f"{n}-{p}": {k: results[n][p]["test"][k] for k in ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "HR@200", "MRR")}
+                       for n in results for p in protocols if p in results[n]}
+    (out / "ml1m_summary.json").write_text(json.dumps(summary, indent=2))
+
+    curves = {}
+    for n in results:
+        c = results[n].get("clean")
+        if c:
+            hs = [h for h in c["history"] if "valid_NDCG@10" in h]
+            curves[f"{n} (clean, valid)"] = ([h["epoch"] for h in hs], [h["valid_NDCG@10"] for h in hs])
+    points = {"reference small, paper protocol (test)": (list(REFERENCE_TRAJECTORY), [v[1] for v in REFERENCE_TRAJECTORY.values()])}
+    if small_paper:
+        traj = small_paper["trajectory"]
+        curves["hstu-small (paper protocol, test)"] = (sorted(traj), [traj[e]["NDCG@10"] for e in sorted(traj)])
+    if curves:
+        plot_curves(out / "ml1m_valid_ndcg.png", curves, points=points, title="ML-1M: NDCG@10 per epoch")
+    print(json.dumps({"test": summary["test"], "floors": {k: v.get("holds") for k, v in floors.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

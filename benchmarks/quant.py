@@ -16,7 +16,7 @@ Measures, for two configs:
     hstu.train.evaluate.evaluate) and AUC of candidate scoring (target vs --negatives uniformly
     sampled items the user never rated, same negatives for every variant; hstu.train.metrics.auc).
 
-Usage:
+Usage (the ML-1M run: `hstu train --dataset ml-1m --data-dir ../shared/data/ml-1m --preset small --epochs 8 --out RUN_DIR`):
   python benchmarks/quant.py --run RUN_DIR --data-dir ../shared/data/ml-1m --json benchmarks/results/quant_ml1m.json
 """
 
@@ -285,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         # --- small (trained ML-1M) ---
         fm, _, _ = load_run(run, "cpu")
         small, small_sizes = make_variants(fm, run, tmp / "small")
+        from hstu.model.checkpoint import read_json
+
+        rcfg = read_json(run / "config.json")
+        res["base_run"] = {"path": str(run), "train": rcfg.get("train"), "data": rcfg.get("data"),
+                           "metrics_test": read_json(run / "metrics.json").get("test") if (run / "metrics.json").exists() else None}
         res["small"] = {"config": fm.cfg.__dict__, "sizes": small_sizes}
         if not args.skip_quality:
             q, log_, split = quality(small, run, args.data_dir, args.negatives, args.seed)

@@ -212,8 +212,8 @@ def test_cli_under_torchrun(ml1m_dir, tmp_path) -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "hstu.train", "--dataset", "ml-1m", "--data-dir", str(ml1m_dir),
+    # --standalone: torchrun picks a free rendezvous port itself (no race with other jobs)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hstu.train", "--dataset", "ml-1m", "--data-dir", str(ml1m_dir),
            "--preset", "small", "--epochs", "1", "--max-users", "16", "--batch-size", "8", "--num-negatives", "8",
            "--out", str(out), "--sharding", "column_wise", "--quiet"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -112,3 +112,5 @@ def test_engine_prefix_cache_respects_bound(model):
     ids, ts = data(B=6, seed=3)
     eng.generate(ids, ts, torch.full((6,), 50), 2, user_ids=list(range(6)))
     assert 0 < len(eng.prefix) < 6 and eng.prefix.bytes <= 20_000
+    held = eng.prefix.bytes
+    assert eng.release_caches() == held and len(eng.prefix) == 0 and eng.prefix.bytes == 0

@@ -7,7 +7,6 @@ import copy
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -8,6 +8,7 @@ API (what a server calls)::
     eng.bucket_for(length) -> int                     # bucket edge a history of that length runs in
     eng.warmup() -> dict[int, float]                  # capture / compile every bucket now (s per bucket)
     eng.cache_bytes_per_bucket() -> dict[int, int]    # preallocated pool bytes per bucket edge
+    eng.memory_report() -> dict; eng.release_caches() -> int   # drop the prefix cache (bytes freed)
     res = eng.generate(ids, timestamps, lengths, k, request_time=None, exclude=None,
                        strategy="greedy"|"topk"|"beam", top_k=50, temperature=1.0, beam_width=4,
                        seed=0, actions=None, categories=None, item_category=None,
@@ -312,6 +313,15 @@ class Engine:
         return {"buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
                 "shared_decode_buffers": shared, "prefix_cache": self.prefix.bytes if self.prefix else 0,
                 "prefix_cache_max": self.prefix.max_bytes if self.prefix else 0}
+
+    def release_caches(self) -> int:
+        """Drop the user-prefix cache (rebuildable; the KV pools are preallocated and stay).
+        Returns the bytes released. For a memory guard under pressure."""
+        if self.prefix is None:
+            return 0
+        freed = self.prefix.bytes
+        self.prefix.clear()
+        return freed
 
     def warmup(self, strategies: Sequence[str] = ("greedy",)) -> dict[int, float]:
         """Run every bucket at every batch size once (capturing graphs / compiling now rather than

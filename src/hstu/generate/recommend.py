@@ -16,6 +16,7 @@ import torch
 
 from hstu import backend
 from hstu.generate.decode import exclusion_mask, generate
+from hstu.generate.hardening import harden
 from hstu.model.checkpoint import load_run
 from hstu.model.hstu import HSTUModel
 
@@ -65,9 +66,7 @@ class Recommender:
     @classmethod
     def from_run(cls, run_dir, device: str = "cpu") -> "Recommender":
         model, _, ids = load_run(run_dir, device)
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return cls(model, ids, device)
+        return cls(harden(model, backend.select(device).device), ids, device)
 
     @property
     def max_len(self) -> int:

@@ -195,6 +195,10 @@ class Int8Linear(nn.Module):
 
     forward: x (…, K) float -> (…, N) in x's dtype; the GEMM runs on float32 activations
     quantized per call (see module docstring). Input is trusted (no shape check beyond K).
+    With the FBGEMM / QNNPACK kernels the activation scale is per call (per tensor), so a row's
+    result can move by up to one activation rounding step when the other rows of the call change
+    (another batch, a cached decode step vs a full recompute); zero padding rows never widen
+    the range, so padding does not change live rows.
     There is deliberately no float ``weight`` attribute: code that reads ``layer.uvqk.weight`` to
     run its own float GEMM must call the module instead (AttributeError says so).
     """

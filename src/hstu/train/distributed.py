@@ -864,7 +864,14 @@ def _default_data_dir() -> str | None:
 
 
 def cmd_train_distributed(args: argparse.Namespace) -> int:
-    """Handler of ``python -m hstu.train`` / ``hstu train --distributed``; rank 0 prints metrics.json."""
+    """Handler of ``python -m hstu.train`` / ``hstu train --distributed``; rank 0 prints metrics.json.
+
+    Ranks other than 0 log warnings only. A missing TorchRec prints the install command to
+    stderr and returns 2; other errors propagate (the callers turn them into exit code 2).
+    """
+    rank = _env_int("RANK", 0)
+    if rank != 0:
+        logging.getLogger("hstu").setLevel(logging.WARNING)
     data_dir = args.data_dir or _default_data_dir()
     if data_dir is None:
         raise FileNotFoundError("data directory not found: pass --data-dir (or set HSTU_DATA_DIR)")
@@ -882,8 +889,12 @@ def cmd_train_distributed(args: argparse.Namespace) -> int:
     options = {"columns": args.columns} if getattr(args, "columns", None) else {}
     spec = DataSpec(args.dataset, str(data_dir), args.protocol, args.max_users, args.skip_bad_rows, options)
     dcfg = DistConfig(sharding=args.sharding, table_optimizer=args.table_optimizer, table_learning_rate=args.table_learning_rate)
-    metrics = fit_distributed(args.out, mcfg, tcfg, spec, dcfg, device=args.device, resume=args.resume, progress=not args.quiet)
-    if _env_int("RANK", 0) == 0:
+    try:
+        metrics = fit_distributed(args.out, mcfg, tcfg, spec, dcfg, device=args.device, resume=args.resume, progress=not args.quiet)
+    except ImportError as exc:
+        print(f"hstu train (rank {rank}): error: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
         print(json.dumps(metrics, indent=2))
     return 0
 
@@ -901,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     try:
         return cmd_train_distributed(args)
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError, ImportError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"hstu train (rank {rank}): error: {msg}", file=sys.stderr)
         return 2

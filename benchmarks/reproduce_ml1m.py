@@ -5,6 +5,7 @@ full-ranking evaluation), side by side with the published numbers and the refere
     python benchmarks/reproduce_ml1m.py                                  # all three, both protocols (hours on 2 cores)
     python benchmarks/reproduce_ml1m.py --models hstu-small --protocols paper --paper-epochs 45
     python benchmarks/reproduce_ml1m.py --report-only                     # rewrite results from finished runs
+    python benchmarks/reproduce_ml1m.py --epochs 2 --paper-epochs 2 --max-users 200 --runs /tmp/m --out /tmp/m_out  # smoke
 
 Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
 batch 128, 128 uniform negatives, temperature 0.05, L2-normalised embeddings, dropout 0.2,
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from _common import command, git_commit, machine, plot_curves, train_or_resume
+from _quality import command, git_commit, machine, plot_curves, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
 from hstu.model.checkpoint import load_run
 from hstu.train.loop import DataSpec, prepare_data
@@ -79,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
     p.add_argument("--report-only", action="store_true", help="do not train; report the finished runs found")
+    p.add_argument("--max-users", type=int, help="first N users only (smoke runs; the reported results use all)")
     return p.parse_args(argv)
 
 
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
             if args.report_only and not (run / "metrics.json").exists():
                 log.info("%s: no finished run, skipped (--report-only)", run)
                 continue
-            spec = DataSpec("ml-1m", args.data_dir, protocol)
+            spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
             tcfg = TrainConfig(epochs=epochs, batch_size=128, learning_rate=1e-3, beta1=0.9, beta2=0.98, weight_decay=0.0,
                                num_negatives=128, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
                                              seed=args.seed)
             entry[protocol] = res
         results[name] = entry
-        (out / f"ml1m_{name}.json").write_text(json.dumps(entry, indent=2))
+        write_json(out / f"ml1m_{name}.json", entry)
 
     summary: dict = {**prov, "published": PUBLISHED, "reference_trajectory": {str(k): v for k, v in REFERENCE_TRAJECTORY.items()}}
     floors: dict = {}
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     summary["floors"] = floors
     summary["test"] = {f"{n}-{p}": {k: results[n][p]["test"][k] for k in ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "HR@200", "MRR")}
                        for n in results for p in protocols if p in results[n]}
-    (out / "ml1m_summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(out / "ml1m_summary.json", summary)
 
     curves = {}
     for n in results:

@@ -227,7 +227,7 @@ def test_csv_malformed_rows_name_the_line(tmp_path: Path):
     with pytest.raises(DataFormatError, match=r"log.csv:3: expected"):
         load_csv(p, columns="user=u,item=i,time=t")
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,10\n1,3,yesterday\n")
-    with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither integer Unix time nor an ISO 8601 date-time: 'yesterday'"):
+    with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither integer Unix time nor an ISO 8601 .*'yesterday'"):
         load_csv(p, columns="user=u,item=i,time=t")
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,2024-01-01\n1,3,not-a-date\n")
     with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither"):

@@ -14,8 +14,8 @@ from hstu.model.hstu import build_hstu
 from hstu.train.baselines import make_baseline, training_counts
 from hstu.train.evaluate import evaluate_ranks
 from hstu.train.metrics import long_tail_coverage, shannon_entropy
-from hstu.train.slices import (BaselineScorer, ModelScorer, bootstrap_weights, ci_mean, collect, macro_f1, ndcgs,
-                               paired_comparison, slice_report, tail_flags, weighted_entropy)
+from hstu.train.slices import (BaselineScorer, ModelScorer, bootstrap_weights, ci_entropy_jackknife, ci_mean, collect, macro_f1, ndcgs,
+                               paired_comparison, slice_report, tail_flags)
 
 
 def test_macro_f1_hand_case():
@@ -48,15 +48,22 @@ def test_paired_comparison():
     W = bootstrap_weights(40, 300, seed=1)
     a = np.r_[np.ones(30), np.zeros(10)]
     same = paired_comparison(a, a, W)
-    assert same["difference"]["ci"] == [0.0, 0.0] and not same["beyond_ci"] and same["ratio"]["value"] == 1.0
+    assert same["difference"]["ci"] == [0.0, 0.0] and not same["win_beyond_ci"] and not same["loss_beyond_ci"]
+    assert same["ratio"]["value"] == 1.0 and not same["win"]
     better = paired_comparison(np.ones(40), a, W)
-    assert better["beyond_ci"] and better["ratio"]["value"] == pytest.approx(40 / 30)
+    assert better["win_beyond_ci"] and better["ratio"]["value"] == pytest.approx(40 / 30)
+    worse = paired_comparison(a, np.ones(40), W)
+    assert worse["loss_beyond_ci"] and not worse["win"]
+    assert paired_comparison(a, np.zeros(40), W)["ratio"] == {"value": None, "ci": [None, None]}
 
 
-def test_weighted_entropy_and_tail_match_metrics():
+def test_entropy_jackknife_and_tail_match_metrics():
     items = np.array([[1, 2, 3], [1, 1, 4], [5, 2, 2]])
-    assert weighted_entropy(items, np.ones(3)) == pytest.approx(shannon_entropy(items))
-    assert weighted_entropy(items, np.array([2, 0, 1])) == pytest.approx(shannon_entropy(np.r_[items[0], items[0], items[2]]))
+    got = ci_entropy_jackknife(items)
+    assert got["value"] == pytest.approx(shannon_entropy(items))
+    loo = np.array([shannon_entropy(np.delete(items, u, axis=0)) for u in range(3)])
+    assert got["jackknife_bias"] == pytest.approx(2 * (loo.mean() - shannon_entropy(items)))
+    assert got["ci"][0] < got["value"] < got["ci"][1]
     pop = np.array([0, 100, 50, 10, 5, 1, 1, 1, 1, 1, 1])
     assert tail_flags(items, pop).mean() == pytest.approx(long_tail_coverage(items, pop))
 
@@ -139,9 +146,9 @@ def test_slice_report_on_a_baseline(small_log):
     assert rep["diversity"]["long_tail_coverage"]["value"] == pytest.approx(long_tail_coverage(res.generated, pop))
     lo, hi = rep["next_item"]["HR@10"]["ci"]
     assert lo <= rep["next_item"]["HR@10"]["value"] <= hi
-    # set-level statistics: basic bootstrap interval, recomputed here from materialised resamples
-    W = bootstrap_weights(U, 200, 0)
-    ent = np.array([shannon_entropy(np.repeat(res.generated, w, axis=0)) for w in W])
-    theta = shannon_entropy(res.generated)
-    q_lo, q_hi = np.percentile(ent, [2.5, 97.5])
-    assert rep["diversity"]["entropy_nats"]["ci"] == pytest.approx([2 * theta - q_hi, 2 * theta - q_lo])
+    # pooled entropy: delete-one-user jackknife, recomputed here by brute force
+    g = res.generated
+    loo = np.array([shannon_entropy(np.delete(g, u, axis=0)) for u in range(U)])
+    se = np.sqrt((U - 1) / U * ((loo - loo.mean()) ** 2).sum())
+    theta = shannon_entropy(g)
+    assert rep["diversity"]["entropy_nats"]["ci"] == pytest.approx([theta - 1.959964 * se, theta + 1.959964 * se], rel=1e-6)

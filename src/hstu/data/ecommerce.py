@@ -151,7 +151,8 @@ def _header_index(path: Path, row: list[str], cols: list[Column]) -> dict[str, i
 
 def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: dict[str, int], width: int, time_unit: int) -> list:
     if len(row) != width:
-        raise DataFormatError(path, line, f"expected {width} fields{' (as the header)' if idx else ''}, got {len(row)}: {','.join(row)[:80]!r}")
+        what = f"{width} fields" + (" (as the header)" if idx else "")
+        raise DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
     vals = []
     for j, c in enumerate(cols):
         raw = row[idx[c.key] if idx else j]

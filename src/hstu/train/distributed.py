@@ -6,22 +6,23 @@ MASTER_ADDR, MASTER_PORT; PyTorch docs, "torchrun (Elastic Launch)")::
     torchrun --nproc-per-node 2 -m hstu.train --dataset ml-1m --data-dir DIR --preset small \\
         --epochs 10 --out RUN [--sharding row_wise|column_wise|table_wise]
 
-Without torchrun the same command runs as a world of one process.
+Without torchrun the same command runs as a world of one process. ``hstu train --distributed``
+is the same trainer (``torchrun --nproc-per-node 2 --no-python hstu train --distributed ...``).
 
-Layout of one step (W ranks, global batch of B sequences drawn exactly as the single-process
+Layout of one step (R ranks, global batch of B sequences drawn exactly as the single-process
 recipe :func:`hstu.train.loop.train_one_epoch` draws it, from the same seed):
 
-    rank r takes the contiguous slice r of ``np.array_split(global batch, W)``;
+    rank r takes the contiguous slice r of ``np.array_split(global batch, R)``;
     the negatives of the *global* batch are drawn on every rank from the same generator
     (same seed, same draws as :func:`hstu.train.losses.sampled_softmax_loss`), and each rank
-    keeps the rows of its own sequences / positions;
+    keeps the rows of its own sequences;
     each rank looks up all item ids it needs in ONE TorchRec lookup (batch ids + negatives,
     deduplicated), so the fused table optimizer applies one update per step;
-    loss_r = (sum of the cross-entropies of rank r's positions) * W / P, P = positions of the
-    global batch, so sum_r loss_r / W is the single-process mean loss.
+    loss_r = (sum of the cross-entropies of rank r's positions) * R / P, P = positions of the
+    global batch, so sum_r loss_r / R is the single-process mean loss.
 
 Gradients: DDP averages the dense gradients over ranks (PyTorch docs, DistributedDataParallel),
-and TorchRec divides the embedding gradients it sends back through the all-to-all by W
+and TorchRec divides the embedding gradients it sends back through the all-to-all by R
 (``torchrec.distributed.comm_ops`` GRADIENT_DIVISION, on by default and set explicitly here), so
 both equal the gradient of the global mean loss: the same step as one process on the whole batch,
 up to float32 summation order.
@@ -29,29 +30,35 @@ up to float32 summation order.
 Optimizers: the dense parameters use AdamW exactly as the single-process recipe. The item table
 uses an FBGEMM optimizer fused into the backward (the ``fused`` kernel, see
 :mod:`hstu.model.torchrec_tables`), chosen with ``table_optimizer``: ``sgd`` (EXACT_SGD),
-``adagrad`` (EXACT_ADAGRAD), ``rowwise_adagrad`` (EXACT_ROWWISE_ADAGRAD; the default, TorchRec's
-usual choice) run on CPU and CUDA; ``adam`` and ``partial_rowwise_adam`` only on CUDA (FBGEMM's
+``adagrad`` (EXACT_ADAGRAD), ``rowwise_adagrad`` (EXACT_ROWWISE_ADAGRAD, the default: one state
+value per row) run on CPU and CUDA; ``adam`` and ``partial_rowwise_adam`` only on CUDA (FBGEMM's
 CPU kernels implement the first three only: ``SplitTableBatchedEmbeddingBagsCodegen``,
 fbgemm-gpu 1.8.0). Fused optimizers update only the rows looked up in a step (sparse semantics),
 unlike the dense AdamW of the single-process recipe, which also moves rows with zero gradient
 through their momentum; with ``sgd`` the two recipes take the same step.
 
-A rank whose slice of a global batch is empty (B < W) runs one of the batch's sequences with
+A rank whose slice of a global batch is empty (B < R) runs one of the batch's sequences with
 weight 0, so that every rank joins every collective; its zero gradients leave the table unchanged
 under sgd and (rowwise) adagrad.
 
-Evaluation: the table is gathered (every rank), each rank ranks a disjoint share of the users with
-a plain :class:`hstu.model.hstu.HSTUModel` holding the gathered table, and the ranks are gathered
-to compute the metrics. Checkpoints are written by rank 0 in the run-directory layout of
+Evaluation: the table is gathered (every rank, so it must fit each rank's memory once more),
+each rank ranks a disjoint share of the users with a plain :class:`hstu.model.hstu.HSTUModel`
+holding the gathered table, and the ranks are gathered to compute the metrics. The initial table
+is likewise built whole on every rank (the single-process init, for the same start), then copied
+into the shards and dropped. Checkpoints are written by rank 0 in the run-directory layout of
 :mod:`hstu.model.checkpoint` with the full table as ``item_emb.weight``, so ``hstu eval`` and
 ``hstu generate`` (and :func:`hstu.model.checkpoint.load_run`) read them as any other run.
+
+FBGEMM needs every shard's width to be a multiple of 4; a table whose d is not (the small preset
+has d = 50) is stored wider with zero columns (:func:`table_width`), invisible to the model.
 
 Backends: gloo on CPU, nccl on CUDA, hccl on Ascend NPU (PyTorch docs, torch.distributed
 "Backends"; torch_npu for hccl). TorchRec's kernels exist for CPU and CUDA only, so on other
 devices the table lives on the CPU with its own gloo group and its rows are moved to the device.
 
-Symbols: W world size, r rank, B sequences in a global batch, b on this rank, P supervised
-positions of the global batch (p on this rank), M negatives, V = I + 1 table rows, d width.
+Symbols: R world size (ranks), r rank, B sequences in a global batch, b on this rank, P supervised
+positions of the global batch (p on this rank), W padded width, M negatives, V = I + 1 table rows,
+d width.
 """
 
 from __future__ import annotations
@@ -115,18 +122,22 @@ TABLE_OPTIMIZERS = {
     "partial_rowwise_adam": "PARTIAL_ROWWISE_ADAM",
 }
 CPU_TABLE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # FBGEMM's CPU kernels (fbgemm-gpu 1.8.0)
+# Default table learning rates. Measured on ML-1M, first 1000 users, small preset with
+# max_seq_len 50, 5 epochs, 2 ranks (torchrun ... --max-users 1000 --table-learning-rate LR):
+# rowwise_adagrad valid NDCG@10 0.060 / 0.074 / 0.077 / 0.071 at lr 0.01 / 0.05 / 0.1 / 0.2,
+# sgd 0.071 at lr 1.0 (the single-process AdamW recipe, lr 1e-3 on the table too: 0.024).
+TABLE_DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.1, "rowwise_adagrad": 0.1}
 
 
 @dataclass
 class DistConfig:
     """Settings of the distributed recipe (the rest comes from ModelConfig and TrainConfig).
 
-    sharding: TorchRec layout of the item table: "row_wise", "column_wise" (d divisible by W)
-        or "table_wise" (whole table on rank 0).
+    sharding: TorchRec layout of the item table: "row_wise", "column_wise" (R equal
+        column blocks) or "table_wise" (whole table on rank 0).
     table_optimizer: fused FBGEMM optimizer of the item table (see the module docstring).
-    table_learning_rate: its learning rate; None = 0.01 for the adagrad types and sgd
-        (AdaGrad's first step moves a row by about lr, and later steps by less), else
-        TrainConfig.learning_rate.
+    table_learning_rate: its learning rate; None = TABLE_DEFAULT_LR[table_optimizer] (the adam
+        types: TrainConfig.learning_rate).
     table_eps: epsilon of the adagrad / adam table optimizers.
     timeout_s: collective timeout (a rank that dies makes the others fail after this long).
     """
@@ -150,7 +161,7 @@ class DistConfig:
     def learning_rate(self, tcfg: TrainConfig) -> float:
         if self.table_learning_rate is not None:
             return self.table_learning_rate
-        return 0.01 if self.table_optimizer in CPU_TABLE_OPTIMIZERS else tcfg.learning_rate
+        return TABLE_DEFAULT_LR.get(self.table_optimizer, tcfg.learning_rate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +244,8 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group(dist_backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    else:
+        dist_backend = str(dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     table_on_device = dev.device.type in TORCHREC_DEVICE_TYPES
     table_device = dev.device if table_on_device else torch.device("cpu")
@@ -243,9 +256,13 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Destroy the process group if :func:`init_distributed` created it."""
-    if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the table's group, and the default group if :func:`init_distributed` created it."""
+    if not dist.is_initialized():
+        return
+    if ctx.owns_group:
+        dist.destroy_process_group()  # all groups
+    else:
+        dist.destroy_process_group(ctx.table_pg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,8 +313,10 @@ class TorchRecItemEmbedding(nn.Module):
 
         Collective. Raises ValueError for ids outside [0, V) (FBGEMM does not bound-check on CPU).
         """
-        flat = torch.cat([t.reshape(-1).to(self.compute_device, torch.int64) for t in ids])
-        uniq = torch.unique(flat)  # (U,) sorted
+        parts = [t.reshape(-1).to(self.compute_device, torch.int64) for t in ids]
+        if self.padding_idx is not None:  # padding may appear later (e.g. the loss pads its targets)
+            parts.append(torch.tensor([self.padding_idx], dtype=torch.int64, device=self.compute_device))
+        uniq = torch.unique(torch.cat(parts))  # (U,) sorted
         if uniq.numel() and (int(uniq[0]) < 0 or int(uniq[-1]) >= self.num_embeddings):
             raise ValueError(f"item ids must lie in [0, {self.num_embeddings}), got {int(uniq[0])}..{int(uniq[-1])}")
         self._block = (uniq, self._lookup(uniq))
@@ -371,7 +390,7 @@ def table_width(embedding_dim: int, sharding: str, world_size: int) -> int:
 
     FBGEMM asserts ``embedding_dim % 4 == 0`` per shard (fbgemm-gpu 1.8.0,
     ``construct_split_state``); the small preset has d = 50. column_wise splits the width into
-    W equal blocks, so there the width is rounded up to a multiple of 4 W. The extra columns are
+    R equal blocks, so there the width is rounded up to a multiple of 4 R. The extra columns are
     zero and unused; the only visible effect is on ``rowwise_adagrad``, whose per-row state is
     the mean of g^2 over the (wider) row, which scales its step by sqrt(width / d).
     """
@@ -407,7 +426,7 @@ def shard_model_table(model: HSTUModel, ctx: DistContext, dcfg: DistConfig, tcfg
     require_torchrec()
     import torchrec.distributed.comm_ops as comm_ops
 
-    comm_ops.set_gradient_division(True)  # embedding grads / W, matching DDP's averaging (module docstring)
+    comm_ops.set_gradient_division(True)  # embedding grads / R, matching DDP's averaging (module docstring)
     V, d = model.cfg.num_items + 1, model.cfg.embedding_dim
     width = table_width(d, dcfg.sharding, ctx.world_size)
     if width != d:
@@ -431,15 +450,17 @@ def shard_model_table(model: HSTUModel, ctx: DistContext, dcfg: DistConfig, tcfg
 class BatchShard:
     """Rank r's part of a global batch.
 
-    users: (b,) EventLog rows (b >= 1); seq_offset / pos_offset: index of its first sequence /
-    first supervised position in the global batch; positions: P of the global batch;
-    weight: 1.0, or 0.0 when the rank's slice is empty and ``users`` is a stand-in.
+    users: (b,) EventLog rows (b >= 1); seq_offset: index of its first sequence in the global
+    batch; batch_size: B; positions: P of the global
+    batch; width: the global batch's padded width (its longest sequence); weight: 1.0, or 0.0 when the rank's
+    slice is empty and ``users`` is a stand-in.
     """
 
     users: np.ndarray
     seq_offset: int
-    pos_offset: int
+    batch_size: int
     positions: int
+    width: int
     weight: float
 
 
@@ -447,75 +468,78 @@ def shard_batch(ub: np.ndarray, lengths: np.ndarray, world: int, rank: int) -> B
     """Rank ``rank``'s contiguous slice of the global batch ``ub`` (B,) of EventLog rows.
 
     ``lengths`` (B,) int: training lengths of ``ub`` (each >= 2); a sequence of length L has
-    L - 1 supervised positions, in the order the single-process loss visits them.
+    L - 1 supervised positions.
     """
     if len(ub) == 0:
         raise ValueError("shard_batch: empty global batch")
     pos = np.asarray(lengths, dtype=np.int64) - 1
     bounds = np.cumsum([0] + [len(c) for c in np.array_split(np.arange(len(ub)), world)])
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    total = int(pos.sum())
+    total, width = int(pos.sum()), int(pos.max()) + 1
     if hi == lo:  # fewer sequences than ranks: a stand-in with weight 0
-        return BatchShard(ub[:1], 0, 0, total, 0.0)
-    return BatchShard(ub[lo:hi], lo, int(pos[:lo].sum()), total, 1.0)
+        return BatchShard(ub[:1], 0, len(ub), total, width, 0.0)
+    return BatchShard(ub[lo:hi], lo, len(ub), total, width, 1.0)
 
 
-def draw_negatives(shard: BatchShard, batch_size: int, local_positions: int, tcfg: TrainConfig, num_items: int,
-                   gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Draw the negatives of the whole global batch (B sequences, P positions) exactly as
-    :func:`hstu.train.losses.sampled_softmax_loss` does on one process, and keep this rank's rows.
+def draw_negatives(shard: BatchShard, local_width: int, tcfg: TrainConfig, num_items: int, gen: torch.Generator,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
+    """Draw the negatives of the whole global batch exactly as :func:`hstu.train.losses.sampled_softmax_loss`
+    does on one process, and keep this rank's.
 
-    Every rank draws the same numbers from its copy of the generator (same seed), so the
-    generators stay in step without communication.
+    On one process, with the global batch padded to width W_g, each run of c = min(chunk, W_g - 1)
+    consecutive positions of a sequence shares M negatives: one (B * nc, M) draw, nc = ceil((W_g - 1) / c),
+    sequence-major. Every rank makes that draw from its copy of the generator (same seed, so the
+    generators stay in step without communication) and keeps the chunks of its own sequences
+    that its (narrower or equal) width ``local_width`` reaches.
 
     Returns:
-        (b, M) int64 in [1, I] for "sequence" sharing; (p, M) for "position" (p = ``local_positions``).
-    Raises:
-        ValueError: unknown ``tcfg.negatives_sharing``.
+        (neg (b, nc_l, M) int64 in [1, I], nc_l = ceil((local_width - 1) / c); c).
     """
     M = tcfg.num_negatives
-    if tcfg.negatives_sharing == "sequence":
-        neg = torch.randint(1, num_items + 1, (batch_size, M), device=device, generator=gen)  # (B, M)
-        return neg[shard.seq_offset:shard.seq_offset + len(shard.users)]  # (b, M)
-    if tcfg.negatives_sharing == "position":
-        neg = torch.randint(1, num_items + 1, (shard.positions, M), device=device, generator=gen)  # (P, M)
-        return neg[shard.pos_offset:shard.pos_offset + local_positions]  # (p, M)
-    raise ValueError(f"TrainConfig.negatives_sharing: unknown {tcfg.negatives_sharing!r}; valid: sequence, position")
+    T = shard.width - 1  # supervised slots of the global batch
+    c = min(tcfg.negatives_chunk, max(T, 1))
+    nc = -(-T // c)
+    B = shard.batch_size
+    neg = torch.randint(1, num_items + 1, (B * nc, M), device=device, generator=gen).view(B, nc, M)  # (B, nc, M)
+    nc_local = -(-(local_width - 1) // c)
+    return neg[shard.seq_offset:shard.seq_offset + len(shard.users), :nc_local], c  # (b, nc_l, M)
 
 
 def sharded_sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, item_emb, neg: torch.Tensor, *,
-                                 sharing: str, temperature: float, scale: float) -> tuple[torch.Tensor, int]:
+                                 chunk: int, temperature: float, scale: float) -> tuple[torch.Tensor, int]:
     """This rank's share of the global batch's sampled-softmax loss (Zhai et al. 2024, §4.1.1).
 
     The same logits as :func:`hstu.train.losses.sampled_softmax_loss` (cosine / temperature of
-    the L2-normalised row and item embeddings, the next item as positive, clashing negatives
-    masked to -inf), with the negatives drawn for the global batch (:func:`draw_negatives`).
+    the L2-normalised row and item embeddings, the next item as positive, a run of ``chunk``
+    positions sharing its negatives, clashing negatives masked to -inf), with the negatives drawn
+    for the global batch (:func:`draw_negatives`).
 
     Args:
         out: (b, W, d) L2-normalised encoder rows; ids (b, W) int64; lengths (b,) int64.
-        neg: this rank's negatives from :func:`draw_negatives`: (b, M) for "sequence", (p, M) for "position".
-        scale: multiplies the summed cross-entropy (W / P for the global mean, times the shard weight).
+        neg: (b, nc, M) int64, nc = ceil((W - 1) / chunk): the negatives of each run of positions.
+        chunk: c, the run length the negatives were drawn for (the global batch's, not recomputed from W).
+        scale: multiplies the summed cross-entropy (R / P for the global mean, times the shard weight).
     Returns:
         (scale * sum of this rank's cross-entropies, p = its supervised positions).
     Raises:
-        ValueError: the negatives do not match the sequences / positions.
+        ValueError: ``neg`` does not have (b, nc, M) rows of runs.
     """
     b, W, d = out.shape
-    pos_mask = torch.arange(W - 1, device=ids.device).view(1, -1) < (lengths.view(-1, 1) - 1)  # (b, W-1)
-    q = out[:, :-1]  # (b, W-1, d)
-    tgt = ids[:, 1:]  # (b, W-1)
-    pos_logit = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (b, W-1, 1)
-    if neg.shape[0] != (b if sharing == "sequence" else int(pos_mask.sum())):
-        raise ValueError(f"{neg.shape[0]} rows of negatives for {sharing!r} sharing do not match the shard ({b} sequences)")
-    if sharing == "sequence":
-        neg_logit = torch.bmm(q, l2_normalize(item_emb(neg)).transpose(1, 2))  # (b, W-1, M)
-        clash = tgt.unsqueeze(-1) == neg.unsqueeze(1)  # (b, W-1, M)
-        logits = torch.cat([pos_logit, neg_logit.masked_fill(clash, float("-inf"))], dim=-1)[pos_mask]  # (p, 1+M)
-    else:
-        qp, tp = q[pos_mask], tgt[pos_mask]  # (p, d), (p,)
-        neg_logit = torch.einsum("pd,pmd->pm", qp, l2_normalize(item_emb(neg)))  # (p, M)
-        neg_logit = neg_logit.masked_fill(neg == tp.unsqueeze(1), float("-inf"))
-        logits = torch.cat([pos_logit[pos_mask], neg_logit], dim=-1)  # (p, 1+M)
+    T, c = W - 1, chunk
+    nc = -(-T // c)
+    if neg.dim() != 3 or neg.shape[:2] != (b, nc):
+        raise ValueError(f"negatives of shape {tuple(neg.shape)} do not match {b} sequences x {nc} runs of {c} positions")
+    M = neg.shape[2]
+    pad = nc * c - T
+    q = F.pad(out[:, :-1], (0, 0, 0, pad))  # (b, nc*c, d)
+    tgt = F.pad(ids[:, 1:], (0, pad))  # (b, nc*c)
+    pos_logit = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (b, nc*c, 1)
+    neg = neg.reshape(b * nc, M)  # (b*nc, M)
+    neg_logit = torch.bmm(q.reshape(b * nc, c, d), l2_normalize(item_emb(neg)).transpose(1, 2))  # (b*nc, c, M)
+    clash = tgt.reshape(b * nc, c, 1) == neg.unsqueeze(1)  # (b*nc, c, M)
+    neg_logit = neg_logit.masked_fill(clash, float("-inf")).reshape(b, nc * c, M)  # (b, nc*c, M)
+    mask = torch.arange(nc * c, device=ids.device).view(1, -1) < (lengths.view(-1, 1) - 1)  # (b, nc*c)
+    logits = torch.cat([pos_logit, neg_logit], dim=-1)[mask]  # (p, 1+M)
     n = logits.shape[0]
     ce = F.cross_entropy(logits / temperature, torch.zeros(n, dtype=torch.long, device=ids.device), reduction="sum")
     return ce * scale, n
@@ -530,12 +554,12 @@ class _ShardStep(nn.Module):
         self.tcfg = tcfg
 
     def forward(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, actions: torch.Tensor,
-                categories: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
+                categories: torch.Tensor, neg: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
         m, t = self.model, self.tcfg
         m.item_emb.prefetch(ids, neg)  # the step's one collective lookup
         try:
             out = m.encode(ids, timestamps, lengths, actions=actions, categories=categories)  # (b, W, d)
-            loss, _ = sharded_sampled_softmax_loss(out, ids, lengths, m.item_emb, neg, sharing=t.negatives_sharing,
+            loss, _ = sharded_sampled_softmax_loss(out, ids, lengths, m.item_emb, neg, chunk=chunk,
                                                    temperature=m.cfg.temperature, scale=scale)
             if m.action_head is not None:  # next-action cross-entropy, same positions (hstu.train.losses.next_action_loss)
                 W = out.shape[1]
@@ -573,24 +597,23 @@ def train_one_epoch_distributed(step: nn.Module, model: HSTUModel, log_: EventLo
     process; ``on_step(epoch, step, loss)`` sees every step's global loss (on every rank).
     """
     step.train()
-    cfg, W = model.cfg, ctx.world_size
+    cfg, R = model.cfg, ctx.world_size
     lengths = _train_lengths(log_, split, cfg.max_seq_len)
     batches = epoch_batches(log_, split, tcfg, cfg.max_seq_len, epoch)
     t0, total, n_pos, n_seq = time.perf_counter(), 0.0, 0, 0
     bar = tqdm(batches, desc=f"epoch {epoch}", disable=not (progress and ctx.is_main), leave=False, mininterval=2.0)
     for i, ub in enumerate(bar):
-        sh = shard_batch(ub, lengths[ub], W, ctx.rank)
+        sh = shard_batch(ub, lengths[ub], R, ctx.rank)
         b = train_batch(log_, split, sh.users, cfg.max_seq_len).to(ctx.device)
-        local_p = int((b.lengths - 1).sum())
-        # a stand-in shard (weight 0) starts at offset 0 and is part of the batch: its slices exist
-        neg = draw_negatives(sh, len(ub), local_p, tcfg, cfg.num_items, gen, ctx.device)
-        loss = step(b.ids, b.timestamps, b.lengths, b.actions, b.categories, neg, sh.weight * W / sh.positions)
+        # a stand-in shard (weight 0) is the batch's first sequence: its negatives exist
+        neg, chunk = draw_negatives(sh, b.ids.shape[1], tcfg, cfg.num_items, gen, ctx.device)
+        loss = step(b.ids, b.timestamps, b.lengths, b.actions, b.categories, neg, chunk, sh.weight * R / sh.positions)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces dense grads; the fused table optimizer updates its rows here
         opt.step()
         glob = loss.detach().reshape(1).clone()
         dist.all_reduce(glob, group=ctx.dense_pg)
-        gl = float(glob) / W
+        gl = float(glob) / R
         if on_step is not None:
             on_step(epoch, i, gl)
         total += gl * len(ub)
@@ -622,7 +645,7 @@ def evaluate_distributed(model: HSTUModel, log_: EventLog, split: Split, which: 
                          ks=DEFAULT_KS, plain: HSTUModel | None = None) -> dict[str, float]:
     """Full-ranking metrics (as :func:`hstu.train.evaluate.evaluate`), users split over the ranks.
 
-    Each rank ranks every W-th user (ordered by history length, for balance) with a plain copy of
+    Each rank ranks every R-th user (ordered by history length, for balance) with a plain copy of
     the model (``plain``, else :func:`export_model`); the ranks are gathered. Collective.
     """
     plain = plain if plain is not None else export_model(model, ctx)
@@ -804,8 +827,11 @@ def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, ctx: DistCon
     """Load last.* into the sharded model (dense weights, table rows), the dense AdamW and the RNGs."""
     plain = build_hstu(ModelConfig(**asdict(model.cfg)))
     info = load_train_state(run, plain, opt, gen)
-    state = {k: v for k, v in plain.state_dict().items() if k != "item_emb.weight"}
-    model.load_state_dict(state, strict=False)
+    src = plain.state_dict()
+    with torch.no_grad():  # dense weights one by one: the sharded module's own load hooks want its keys
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not name.startswith("item_emb.") and name in src:
+                t.copy_(src[name])
     table = plain.item_emb.weight.detach()
     pad = model.item_emb.table_dim - model.item_emb.embedding_dim
     load_rows(model.item_emb.sharded, lambda a, b: F.pad(table[a:b], (0, pad)).to(ctx.table_device))
@@ -827,7 +853,8 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharding", default="row_wise", choices=list(SHARDING_TYPES), help="TorchRec layout of the item table")
     p.add_argument("--table-optimizer", default="rowwise_adagrad", choices=list(TABLE_OPTIMIZERS),
                    help="fused FBGEMM optimizer of the item table (CPU: sgd, adagrad, rowwise_adagrad)")
-    p.add_argument("--table-learning-rate", type=float, help="default 0.01 (sgd, adagrad types) or --learning-rate (adam types)")
+    p.add_argument("--table-learning-rate", type=float,
+                   help="default 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types)")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -871,7 +898,7 @@ def cmd_train_distributed(args: argparse.Namespace) -> int:
     """
     rank = _env_int("RANK", 0)
     if rank != 0:
-        logging.getLogger("hstu").setLevel(logging.WARNING)
+        logging.getLogger().setLevel(logging.WARNING)  # this process is one rank: quiet all its loggers
     data_dir = args.data_dir or _default_data_dir()
     if data_dir is None:
         raise FileNotFoundError("data directory not found: pass --data-dir (or set HSTU_DATA_DIR)")
@@ -925,6 +952,7 @@ __all__ = [
     "DIST_BACKENDS",
     "TABLE_OPTIMIZERS",
     "CPU_TABLE_OPTIMIZERS",
+    "TABLE_DEFAULT_LR",
     "DistConfig",
     "DistContext",
     "init_distributed",

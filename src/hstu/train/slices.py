@@ -12,10 +12,11 @@ For one scorer (a trained model, or a baseline of :mod:`hstu.train.baselines`) o
   training events). Models generate with :func:`hstu.generate.generate` (greedy, KV cache);
   baselines' next-k are their top-k.
 
-Bootstrap: ``R`` resamples of the evaluated users with replacement (seeded). Means over users get
-percentile intervals (Efron & Tibshirani 1993, §13.3); set-level statistics (macro-F1, entropy)
-are recomputed on each resample and get basic (pivotal) intervals, which correct their
-resampling bias. Paired comparisons resample the same users for both scorers; a win is "beyond
+Bootstrap: percentile intervals (Efron & Tibshirani 1993, §13.3) from ``R`` resamples of the
+evaluated users with replacement (seeded); macro-F1 is recomputed on each resample. The pooled
+entropy is the exception: resampling users drops the items only the missing users generated, so
+its bootstrap distribution sits wholly below the estimate; it gets a delete-one-user jackknife
+interval instead (see :func:`ci_entropy_jackknife`). Paired comparisons resample the same users for both scorers; a win is "beyond
 the CI" when the 95 % interval of the difference excludes 0.
 
 Symbols: U evaluated users, B users per batch, I items, k generated items per user, R resamples.
@@ -189,25 +190,43 @@ def _summary(value: float, stats: np.ndarray, level: float) -> dict:
 
 
 def ci_stat(fn, n: int, weights: np.ndarray, level: float = 0.95) -> dict:
-    """Basic (pivotal) bootstrap CI [2θ - q_hi, 2θ - q_lo] of a set-level statistic θ = ``fn(w)``
-    of per-user weights (n,) (w = 1: the value; Davison & Hinkley 1997, eq. 5.6). Pooled
-    statistics such as the entropy of all generated items are biased under resampling (repeated
-    users mean fewer distinct items), which the pivotal interval corrects and the percentile
-    interval does not."""
+    """Percentile bootstrap CI of a set-level statistic ``fn(w)`` of per-user weights (n,)
+    (w = 1: the value), e.g. macro-F1 recomputed on each resample."""
     stats = np.array([fn(w) for w in weights], np.float64)
-    value = float(fn(np.ones(n)))
-    a = (1 - level) / 2
-    lo, hi = np.nanpercentile(stats, [100 * a, 100 * (1 - a)])
-    return {"value": value, "ci": [float(2 * value - hi), float(2 * value - lo)]}
+    return _summary(float(fn(np.ones(n))), stats, level)
 
 
-def weighted_entropy(items: np.ndarray, w: np.ndarray) -> float:
-    """Shannon entropy (nats) of the items of (U, k) ``items``, user u counted w[u] times."""
-    flat = items.ravel()
-    uniq, inv = np.unique(flat, return_inverse=True)
-    c = np.bincount(inv, weights=np.repeat(np.asarray(w, np.float64), items.shape[1]), minlength=len(uniq))
-    p = c[c > 0] / c.sum()
-    return float(-(p * np.log(p)).sum())
+def ci_entropy_jackknife(items: np.ndarray, level: float = 0.95) -> dict:
+    """Entropy (nats) of the generated items pooled across users, with a delete-one-user
+    jackknife normal interval (Efron & Tibshirani 1993, §11.2-11.5).
+
+    The bootstrap does not suit this statistic: a resample repeats some users and drops about
+    37 % of them, so the items only they generated vanish and every resampled entropy falls
+    below the observed one (the percentile interval then lies below the estimate, the basic one
+    above it). Deleting one user at a time perturbs the pooled counts by at most k items.
+    items: (U, k) dense ids. Returns {"value", "ci", "method", "jackknife_bias"}.
+    """
+    U, k = items.shape
+    uniq, inv = np.unique(items.ravel(), return_inverse=True)
+    counts = np.bincount(inv, minlength=len(uniq)).astype(np.float64)
+    total = counts.sum()
+    plogp = lambda c: np.where(c > 0, c * np.log(np.where(c > 0, c, 1.0)), 0.0)  # noqa: E731
+    s_all = plogp(counts).sum()
+    value = float(np.log(total) - s_all / total)
+    inv = inv.reshape(U, k)
+    loo = np.empty(U)
+    for u in range(U):  # remove user u's k items from the pooled counts
+        ids, c_u = np.unique(inv[u], return_counts=True)
+        s = s_all - plogp(counts[ids]).sum() + plogp(counts[ids] - c_u).sum()
+        t = total - k
+        loo[u] = np.log(t) - s / t if t > 0 else 0.0
+    mean = loo.mean()
+    se = float(np.sqrt((U - 1) / U * ((loo - mean) ** 2).sum()))
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    return {"value": value, "ci": [value - z * se, value + z * se], "method": "jackknife (delete one user)",
+            "jackknife_bias": float((U - 1) * (mean - value))}
 
 
 def tail_flags(items: np.ndarray, popularity: np.ndarray, head_share: float = 0.2) -> np.ndarray:
@@ -262,8 +281,7 @@ def slice_report(res: UserResults, log_: EventLog, *, weights: np.ndarray | None
                 out["cold_start"].setdefault("by_history", {}).setdefault(str(n), {})[name] = ci_mean(fn(cold[n].ranks, 10), W)
     if res.generated is not None:
         g = res.generated
-        out["diversity"] = {"k": int(g.shape[1]), "entropy_nats": ci_stat(lambda w: weighted_entropy(g, w), U, W),
-                            "distinct_items": int(len(np.unique(g)))}
+        out["diversity"] = {"k": int(g.shape[1]), "entropy_nats": ci_entropy_jackknife(g), "distinct_items": int(len(np.unique(g)))}
         if popularity is not None:
             out["diversity"]["long_tail_coverage"] = ci_mean(tail_flags(g, popularity), W)
     return out
@@ -271,10 +289,15 @@ def slice_report(res: UserResults, log_: EventLog, *, weights: np.ndarray | None
 
 def paired_comparison(a: np.ndarray, b: np.ndarray, weights: np.ndarray, level: float = 0.95) -> dict:
     """Per-user values of two scorers on the same users (U,) -> ratio and difference of the means
-    with paired bootstrap CIs; ``beyond_ci`` when the difference's interval excludes 0."""
+    with paired bootstrap CIs. ``win_beyond_ci``: the difference's interval lies above 0;
+    ``loss_beyond_ci``: below 0. A ratio with a zero denominator is None (JSON null)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     ma, mb = weights @ a / a.size, weights @ b / b.size
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = _summary(float(a.mean() / b.mean()) if b.mean() > 0 else float("inf"), ma / mb, level)
+        ratios = np.where(mb > 0, ma / np.where(mb > 0, mb, 1.0), np.nan)
+    ratio = _summary(float(a.mean() / b.mean()), ratios, level) if b.mean() > 0 else {"value": None, "ci": [None, None]}
+    if ratio["value"] is not None and not all(np.isfinite(ratio["ci"])):
+        ratio["ci"] = [None, None]
     diff = _summary(float(a.mean() - b.mean()), ma - mb, level)
-    return {"ratio": ratio, "difference": diff, "beyond_ci": bool(diff["ci"][0] > 0 or diff["ci"][1] < 0)}
+    return {"ratio": ratio, "difference": diff, "win": diff["value"] > 0, "win_beyond_ci": bool(diff["ci"][0] > 0),
+            "loss_beyond_ci": bool(diff["ci"][1] < 0)}

@@ -3,7 +3,9 @@ provenance (machine, git commit, exact command) and the validation-curve plot.""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -47,9 +49,26 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def finite(obj):
+    """A copy of a JSON-ready object with NaN / ±inf floats replaced by None (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu") -> tuple[dict, list]:

@@ -43,6 +43,10 @@ def _model_cfg(args):
 
 
 def cmd_train(args) -> int:
+    if args.distributed:
+        from hstu.train.distributed import cmd_train_distributed
+
+        return cmd_train_distributed(args)
     from hstu.config import TrainConfig
     from hstu.train.loop import DataSpec, fit
 
@@ -206,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--distributed", action="store_true",
+                   help="item table sharded by TorchRec, dense layers under DDP; start with "
+                        "torchrun --nproc-per-node N --no-python hstu train --distributed ...")
+    from hstu.train.distributed import add_distributed_arguments
+
+    add_distributed_arguments(t)  # --sharding, --table-optimizer, --table-learning-rate
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a run (full ranking)")

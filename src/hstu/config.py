@@ -88,7 +88,6 @@ class TrainConfig:
     # Each run of this many consecutive positions shares its own 128 negatives (1 = per
     # position as in the reference, >= max_seq_len = per sequence); see train/losses.py.
     negatives_chunk: int = 16
-    negatives_sharing: str = "sequence"  # TEMP compat for train/distributed.py
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256

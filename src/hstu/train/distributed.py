@@ -123,9 +123,12 @@ TABLE_OPTIMIZERS = {
 }
 CPU_TABLE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # FBGEMM's CPU kernels (fbgemm-gpu 1.8.0)
 # Default table learning rates. Measured on ML-1M, first 1000 users, small preset with
-# max_seq_len 50, 5 epochs, 2 ranks (torchrun ... --max-users 1000 --table-learning-rate LR):
-# rowwise_adagrad valid NDCG@10 0.060 / 0.074 / 0.077 / 0.071 at lr 0.01 / 0.05 / 0.1 / 0.2,
-# sgd 0.071 at lr 1.0 (the single-process AdamW recipe, lr 1e-3 on the table too: 0.024).
+# max_seq_len 50, 5 epochs, seed 1, 2 ranks, negatives_chunk 16 (torchrun --nproc-per-node 2 -m
+# hstu.train --config C --max-users 1000 --table-learning-rate LR): valid NDCG@10 of
+# rowwise_adagrad 0.076 / 0.073 / 0.065 at lr 0.03 / 0.1 / 0.3 (with per-sequence negatives:
+# 0.060 / 0.074 / 0.077 / 0.071 at 0.01 / 0.05 / 0.1 / 0.2), sgd 0.072 at lr 1.0; the
+# single-process recipe (AdamW lr 1e-3 on the table too) reaches 0.024 there. Differences
+# under ~0.01 are within the noise of 1000 users.
 TABLE_DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.1, "rowwise_adagrad": 0.1}
 
 
@@ -695,7 +698,9 @@ def fit_distributed(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, s
     "distributed" table, model.safetensors with the full table as ``item_emb.weight``, idmap.json,
     metrics.json, history.json, last.*). ``data``: the (EventLog, Split) of ``spec`` if already
     loaded (every rank must hold the same). ``resume`` restores the weights, the dense AdamW state and
-    the RNGs; the table optimizer's state (AdaGrad sums) restarts from zero (exact for sgd).
+    the negatives' generator; the table optimizer's state (AdaGrad sums) restarts from zero and
+    dropout masks are drawn afresh (so with sgd and no dropout a resumed run is exact). Resuming
+    reads RUN_DIR on every rank (a shared file system across machines).
 
     Returns the metrics.json object (on every rank).
     Raises:

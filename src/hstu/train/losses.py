@@ -17,7 +17,7 @@ from hstu.model.hstu import l2_normalize
 
 def sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, item_emb, *, num_negatives: int,
                          temperature: float, chunk: int = 16, generator: torch.Generator | None = None,
-                         num_items: int, sharing: str | None = None) -> tuple[torch.Tensor, int]:
+                         num_items: int) -> tuple[torch.Tensor, int]:
     """Mean loss over positions 0..L-2 of each sequence (row i predicts ids[i+1]).
 
     Negatives: each run of ``chunk`` consecutive positions of a sequence shares its own M
@@ -34,8 +34,6 @@ def sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Te
     Returns:
         (loss scalar, number of supervised positions P).
     """
-    if sharing is not None:  # TEMP compat: "sequence" | "position"
-        chunk = 1 if sharing == "position" else 10**9
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     B, W, d = out.shape

@@ -39,7 +39,7 @@ import torch
 
 from _quality import command, git_commit, machine, plot_curves, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
-from hstu.model.checkpoint import load_run
+from hstu.model.checkpoint import load_run, read_json
 from hstu.train.loop import DataSpec, prepare_data
 from hstu.train.slices import COLD_START_LENGTHS, ModelScorer, collect, slice_report
 
@@ -131,7 +131,9 @@ def main(argv=None) -> int:
             if not (run / "metrics.json").exists():
                 (run / "command.txt").write_text(prov["command"] + "\n")
             metrics, history = train_or_resume(run, model_config_from_preset(preset, architecture=arch), tcfg, spec, device=args.device)
+            run_cfg = read_json(run / "config.json")
             res = {"run_dir": str(run), "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
+                   "model_config": run_cfg["model"], "train_config": run_cfg["train"],
                    "test": metrics["test"], "valid": metrics["valid"], "epochs": metrics["epochs"], "best_epoch": metrics["best_epoch"],
                    "train_seconds": metrics["train_seconds"], "sequences_per_s": metrics["sequences_per_s"],
                    "machine_of_run": metrics.get("machine"),

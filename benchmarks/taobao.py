@@ -136,7 +136,8 @@ def main(argv=None) -> int:
         entry = {"scorer": name, "data": data, "recipe": recipe, **rep, **prov}
         if name in trained:
             m = trained[name]["metrics"]
-            entry.update(model=trained[name]["config"]["model"], epochs=m["epochs"], best_epoch=m["best_epoch"],
+            entry.update(model=trained[name]["config"]["model"], train_config=trained[name]["config"]["train"],
+                         epochs=m["epochs"], best_epoch=m["best_epoch"],
                          train_seconds=m["train_seconds"], sequences_per_s=m["sequences_per_s"],
                          run_dir=str(runs / name), history=[{k: h[k] for k in ("epoch", "loss", "seconds", "sequences_per_s")}
                                                              | {"valid_NDCG@10": h.get("valid", {}).get("NDCG@10"),

@@ -258,11 +258,12 @@ def _retailrocket_categories(directory: Path) -> dict[int, int] | None:
         return None
     frames = []
     for p in parts:
-        try:
-            df = pd.read_csv(p, usecols=["timestamp", "itemid", "property", "value"], dtype={"property": str, "value": str})
+        try:  # ~11M rows per part: read in chunks, keep only the categoryid rows
+            for chunk in pd.read_csv(p, usecols=["timestamp", "itemid", "property", "value"], dtype={"property": str, "value": str},
+                                     chunksize=2_000_000):
+                frames.append(chunk[chunk["property"] == "categoryid"])
         except (ValueError, pd.errors.ParserError) as exc:
             raise DataFormatError(p, None, f"cannot read item properties: {exc}") from None
-        frames.append(df[df["property"] == "categoryid"])
     props = pd.concat(frames, ignore_index=True)
     props["cat"] = pd.to_numeric(props["value"], errors="coerce")
     props = props.dropna(subset=["cat"]).sort_values("timestamp", kind="stable")

@@ -253,19 +253,43 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_demo)
 
-    for mod in ("hstu.ops.cli", "hstu.model.embedding_cli", "hstu.quant.cli", "hstu.serve.cli", "hstu.bench_cli"):
+    for mod, (commands, extra) in FEATURES.items():
         try:
             module = __import__(mod, fromlist=["add_subcommands"])
         except ModuleNotFoundError as exc:
             if exc.name and mod.startswith(exc.name):
                 continue  # feature module not present in this build
-            raise
+            if exc.name and exc.name.split(".")[0] == "hstu":
+                raise
+            for name in commands:  # an optional dependency is missing: say how to install it
+                stub = sub.add_parser(name, help=f"(needs: pip install 'hstu[{extra}]')")
+                stub.set_defaults(func=_missing_extra(name, extra, exc.name), stub=True)
+            continue
         module.add_subcommands(sub)
     return p
 
 
+FEATURES = {  # module -> (its commands, the extra that brings its dependencies)
+    "hstu.ops.cli": (("doctor", "diagnose", "monitor", "watchdog"), "ops"),
+    "hstu.model.embedding_cli": (("plan-memory",), "ops"),
+    "hstu.quant.cli": (("quantize",), "ops"),
+    "hstu.serve.cli": (("serve",), "serve"),
+}
+
+
+def _missing_extra(command: str, extra: str, missing: str | None):
+    def handler(args) -> int:
+        print(f"hstu {command}: needs the optional package {missing!r}: pip install 'hstu[{extra}]'", file=sys.stderr)
+        return 2
+
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "stub", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)

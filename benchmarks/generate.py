@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP threads spin-wait on "
                          "each other whenever another process holds a core, which made every op ~15x slower in our runs; "
                          "0 = torch default)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
+                    help="model precision (hstu.quant.apply_precision on the random-weight model)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -151,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = be.device
     sync = be.synchronize
     model = make_model(dev)
+    if args.precision != "fp32":
+        from hstu.quant import apply_precision
+
+        model = apply_precision(model, args.precision)
     I = model.cfg.num_items
     reps = 6 if args.quick else 40
     mix_users = 96 if args.quick else 512
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                  "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                              "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                              "python": platform.python_version(), "load_avg_at_start": list(os.getloadavg())},
-                 "model": {"preset": "small", "num_items": I, "width_N": model.cfg.width, "weights": "random"},
+                 "model": {"preset": "small", "num_items": I, "width_N": model.cfg.width, "weights": "random",
+                           "precision": args.precision},
                  "engine": {"buckets": list(EDGES), "max_batch": 16, "k_max": 10, "graphs": eng.graphs, "kernels": eng.kernels.name},
                  "warmup_s": warm, "kv_pool_bytes_per_bucket": eng.cache_bytes_per_bucket()}
     print(f"device {dev}, graphs {eng.graphs}, kernels {eng.kernels.name}, reps {reps}; KV pool bytes per bucket "

@@ -6,7 +6,8 @@ Measures, for two configs:
           d_qk=d_v=64, max_seq_len 200) over --prod-items items (default 26,744, ML-20M's catalogue);
   * checkpoint bytes: whole file and dense part (everything but the embedding tables) of the
     quantized run written by hstu.quant.save_quantized_run vs the float32 tensors;
-  * next-k generation (hstu.generate.generate, greedy, KV cache preallocated once per model) at
+  * next-k generation (the serving Engine by default, --path decode for hstu.generate.generate;
+    greedy, KV cache preallocated once per model) at
     batch B with histories of H events: per-batch latency P50 / P99 (ms) and QPS (users / s);
     variants are timed interleaved (one call each per round, order rotated every round) so that
     load from other processes on a shared machine hits all of them alike;
@@ -122,7 +123,26 @@ def latency_stats(t: np.ndarray, batch: int) -> dict:
             "mean_ms": float(t.mean() * 1e3), "qps": float(batch * len(t) / t.sum()), "calls": int(len(t))}
 
 
-def generation_fns(models: dict, ids, ts, lengths, k: int) -> dict:
+def generation_fns(models: dict, ids, ts, lengths, k: int, path: str = "engine") -> dict:
+    """One next-k generation of the batch per call, for each variant: through the serving engine
+    (hstu.generate.engine.Engine, what ``hstu serve`` runs; path="engine") or the model-level
+    hstu.generate.generate (path="decode")."""
+    if path == "engine":
+        from hstu.generate.engine import Engine
+
+        B, W = ids.shape[0], int(lengths.max())
+        h_ids, h_ts = ids[:, :W].contiguous(), ts[:, :W].contiguous()
+        rt = ts.gather(1, lengths.view(-1, 1)).squeeze(1)  # query time at position `length`
+        excl = exclusion_mask(models["fp32"].cfg.num_items, B, ids, lengths)
+        fns = {}
+        for name, m in models.items():
+            eng = Engine(m, buckets=(W,), max_batch=B, k_max=k, graphs="eager", batch_sizes=(B,))
+
+            def fn(eng=eng):
+                return eng.generate(h_ids, h_ts, lengths, k, request_time=rt, exclude=excl.clone())
+
+            fns[name] = fn
+        return fns
     B = ids.shape[0]
     rt = ts.gather(1, lengths.view(-1, 1)).squeeze(1)  # query time at position `length`
     base_excl = exclusion_mask(models["fp32"].cfg.num_items, B, ids, lengths)
@@ -145,7 +165,7 @@ def linear_fns(models: dict, ids, ts, lengths, k: int) -> tuple[dict, int]:
     hooks = [fm.get_submodule(n).register_forward_hook(lambda mod, i, o, n=n: calls.append((n, i[0].clone())))
              for n in names]
     try:
-        generation_fns({"fp32": fm}, ids, ts, lengths, k)["fp32"]()
+        generation_fns({"fp32": fm}, ids, ts, lengths, k, path="decode")["fp32"]()  # module calls (the engine reads weights)
     finally:
         for h in hooks:
             h.remove()
@@ -164,9 +184,9 @@ def linear_fns(models: dict, ids, ts, lengths, k: int) -> tuple[dict, int]:
     return fns, len(calls)
 
 
-def speed(models: dict, ids, ts, lengths, k: int, repeats: int, warmup: int) -> dict:
+def speed(models: dict, ids, ts, lengths, k: int, repeats: int, warmup: int, path: str = "engine") -> dict:
     B = ids.shape[0]
-    gen = interleaved(generation_fns(models, ids, ts, lengths, k), repeats, warmup)
+    gen = interleaved(generation_fns(models, ids, ts, lengths, k, path), repeats, warmup)
     lin_fns, ncalls = linear_fns(models, ids, ts, lengths, k)
     lin = interleaved(lin_fns, repeats, warmup)
     out = {"generate": {n: latency_stats(t, B) for n, t in gen.items()},
@@ -273,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prod-items", type=int, default=26_744)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--path", default="engine", choices=["engine", "decode"],
+                   help="generation path timed: the serving Engine (default) or hstu.generate.generate")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -306,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             log_, _ = prepare_data(spec)
             split = make_split(log_, spec.protocol)
         ids, ts, lens = real_batch(log_, split, args.batch, args.history, args.seed)
-        res["small"]["speed"] = speed(small, ids, ts, lens, args.k, args.repeats, args.warmup)
+        res["small"]["speed"] = speed(small, ids, ts, lens, args.k, args.repeats, args.warmup, args.path)
         log.info("small speed: %s", {k: v for k, v in res["small"]["speed"].items() if not isinstance(v, dict)})
         del small
 
@@ -321,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         prod, prod_sizes = make_variants(pm, prun, tmp / "prod")
         res["prod"] = {"config": pcfg.__dict__, "sizes": prod_sizes}
         ids, ts, lens = random_batch(pcfg.num_items, args.batch, args.history, args.seed)
-        res["prod"]["speed"] = speed(prod, ids, ts, lens, args.k, args.repeats, args.warmup)
+        res["prod"]["speed"] = speed(prod, ids, ts, lens, args.k, args.repeats, args.warmup, args.path)
         log.info("prod speed: %s", {k: v for k, v in res["prod"]["speed"].items() if not isinstance(v, dict)})
 
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())

@@ -195,6 +195,8 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
            "--max-wait-ms", str(args.max_wait_ms), "--cold-start", "reject", "--threads", str(args.threads)]
     if args.buckets:
         cmd += ["--buckets", args.buckets]
+    if args.precision:
+        cmd += ["--precision", args.precision]
     cpus = None
     ncpu = os.cpu_count() or 1
     if args.server_cpus:
@@ -294,6 +296,7 @@ def parse_args(argv=None):
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--buckets", help="server buckets (default: the server's)")
     p.add_argument("--threads", type=int, default=2, help="server torch threads")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"], help="server inference precision (hstu serve --precision)")
     p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
     p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
     p.add_argument("--connections", type=int, default=256, help="client connection pool size")

@@ -310,3 +310,72 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     assert rc == 2 and "unknown layer 'layers.9'" in capsys.readouterr().err
     rc = main(["quantize", "--run", str(out), "--scheme", "int8", "--out", str(tmp_path / "again")])
     assert rc == 2 and "already quantized" in capsys.readouterr().err
+
+
+# ----- --precision on the inference paths ------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_engine_runs_quantized_like_model_generate(tiny_run, calib, precision):
+    """The serving Engine calls a quantized projection's own GEMM (no float weight exists) and
+    scores in float32: its greedy next-3 equal hstu.generate.generate on the same model."""
+    from hstu.generate import generate
+    from hstu.generate.decode import exclusion_mask
+    from hstu.generate.engine import Engine
+
+    qm = apply_precision(_float(tiny_run), precision)
+    b, B = calib, 8
+    ids, ts, lens = b.ids[:B], b.timestamps[:B], b.lengths[:B]
+    rt = ts[torch.arange(B), lens]
+    excl = exclusion_mask(qm.cfg.num_items, B, ids, lens)  # history items excluded (ML-1M)
+    ref = generate(qm, ids, ts, lens, 3, request_time=rt, exclude=excl.clone())
+    W = int(lens.max())
+    eng = Engine(qm, buckets=(W,), max_batch=B, k_max=3, graphs="eager")
+    got = eng.generate(ids[:, :W], ts[:, :W], lens, 3, request_time=rt, exclude=excl.clone())
+    assert got.scores.dtype == torch.float32
+    assert torch.equal(got.items, ref.items)
+    # INT8: activation scales are per GEMM call, and the engine's calls hold other rows (padded
+    # bucket, decode steps batched differently), so scores move by a few activation steps.
+    torch.testing.assert_close(got.scores, ref.scores, atol=0.05 if precision == "int8" else 0.02, rtol=0)
+
+
+def test_cli_precision_on_eval_and_generate(tiny_run, tmp_path, capsys):
+    from hstu.cli import main
+
+    assert main(["eval", "--run", str(tiny_run), "--json"]) == 0
+    f32 = json.loads(capsys.readouterr().out)
+    assert main(["eval", "--run", str(tiny_run), "--json", "--precision", "int8"]) == 0
+    i8 = json.loads(capsys.readouterr().out)
+    assert f32["users"] == i8["users"] and abs(f32["HR@10"] - i8["HR@10"]) <= 0.03  # 200 users: a few ranks move
+    user = 1  # ML-1M user ids start at 1; the run holds the first 200 users
+    assert main(["generate", "--run", str(tiny_run), "--user", str(user), "-k", "3", "--precision", "bf16", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["items"]) == 3
+    q8 = tmp_path / "q8"
+    save_quantized_run(apply_precision(_float(tiny_run), "int8"), tiny_run, q8)
+    assert main(["eval", "--run", str(q8), "--json"]) == 0  # as saved
+    assert json.loads(capsys.readouterr().out)["users"] == f32["users"]
+    assert main(["generate", "--run", str(q8), "--user", str(user), "--precision", "bf16"]) == 2
+    assert "quantized with scheme 'int8' but 'bf16' was requested" in capsys.readouterr().err
+
+
+def test_serve_app_with_int8_recommender(tiny_run):
+    """create_app over Recommender.from_run(..., precision="int8") answers like the recommender."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from hstu.config import ServeConfig
+    from hstu.generate.recommend import History, Recommender
+    from hstu.serve.app import ServePolicy, create_app
+
+    rec = Recommender.from_run(tiny_run, "cpu", precision="int8")
+    assert isinstance(rec.model.layers[0].uvqk, Int8Linear)
+    ref = Recommender.from_run(tiny_run, "cpu", precision="int8")
+    raw = [int(x) for x in json.loads((tiny_run / "idmap.json").read_text())["item_raw_ids"][1:16]]
+    hist = [{"item_id": it, "timestamp": 978_300_000 + 60 * i} for i, it in enumerate(raw)]
+    app = create_app(ServeConfig(buckets=[20, 50]), rec, policy=ServePolicy(cold_start="reject"))
+    with TestClient(app) as client:
+        r = client.post("/v1/generate", json={"history": hist, "k": 3})
+    assert r.status_code == 200, r.text
+    want = ref.recommend([ref.prepare(History(raw, [e["timestamp"] for e in hist]))], 3)[0]
+    assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
+    assert httpx is not None

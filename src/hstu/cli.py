@@ -42,6 +42,11 @@ def _model_cfg(args):
     return model_config_from_preset(args.preset), None
 
 
+PRECISION_CHOICES = ("fp32", "bf16", "fp16", "int8")
+PRECISION_HELP = ("inference precision: a float run is converted in memory (int8 = per-channel INT8 Linears, FP16 "
+                  "item table); a quantized run (hstu quantize) loads as saved and refuses another scheme")
+
+
 def cmd_train(args) -> int:
     if args.distributed:
         from hstu.train.distributed import cmd_train_distributed
@@ -69,11 +74,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from hstu.model.checkpoint import load_run
+    from hstu.quant.checkpoint import load_for_inference
     from hstu.train.evaluate import evaluate
     from hstu.train.loop import DataSpec, prepare_data
 
-    model, cfg, _ = load_run(args.run, args.device)
+    model, cfg, _ = load_for_inference(args.run, args.device, args.precision)
     spec = DataSpec(**cfg["data"])
     if args.data_dir:
         spec.data_dir = args.data_dir
@@ -131,7 +136,7 @@ def cmd_generate(args) -> int:
 
     if (args.user is None) == (args.history is None):
         raise ValueError("give exactly one of --user USER_ID or --history FILE")
-    rec = Recommender.from_run(args.run, args.device)
+    rec = Recommender.from_run(args.run, args.device, args.precision)
     cfg = read_json(Path(args.run) / "config.json")
     hist = _history_from_file(args.history) if args.history else _user_history(rec, cfg, args.user)
     if args.request_time is not None:
@@ -225,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-dir")
     e.add_argument("--device", default="cpu")
     e.add_argument("--json", action="store_true")
+    e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     e.set_defaults(func=cmd_eval)
 
     q = sub.add_parser("generate", help="next-k items for a user or a history file")
@@ -241,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])
     q.add_argument("--device", default="cpu")
+    q.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_generate)
 

@@ -87,6 +87,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from hstu.generate.decode import GenerationResult
 from hstu.generate.hardening import check_inputs_on, harden
@@ -219,6 +220,9 @@ class Engine:
                  device: torch.device | str | None = None, kernels: str = "auto", graphs: str = "auto",
                  batch_sizes: Sequence[int] | None = None, prefix_cache_bytes: int = 0, compile_backend: str = "inductor") -> None:
         cfg = model.cfg
+        if getattr(model, "repeat", None) is not None:
+            raise ValueError("the engine has no repeat-aware scoring (ModelConfig.repeat_window > 0); generate with "
+                             "hstu.generate.generate (the service falls back to it by itself)")
         edges = tuple(int(b) for b in buckets)
         if not edges or any(b <= 0 for b in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
             raise ValueError(f"buckets must be increasing positive edges, got {list(buckets)}")
@@ -233,7 +237,9 @@ class Engine:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.model = harden(model.to(dev), dev)
-        self.dtype = model.pos_emb.weight.dtype
+        self.dtype = model.pos_emb.weight.dtype  # activations and KV cache
+        with torch.inference_mode():  # similarity / scores: item_vectors' dtype (float32 for 16-bit models)
+            self.score_dtype = self.model.item_vectors(0, 1).dtype
         self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
         self.kernels: KernelSet = get_kernels(dev.type, kernels)
         self.graphs = self._graph_mode(graphs)
@@ -252,12 +258,12 @@ class Engine:
         self._bidx = self._arange[:R]
         self._excl = torch.zeros(R, cfg.num_items + 1, dtype=torch.bool, device=dev)
         self._excl_scratch = torch.zeros_like(self._excl)
-        self._scores = torch.zeros(R, cfg.num_items + 1, dtype=self.dtype, device=dev)
+        self._scores = torch.zeros(R, cfg.num_items + 1, dtype=self.score_dtype, device=dev)
         self._out_items = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
-        self._out_scores = torch.zeros(R, k_max, dtype=self.dtype, device=dev)
+        self._out_scores = torch.zeros(R, k_max, dtype=self.score_dtype, device=dev)
         self._out_actions = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
         self._items_scratch = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
-        self._scores_scratch = torch.zeros(R, k_max, dtype=self.dtype, device=dev)
+        self._scores_scratch = torch.zeros(R, k_max, dtype=self.score_dtype, device=dev)
         self._zero_tb = torch.zeros(R, 1, k_max, dtype=torch.int64, device=dev)  # bucket(|rt - rt|) = 0
         self._gen = torch.Generator(device=dev)
         self.refresh()
@@ -367,7 +373,12 @@ class Engine:
 
     def _layer(self, layer, x: torch.Tensor):
         c = self.model.cfg
-        return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
+        if type(layer.uvqk) is torch.nn.Linear:  # float weight: the backend's (possibly fused) kernel
+            return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
+        # quantized projection (Int8Linear, ...): its own GEMM, the rest of eq. 1 as in the kernel
+        h = F.silu(layer.uvqk(F.layer_norm(x, (x.shape[-1],), eps=layer.eps)), inplace=True)  # (…, 2H(d_v+d_qk))
+        hv, hq = c.num_heads * c.d_v, c.num_heads * c.d_qk
+        return torch.split(h, [hv, hv, hq, hq], dim=-1)
 
     def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
         return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)
@@ -389,10 +400,11 @@ class Engine:
                 q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, E, ·)
                 hk[li][:, :, :E].copy_(k)
                 hv[li][:, :, :E].copy_(v)
+                k, v = hk[li][:, :, :E], hv[li][:, :, :E]  # the cache rows: strided GEMM operands, no second copy
                 pw, tw = self._bias_tables(layer)
                 av = ks.attention(q, k, v, q_pos=pos, k_pos=pos, k_valid=None, tb=tb, pos_w=pw, ts_w=tw, n=c.width)  # (Bp, E, H*d_v)
                 x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, E, d)
-            return l2_normalize(x[bidx, lengths - 1])  # (Bp, d)
+            return l2_normalize(x[bidx, lengths - 1].to(self.score_dtype))  # (Bp, d)
 
         return prefill
 
@@ -422,7 +434,7 @@ class Engine:
                 pw, tw = self._bias_tables(layer)
                 av = ks.attention(q, hk[li], hv[li], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw, n=c.width)
                 x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, T, d)
-            return l2_normalize(x[bidx, lengths - 1 - start])  # (Bp, d)
+            return l2_normalize(x[bidx, lengths - 1 - start].to(self.score_dtype))  # (Bp, d)
 
         return extend
 
@@ -453,7 +465,7 @@ class Engine:
                                     tb=zero_tb if tw is not None else None, pos_w=pw, ts_w=tw, n=c.width)  # (R, 1, H*d_v)
                 av = av_h.reshape(R, H * c.d_v) + av_g.view(R, H * c.d_v)  # (R, H*d_v)
                 x = x + layer.o(ks.ln_mul(av, u, eps=layer.eps))  # (R, d)
-            return l2_normalize(x)  # (R, d)
+            return l2_normalize(x.to(self.score_dtype))  # (R, d)
 
         return step
 
@@ -518,9 +530,9 @@ class Engine:
             raise ValueError(f"row(s) {short[:10]}: fewer than {max(k, W)} items left after exclusion (k={k}, beam width {W})")
         if strategy == "beam" and W > self.max_batch:
             raise ValueError(f"beam_width={W} exceeds max_batch={self.max_batch} (pool rows)")
-        out = EngineResult(items=torch.zeros(B, k, dtype=torch.int64, device=dev), scores=torch.zeros(B, k, dtype=self.dtype, device=dev),
+        out = EngineResult(items=torch.zeros(B, k, dtype=torch.int64, device=dev), scores=torch.zeros(B, k, dtype=self.score_dtype, device=dev),
                            actions=torch.zeros(B, k, dtype=torch.int64, device=dev) if self.model.action_head is not None else None,
-                           beam_logprob=torch.zeros(B, dtype=self.dtype, device=dev) if strategy == "beam" else None,
+                           beam_logprob=torch.zeros(B, dtype=self.score_dtype, device=dev) if strategy == "beam" else None,
                            truncated=truncated, prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev), warnings=warnings)
         self._gen.manual_seed(seed)
         L_host = lengths.tolist()

@@ -17,7 +17,6 @@ import torch
 from hstu import backend
 from hstu.generate.decode import exclusion_mask, generate
 from hstu.generate.hardening import harden
-from hstu.model.checkpoint import load_run
 from hstu.model.hstu import HSTUModel
 
 log = logging.getLogger(__name__)
@@ -64,8 +63,13 @@ class Recommender:
         self.exclude_history_default = bool(idmap.get("exclude_history_default", True))
 
     @classmethod
-    def from_run(cls, run_dir, device: str = "cpu") -> "Recommender":
-        model, _, ids = load_run(run_dir, device)
+    def from_run(cls, run_dir, device: str = "cpu", precision: str | None = None) -> "Recommender":
+        """Load a float or quantized run; ``precision`` ("fp32" | "bf16" | "fp16" | "int8" | None
+        = as saved) converts a float run in memory (:func:`hstu.quant.load_for_inference`).
+        Raises FileNotFoundError (not a run), QuantCheckpointError / ValueError (precision)."""
+        from hstu.quant.checkpoint import load_for_inference
+
+        model, _, ids = load_for_inference(run_dir, device, precision)
         return cls(harden(model, backend.select(device).device), ids, device)
 
     @property

@@ -30,11 +30,17 @@ def hstu_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """
     B, H, W, _ = q.shape
     S = k.shape[2]
-    a = F.silu(torch.matmul(q, k.transpose(-1, -2)) + rab.unsqueeze(1)) / n  # (B, H, W, S)
-    if causal:
-        mask = torch.ones(W, S, dtype=torch.bool, device=q.device).tril()
-        a = a * mask
-    out = torch.matmul(a, v)  # (B, H, W, d_v)
+    s = torch.matmul(q, k.transpose(-1, -2))  # (B, H, W, S)
+    if s.requires_grad:
+        a = F.silu(s + rab.unsqueeze(1)) / n  # (B, H, W, S)
+        if causal:
+            a = a * torch.ones(W, S, dtype=torch.bool, device=q.device).tril()
+        out = torch.matmul(a, v)  # (B, H, W, d_v)
+    else:  # inference: in place on the scores, 1/n applied to the (B, H, W, d_v) output
+        a = F.silu(s.add_(rab.unsqueeze(1)), inplace=True)
+        if causal:
+            a.masked_fill_(torch.ones(W, S, dtype=torch.bool, device=q.device).triu_(1), 0.0)
+        out = torch.matmul(a, v).div_(n)  # (B, H, W, d_v)
     return out.transpose(1, 2).reshape(B, W, H * v.shape[-1])  # (B, W, H*d_v)
 
 

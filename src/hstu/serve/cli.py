@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     run = Path(args.run)
-    rec = Recommender.from_run(run, args.device)
+    rec = Recommender.from_run(run, args.device, args.precision)
     explicit = parse_buckets(args.buckets) if args.buckets else (list(cfg.buckets) if args.config else None)
     cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
     policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
@@ -110,6 +110,8 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--host", help="bind address (default 127.0.0.1, loopback only)")
     s.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
     s.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
+    s.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"],
+                   help="inference precision (a float run is converted in memory; a quantized run loads as saved)")
     s.add_argument("--max-batch", type=int, help="requests per batch (default 16)")
     s.add_argument("--max-wait-ms", type=float, help="close a batch this long after its oldest request (default 5)")
     s.add_argument("--buckets", help="length-bucket edges in events (default 20,50,100,200 clipped to the model's max_seq_len)")

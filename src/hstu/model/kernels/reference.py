@@ -31,7 +31,8 @@ def uvqk(x: torch.Tensor, weight: torch.Tensor, *, num_heads: int, d_qk: int, d_
     Returns:
         u, v (…, H*d_v) and q, k (…, H*d_qk), views of one (…, 2H(d_v+d_qk)) tensor.
     """
-    h = F.silu(F.linear(F.layer_norm(x, (x.shape[-1],), eps=eps), weight))  # (…, 2H(d_v+d_qk))
+    h = F.linear(F.layer_norm(x, (x.shape[-1],), eps=eps), weight)  # (…, 2H(d_v+d_qk))
+    h = F.silu(h, inplace=not h.requires_grad)  # in place at inference: no second (…, 2H(d_v+d_qk)) buffer
     hv, hq = num_heads * d_v, num_heads * d_qk
     return torch.split(h, [hv, hv, hq, hq], dim=-1)
 
@@ -84,10 +85,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
     drop = rel > 0  # (B, T, S) or (T, S)
     if k_valid is not None:
         drop = drop | ~k_valid.unsqueeze(1)  # (B, T, S)
+    rab = None  # (B, T, S) or (T, S): both biases summed once, then added to every head
     if pos_w is not None:
-        s = s + pos_w[(rel + (pos_w.shape[0] - 1) // 2).clamp(0, pos_w.shape[0] - 1)].unsqueeze(-3)  # (B, H, T, S)
+        rab = pos_w[(rel + (pos_w.shape[0] - 1) // 2).clamp(0, pos_w.shape[0] - 1)]
     if ts_w is not None:
-        s = s + ts_w[tb].unsqueeze(1)  # (B, H, T, S)
-    a = (F.silu(s) / n).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
-    out = torch.matmul(a, v)  # (B, H, T, d_v)
+        rab = ts_w[tb] if rab is None else ts_w[tb] + rab
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if rab is not None:
+            s = s + rab.unsqueeze(-3)  # (B, H, T, S)
+        a = (F.silu(s) / n).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
+        out = torch.matmul(a, v)  # (B, H, T, d_v)
+    else:  # inference: in place on the (B, H, T, S) scores, 1/n applied to the (B, H, T, d_v) output
+        if rab is not None:
+            s.add_(rab.unsqueeze(-3))
+        a = F.silu(s, inplace=True).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
+        out = torch.matmul(a, v).div_(n)  # (B, H, T, d_v)
     return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])  # (B, T, H*d_v)

@@ -8,7 +8,7 @@ full-ranking evaluation), side by side with the published numbers and the refere
     python benchmarks/reproduce_ml1m.py --epochs 2 --paper-epochs 2 --max-users 200 --runs /tmp/m --out /tmp/m_out  # smoke
 
 Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
-batch 128, 128 uniform negatives, temperature 0.05, L2-normalised embeddings, dropout 0.2,
+batch 128, 128 uniform negatives per position, temperature 0.05, L2-normalised embeddings, dropout 0.2,
 max_seq_len 200, up to 101 epochs.
 
 Protocols: "clean" trains on all but the last two events per user, stops early on validation
@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--patience", type=int, default=10, help="clean protocol: epochs without a better valid NDCG@10")
     p.add_argument("--paper-epochs", type=int, default=101, help="epochs under the paper protocol (no early stopping)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--negatives-chunk", type=int, default=1,
+                   help="positions sharing one set of 128 negatives (1 = per position, the reference's scheme; "
+                        "runs with another value get a -chunkN suffix)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
@@ -119,14 +122,14 @@ def main(argv=None) -> int:
         preset, arch = MODELS[name]
         entry: dict = {"model": name, "published": PUBLISHED.get(name), **prov}
         for protocol in protocols:
-            run = runs / f"{name}-{protocol}"
+            run = runs / (f"{name}-{protocol}" + (f"-chunk{args.negatives_chunk}" if args.negatives_chunk != 1 else ""))
             if args.report_only and not (run / "metrics.json").exists():
                 log.info("%s: no finished run, skipped (--report-only)", run)
                 continue
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
             tcfg = TrainConfig(epochs=epochs, batch_size=128, learning_rate=1e-3, beta1=0.9, beta2=0.98, weight_decay=0.0,
-                               num_negatives=128, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
+                               num_negatives=128, negatives_chunk=args.negatives_chunk, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
             run.mkdir(parents=True, exist_ok=True)
             if not (run / "metrics.json").exists():
                 (run / "command.txt").write_text(prov["command"] + "\n")

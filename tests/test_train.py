@@ -74,3 +74,28 @@ def test_sampled_softmax_masks_negative_equal_to_target():
     emb1 = torch.nn.Embedding(2, 4)
     loss1, _ = sampled_softmax_loss(out[:, :2], torch.tensor([[1, 1]]), torch.tensor([2]), emb1, num_negatives=4, temperature=0.05, num_items=1)
     assert float(loss1) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_per_position_dense_logits_equal_gathered_rows(monkeypatch):
+    """chunk = 1: the dense-logits path (q · Ênᵀ, then pick) gives the loss and gradients of
+    gathering each position's M negative rows, for the same negatives (float64)."""
+    import hstu.train.losses as L
+
+    torch.manual_seed(0)
+    B, W, d, I, M = 3, 7, 5, 11, 6
+    emb = torch.nn.Embedding(I + 1, d).double()
+    out = torch.nn.functional.normalize(torch.randn(B, W, d, dtype=torch.float64), dim=-1).requires_grad_()
+    ids = torch.randint(1, I + 1, (B, W))
+    lengths = torch.tensor([7, 4, 1])  # a sequence with no supervised position too
+    res = {}
+    for name, limit in (("dense", 1 << 28), ("gather", 0)):
+        monkeypatch.setattr(L, "DENSE_LOGITS_MAX", limit)
+        emb.zero_grad()
+        out.grad = None
+        loss, n = L.sampled_softmax_loss(out, ids, lengths, emb, num_negatives=M, temperature=0.05, chunk=1, num_items=I,
+                                         generator=torch.Generator().manual_seed(5))
+        loss.backward()
+        res[name] = (loss.detach(), n, out.grad.clone(), emb.weight.grad.clone())
+    assert res["dense"][1] == res["gather"][1] == 6 + 3
+    for a, b in zip(res["dense"][::2] + res["dense"][3:], res["gather"][::2] + res["gather"][3:]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

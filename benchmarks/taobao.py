@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=str(DEFAULT_DATA))
     p.add_argument("--runs", default="runs/taobao", help="run directories (reused / resumed)")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG results go")
-    p.add_argument("--models", default="hstu,sasrec")
+    p.add_argument("--models", default="hstu,hstu-norepeat,sasrec", help="hstu (with the repeat head), hstu-norepeat, sasrec")
     p.add_argument("--preset", default="small")
     p.add_argument("--max-seq-len", type=int, default=200)
     p.add_argument("--epochs", type=int, default=100, help="upper bound; early stopping on validation NDCG@10")
@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--num-negatives", type=int, default=128)
+    p.add_argument("--repeat-window", type=int, default=50,
+                   help="HSTU's repeat-aware scoring over the last R events (hstu.model.repeat; 0 = off). "
+                        "Model 'hstu-norepeat' is HSTU with it off, for the ablation")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
@@ -86,14 +89,17 @@ def main(argv=None) -> int:
 
     trained: dict[str, dict] = {}
     for name in models:
-        mcfg = model_config_from_preset(args.preset, architecture=name, max_seq_len=args.max_seq_len)
+        arch = "sasrec" if name == "sasrec" else "hstu"
+        rw = args.repeat_window if name == "hstu" else 0
+        mcfg = model_config_from_preset(args.preset, architecture=arch, max_seq_len=args.max_seq_len, repeat_window=rw)
         tcfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                            num_negatives=args.num_negatives, seed=args.seed, early_stopping_patience=args.patience,
                            num_threads=args.threads)
         t0 = time.perf_counter()
-        metrics, history = train_or_resume(runs / name, mcfg, tcfg, spec, device=args.device)
-        model, cfg, _ = load_run(runs / name, args.device)
-        trained[name] = {"model": model, "metrics": metrics, "history": history, "config": cfg,
+        run = runs / (f"{name}-rw{rw}" if rw else name)
+        metrics, history = train_or_resume(run, mcfg, tcfg, spec, device=args.device)
+        model, cfg, _ = load_run(run, args.device)
+        trained[name] = {"model": model, "metrics": metrics, "history": history, "config": cfg, "run": run,
                          "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1)}
 
     scorers = {name: ModelScorer(t["model"], name, args.device) for name, t in trained.items()}
@@ -139,7 +145,7 @@ def main(argv=None) -> int:
             entry.update(model=trained[name]["config"]["model"], train_config=trained[name]["config"]["train"],
                          epochs=m["epochs"], best_epoch=m["best_epoch"],
                          train_seconds=m["train_seconds"], sequences_per_s=m["sequences_per_s"],
-                         run_dir=str(runs / name), history=[{k: h[k] for k in ("epoch", "loss", "seconds", "sequences_per_s")}
+                         run_dir=str(trained[name]["run"]), history=[{k: h[k] for k in ("epoch", "loss", "seconds", "sequences_per_s")}
                                                              | {"valid_NDCG@10": h.get("valid", {}).get("NDCG@10"),
                                                                 "valid_HR@10": h.get("valid", {}).get("HR@10")}
                                                              for h in trained[name]["history"]])

@@ -140,6 +140,14 @@ def test_slice_report_on_a_baseline(small_log):
     last = small_log.actions[t[res.users] - 1]
     assert rep["next_action"]["accuracy"]["value"] == pytest.approx(np.mean(last == small_log.actions[t[res.users]]))
     assert rep["next_action"]["macro_f1"]["value"] == pytest.approx(macro_f1(small_log.actions[t[res.users]], last))
+    # repeat slice: repeat-recent ranks every history item first, so its top-10 is history while
+    # the history has >= 10 distinct items
+    rep_t = np.array([small_log.items[t[u]] in set(small_log.items[small_log.offsets[u]:t[u]].tolist()) for u in res.users])
+    assert rep["repeat"]["share_of_targets"] == pytest.approx(rep_t.mean())
+    n_hist = np.array([len(set(small_log.items[small_log.offsets[u]:t[u]].tolist())) for u in res.users])
+    assert rep["repeat"]["history_share_of_top10"]["value"] == pytest.approx(np.mean(np.minimum(n_hist, 10) / 10))
+    if rep_t.any():
+        assert rep["repeat"]["repeat_targets"]["HR@10"]["value"] == pytest.approx(np.mean(res.ranks[rep_t] <= 10))
     cold_mean = np.mean([(cold[1].ranks <= 10).mean(), (cold[2].ranks <= 10).mean()])
     assert rep["cold_start"]["HR@10"]["value"] == pytest.approx(cold_mean)
     assert rep["diversity"]["entropy_nats"]["value"] == pytest.approx(shannon_entropy(res.generated))

@@ -46,6 +46,7 @@ class ModelConfig:
     temperature: float = 0.05  # cosine-similarity temperature (recipe: 0.05)
     num_actions: int = 0  # >0: action-type embedding summed into the input + next-action head
     num_categories: int = 0  # >0: category embedding summed into the input
+    repeat_window: int = 0  # >0: repeat-aware scoring over the last R events (hstu.model.repeat); 0 = off
 
     @property
     def width(self) -> int:
@@ -62,6 +63,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.temperature <= 0:
             raise ValueError(f"ModelConfig.temperature must be > 0, got {self.temperature}")
+        if not 0 <= self.repeat_window <= self.max_seq_len:
+            raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -21,6 +21,7 @@ from torch import nn
 
 from hstu.config import ModelConfig
 from hstu.model.attention import AttentionFn, hstu_attention_reference
+from hstu.model.repeat import RepeatBias
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
 
 
@@ -48,7 +49,8 @@ class HSTULayer(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(B, W, d) -> u (B, W, H*d_v), v (B, W, H*d_v), q (B, W, H*d_qk), k (B, W, H*d_qk)."""
-        h = F.silu(self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps)))  # (B, W, 2H(d_v+d_qk))
+        h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, W, 2H(d_v+d_qk))
+        h = F.silu(h, inplace=not h.requires_grad)  # in place at inference (no grad)
         hv, hq = self.num_heads * self.d_v, self.num_heads * self.d_qk
         return torch.split(h, [hv, hv, hq, hq], dim=-1)
 
@@ -134,6 +136,7 @@ class HSTUModel(nn.Module):
         self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
         self.category_emb = nn.Embedding(cfg.num_categories + 1, d, padding_idx=0) if cfg.num_categories > 0 else None
         self.action_head = nn.Linear(d, cfg.num_actions + 1) if cfg.num_actions > 0 else None
+        self.repeat = RepeatBias(cfg.repeat_window, cfg.num_actions, d, cfg.temperature) if cfg.repeat_window > 0 else None
         for emb in (self.action_emb, self.category_emb):
             if emb is not None:
                 nn.init.trunc_normal_(emb.weight, std=0.02)
@@ -234,6 +237,17 @@ class HSTUModel(nn.Module):
         s = user_vecs @ self.item_vectors().T / self.cfg.temperature  # (B, I+1)
         s[:, 0] = float("-inf")
         return s
+
+    def history_bias(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None,
+                     lengths: torch.Tensor) -> torch.Tensor | None:
+        """Repeat-aware bias over the catalogue (:mod:`hstu.model.repeat`) for users whose
+        histories are ``ids`` (B, W) / ``actions`` / ``lengths``: (B, I+1) float, or None when
+        the model has no repeat head. Add it to :meth:`score_all`'s scores."""
+        if self.repeat is None:
+            return None
+        items, acts = self.repeat.history_windows(ids, actions if self.cfg.num_actions > 0 else None, lengths)
+        static, inwin = self.repeat.full(items, acts, self.cfg.num_items)
+        return self.repeat.add_to(torch.zeros_like(static, dtype=user_vecs.dtype), user_vecs, static, inwin)
 
     def score_items(self, user_vecs: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """(B, d) and (B, C) int64 candidate ids -> (B, C) cosine / temperature."""

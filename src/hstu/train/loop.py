@@ -32,7 +32,7 @@ from hstu.model.hstu import HSTUModel, build_hstu
 from hstu.model.checkpoint import load_run, load_weights, read_json, save_weights, write_json  # noqa: F401 (load_run re-exported)
 from hstu.train.checkpoint import load_train_state, save_train_state
 from hstu.train.evaluate import evaluate
-from hstu.train.losses import next_action_loss, sampled_softmax_loss
+from hstu.train.losses import next_action_loss, repeat_aware_loss, sampled_softmax_loss
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,12 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
     for ub in bar:
         b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        loss, n = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
-                                       temperature=model.cfg.temperature, chunk=tcfg.negatives_chunk, generator=gen,
-                                       num_items=model.cfg.num_items)
+        if getattr(model, "repeat", None) is not None:
+            loss, n = repeat_aware_loss(out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives, generator=gen)
+        else:
+            loss, n = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
+                                           temperature=model.cfg.temperature, chunk=tcfg.negatives_chunk, generator=gen,
+                                           num_items=model.cfg.num_items)
         if model.action_head is not None:
             loss = loss + tcfg.action_loss_weight * next_action_loss(out, b.actions, b.lengths, model.action_head)
         opt.zero_grad(set_to_none=True)

@@ -5,6 +5,9 @@ For one scorer (a trained model, or a baseline of :mod:`hstu.train.baselines`) o
 - next action: accuracy and macro-F1 of the action predicted for the target event (the model's
   ``action_head`` on the user vector);
 - purchases: HR@10 over users whose target action is a purchase (buy / transaction / …);
+- repeats: HR@10 over users whose target item is already in their history ("repeat targets") and
+  over the others ("new targets"), and the share of history items among the 10 best-ranked
+  candidates (how much of the list a scorer spends on items the user has seen);
 - cold start: HR@10 / NDCG@10 with every history truncated to its most recent 1 and 2 events
   ("users with < 3 prior events"), the target unchanged (it stays held out);
 - diversity: Shannon entropy (nats) of the generated next-k items pooled across users, and
@@ -16,15 +19,14 @@ Bootstrap: percentile intervals (Efron & Tibshirani 1993, §13.3) from ``R`` res
 evaluated users with replacement (seeded); macro-F1 is recomputed on each resample. The pooled
 entropy is the exception: resampling users drops the items only the missing users generated, so
 its bootstrap distribution sits wholly below the estimate; it gets a delete-one-user jackknife
-interval instead (see :func:`ci_entropy_jackknife`). Paired comparisons resample the same users for both scorers; a win is "beyond
-the CI" when the 95 % interval of the difference excludes 0.
+interval instead (see :func:`ci_entropy_jackknife`). Paired comparisons resample the same users
+for both scorers; a win is "beyond the CI" when the 95 % interval of the difference lies above 0.
 
 Symbols: U evaluated users, B users per batch, I items, k generated items per user, R resamples.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +37,6 @@ from hstu.data.ecommerce import PURCHASE_ACTIONS
 from hstu.data.sequences import EventLog, Split
 from hstu.train.evaluate import exclude_history
 from hstu.train.metrics import target_ranks
-
-log = logging.getLogger(__name__)
 
 COLD_START_LENGTHS = (1, 2)
 
@@ -65,6 +65,9 @@ class ModelScorer:
         seq = self.model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         user = self.model.last_rows(seq, b.lengths)  # (B, d)
         scores = user @ self.model.item_vectors().T / self.model.cfg.temperature  # (B, I+1)
+        rb = self.model.history_bias(user, b.ids, b.actions, b.lengths) if hasattr(self.model, "history_bias") else None
+        if rb is not None:  # repeat-aware models (hstu.model.repeat)
+            scores += rb
         scores[:, 0] = float("-inf")
         acts = None
         if self.model.action_head is not None:
@@ -114,6 +117,8 @@ class UserResults:
     target_actions: np.ndarray
     pred_actions: np.ndarray | None
     generated: np.ndarray | None  # (U, k) dense items
+    repeat_target: np.ndarray | None = None  # bool: the target item occurs in the user's history before it
+    top_history_share: np.ndarray | None = None  # share of the 10 best-ranked candidates that are history items
 
 
 @torch.inference_mode()
@@ -127,7 +132,8 @@ def collect(scorer, log_: EventLog, split: Split, which: str, *, exclude: bool |
     targets = split.targets(which)
     users = np.nonzero(targets >= 0)[0]
     exclude = log_.exclude_history_default if exclude is None else exclude
-    ranks, acts, gens = [], [], []
+    ranks, acts, gens, shares = [], [], [], []
+    repeat = np.array([log_.items[t] in set(log_.items[log_.offsets[u]:t].tolist()) for u, t in zip(users, targets[users])], bool)
     for s in range(0, len(users), batch_size):
         ub = users[s:s + batch_size]
         ends = targets[ub]
@@ -135,13 +141,16 @@ def collect(scorer, log_: EventLog, split: Split, which: str, *, exclude: bool |
         if exclude:
             exclude_history(scores, log_, ub, ends)
         ranks.append(target_ranks(scores, torch.from_numpy(log_.items[ends]).to(scores.device)).cpu().numpy())
+        top = scores.topk(min(10, scores.shape[1] - 1), dim=1).indices.cpu().numpy()  # (B, 10)
+        shares += [np.isin(top[b], log_.items[log_.offsets[u]:e]).mean() for b, (u, e) in enumerate(zip(ub, ends))]
         acts.append(a)
         if generate:
             gens.append(scorer.generate(log_, ub, ends, k, exclude))
     has_acts = bool(acts) and acts[0] is not None
     return UserResults(users=users, ranks=np.concatenate(ranks).astype(np.int64), target_actions=log_.actions[targets[users]],
                        pred_actions=np.concatenate(acts).astype(np.int64) if has_acts else None,
-                       generated=np.concatenate(gens) if generate and gens else None)
+                       generated=np.concatenate(gens) if generate and gens else None, repeat_target=repeat,
+                       top_history_share=np.asarray(shares, np.float64))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -273,6 +282,13 @@ def slice_report(res: UserResults, log_: EventLog, *, weights: np.ndarray | None
             Ws = bootstrap_weights(int(sel.sum()), W.shape[0], seed + 1)
             out["purchase"] = {"users": int(sel.sum()), "HR@10": ci_mean(hits(res.ranks[sel], 10), Ws),
                                "NDCG@10": ci_mean(ndcgs(res.ranks[sel], 10), Ws)}
+    if res.repeat_target is not None:
+        rep = res.repeat_target
+        out["repeat"] = {"share_of_targets": float(rep.mean()), "history_share_of_top10": ci_mean(res.top_history_share, W)}
+        for name, sel, off in (("repeat_targets", rep, 2), ("new_targets", ~rep, 3)):
+            if sel.any():
+                Ws = bootstrap_weights(int(sel.sum()), W.shape[0], seed + off)
+                out["repeat"][name] = {"users": int(sel.sum()), "HR@10": ci_mean(hits(res.ranks[sel], 10), Ws)}
     if cold:
         for name, fn in (("HR@10", hits), ("NDCG@10", ndcgs)):
             per_user = np.mean([fn(cold[n].ranks, 10) for n in sorted(cold)], axis=0)  # (U,) mean over truncations

@@ -85,8 +85,8 @@ def _tiny(repeat_window=3, num_actions=2):
 
 
 def test_loss_candidates_match_a_direct_softmax():
-    """repeat_aware_loss equals -log softmax over [target, negatives, distinct window items
-    other than the target], each logit cos/τ + bias, computed here position by position."""
+    """repeat_aware_loss equals -log softmax over [target, uniform negatives outside the window,
+    distinct window items other than the target], each logit cos/τ + bias, position by position."""
     m = _tiny()
     ids = torch.tensor([[3, 5, 3, 7, 5, 0], [2, 2, 4, 0, 0, 0]])
     acts = torch.tensor([[1, 2, 1, 2, 2, 0], [1, 2, 1, 0, 0, 0]])
@@ -94,9 +94,9 @@ def test_loss_candidates_match_a_direct_softmax():
     ts = torch.arange(6).repeat(2, 1) * 100
     out = m.encode(ids, ts, lengths, actions=acts)
     gen = torch.Generator().manual_seed(3)
-    loss, P = repeat_aware_loss(out, ids, acts, lengths, m, num_negatives=4, generator=gen)
+    loss, P = repeat_aware_loss(out, ids, acts, lengths, m, num_negatives=4, chunk=1, generator=gen)
     assert P == 4 + 2
-    neg = torch.randint(1, 13, (P, 4), generator=torch.Generator().manual_seed(3))
+    neg = torch.randint(1, 13, (2 * 5, 4), generator=torch.Generator().manual_seed(3)).view(2, 5, 4)  # per (sequence, position)
     table = torch.nn.functional.normalize(m.item_emb.weight, dim=-1, eps=1e-6)
     terms, p = [], 0
     for b in range(2):
@@ -105,7 +105,7 @@ def test_loss_candidates_match_a_direct_softmax():
             u, tgt = out[b, t], int(ids[b, t + 1])
             hist = ids[b, :t + 1].tolist()
             win = hist[-3:]
-            cands = [tgt] + [int(x) for x in neg[p] if int(x) != tgt] + sorted({x for x in win if x not in (0, tgt)})
+            cands = [tgt] + [int(x) for x in neg[b, t] if int(x) != tgt and int(x) not in win] + sorted({x for x in win if x not in (0, tgt)})
             logits = torch.stack([u @ table[c] / m.cfg.temperature
                                   + _bias_by_hand(m.repeat, u, hist, acts[b, :t + 1].tolist(), c) for c in cands])
             terms.append(-torch.log_softmax(logits, 0)[0])

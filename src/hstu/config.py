@@ -91,6 +91,9 @@ class TrainConfig:
     # Each run of this many consecutive positions shares its own 128 negatives (1 = per
     # position as in the reference, >= max_seq_len = per sequence); see train/losses.py.
     negatives_chunk: int = 16
+    # Batches of sequences of similar length (pools of this many batches are sorted by length
+    # before cutting; padding costs little) or 1 = random batches as in the reference.
+    length_pool: int = 50
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256
@@ -102,6 +105,8 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "num_negatives", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.length_pool < 1:
+            raise ValueError(f"TrainConfig.length_pool must be >= 1, got {self.length_pool}")
         if self.negatives_chunk < 1:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
 

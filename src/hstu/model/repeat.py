@@ -87,8 +87,8 @@ class RepeatBias(nn.Module):
         """
         P, R = win_items.shape
         eq = (cand.unsqueeze(-1) == win_items.unsqueeze(1)) & (win_items.unsqueeze(1) > 0)  # (P, C, R)
-        slot = torch.arange(R, device=cand.device)
-        last = torch.where(eq, slot, -1).amax(dim=-1)  # (P, C) most recent slot, -1 = not in the window
+        slot = torch.arange(1, R + 1, device=cand.device, dtype=torch.int16)
+        last = (eq.to(torch.int16) * slot).amax(dim=-1).to(torch.int64) - 1  # (P, C) most recent slot, -1 = not in the window
         hit = last >= 0
         last = last.clamp(min=0)
         acts = win_acts.gather(1, last) if win_acts is not None else torch.zeros_like(last)  # (P, C)

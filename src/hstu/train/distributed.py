@@ -588,7 +588,7 @@ def epoch_batches(log_: EventLog, split: Split, tcfg: TrainConfig, max_seq_len: 
     lengths = _train_lengths(log_, split, max_seq_len)
     users = np.nonzero(lengths >= 2)[0]
     rng = np.random.default_rng(tcfg.seed * 1000 + epoch)
-    return [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng)]
+    return [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng, pool=tcfg.length_pool)]
 
 
 def train_one_epoch_distributed(step: nn.Module, model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt,

@@ -101,14 +101,15 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
     lengths = np.minimum(split.train_end - log_.offsets[:-1], model.cfg.max_seq_len)
     users = np.nonzero(lengths >= 2)[0]
     rng = np.random.default_rng(tcfg.seed * 1000 + epoch)
-    batches = [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng)]
+    batches = [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng, pool=tcfg.length_pool)]
     t0, total, n_pos, n_seq = time.perf_counter(), 0.0, 0, 0
     bar = tqdm(batches, desc=f"epoch {epoch}", disable=not progress, leave=False, mininterval=2.0)
     for ub in bar:
         b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         if getattr(model, "repeat", None) is not None:
-            loss, n = repeat_aware_loss(out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives, generator=gen)
+            loss, n = repeat_aware_loss(out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives,
+                                        chunk=tcfg.negatives_chunk, generator=gen)
         else:
             loss, n = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
                                            temperature=model.cfg.temperature, chunk=tcfg.negatives_chunk, generator=gen,

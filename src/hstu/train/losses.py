@@ -85,34 +85,43 @@ def _per_position_dense(q: torch.Tensor, tgt: torch.Tensor, neg: torch.Tensor, i
 
 
 def repeat_aware_loss(out: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor, model, *,
-                      num_negatives: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+                      num_negatives: int, chunk: int = 16, generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
     """Sampled softmax for a model with a repeat head (:mod:`hstu.model.repeat`).
 
     At each position t (row t predicts ids[t+1]) the candidates are the target, M uniform
-    negatives (one set per position) and the distinct items of the window ids[t-R+1 .. t] other
-    than the target ("history negatives"); every logit is cos / temperature plus the repeat bias
-    of its candidate. A negative equal to the target, padding and repeated window items are masked.
+    negatives (one set per run of ``chunk`` positions, as :func:`sampled_softmax_loss`) and the
+    distinct items of the window ids[t-R+1 .. t] other than the target ("history negatives").
+    Logits: cos / temperature plus the repeat bias of the candidate; uniform negatives that fall
+    in the window are masked (the window copy carries them, with their bias), as are negatives
+    equal to the target, padding and repeated window items.
     Returns (mean loss, P supervised positions).
     """
     rep, I, tau = model.repeat, model.cfg.num_items, model.cfg.temperature
     B, W, d = out.shape
     T, R = W - 1, rep.window
+    c = min(chunk, max(T, 1))
+    nc = -(-T // c)
     mask = torch.arange(T, device=ids.device).view(1, T) < (lengths.view(B, 1) - 1)  # (B, T)
+    neg = torch.randint(1, I + 1, (B * nc, num_negatives), device=ids.device, generator=generator)  # (B*nc, M)
+    q_pad = F.pad(out[:, :-1], (0, 0, 0, nc * c - T))  # (B, nc*c, d)
+    neg_logit = torch.bmm(q_pad.reshape(B * nc, c, d), l2_normalize(model.item_emb(neg)).transpose(1, 2))  # (B*nc, c, M)
+    neg_logit = neg_logit.reshape(B, nc * c, num_negatives)[:, :T][mask]  # (P, M)
+    negP = neg.view(B, nc, 1, num_negatives).expand(B, nc, c, num_negatives).reshape(B, nc * c, num_negatives)[:, :T][mask]
     q, tgt = out[:, :-1][mask], ids[:, 1:][mask]  # (P, d), (P,)
     P = q.shape[0]
     if P == 0:
         return out.sum() * 0.0, 0
     win = windows(ids, R)[:, :T][mask]  # (P, R) items t-R+1 .. t, oldest first
     wact = windows(actions, R)[:, :T][mask] if (actions is not None and model.cfg.num_actions > 0) else None
-    neg = torch.randint(1, I + 1, (P, num_negatives), device=ids.device, generator=generator)  # (P, M)
-    cand = torch.cat([tgt.view(P, 1), neg, win], dim=1)  # (P, 1+M+R)
-    emb = l2_normalize(model.item_emb(cand))  # (P, C, d)
-    logits = torch.einsum("pd,pcd->pc", q, emb) / tau + rep.candidates(q, cand, win, wact)  # (P, C)
+    cand = torch.cat([tgt.view(P, 1), win], dim=1)  # (P, 1+R): target and history negatives
+    emb = l2_normalize(model.item_emb(cand))  # (P, 1+R, d)
+    own = torch.einsum("pd,pcd->pc", q, emb) / tau + rep.candidates(q, cand, win, wact)  # (P, 1+R)
     slot = torch.arange(R, device=ids.device)
     later_same = ((win.unsqueeze(2) == win.unsqueeze(1)) & (slot.view(1, 1, R) > slot.view(1, R, 1))).any(dim=2)  # (P, R)
-    drop = torch.cat([torch.zeros(P, 1, dtype=torch.bool, device=ids.device), neg == tgt.view(P, 1),
-                      (win == tgt.view(P, 1)) | (win == 0) | later_same], dim=1)  # (P, C)
-    logits = logits.masked_fill(drop, float("-inf"))
+    drop_win = (win == tgt.view(P, 1)) | (win == 0) | later_same
+    drop_neg = (negP == tgt.view(P, 1)) | (negP.unsqueeze(-1) == win.unsqueeze(1)).any(dim=-1)  # (P, M)
+    logits = torch.cat([own[:, :1], (neg_logit / tau).masked_fill(drop_neg, float("-inf")),
+                        own[:, 1:].masked_fill(drop_win, float("-inf"))], dim=1)  # (P, 1+M+R)
     return F.cross_entropy(logits, torch.zeros(P, dtype=torch.long, device=ids.device)), P
 
 

@@ -85,6 +85,30 @@ def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: D
     return metrics, read_json(run_dir / "history.json")
 
 
+def interim_metrics(run_dir: Path, spec: DataSpec, *, device: str = "cpu") -> tuple[dict, list] | None:
+    """An unfinished run (history.json, no metrics.json): the best checkpoint so far evaluated on
+    valid and test, marked in progress (a resumed run continues it). None without a history."""
+    import numpy as np
+
+    from hstu.model.checkpoint import load_run
+    from hstu.train.evaluate import evaluate
+    from hstu.train.loop import prepare_data
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "history.json").exists() or not (run_dir / "model.safetensors").exists():
+        return None
+    history = read_json(run_dir / "history.json")
+    model, _, _ = load_run(run_dir, device)
+    log_, split = prepare_data(spec)
+    valid = [h for h in history if "valid" in h]
+    best = max(valid, key=lambda h: h["valid"]["NDCG@10"])["epoch"] if valid and spec.protocol == "clean" else history[-1]["epoch"]
+    metrics = {"valid": evaluate(model, log_, split, "valid", device=device), "test": evaluate(model, log_, split, "test", device=device),
+               "epochs": history[-1]["epoch"], "best_epoch": best, "train_seconds": round(sum(h["seconds"] for h in history), 2),
+               "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])), 1), "protocol": spec.protocol,
+               "status": f"in progress: interrupted after epoch {history[-1]['epoch']}; rerun the run's command to resume"}
+    return metrics, history
+
+
 def plot_curves(path: Path, curves: dict[str, tuple[list[int], list[float]]], *, title: str, ylabel: str = "validation NDCG@10",
                 hlines: dict[str, float] | None = None, points: dict[str, tuple[list[int], list[float]]] | None = None) -> None:
     """Line per run (epoch -> value), optional horizontal reference lines and marker series; PNG."""

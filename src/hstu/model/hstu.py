@@ -13,7 +13,6 @@ Input: item_emb · √d + pos_emb (+ action and category embeddings); output row
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +20,9 @@ from torch import nn
 
 from hstu.config import ModelConfig
 from hstu.model.attention import AttentionFn, hstu_attention_reference
+from hstu.model.base import SequentialRecommender, l2_normalize
 from hstu.model.repeat import RepeatBias
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / max(||x||_2, eps) over the last axis (the reference's normalisation)."""
-    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
 
 
 class HSTULayer(nn.Module):
@@ -111,36 +106,17 @@ class HSTULayer(nn.Module):
         return self.output(x.unsqueeze(1), u, av).squeeze(1)  # (B, d)
 
 
-class HSTUModel(nn.Module):
-    """Embeddings + HSTU blocks + L2-normalised output, with scoring by cosine / temperature.
+class HSTUModel(SequentialRecommender):
+    """Embeddings + HSTU blocks + L2-normalised output, with scoring by cosine / temperature
+    (embeddings, checks and scoring in :class:`hstu.model.base.SequentialRecommender`).
 
     ``item_embedding`` may be passed in (e.g. a ShardedEmbedding); it maps (…) int64 ids to
     (…, d) rows and has row 0 for padding.
     """
 
     def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
-        super().__init__()
-        cfg.validate()
-        if cfg.num_items <= 0:
-            raise ValueError(f"ModelConfig.num_items must be set from the data (> 0), got {cfg.num_items}")
-        self.cfg = cfg
+        super().__init__(cfg, item_embedding=item_embedding)
         d, N = cfg.embedding_dim, cfg.width
-        if item_embedding is None:
-            item_embedding = nn.Embedding(cfg.num_items + 1, d, padding_idx=0)
-            nn.init.trunc_normal_(item_embedding.weight, std=0.02)
-            with torch.no_grad():
-                item_embedding.weight[0].zero_()
-        self.item_emb = item_embedding
-        self.pos_emb = nn.Embedding(N, d)
-        nn.init.trunc_normal_(self.pos_emb.weight, std=math.sqrt(1.0 / d))  # same scale as item_emb · √d
-        self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
-        self.category_emb = nn.Embedding(cfg.num_categories + 1, d, padding_idx=0) if cfg.num_categories > 0 else None
-        self.action_head = nn.Linear(d, cfg.num_actions + 1) if cfg.num_actions > 0 else None
-        self.repeat = RepeatBias(cfg.repeat_window, cfg.num_actions, d, cfg.temperature) if cfg.repeat_window > 0 else None
-        for emb in (self.action_emb, self.category_emb):
-            if emb is not None:
-                nn.init.trunc_normal_(emb.weight, std=0.02)
-        self.input_dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(
             HSTULayer(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, width=N, num_buckets=cfg.num_time_buckets,
                       dropout=cfg.dropout, eps=cfg.layer_norm_eps, use_position_bias=cfg.use_position_bias, use_time_bias=cfg.use_time_bias)
@@ -148,27 +124,13 @@ class HSTUModel(nn.Module):
         )
         self.attention: AttentionFn = hstu_attention_reference
 
-    # ----- input -----
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None,
-              categories: torch.Tensor | None = None) -> torch.Tensor:
-        """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows."""
-        x = self.item_emb(ids) * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
-        if self.action_emb is not None and actions is not None:
-            x = x + self.action_emb(actions)
-        if self.category_emb is not None and categories is not None:
-            x = x + self.category_emb(categories)
-        return x
+    def _init_extra_heads(self) -> None:
+        c = self.cfg
+        self.repeat = RepeatBias(c.repeat_window, c.num_actions, c.embedding_dim, c.temperature) if c.repeat_window > 0 else None
 
+    # ----- input -----
     def buckets(self, timestamps: torch.Tensor) -> torch.Tensor:
         return time_buckets(timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base)
-
-    def check_inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> None:
-        if ids.dtype != torch.int64 or timestamps.dtype != torch.int64 or lengths.dtype != torch.int64:
-            raise TypeError(f"ids, timestamps, lengths must be int64, got {ids.dtype}, {timestamps.dtype}, {lengths.dtype}")
-        if ids.shape != timestamps.shape or ids.dim() != 2:
-            raise ValueError(f"ids and timestamps must both be (B, W), got {tuple(ids.shape)} and {tuple(timestamps.shape)}")
-        if ids.shape[1] > self.cfg.width:
-            raise ValueError(f"padded width W={ids.shape[1]} exceeds the model width N={self.cfg.width}")
 
     # ----- encoder -----
     def encode(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, *, actions: torch.Tensor | None = None,
@@ -199,10 +161,6 @@ class HSTUModel(nn.Module):
             x = layer(x, buckets, valid, self.attention, None if kv_cache is None else kv_cache[li])
         return l2_normalize(x) if normalize else x
 
-    def last_rows(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """(B, W, d), (B,) -> (B, d) the rows at lengths - 1 (the user vectors)."""
-        return seq[torch.arange(seq.shape[0], device=seq.device), lengths - 1]
-
     def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
              kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
              categories: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,38 +179,6 @@ class HSTUModel(nn.Module):
         for li, layer in enumerate(self.layers):
             x = layer.step(x, pos, kv_cache[li][0], kv_cache[li][1], brow)
         return l2_normalize(x)
-
-    # ----- scoring -----
-    def item_vectors(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """L2-normalised item rows [start, end): (end - start, d). Row 0 (padding) is 0."""
-        end = self.cfg.num_items + 1 if end is None else end
-        rows = self.item_emb.rows(start, end) if hasattr(self.item_emb, "rows") else self.item_emb.weight[start:end]
-        return l2_normalize(rows.to(self.pos_emb.weight.dtype))
-
-    def score_all(self, user_vecs: torch.Tensor) -> torch.Tensor:
-        """Cosine similarity / temperature against every item: (B, d) -> (B, num_items + 1).
-
-        Column 0 (padding) is set to -inf.
-        """
-        s = user_vecs @ self.item_vectors().T / self.cfg.temperature  # (B, I+1)
-        s[:, 0] = float("-inf")
-        return s
-
-    def history_bias(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None,
-                     lengths: torch.Tensor) -> torch.Tensor | None:
-        """Repeat-aware bias over the catalogue (:mod:`hstu.model.repeat`) for users whose
-        histories are ``ids`` (B, W) / ``actions`` / ``lengths``: (B, I+1) float, or None when
-        the model has no repeat head. Add it to :meth:`score_all`'s scores."""
-        if self.repeat is None:
-            return None
-        items, acts = self.repeat.history_windows(ids, actions if self.cfg.num_actions > 0 else None, lengths)
-        static, inwin = self.repeat.full(items, acts, self.cfg.num_items)
-        return self.repeat.add_to(torch.zeros_like(static, dtype=user_vecs.dtype), user_vecs, static, inwin)
-
-    def score_items(self, user_vecs: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """(B, d) and (B, C) int64 candidate ids -> (B, C) cosine / temperature."""
-        emb = l2_normalize(self.item_emb(items).to(user_vecs.dtype))  # (B, C, d)
-        return torch.einsum("bd,bcd->bc", user_vecs, emb) / self.cfg.temperature
 
 
 def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:

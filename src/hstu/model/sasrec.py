@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hstu.config import ModelConfig
-from hstu.model.hstu import l2_normalize
+from hstu.model.base import SequentialRecommender, l2_normalize
 
 
 def sasrec_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0) -> torch.Tensor:
@@ -103,7 +103,7 @@ class SASRecBlock(nn.Module):
         return self.ffn(x + self.o(av))  # (B, d)
 
 
-class SASRecModel(nn.Module):
+class SASRecModel(SequentialRecommender):
     """SASRec encoder with HSTUModel's interface (encode / last_rows / step / item_vectors /
     score_all / score_items, item_emb, pos_emb, action_emb, category_emb, action_head, layers, cfg).
 
@@ -111,51 +111,14 @@ class SASRecModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
-        super().__init__()
-        cfg.validate()
-        if cfg.num_items <= 0:
-            raise ValueError(f"ModelConfig.num_items must be set from the data (> 0), got {cfg.num_items}")
-        self.cfg = cfg
-        d, N = cfg.embedding_dim, cfg.width
-        if item_embedding is None:
-            item_embedding = nn.Embedding(cfg.num_items + 1, d, padding_idx=0)
-            nn.init.trunc_normal_(item_embedding.weight, std=0.02)
-            with torch.no_grad():
-                item_embedding.weight[0].zero_()
-        self.item_emb = item_embedding
-        self.pos_emb = nn.Embedding(N, d)
-        nn.init.trunc_normal_(self.pos_emb.weight, std=math.sqrt(1.0 / d))  # same scale as item_emb · √d (as HSTUModel)
-        self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
-        self.category_emb = nn.Embedding(cfg.num_categories + 1, d, padding_idx=0) if cfg.num_categories > 0 else None
-        self.action_head = nn.Linear(d, cfg.num_actions + 1) if cfg.num_actions > 0 else None
-        for emb in (self.action_emb, self.category_emb):
-            if emb is not None:
-                nn.init.trunc_normal_(emb.weight, std=0.02)
-        self.input_dropout = nn.Dropout(cfg.dropout)
+        super().__init__(cfg, item_embedding=item_embedding)
+        d = cfg.embedding_dim
         self.layers = nn.ModuleList(
             SASRecBlock(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, dropout=cfg.dropout, eps=cfg.layer_norm_eps)
             for _ in range(cfg.num_blocks)
         )
         self.final_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attention = sasrec_attention
-
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None,
-              categories: torch.Tensor | None = None) -> torch.Tensor:
-        """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows."""
-        x = self.item_emb(ids) * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
-        if self.action_emb is not None and actions is not None:
-            x = x + self.action_emb(actions)
-        if self.category_emb is not None and categories is not None:
-            x = x + self.category_emb(categories)
-        return x
-
-    def check_inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> None:
-        if ids.dtype != torch.int64 or timestamps.dtype != torch.int64 or lengths.dtype != torch.int64:
-            raise TypeError(f"ids, timestamps, lengths must be int64, got {ids.dtype}, {timestamps.dtype}, {lengths.dtype}")
-        if ids.shape != timestamps.shape or ids.dim() != 2:
-            raise ValueError(f"ids and timestamps must both be (B, W), got {tuple(ids.shape)} and {tuple(timestamps.shape)}")
-        if ids.shape[1] > self.cfg.width:
-            raise ValueError(f"padded width W={ids.shape[1]} exceeds the model width N={self.cfg.width}")
 
     def encode(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, *, actions: torch.Tensor | None = None,
                categories: torch.Tensor | None = None, kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -184,10 +147,6 @@ class SASRecModel(nn.Module):
         x = self.final_norm(x) * valid  # (B, W, d)
         return l2_normalize(x) if normalize else x
 
-    def last_rows(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """(B, W, d), (B,) -> (B, d) the rows at lengths - 1 (the user vectors)."""
-        return seq[torch.arange(seq.shape[0], device=seq.device), lengths - 1]
-
     def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
              kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
              categories: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,20 +156,3 @@ class SASRecModel(nn.Module):
         for li, layer in enumerate(self.layers):
             x = layer.step(x, pos, kv_cache[li][0], kv_cache[li][1])  # (B, d)
         return l2_normalize(self.final_norm(x))
-
-    def item_vectors(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """L2-normalised item rows [start, end): (end - start, d). Row 0 (padding) is 0."""
-        end = self.cfg.num_items + 1 if end is None else end
-        rows = self.item_emb.rows(start, end) if hasattr(self.item_emb, "rows") else self.item_emb.weight[start:end]
-        return l2_normalize(rows.to(self.pos_emb.weight.dtype))
-
-    def score_all(self, user_vecs: torch.Tensor) -> torch.Tensor:
-        """Cosine similarity / temperature against every item: (B, d) -> (B, I+1); column 0 -inf."""
-        s = user_vecs @ self.item_vectors().T / self.cfg.temperature  # (B, I+1)
-        s[:, 0] = float("-inf")
-        return s
-
-    def score_items(self, user_vecs: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        """(B, d) and (B, C) int64 candidate ids -> (B, C) cosine / temperature."""
-        emb = l2_normalize(self.item_emb(items).to(user_vecs.dtype))  # (B, C, d)
-        return torch.einsum("bd,bcd->bc", user_vecs, emb) / self.cfg.temperature

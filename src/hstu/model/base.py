@@ -1,0 +1,113 @@
+"""What HSTU and the SASRec baseline share: the input embeddings (items, positions, optional
+action types and categories), the next-action head, input checks, and scoring of L2-normalised
+user vectors against L2-normalised item rows (cosine / temperature; Zhai et al. 2024, §4.1.1)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hstu.config import ModelConfig
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / max(||x||_2, eps) over the last axis."""
+    return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
+
+
+class SequentialRecommender(nn.Module):
+    """Embeddings, head and scoring; subclasses add ``layers`` and ``encode`` / ``step``.
+
+    ``item_embedding`` may be passed in (e.g. a ShardedEmbedding); it maps (…) int64 ids to
+    (…, d) rows and has row 0 for padding. ``repeat`` is None unless a subclass sets a repeat
+    head (:mod:`hstu.model.repeat`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
+        super().__init__()
+        cfg.validate()
+        if cfg.num_items <= 0:
+            raise ValueError(f"ModelConfig.num_items must be set from the data (> 0), got {cfg.num_items}")
+        self.cfg = cfg
+        d, N = cfg.embedding_dim, cfg.width
+        if item_embedding is None:
+            item_embedding = nn.Embedding(cfg.num_items + 1, d, padding_idx=0)
+            nn.init.trunc_normal_(item_embedding.weight, std=0.02)
+            with torch.no_grad():
+                item_embedding.weight[0].zero_()
+        self.item_emb = item_embedding
+        self.pos_emb = nn.Embedding(N, d)
+        nn.init.trunc_normal_(self.pos_emb.weight, std=math.sqrt(1.0 / d))  # same scale as item_emb · √d
+        self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
+        self.category_emb = nn.Embedding(cfg.num_categories + 1, d, padding_idx=0) if cfg.num_categories > 0 else None
+        self.action_head = nn.Linear(d, cfg.num_actions + 1) if cfg.num_actions > 0 else None
+        self.repeat: nn.Module | None = None
+        self._init_extra_heads()
+        for emb in (self.action_emb, self.category_emb):
+            if emb is not None:
+                nn.init.trunc_normal_(emb.weight, std=0.02)
+        self.input_dropout = nn.Dropout(cfg.dropout)
+
+    def _init_extra_heads(self) -> None:
+        """Hook for heads created right after the action head (keeps the seeded init order)."""
+
+    # ----- input -----
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None,
+              categories: torch.Tensor | None = None) -> torch.Tensor:
+        """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows."""
+        x = self.item_emb(ids) * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
+        if self.action_emb is not None and actions is not None:
+            x = x + self.action_emb(actions)
+        if self.category_emb is not None and categories is not None:
+            x = x + self.category_emb(categories)
+        return x
+
+    def check_inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> None:
+        """TypeError for non-int64 inputs; ValueError when shapes disagree or W > N."""
+        if ids.dtype != torch.int64 or timestamps.dtype != torch.int64 or lengths.dtype != torch.int64:
+            raise TypeError(f"ids, timestamps, lengths must be int64, got {ids.dtype}, {timestamps.dtype}, {lengths.dtype}")
+        if ids.shape != timestamps.shape or ids.dim() != 2:
+            raise ValueError(f"ids and timestamps must both be (B, W), got {tuple(ids.shape)} and {tuple(timestamps.shape)}")
+        if ids.shape[1] > self.cfg.width:
+            raise ValueError(f"padded width W={ids.shape[1]} exceeds the model width N={self.cfg.width}")
+
+    def last_rows(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(B, W, d), (B,) -> (B, d) the rows at lengths - 1 (the user vectors)."""
+        return seq[torch.arange(seq.shape[0], device=seq.device), lengths - 1]
+
+    # ----- scoring -----
+    def item_vectors(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """L2-normalised item rows [start, end): (end - start, d). Row 0 (padding) is 0."""
+        end = self.cfg.num_items + 1 if end is None else end
+        rows = self.item_emb.rows(start, end) if hasattr(self.item_emb, "rows") else self.item_emb.weight[start:end]
+        return l2_normalize(rows.to(self.pos_emb.weight.dtype))
+
+    def score_all(self, user_vecs: torch.Tensor) -> torch.Tensor:
+        """Cosine similarity / temperature against every item: (B, d) -> (B, num_items + 1).
+
+        Column 0 (padding) is set to -inf.
+        """
+        s = user_vecs @ self.item_vectors().T / self.cfg.temperature  # (B, I+1)
+        s[:, 0] = float("-inf")
+        return s
+
+    def history_bias(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None,
+                     lengths: torch.Tensor) -> torch.Tensor | None:
+        """Repeat-aware bias over the catalogue (:mod:`hstu.model.repeat`) for users whose
+        histories are ``ids`` (B, W) / ``actions`` / ``lengths``: (B, I+1) float, or None when
+        the model has no repeat head. Add it to :meth:`score_all`'s scores."""
+        if self.repeat is None:
+            return None
+        items, acts = self.repeat.history_windows(ids, actions if self.cfg.num_actions > 0 else None, lengths)
+        static, inwin = self.repeat.full(items, acts, self.cfg.num_items)
+        return self.repeat.add_to(torch.zeros_like(static, dtype=user_vecs.dtype), user_vecs, static, inwin)
+
+    def score_items(self, user_vecs: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        """(B, d) and (B, C) int64 candidate ids -> (B, C) cosine / temperature."""
+        emb = l2_normalize(self.item_emb(items).to(user_vecs.dtype))  # (B, C, d)
+        return torch.einsum("bd,bcd->bc", user_vecs, emb) / self.cfg.temperature
+
+
+__all__ = ["SequentialRecommender", "l2_normalize"]

@@ -73,6 +73,16 @@ class SequentialRecommender(nn.Module):
         if ids.shape[1] > self.cfg.width:
             raise ValueError(f"padded width W={ids.shape[1]} exceeds the model width N={self.cfg.width}")
 
+    def inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, actions: torch.Tensor | None,
+               categories: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Checked inputs -> encoder input rows x (B, W, d) (dropout in training, padding rows 0)
+        and the validity mask (B, W, 1) in the model dtype. Raises as :meth:`check_inputs`."""
+        self.check_inputs(ids, timestamps, lengths)
+        B, W = ids.shape
+        pos = torch.arange(W, device=ids.device)
+        valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).to(self.pos_emb.weight.dtype)  # (B, W, 1)
+        return self.input_dropout(self.embed(ids, pos.expand(B, W), actions, categories)) * valid, valid
+
     def last_rows(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(B, W, d), (B,) -> (B, d) the rows at lengths - 1 (the user vectors)."""
         return seq[torch.arange(seq.shape[0], device=seq.device), lengths - 1]

@@ -151,11 +151,7 @@ class HSTUModel(SequentialRecommender):
         Raises:
             TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
         """
-        self.check_inputs(ids, timestamps, lengths)
-        B, W = ids.shape
-        pos = torch.arange(W, device=ids.device)
-        valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).to(self.pos_emb.weight.dtype)  # (B, W, 1)
-        x = self.input_dropout(self.embed(ids, pos.expand(B, W), actions, categories)) * valid  # (B, W, d)
+        x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
         buckets = self.buckets(timestamps)  # (B, W, W)
         for li, layer in enumerate(self.layers):
             x = layer(x, buckets, valid, self.attention, None if kv_cache is None else kv_cache[li])

@@ -137,11 +137,7 @@ class SASRecModel(SequentialRecommender):
         Raises:
             TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
         """
-        self.check_inputs(ids, timestamps, lengths)
-        B, W = ids.shape
-        pos = torch.arange(W, device=ids.device)
-        valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).to(self.pos_emb.weight.dtype)  # (B, W, 1)
-        x = self.input_dropout(self.embed(ids, pos.expand(B, W), actions, categories)) * valid  # (B, W, d)
+        x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
         for li, layer in enumerate(self.layers):
             x = layer(x, valid, None if kv_cache is None else kv_cache[li])  # (B, W, d)
         x = self.final_norm(x) * valid  # (B, W, d)

@@ -9,6 +9,8 @@ Symbols: B sequences, W width, P live positions, M negatives, d width.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -93,7 +95,11 @@ def repeat_aware_loss(out: torch.Tensor, ids: torch.Tensor, actions: torch.Tenso
     distinct items of the window ids[t-R+1 .. t] other than the target ("history negatives").
     Logits: cos / temperature plus the repeat bias of the candidate; uniform negatives that fall
     in the window are masked (the window copy carries them, with their bias), as are negatives
-    equal to the target, padding and repeated window items.
+    equal to the target, padding and repeated window items. The window items are enumerated
+    while the M uniform negatives stand for all I items, so each uniform logit gets + log(I / M)
+    (the sampled-softmax importance correction, Bengio & Senecal 2008; Jean et al. 2015):
+    without it the softmax over-weights history items M/I-fold against the full-ranking one and
+    the model learns to push revisits down.
     Returns (mean loss, P supervised positions).
     """
     rep, I, tau = model.repeat, model.cfg.num_items, model.cfg.temperature
@@ -120,7 +126,8 @@ def repeat_aware_loss(out: torch.Tensor, ids: torch.Tensor, actions: torch.Tenso
     later_same = ((win.unsqueeze(2) == win.unsqueeze(1)) & (slot.view(1, 1, R) > slot.view(1, R, 1))).any(dim=2)  # (P, R)
     drop_win = (win == tgt.view(P, 1)) | (win == 0) | later_same
     drop_neg = (negP == tgt.view(P, 1)) | (negP.unsqueeze(-1) == win.unsqueeze(1)).any(dim=-1)  # (P, M)
-    logits = torch.cat([own[:, :1], (neg_logit / tau).masked_fill(drop_neg, float("-inf")),
+    log_q = math.log(I / num_negatives)
+    logits = torch.cat([own[:, :1], (neg_logit / tau + log_q).masked_fill(drop_neg, float("-inf")),
                         own[:, 1:].masked_fill(drop_win, float("-inf"))], dim=1)  # (P, 1+M+R)
     return F.cross_entropy(logits, torch.zeros(P, dtype=torch.long, device=ids.device)), P
 

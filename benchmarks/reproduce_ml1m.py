@@ -62,6 +62,10 @@ REFERENCE_TRAJECTORY = {5: (0.2048, 0.1117), 10: (0.2561, 0.1410), 15: (0.2710, 
                         25: (0.2755, 0.1552), 30: (0.2841, 0.1568), 35: (0.2856, 0.1585), 40: (0.2909, 0.1615),
                         45: (0.2863, 0.1609)}
 TOLERANCE = 0.005
+# Batching per protocol: the paper protocol reproduces the reference's trajectory with its random
+# batches (measured: length-sorted batches reach test HR@10 .179 at epoch 5, random ones .198; the
+# reference .205); the clean protocol keeps length-sorted batches, ~3x faster per epoch on CPU.
+POOL_DEFAULT = {"paper": 1, "clean": 50}
 SPEED_FLOOR_SMALL = 85.0
 
 
@@ -76,9 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--patience", type=int, default=10, help="clean protocol: epochs without a better valid NDCG@10")
     p.add_argument("--paper-epochs", type=int, default=101, help="epochs under the paper protocol (no early stopping)")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--length-pool", type=int, default=50,
-                   help="batches sorted by length within pools of this many batches (1 = random batches, the "
-                        "reference's; runs with another value than 50 get a -poolN suffix)")
+    p.add_argument("--length-pool", type=int,
+                   help="batches sorted by length within pools of this many batches; default 1 (random batches, "
+                        "the reference's) under the paper protocol, 50 (our faster recipe) under clean; another "
+                        "value adds a -poolN suffix to the run directory")
     p.add_argument("--negatives-chunk", type=int, default=16,
                    help="positions sharing one set of 128 negatives (1 = per position, the reference's scheme, "
                         "~3x slower here and no better on ML-1M; runs with another value than 16 get a -chunkN suffix)")
@@ -125,8 +130,9 @@ def main(argv=None) -> int:
         preset, arch = MODELS[name]
         entry: dict = {"model": name, "published": PUBLISHED.get(name), **prov}
         for protocol in protocols:
+            pool = args.length_pool or POOL_DEFAULT[protocol]
             run = runs / (f"{name}-{protocol}" + (f"-chunk{args.negatives_chunk}" if args.negatives_chunk != 16 else "")
-                          + (f"-pool{args.length_pool}" if args.length_pool != 50 else ""))
+                          + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else ""))
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             interim = None
             if args.report_only and not (run / "metrics.json").exists():
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
                 log.info("%s: unfinished run, reporting its best checkpoint so far", run)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
             tcfg = TrainConfig(epochs=epochs, batch_size=128, learning_rate=1e-3, beta1=0.9, beta2=0.98, weight_decay=0.0,
-                               num_negatives=128, negatives_chunk=args.negatives_chunk, length_pool=args.length_pool, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
+                               num_negatives=128, negatives_chunk=args.negatives_chunk, length_pool=pool, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
             run.mkdir(parents=True, exist_ok=True)
             if not (run / "metrics.json").exists():
                 (run / "command.txt").write_text(prov["command"] + "\n")

@@ -159,3 +159,28 @@ def test_repeat_head_learns_revisits_on_taobao(tmp_path):
     m, _, _ = load_run(run, "cpu")
     t = m.repeat.table.detach()
     assert float(t[1, 1:].mean()) > float(t[3:, 1:].mean()) + 0.005  # bucket 1 (dist 1-2) vs buckets >= 3 (dist >= 7), real actions
+
+
+def test_propensity_starts_at_the_prior_log_odds():
+    rb = RepeatBias(window=10, num_actions=0, dim=4, temperature=0.05)
+    rb.init_from_prior(0.25, 1010)
+    # (0.25 / 10) / (0.75 / 1000) = 33.3 -> log = 3.5066 logits = 0.17533 in cosine units (x 0.05)
+    assert float(rb.propensity.bias) == pytest.approx(np.log((0.25 / 10) / (0.75 / 1000)) * 0.05, rel=1e-6)
+    bias = rb.candidates(torch.zeros(1, 4), torch.tensor([[3, 4]]), torch.tensor([[0] * 9 + [3]]), None)
+    assert bias[0, 0].item() == pytest.approx(np.log(100 / 3), rel=1e-5) and bias[0, 1].item() == 0.0
+
+
+def test_repeat_share_by_brute_force():
+    if not any(TAOBAO.glob("*.csv")):
+        pytest.skip(f"{TAOBAO} is absent (shared data is provided beside the repo in CI and dev sessions)")
+    from hstu.train.loop import DataSpec, prepare_data, repeat_share
+
+    log_, split = prepare_data(DataSpec("taobao", str(TAOBAO), max_users=60))
+    hits = total = 0
+    for u in range(log_.num_users):
+        seq = log_.items[max(log_.offsets[u], split.train_end[u] - 50):split.train_end[u]].tolist()
+        for t in range(1, len(seq)):
+            total += 1
+            hits += seq[t] in seq[max(0, t - 8):t]  # the 8 events before t
+    assert repeat_share(log_, split, 8, 50) == pytest.approx(hits / total)
+    assert 0.05 < hits / total < 0.5

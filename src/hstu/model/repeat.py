@@ -70,6 +70,17 @@ class RepeatBias(nn.Module):
         nn.init.zeros_(self.propensity.weight)
         nn.init.zeros_(self.propensity.bias)
 
+    @torch.no_grad()
+    def init_from_prior(self, p_repeat: float, num_items: int) -> None:
+        """Start the propensity bias at the prior log-odds of a window item against any other:
+        log((p / R) / ((1 - p) / (I - R))), in cosine units (x temperature), where p is the
+        share of training targets found in the window (:func:`hstu.train.loop.repeat_share`).
+        Like initialising a classifier's output bias to the class prior (it only sets where
+        training starts)."""
+        p = min(max(float(p_repeat), 1e-4), 1 - 1e-4)
+        R, I = self.window, max(int(num_items), self.window + 1)
+        self.propensity.bias.fill_(math.log((p / R) / ((1 - p) / (I - R))) / self.inv_tau)
+
     def _values(self, user: torch.Tensor, dist: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
         """user (…, d), dist / acts (…, C) int64 -> (…, C) bias (no window check)."""
         return (self.table[recency_bucket(dist), acts] + self.propensity(user).to(self.table.dtype)) * self.inv_tau

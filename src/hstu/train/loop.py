@@ -95,6 +95,22 @@ def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> Mo
     return cfg
 
 
+def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) -> float:
+    """Share of training targets (next events within each user's training part, over the
+    positions the model sees) whose item occurs in the ``window`` events before them."""
+    hits = total = 0
+    for u in range(log_.num_users):
+        s, e = int(log_.offsets[u]), int(split.train_end[u])
+        items = log_.items[max(s, e - max_seq_len):e]
+        last: dict[int, int] = {}
+        for t, it in enumerate(items.tolist()):
+            if t > 0:
+                total += 1
+                hits += int(it in last and t - 1 - last[it] < window)
+            last[it] = t
+    return hits / max(total, 1)
+
+
 def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt, gen: torch.Generator, epoch: int,
                     device: torch.device, progress: bool = True) -> dict:
     model.train()
@@ -146,6 +162,8 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     model = build_hstu(mcfg).to(dev.device)
+    if getattr(model, "repeat", None) is not None and not resume:
+        model.repeat.init_from_prior(repeat_share(log_, split, mcfg.repeat_window, mcfg.max_seq_len), mcfg.num_items)
     opt = torch.optim.AdamW(model.parameters(), lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     gen = torch.Generator(device=dev.device)
     gen.manual_seed(tcfg.seed)

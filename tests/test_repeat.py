@@ -157,6 +157,11 @@ def test_repeat_head_learns_revisits_on_taobao(tmp_path):
     hist = read_json(run / "history.json")
     assert hist[-1]["loss"] < hist[0]["loss"]
     m, _, _ = load_run(run, "cpu")
+    # the scale chosen on validation is saved with the weights and is the grid's best
+    cal = read_json(run / "metrics.json")["repeat_scale"]
+    grid = {float(k): v for k, v in cal["valid_NDCG@10"].items()}
+    assert cal["chosen"] == max(grid, key=lambda s: (grid[s], -s)) and float(m.repeat.scale) == cal["chosen"]
+    assert read_json(run / "metrics.json")["valid"]["NDCG@10"] == pytest.approx(grid[cal["chosen"]])
     t = m.repeat.table.detach()
     assert float(t[1, 1:].mean()) > float(t[3:, 1:].mean()) + 0.005  # bucket 1 (dist 1-2) vs buckets >= 3 (dist >= 7), real actions
 

@@ -13,7 +13,10 @@ floor(log2(dist + 1)); a_i: the action type of that occurrence (0 when the data 
 learned (buckets, actions + 1) table; w · u + b a learned repeat propensity of the user state
 (RepeatNet's repeat/explore switch, here a logit added to every history candidate). The bias is
 in cosine units (divided by the temperature like the similarity), so the optimiser moves it at
-the scale of the scores. Items outside the window get no bias. The window R is
+the scale of the scores. After training, one scale factor s of the whole bias is chosen on the
+validation split (score = cos/tau + s * bias): training positions are memorised by the cosine
+part (the "explore" side overfits a small log), which a bias fitted on training positions alone
+under-weights against new users' revisits. Items outside the window get no bias. The window R is
 ``ModelConfig.repeat_window`` (0 = off).
 
 Training (:func:`hstu.train.losses.repeat_aware_loss`) scores, at every position, the target,
@@ -61,6 +64,9 @@ class RepeatBias(nn.Module):
     def __init__(self, window: int, num_actions: int, dim: int, temperature: float = 1.0) -> None:
         super().__init__()
         self.inv_tau = 1.0 / float(temperature)
+        # Post-training scale of the whole bias, chosen on the validation split (hstu.train.loop.
+        # calibrate_repeat_scale); 1 while training. Saved with the weights.
+        self.register_buffer("scale", torch.ones(()))
         if window < 1:
             raise ValueError(f"repeat window must be >= 1, got {window}")
         self.window = int(window)
@@ -83,7 +89,7 @@ class RepeatBias(nn.Module):
 
     def _values(self, user: torch.Tensor, dist: torch.Tensor, acts: torch.Tensor) -> torch.Tensor:
         """user (…, d), dist / acts (…, C) int64 -> (…, C) bias (no window check)."""
-        return (self.table[recency_bucket(dist), acts] + self.propensity(user).to(self.table.dtype)) * self.inv_tau
+        return (self.table[recency_bucket(dist), acts] + self.propensity(user).to(self.table.dtype)) * (self.inv_tau * self.scale)
 
     def candidates(self, user: torch.Tensor, cand: torch.Tensor, win_items: torch.Tensor,
                    win_acts: torch.Tensor | None) -> torch.Tensor:
@@ -131,7 +137,7 @@ class RepeatBias(nn.Module):
         acts = win_acts if win_acts is not None else torch.zeros_like(win_items)
         for j in range(R):  # oldest first: a more recent occurrence overwrites an older one
             col = win_items[:, j:j + 1]  # (B, 1)
-            val = self.table[recency_bucket(torch.full_like(col, R - 1 - j)), acts[:, j:j + 1]] * self.inv_tau  # (B, 1)
+            val = self.table[recency_bucket(torch.full_like(col, R - 1 - j)), acts[:, j:j + 1]] * (self.inv_tau * self.scale)  # (B, 1)
             live = col > 0
             static.scatter_(1, col, torch.where(live, val, static.gather(1, col)))
             inwin.scatter_(1, col, live | inwin.gather(1, col))
@@ -142,7 +148,11 @@ class RepeatBias(nn.Module):
     def add_to(self, scores: torch.Tensor, user: torch.Tensor, static: torch.Tensor, inwin: torch.Tensor) -> torch.Tensor:
         """scores (B, I+1) += static + in_window * (w · u + b), in place; returns scores."""
         scores.add_(static.to(scores.dtype))
-        return scores.add_(inwin.to(scores.dtype) * (self.propensity(user).to(scores.dtype) * self.inv_tau))
+        return scores.add_(inwin.to(scores.dtype) * (self.propensity(user).to(scores.dtype) * (self.inv_tau * self.scale)))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.setdefault(prefix + "scale", torch.ones(()))  # checkpoints from before the calibration existed
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 __all__ = ["RepeatBias", "recency_bucket", "windows"]

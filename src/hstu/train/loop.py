@@ -111,6 +111,24 @@ def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) ->
     return hits / max(total, 1)
 
 
+REPEAT_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+def calibrate_repeat_scale(model, log_: EventLog, split: Split, *, batch_size: int = 256,
+                           device: torch.device | str = "cpu") -> dict:
+    """Choose the repeat head's scale (:mod:`hstu.model.repeat`) among REPEAT_SCALES by
+    validation NDCG@10 (ties: the smaller scale), set it on the model and return
+    {"chosen": s, "valid_NDCG@10": {s: value}}. The test split is never read."""
+    grid = {}
+    for s in REPEAT_SCALES:
+        model.repeat.scale.fill_(s)
+        grid[s] = evaluate(model, log_, split, "valid", batch_size=batch_size, device=device)["NDCG@10"]
+    best = max(REPEAT_SCALES, key=lambda s: (grid[s], -s))
+    model.repeat.scale.fill_(best)
+    log.info("repeat scale %g chosen on validation NDCG@10 %s", best, {k: round(v, 4) for k, v in grid.items()})
+    return {"chosen": best, "valid_NDCG@10": {str(k): v for k, v in grid.items()}}
+
+
 def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt, gen: torch.Generator, epoch: int,
                     device: torch.device, progress: bool = True) -> dict:
     model.train()
@@ -204,6 +222,10 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     if paper:  # report the last epoch, as the published protocol does
         save_weights(run / "model.safetensors", model)
     load_weights(run / "model.safetensors", model, dev.device)
+    calibration = None
+    if getattr(model, "repeat", None) is not None and not paper:
+        calibration = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=dev.device)
+        save_weights(run / "model.safetensors", model)
     metrics = {
         "valid": evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device),
         "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=dev.device),
@@ -214,5 +236,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         "protocol": spec.protocol,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {dev.device}",
     }
+    if calibration is not None:
+        metrics["repeat_scale"] = calibration
     write_json(run / "metrics.json", metrics)
     return metrics

@@ -371,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         floors["int8_auc_drop <= 0.001"] = res["int8_auc_drop"] <= 0.001
     res["floors"] = floors
     res["notes"] = (
-        "Shared 2-core machine with other agents' jobs running (see loadavg_start/_end): every variant is timed "
-        "interleaved, one call each per round with the order rotated, so drift in load hits all alike; "
+        "Shared 2-core machine (see loadavg_start/_end): every variant is timed interleaved, one call each per round "
+        "with the order rotated, so drift in load hits all alike; generation runs through the serving Engine unless "
+        "settings.path is 'decode'; "
         "*_paired_median_speedup is the median over rounds of fp32_time / variant_time within a round. "
         "linear_share_of_fp32_generate = replayed Linear time / generate time: the INT8 gain is bounded by "
         "1 / (1 - share + share / linear_speedup) (Amdahl). BF16 on a CPU without avx512_bf16/AMX is emulated.")

@@ -81,14 +81,6 @@ def _prefill(model: HSTUModel, ids, timestamps, lengths, request_time, k, cache:
     return model.last_rows(seq, lengths), kv, tbuf
 
 
-def _repeat_parts(model, ids, actions, lengths):
-    """(static (B, I+1), in_window (B, I+1)) of a repeat-aware model's bias, or None."""
-    if getattr(model, "repeat", None) is None:
-        return None
-    items, acts = model.repeat.history_windows(ids, actions if model.cfg.num_actions > 0 else None, lengths)
-    return model.repeat.full(items, acts, model.cfg.num_items)
-
-
 def _fit(t: torch.Tensor, W: int) -> torch.Tensor:
     if t.shape[1] >= W:
         return t[:, :W]
@@ -137,7 +129,7 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
     gen = torch.Generator(device=ids.device).manual_seed(seed) if strategy == "topk" else None
     user, kv, tbuf = _prefill(model, ids, timestamps, lengths, request_time, k, cache, actions, categories)
     item_vecs = model.item_vectors()  # (I+1, d)
-    rep = _repeat_parts(model, ids, actions, lengths)
+    bias_parts = model.repeat_parts(ids, actions, lengths)  # repeat-aware bias, fixed while generating
     out_items = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
     out_scores = torch.zeros(B, k, dtype=user.dtype, device=ids.device)
     out_actions = torch.zeros(B, k, dtype=torch.int64, device=ids.device) if model.action_head is not None else None
@@ -145,8 +137,8 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
     pos = lengths.clone()
     for step in range(k):
         scores = user @ item_vecs.T / model.cfg.temperature  # (B, I+1)
-        if rep is not None:  # repeat-aware bias from the history (fixed while generating)
-            model.repeat.add_to(scores, user, *rep)
+        if bias_parts is not None:
+            model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(exclude, float("-inf"))
         choice = _pick(scores, strategy, top_k, temperature, gen)
         out_items[:, step] = choice
@@ -172,8 +164,8 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
     user, kv, tbuf = _prefill(model, ids_r, ts_r, len_r, rt_r, k, cache, rep(actions), rep(categories))
     item_vecs = model.item_vectors()
     I1 = item_vecs.shape[0]
-    rep = _repeat_parts(model, ids, actions, lengths)
-    rep = None if rep is None else tuple(t.repeat_interleave(W, dim=0) for t in rep)  # the same for every beam
+    bias_parts = model.repeat_parts(ids, actions, lengths)
+    bias_parts = None if bias_parts is None else tuple(rep(t) for t in bias_parts)  # the same for every beam
     excl = exclude.repeat_interleave(W, dim=0)  # (B*W, I+1)
     seq_items = torch.zeros(B * W, k, dtype=torch.int64, device=ids.device)
     seq_scores = torch.zeros(B * W, k, dtype=user.dtype, device=ids.device)
@@ -181,8 +173,8 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
     pos = len_r.clone()
     for step in range(k):
         scores = user @ item_vecs.T / model.cfg.temperature  # (B*W, I+1)
-        if rep is not None:
-            model.repeat.add_to(scores, user, *rep)
+        if bias_parts is not None:
+            model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(excl, float("-inf"))
         logp = torch.log_softmax(scores, dim=1).view(B, W, I1)
         if step == 0:  # all beams are identical: expand from beam 0 only
@@ -232,7 +224,7 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
     cur_len = lengths.clone()
     bidx = torch.arange(B, device=ids.device)
     item_vecs = model.item_vectors()
-    rep = _repeat_parts(model, ids, None, lengths)
+    bias_parts = model.repeat_parts(ids, None, lengths)
     items = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
     scores_out = torch.zeros(B, k, device=ids.device)
     for step in range(k):
@@ -241,8 +233,8 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
         seq = model.encode(cur_ids[:, :w], cur_ts[:, :w], cur_len)
         user = model.last_rows(seq, cur_len)
         scores = user @ item_vecs.T / model.cfg.temperature
-        if rep is not None:
-            model.repeat.add_to(scores, user, *rep)
+        if bias_parts is not None:
+            model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(exclude, float("-inf"))
         choice = scores.argmax(dim=1)
         items[:, step], scores_out[:, step] = choice, scores[bidx, choice]

@@ -87,7 +87,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from hstu.generate.decode import GenerationResult
 from hstu.generate.hardening import check_inputs_on, harden
@@ -375,10 +374,7 @@ class Engine:
         c = self.model.cfg
         if type(layer.uvqk) is torch.nn.Linear:  # float weight: the backend's (possibly fused) kernel
             return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
-        # quantized projection (Int8Linear, ...): its own GEMM, the rest of eq. 1 as in the kernel
-        h = F.silu(layer.uvqk(F.layer_norm(x, (x.shape[-1],), eps=layer.eps)), inplace=True)  # (…, 2H(d_v+d_qk))
-        hv, hq = c.num_heads * c.d_v, c.num_heads * c.d_qk
-        return torch.split(h, [hv, hv, hq, hq], dim=-1)
+        return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
 
     def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
         return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)

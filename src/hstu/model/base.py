@@ -103,16 +103,28 @@ class SequentialRecommender(nn.Module):
         s[:, 0] = float("-inf")
         return s
 
-    def history_bias(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None,
-                     lengths: torch.Tensor) -> torch.Tensor | None:
-        """Repeat-aware bias over the catalogue (:mod:`hstu.model.repeat`) for users whose
-        histories are ``ids`` (B, W) / ``actions`` / ``lengths``: (B, I+1) float, or None when
-        the model has no repeat head. Add it to :meth:`score_all`'s scores."""
+    def repeat_parts(self, ids: torch.Tensor, actions: torch.Tensor | None,
+                     lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The user-independent part of the repeat bias (:mod:`hstu.model.repeat`) for histories
+        ``ids`` (B, W) / ``actions`` / ``lengths``: (static (B, I+1), in_window (B, I+1) bool), to
+        pass to ``repeat.add_to`` with each user vector; None when the model has no repeat head."""
         if self.repeat is None:
             return None
         items, acts = self.repeat.history_windows(ids, actions if self.cfg.num_actions > 0 else None, lengths)
-        static, inwin = self.repeat.full(items, acts, self.cfg.num_items)
-        return self.repeat.add_to(torch.zeros_like(static, dtype=user_vecs.dtype), user_vecs, static, inwin)
+        return self.repeat.full(items, acts, self.cfg.num_items)
+
+    def history_scores(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor,
+                       item_vecs: torch.Tensor | None = None) -> torch.Tensor:
+        """Full-ranking scores of users with these histories: cosine / temperature against every
+        item (``item_vecs`` (I+1, d), default :meth:`item_vectors`) plus the repeat bias when the
+        model has a repeat head: (B, I+1), column 0 (padding) -inf."""
+        item_vecs = self.item_vectors() if item_vecs is None else item_vecs
+        scores = user_vecs @ item_vecs.T / self.cfg.temperature  # (B, I+1)
+        parts = self.repeat_parts(ids, actions, lengths)
+        if parts is not None:
+            self.repeat.add_to(scores, user_vecs, *parts)
+        scores[:, 0] = float("-inf")
+        return scores
 
     def score_items(self, user_vecs: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
         """(B, d) and (B, C) int64 candidate ids -> (B, C) cosine / temperature."""

@@ -48,12 +48,7 @@ def evaluate_ranks(model: HSTUModel, log_: EventLog, split: Split, which: str, *
         ub = order[s:s + batch_size]
         b = eval_batch(log_, targets, ub, model.cfg.max_seq_len).to(device)
         seq = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        user = model.last_rows(seq, b.lengths)  # (B, d)
-        scores = user @ item_vecs.T / model.cfg.temperature  # (B, I+1)
-        rb = model.history_bias(user, b.ids, b.actions, b.lengths) if hasattr(model, "history_bias") else None
-        if rb is not None:  # repeat-aware models (hstu.model.repeat)
-            scores += rb
-        scores[:, 0] = float("-inf")
+        scores = model.history_scores(model.last_rows(seq, b.lengths), b.ids, b.actions, b.lengths, item_vecs)  # (B, I+1)
         if exclude:
             exclude_history(scores, log_, ub, targets[ub])
         all_ranks.append(target_ranks(scores, b.targets).cpu().numpy())

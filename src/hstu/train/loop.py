@@ -115,18 +115,20 @@ REPEAT_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
 def calibrate_repeat_scale(model, log_: EventLog, split: Split, *, batch_size: int = 256,
-                           device: torch.device | str = "cpu") -> dict:
+                           device: torch.device | str = "cpu") -> tuple[dict, dict]:
     """Choose the repeat head's scale (:mod:`hstu.model.repeat`) among REPEAT_SCALES by
-    validation NDCG@10 (ties: the smaller scale), set it on the model and return
-    {"chosen": s, "valid_NDCG@10": {s: value}}. The test split is never read."""
-    grid = {}
+    validation NDCG@10 (ties: the smaller scale) and set it on the model. Returns
+    ({"chosen": s, "valid_NDCG@10": {s: value}}, the validation metrics at s). The test split
+    is never read."""
+    valid = {}
     for s in REPEAT_SCALES:
         model.repeat.scale.fill_(s)
-        grid[s] = evaluate(model, log_, split, "valid", batch_size=batch_size, device=device)["NDCG@10"]
+        valid[s] = evaluate(model, log_, split, "valid", batch_size=batch_size, device=device)
+    grid = {s: m["NDCG@10"] for s, m in valid.items()}
     best = max(REPEAT_SCALES, key=lambda s: (grid[s], -s))
     model.repeat.scale.fill_(best)
     log.info("repeat scale %g chosen on validation NDCG@10 %s", best, {k: round(v, 4) for k, v in grid.items()})
-    return {"chosen": best, "valid_NDCG@10": {str(k): v for k, v in grid.items()}}
+    return {"chosen": best, "valid_NDCG@10": {str(k): v for k, v in grid.items()}}, valid[best]
 
 
 def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt, gen: torch.Generator, epoch: int,
@@ -141,7 +143,7 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
     for ub in bar:
         b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        if getattr(model, "repeat", None) is not None:
+        if model.repeat is not None:
             loss, n = repeat_aware_loss(out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives,
                                         chunk=tcfg.negatives_chunk, generator=gen)
         else:
@@ -180,7 +182,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     model = build_hstu(mcfg).to(dev.device)
-    if getattr(model, "repeat", None) is not None and not resume:
+    if model.repeat is not None and not resume:
         model.repeat.init_from_prior(repeat_share(log_, split, mcfg.repeat_window, mcfg.max_seq_len), mcfg.num_items)
     opt = torch.optim.AdamW(model.parameters(), lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     gen = torch.Generator(device=dev.device)
@@ -222,12 +224,12 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     if paper:  # report the last epoch, as the published protocol does
         save_weights(run / "model.safetensors", model)
     load_weights(run / "model.safetensors", model, dev.device)
-    calibration = None
-    if getattr(model, "repeat", None) is not None and not paper:
-        calibration = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=dev.device)
+    calibration = valid = None
+    if model.repeat is not None and not paper:
+        calibration, valid = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=dev.device)
         save_weights(run / "model.safetensors", model)
     metrics = {
-        "valid": evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device),
+        "valid": valid or evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device),
         "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=dev.device),
         "epochs": state["epoch"],
         "best_epoch": state["epoch"] if paper else state["best_epoch"],

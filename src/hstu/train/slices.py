@@ -64,11 +64,7 @@ class ModelScorer:
         b = self._batch(log_, users, ends, max_history)
         seq = self.model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         user = self.model.last_rows(seq, b.lengths)  # (B, d)
-        scores = user @ self.model.item_vectors().T / self.model.cfg.temperature  # (B, I+1)
-        rb = self.model.history_bias(user, b.ids, b.actions, b.lengths) if hasattr(self.model, "history_bias") else None
-        if rb is not None:  # repeat-aware models (hstu.model.repeat)
-            scores += rb
-        scores[:, 0] = float("-inf")
+        scores = self.model.history_scores(user, b.ids, b.actions, b.lengths)  # (B, I+1), repeat bias included
         acts = None
         if self.model.action_head is not None:
             acts = (self.model.action_head(user)[:, 1:].argmax(dim=1) + 1).cpu().numpy()

@@ -90,7 +90,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
         rab = pos_w[(rel + (pos_w.shape[0] - 1) // 2).clamp(0, pos_w.shape[0] - 1)]
     if ts_w is not None:
         rab = ts_w[tb] if rab is None else ts_w[tb] + rab
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if s.requires_grad:
         if rab is not None:
             s = s + rab.unsqueeze(-3)  # (B, H, T, S)
         a = (F.silu(s) / n).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)

@@ -96,6 +96,14 @@ def test_bucketed_equals_single_padded_bucket(model, engine):
     close(a.scores, b.scores)
     assert a.bucket.tolist() == [engine.bucket_for(n) for n in LENS]
     assert set(b.bucket.tolist()) == {60}
+    # one forced bucket for every row (a server mixing short histories into a long batch): same results
+    c = engine.generate(ids, ts, L, 4, request_time=rt, bucket=60)
+    assert torch.equal(c.items, a.items) and set(c.bucket.tolist()) == {60}
+    close(c.scores, a.scores)
+    with pytest.raises(ValueError, match="row 8 has 60 events"):
+        engine.generate(ids, ts, L, 4, request_time=rt, bucket=EDGES[-2])
+    with pytest.raises(ValueError, match="not one of the engine's buckets"):
+        engine.generate(ids, ts, L, 4, request_time=rt, bucket=61)
 
 
 @settings(max_examples=12, deadline=None)

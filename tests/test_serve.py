@@ -522,3 +522,52 @@ def test_runner_engine_and_recommender_paths_agree(rec, ratings) -> None:
             np.testing.assert_allclose([i["score"] for i in x], [i["score"] for i in y], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="does not fit bucket 20"):
         BatchRunner(rec, BUCKETS, 16, use_engine="never").run_batch(20, jobs())
+
+
+# ----------------------------------------------------------------------------------------------
+# batch planning and the model process
+# ----------------------------------------------------------------------------------------------
+def test_plan_batch_mixes_buckets_only_when_cheaper() -> None:
+    from hstu.serve.batcher import plan_batch
+
+    # fixed 5 ms everywhere; 0.2 ms per request at 20 events, 2 ms at 200 (the measured shape)
+    costs = {20: (5e-3, 0.2e-3), 50: (5e-3, 0.5e-3), 200: (5e-3, 2e-3)}
+    # 2 short ones ride with the long ones: 2 x 2 ms < 5 + 2 x 0.2 ms
+    assert plan_batch({20: 2, 50: 0, 200: 3}, 200, 16, costs) == (200, {200: 3, 20: 2})
+    # 4 short ones cost 8 ms at 200 vs 5.8 ms alone: they keep their own batch; the oldest (200) runs first
+    assert plan_batch({20: 4, 50: 0, 200: 3}, 200, 16, costs) == (200, {200: 3})
+    # ... unless the oldest request is a short one: its bucket runs (no starvation)
+    assert plan_batch({20: 4, 50: 0, 200: 3}, 20, 16, costs) == (20, {20: 4})
+    # 50s join the 200 batch (1 x 2 < 5 + 0.5), then 20s fill what room is left (2 x 2 < 5.4)
+    assert plan_batch({20: 2, 50: 1, 200: 13}, 20, 16, costs) == (200, {200: 13, 50: 1, 20: 2})
+    assert plan_batch({20: 9, 50: 0, 200: 16}, 200, 16, costs) == (200, {200: 16})  # full: no room
+    assert plan_batch({20: 2, 200: 3}, 200, 16, {}) == (200, {200: 3})  # no costs measured: buckets never mix
+    assert plan_batch({20: 20}, 20, 16, costs) == (20, {20: 16})
+
+
+def test_model_process_answers_like_the_recommender_and_survives_its_death(run_dir, ratings, ref, rec) -> None:
+    """``model_process=True``: batches run in a spawned process that loads the run itself. The
+    answers equal the Recommender called here; a killed model process costs the batch in flight
+    a 503 (model_restart), and the replacement answers the next requests."""
+    import psutil
+
+    users = sorted(ratings.user.unique())[40:46]
+    bodies = [{"history": events(ratings, u, n), "k": 4} for u, n in zip(users, [5, 12, 19, 33, 48, 50])]
+    policy = ServePolicy(model_process=True, threads=1)
+    with LiveServer(create_app(ServeConfig(buckets=BUCKETS, max_wait_ms=20), rec, run_dir=str(run_dir), policy=policy)) as s:
+        svc = s.app.state.service
+        assert svc.model.costs.keys() == set(BUCKETS) and svc.model.backend_name.endswith("(model process)")
+        for body, r in zip(bodies, gather(s.url, "/v1/generate", bodies)):
+            assert r.status_code == 200, r.text
+            want = direct(ref, body["history"], 4)
+            assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
+            np.testing.assert_allclose([i["score"] for i in r.json()["items"]], [i["score"] for i in want], rtol=1e-4, atol=1e-4)
+        worker = psutil.Process(next(iter(svc.model.pool._processes)))  # noqa: SLF001 - the one model process
+        worker.kill()
+        worker.wait(30)
+        r = post(s.url, "/v1/generate", bodies[0])
+        assert r.status_code == 503 and r.json()["error"]["type"] == "model_restart" and int(r.headers["retry-after"]) >= 1
+        r = post(s.url, "/v1/generate", bodies[0])
+        assert r.status_code == 200 and [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in direct(ref, bodies[0]["history"], 4)]
+        assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "model_restart"),))] == 1
+        assert svc.model.restarts == 1

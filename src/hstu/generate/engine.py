@@ -472,7 +472,7 @@ class Engine:
                  top_k: int = 50, temperature: float = 1.0, beam_width: int = 4, seed: int = 0,
                  actions: torch.Tensor | None = None, categories: torch.Tensor | None = None,
                  item_category: torch.Tensor | None = None, user_ids: Sequence[Hashable] | None = None,
-                 use_cache: bool = True) -> EngineResult:
+                 use_cache: bool = True, bucket: int | None = None) -> EngineResult:
         """Next-k items for a batch of histories of any lengths.
 
         Args:
@@ -489,6 +489,10 @@ class Engine:
                 item_category: (I+1,) int64 category of each item, fed with generated items.
             user_ids: B hashable user keys for the prefix cache (ignored when it is off).
             use_cache: False = recompute the grown sequence each step (greedy / topk only).
+            bucket: run every row in this bucket (one of ``edges``; each history must fit, after
+                truncation to the largest edge) instead of each row's smallest: a server that
+                batches short histories with long ones pays one call instead of two. Results are
+                the same either way (padding never changes a live row).
         Returns:
             EngineResult, rows in input order.
         Raises:
@@ -532,7 +536,12 @@ class Engine:
                            truncated=truncated, prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev), warnings=warnings)
         self._gen.manual_seed(seed)
         L_host = lengths.tolist()
-        bucket_of = [self.bucket_for(L) for L in L_host]
+        if bucket is not None:
+            if bucket not in self.edges:
+                raise ValueError(f"bucket={bucket} is not one of the engine's buckets {list(self.edges)}")
+            if max(L_host) > bucket:
+                raise ValueError(f"bucket={bucket}: row {L_host.index(max(L_host))} has {max(L_host)} events")
+        bucket_of = [bucket or self.bucket_for(L) for L in L_host]
         out.bucket = torch.tensor(bucket_of, dtype=torch.int64, device=dev)
         req = dict(ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
                    request_time=request_time, exclude=exclude, item_category=item_category)

@@ -50,6 +50,7 @@ from hstu.serve.metrics import ServeMetrics
 from hstu.serve.popularity import Popularity
 from hstu.serve.runner import BatchRunner, DecodeOptions, Job
 from hstu.serve.schemas import ErrorBody, Event, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+from hstu.serve.worker import LocalModel, ProcessModel, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class ServePolicy:
     max_queue_delay_ms: refuse with 429 when the predicted queueing delay is longer (default 1000).
     use_engine: "auto" | "never" | "require" (see :class:`hstu.serve.runner.BatchRunner`).
     warmup: warm every bucket at start-up (readiness waits for it).
+    model_process: run batches in a model process of their own (:class:`hstu.serve.worker.ProcessModel`,
+        needs ``run_dir``) instead of a thread of this process; ``hstu serve`` does by default.
+    precision, threads: the model process's inference precision and torch threads.
     """
 
     unknown_items: str = "drop"
@@ -79,6 +83,9 @@ class ServePolicy:
     use_engine: str = "auto"
     warmup: bool = True
     device: str = "cpu"
+    model_process: bool = False
+    precision: str | None = None
+    threads: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -165,20 +172,28 @@ class _EdgeMiddleware:
 class Service:
     """Everything one served run needs; lives on ``app.state.service``."""
 
-    def __init__(self, cfg: ServeConfig, rec: Recommender, policy: ServePolicy, popularity: Popularity | None) -> None:
+    def __init__(self, cfg: ServeConfig, rec: Recommender, policy: ServePolicy, popularity: Popularity | None,
+                 run_dir: str | None = None) -> None:
         self.cfg, self.rec, self.policy, self.popularity = cfg, rec, policy, popularity
         self.backend = backends.select(policy.device)
-        self.runner = BatchRunner(rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine)
+        if policy.model_process:
+            if run_dir is None:
+                raise ValueError("ServePolicy.model_process needs run_dir (the model process loads the run itself)")
+            self.model = ProcessModel(WorkerSpec(str(run_dir), policy.device, policy.precision, tuple(cfg.buckets), cfg.max_batch,
+                                                 policy.use_engine, policy.threads, cfg.memory_threshold))
+        else:
+            runner = BatchRunner(rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine)
+            guard = MemoryGuard(self.backend, min_free_ratio=cfg.memory_threshold, action=lambda info, g: self._release(runner))
+            self.model = LocalModel(runner, guard)
         kinds = ("host",) if self.backend.name == "cpu" else ("device", "host")
-        self.metrics = ServeMetrics(self.runner.buckets, kinds)
-        self.guard = MemoryGuard(self.backend, min_free_ratio=cfg.memory_threshold, action=self._release)
+        self.metrics = ServeMetrics(self.model.buckets, kinds)
         self.dense = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}  # original id -> dense id
-        self.max_bucket = self.runner.buckets[-1]
+        self.max_bucket = self.model.buckets[-1]
         self.batcher: MicroBatcher | None = None
         self.warm_task: asyncio.Task | None = None
 
-    def _release(self, info, guard) -> None:
-        self.runner.release_caches()
+    def _release(self, runner: BatchRunner) -> None:
+        runner.release_caches()
         self.backend.empty_cache()
 
     def update_memory(self) -> None:
@@ -243,21 +258,21 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
         recommender = Recommender.from_run(run_dir, policy.device)
     if not 0.0 <= cfg.memory_threshold <= 1.0:
         raise ValueError(f"memory_threshold must be in [0, 1], got {cfg.memory_threshold}")
-    svc = Service(cfg, recommender, policy, popularity if policy.cold_start == "popular" else None)
+    svc = Service(cfg, recommender, policy, popularity if policy.cold_start == "popular" else None, run_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc.batcher = MicroBatcher(svc.runner, svc.metrics, svc.guard, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms,
+        svc.batcher = MicroBatcher(svc.model, svc.metrics, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms,
                                    max_queue=cfg.max_queue, request_timeout_s=cfg.request_timeout_s,
                                    max_queue_delay_s=policy.max_queue_delay_ms / 1000.0)
         svc.batcher.start()
         if policy.warmup:
             svc.warm_task = asyncio.get_running_loop().create_task(svc.batcher.warmup())
         else:
-            svc.runner.warm.update(svc.runner.buckets)
+            svc.model.warm.update(svc.model.buckets)
             svc.metrics.ready.set(1)
         log.info("serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s", policy.device,
-                 recommender.model.cfg.num_items, svc.runner.buckets, cfg.max_batch, cfg.max_wait_ms, svc.runner.backend_name)
+                 recommender.model.cfg.num_items, svc.model.buckets, cfg.max_batch, cfg.max_wait_ms, svc.model.backend_name)
         try:
             yield
         finally:
@@ -313,8 +328,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     @app.get("/readyz", summary="model loaded and every bucket warm", responses={503: {"description": "not ready (reason given)"}})
     async def readyz():
         b = svc.batcher
-        warm = {str(e): e in svc.runner.warm for e in svc.runner.buckets}
-        body = {"buckets": warm, "generation": svc.runner.backend_name, "cold_start": svc.popularity is not None}
+        warm = {str(e): e in svc.model.warm for e in svc.model.buckets}
+        body = {"buckets": warm, "generation": svc.model.backend_name, "cold_start": svc.popularity is not None}
         if b is None:
             return JSONResponse({"status": "starting", **body}, status_code=503)
         if b.ready:
@@ -330,8 +345,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
 
     # ----- model endpoints -----
     def check_k(k: int) -> None:
-        if k > svc.runner.max_k:
-            raise ApiError(422, "validation_error", f"k: must be in 1..{svc.runner.max_k} (the model's max_output_len), got {k}", "k")
+        if k > svc.model.max_k:
+            raise ApiError(422, "validation_error", f"k: must be in 1..{svc.model.max_k} (the model's max_output_len), got {k}", "k")
 
     def since(request: Request) -> float:
         return time.perf_counter() - request.scope.get("hstu_t0", time.perf_counter())
@@ -347,11 +362,11 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
             items, bucket, n, cold = svc.cold_start(req.k, req.exclude), None, 0, True
         else:
             d = req.decoding
-            if d is not None and d.strategy == "beam" and svc.runner.engine is not None and d.beam_width > cfg.max_batch:
+            if d is not None and d.strategy == "beam" and svc.model.has_engine and d.beam_width > cfg.max_batch:
                 raise ApiError(422, "validation_error", f"decoding.beam_width: at most the server's max batch {cfg.max_batch}, "
                                f"got {d.beam_width}", "decoding.beam_width")
             dec = DecodeOptions(d.strategy, d.top_k, d.temperature, d.beam_width, d.seed) if d else DecodeOptions()
-            bucket = svc.runner.bucket_for(len(prep.ids))
+            bucket = svc.model.bucket_for(len(prep.ids))
             items = await svc.batcher.submit(bucket, Job("generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history))
             n, cold = len(prep.ids), False
         dt = since(request)
@@ -383,7 +398,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
                            "scoring needs at least one known event (cold start is offered by /v1/generate only)", "history")
         if missing:
             warnings.append(f"unknown candidate id(s) at {missing[:20]}{'...' if len(missing) > 20 else ''}: score null")
-        bucket = svc.runner.bucket_for(len(prep.ids))
+        bucket = svc.model.bucket_for(len(prep.ids))
         result = await svc.batcher.submit(bucket, Job("score", prep, candidates=dense))
         dt = since(request)
         svc.metrics.request_duration.labels(endpoint="/v1/score", bucket=str(bucket)).observe(dt)

@@ -1,12 +1,23 @@
-"""Micro-batcher: one bounded queue per length bucket, batches closed by size or deadline,
-executed one at a time on a single model thread.
+"""Micro-batcher: one bounded queue per length bucket, one dispatcher, one batch at a time.
 
 Per bucket (edge E), requests whose history has <= E events (and > the previous edge) wait in
-that bucket's queue. A collector task closes a batch when ``max_batch`` requests wait or when the
-oldest one has waited ``max_wait_ms``, whichever comes first (LitServe's batching loop habit:
-fill to size or deadline), and hands it to the model thread (a one-worker thread pool, since
-one process drives one device; torch releases the GIL while it computes, so the event loop keeps
-parsing requests meanwhile). While a batch runs, the next one fills.
+that bucket's queue. A single dispatcher forms batches for the model executor
+(:mod:`hstu.serve.worker`: a model thread of this process, or a model process), which runs one
+batch at a time since one process drives one device:
+
+1. Window: the oldest waiting request may wait up to ``max_wait_ms`` for companions, unless
+   ``max_batch`` requests already wait (LitServe's fill-to-size-or-deadline habit). While a
+   batch runs, the next one fills, so under load batches grow by themselves (vLLM-style: the
+   scheduler takes what has arrived whenever the executor is free).
+2. Plan (:func:`plan_batch`): the batch runs at one bucket's static shape. It starts from the
+   largest bucket with waiting requests and takes in the smaller buckets' requests, oldest
+   first, while that costs less than running them as a batch of their own, by the cost line
+   (fixed + per request) that warm-up measured per bucket; if the oldest request of all would
+   not be in that batch, its own bucket's batch runs instead (no starvation). Without costs
+   (warm-up off) buckets never mix. Measured on the 2-core box (small ML-1M model, next-5): a
+   call costs ~5 ms fixed at any bucket, ~0.2 ms per request at 20 events and ~2 ms at 200, so
+   a few short requests ride along with long ones nearly free, while 16 short ones keep their
+   own batch.
 
 Backpressure: a request is refused at once, never queued, when its bucket already holds
 ``max_queue`` waiting requests, or when the predicted wait (requests ahead / ``max_batch`` batches
@@ -17,7 +28,7 @@ memory (device, or host on CPU): below the threshold it releases caches; if memo
 the whole batch is shed with 503 (reason "memory") and the process keeps running.
 
 Shutdown: :meth:`MicroBatcher.drain` refuses new requests (503 "draining"), lets the queued
-ones finish, then stops the collectors and the model thread.
+ones finish, then stops the dispatcher and the model executor.
 """
 
 from __future__ import annotations
@@ -27,13 +38,11 @@ import logging
 import math
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-from hstu.backend.memory_guard import MemoryGuard
 from hstu.serve.metrics import ServeMetrics
-from hstu.serve.runner import BatchRunner, Job
+from hstu.serve.runner import Job
+from hstu.serve.worker import BatchOutcome, LocalModel, ModelRestart, ProcessModel
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +59,46 @@ class Rejected(Exception):
         self.status, self.reason, self.message, self.retry_after = status, reason, message, max(1, int(retry_after))
 
 
-@dataclass
-class _Bucket:
-    edge: int
-    queue: deque
-    event: asyncio.Event
-    task: asyncio.Task | None = None
+def plan_batch(waiting: dict[int, int], oldest: int, max_batch: int, costs: dict[int, tuple[float, float]]) -> tuple[int, dict[int, int]]:
+    """Which waiting requests form the next batch, and at which bucket it runs.
+
+    Args:
+        waiting: bucket edge -> requests waiting there (> 0 for at least one edge).
+        oldest: the edge of the bucket holding the oldest waiting request.
+        max_batch: the most requests in one batch.
+        costs: edge -> (fixed s, s per request) of a batch at that edge; an edge missing here
+            never takes in other buckets' requests.
+    Returns:
+        (edge the batch runs at, {edge: how many of its oldest requests to take}).
+    """
+    def take_into(edge: int) -> dict[int, int]:
+        take = {edge: min(max_batch, waiting[edge])}
+        room = max_batch - take[edge]
+        if edge not in costs:
+            return take
+        per_row = costs[edge][1]
+        for e in sorted((e for e in waiting if e < edge and waiting[e]), reverse=True):
+            n = min(room, waiting[e])
+            fixed_e, per_row_e = costs.get(e, (0.0, 0.0))
+            if n and per_row * n < fixed_e + per_row_e * n:  # riding along is cheaper than a batch of their own
+                take[e] = n
+                room -= n
+        return take
+
+    top = max(e for e, n in waiting.items() if n)
+    plan = take_into(top)
+    if oldest in plan:
+        return top, plan
+    return oldest, take_into(oldest)
 
 
 class MicroBatcher:
-    """Queues, collectors and the model thread for one :class:`BatchRunner`.
+    """Queues and collectors in front of one model executor.
 
     Args:
-        runner: executes a batch (``run_batch``) and warms buckets (``warmup``).
+        model: a :class:`~hstu.serve.worker.LocalModel` or :class:`~hstu.serve.worker.ProcessModel`
+            (runs a batch with its memory guard, warms buckets).
         metrics: where queue depth, batch size / duration and rejections are recorded.
-        guard: memory guard checked before each batch (``None`` disables the check).
         max_batch: requests per batch (>= 1). max_wait_ms: deadline from the oldest request (>= 0).
         max_queue: waiting requests per bucket before 429 (>= 1).
         request_timeout_s: time a request may wait for its result before 503 (> 0).
@@ -77,7 +111,7 @@ class MicroBatcher:
     Create and use it inside a running event loop (the app's lifespan does).
     """
 
-    def __init__(self, runner: BatchRunner, metrics: ServeMetrics, guard: MemoryGuard | None, *, max_batch: int, max_wait_ms: float,
+    def __init__(self, model: LocalModel | ProcessModel, metrics: ServeMetrics, *, max_batch: int, max_wait_ms: float,
                  max_queue: int, request_timeout_s: float, max_queue_delay_s: float | None = None) -> None:
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1)):
             if int(value) < low:
@@ -88,12 +122,13 @@ class MicroBatcher:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
         if max_queue_delay_s is not None and max_queue_delay_s <= 0:
             raise ValueError(f"max_queue_delay_s must be > 0, got {max_queue_delay_s!r}")
-        self.runner, self.metrics, self.guard = runner, metrics, guard
+        self.model, self.metrics = model, metrics
         self.max_batch, self.max_wait = int(max_batch), float(max_wait_ms) / 1000.0
         self.max_queue, self.timeout = int(max_queue), float(request_timeout_s)
         self.max_delay = float(max_queue_delay_s) if max_queue_delay_s is not None else self.timeout
-        self.buckets = {e: _Bucket(e, deque(), asyncio.Event()) for e in runner.buckets}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
+        self.queues: dict[int, deque] = {e: deque() for e in model.buckets}
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
         self.draining = False
         self.in_flight = 0  # submitted and not yet answered
         self.executing = 0  # batches on the model thread
@@ -102,15 +137,13 @@ class MicroBatcher:
 
     # ----- lifecycle -----
     def start(self) -> None:
-        for b in self.buckets.values():
-            b.task = asyncio.get_running_loop().create_task(self._collect(b), name=f"hstu-batcher-{b.edge}")
+        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="hstu-batcher")
 
     async def warmup(self) -> None:
-        """Warm every bucket on the model thread (smallest first); sets the readiness metrics."""
-        loop = asyncio.get_running_loop()
-        for edge in self.runner.buckets:
+        """Warm every bucket on the model executor (smallest first); sets the readiness metrics."""
+        for edge in self.model.buckets:
             try:
-                secs = await loop.run_in_executor(self.pool, self.runner.warmup, edge)
+                secs = await self.model.warmup(edge)
             except Exception as exc:  # noqa: BLE001 - the process stays up and /readyz says why
                 self.warmup_error = f"bucket {edge}: {exc}"
                 log.exception("warm-up of bucket %d failed", edge)
@@ -121,10 +154,10 @@ class MicroBatcher:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and self.warmup_error is None and all(e in self.runner.warm for e in self.buckets)
+        return not self.draining and self.warmup_error is None and all(e in self.model.warm for e in self.queues)
 
     def depth(self) -> int:
-        return sum(len(b.queue) for b in self.buckets.values())
+        return sum(len(q) for q in self.queues.values())
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests, wait up to ``timeout_s`` for queued and running ones, then stop.
@@ -135,16 +168,13 @@ class MicroBatcher:
         while (self.in_flight or self.executing) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         done = not (self.in_flight or self.executing)
-        for b in self.buckets.values():
-            if b.task is not None:
-                b.task.cancel()
-        for b in self.buckets.values():
-            if b.task is not None:
-                try:
-                    await b.task
-                except asyncio.CancelledError:
-                    pass
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self.model.close()
         if not done:
             log.warning("shutdown: %d request(s) still in flight after %.1f s", self.in_flight, timeout_s)
         return done
@@ -165,19 +195,19 @@ class MicroBatcher:
         if self.draining:
             self.metrics.reject("draining")
             raise Rejected(503, "draining", "the server is shutting down", 1)
-        b = self.buckets[bucket]
+        q = self.queues[bucket]
         predicted = (self.depth() / self.max_batch + 1) * self.batch_time_s
-        if len(b.queue) >= self.max_queue or predicted > self.max_delay:
+        if len(q) >= self.max_queue or predicted > self.max_delay:
             self.metrics.reject("queue_full")
-            why = (f"bucket {bucket} queue is full ({len(b.queue)} waiting)" if len(b.queue) >= self.max_queue
+            why = (f"bucket {bucket} queue is full ({len(q)} waiting)" if len(q) >= self.max_queue
                    else f"predicted queueing delay {predicted:.2f} s exceeds {self.max_delay:g} s")
             raise Rejected(429, "queue_full", f"overloaded: {why}; retry later", self.retry_after())
         loop = asyncio.get_running_loop()
         job.future = loop.create_future()
         job.enqueued_at = loop.time()
-        b.queue.append(job)
-        self.metrics.queue_depth.labels(bucket=str(bucket)).set(len(b.queue))
-        b.event.set()
+        q.append(job)
+        self.metrics.queue_depth.labels(bucket=str(bucket)).set(len(q))
+        self._arrived.set()
         self.in_flight += 1
         try:
             return await asyncio.wait_for(asyncio.shield(job.future), self.timeout)
@@ -189,34 +219,41 @@ class MicroBatcher:
             self.in_flight -= 1
 
     # ----- collector and execution -----
-    async def _collect(self, b: _Bucket) -> None:
+    async def _dispatch(self) -> None:
+        """Form and run batches, one at a time, for as long as the service runs."""
         loop = asyncio.get_running_loop()
-        gauge = self.metrics.queue_depth.labels(bucket=str(b.edge))
         while True:
-            while not b.queue:
-                b.event.clear()
-                await b.event.wait()
-            deadline = b.queue[0].enqueued_at + self.max_wait
-            while len(b.queue) < self.max_batch:
+            while not self.depth():
+                self._arrived.clear()
+                await self._arrived.wait()
+            deadline = min(q[0].enqueued_at for q in self.queues.values() if q) + self.max_wait
+            while self.depth() < self.max_batch:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
-                b.event.clear()
+                self._arrived.clear()
                 try:
-                    await asyncio.wait_for(b.event.wait(), remaining)
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            batch = [b.queue.popleft() for _ in range(min(self.max_batch, len(b.queue)))]
-            gauge.set(len(b.queue))
+            oldest = min((e for e, q in self.queues.items() if q), key=lambda e: self.queues[e][0].enqueued_at)
+            edge, take = plan_batch({e: len(q) for e, q in self.queues.items()}, oldest, self.max_batch, self.model.costs)
+            batch = []
+            for e, n in take.items():
+                batch += [self.queues[e].popleft() for _ in range(n)]
+                self.metrics.queue_depth.labels(bucket=str(e)).set(len(self.queues[e]))
             live = [j for j in batch if not j.expired and not j.future.done()]
             if live:
-                await self._execute(b.edge, live)
+                await self._execute(edge, live)
 
     async def _execute(self, edge: int, batch: list[Job]) -> None:
-        loop = asyncio.get_running_loop()
         self.executing += 1
         try:
-            results = await loop.run_in_executor(self.pool, self._run, edge, batch)
+            results = self._record(edge, batch, await self.model.run(edge, batch))
+        except ModelRestart as exc:
+            for _ in batch:
+                self.metrics.reject("model_restart")
+            results = [Rejected(503, "model_restart", str(exc), 1)] * len(batch)
         except Rejected as exc:
             results = [exc] * len(batch)
         except Exception as exc:  # noqa: BLE001 - reported to every request of the batch
@@ -232,26 +269,20 @@ class MicroBatcher:
             else:
                 job.future.set_result(res)
 
-    def _run(self, edge: int, batch: list[Job]) -> list[Any]:
-        """On the model thread: memory guard, then the runner; records batch metrics."""
-        if self.guard is not None:
-            res = self.guard.check()
-            if res is not None:
-                self.metrics.set_memory(self.metrics.memory_kinds[0], res.free_after, res.total)
-                if res.triggered:
-                    self.metrics.guard_triggers.inc()
-                    if not res.recovered:
-                        for _ in batch:
-                            self.metrics.reject("memory")
-                        raise Rejected(503, "memory", f"free memory {res.free_after} B is below the guard threshold {res.threshold} B; "
-                                       "load shed", max(1, math.ceil(self.batch_time_s * 10)))
-        t0 = time.perf_counter()
-        out = self.runner.run_batch(edge, batch)
-        dt = time.perf_counter() - t0
-        self.batch_time_s = 0.8 * self.batch_time_s + 0.2 * dt
+    def _record(self, edge: int, batch: list[Job], out: BatchOutcome) -> list[Any]:
+        """Metrics of a finished batch; raises Rejected (503 "memory") when the guard shed it."""
+        if out.memory is not None:
+            self.metrics.set_memory(self.metrics.memory_kinds[0], *out.memory)
+        if out.triggered:
+            self.metrics.guard_triggers.inc()
+        if out.shed is not None:
+            for _ in batch:
+                self.metrics.reject("memory")
+            raise Rejected(503, "memory", out.shed, max(1, math.ceil(self.batch_time_s * 10)))
+        self.batch_time_s = 0.8 * self.batch_time_s + 0.2 * out.seconds
         self.metrics.batch_size.labels(bucket=str(edge)).observe(len(batch))
-        self.metrics.batch_duration.labels(bucket=str(edge)).observe(dt)
-        return out
+        self.metrics.batch_duration.labels(bucket=str(edge)).observe(out.seconds)
+        return out.results
 
 
 __all__ = ["MicroBatcher", "Rejected"]

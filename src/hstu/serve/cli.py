@@ -74,17 +74,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
-    if args.threads:
+    if args.model_process:
+        torch.set_num_threads(1)  # this process only parses requests; the model process uses --threads
+    elif args.threads:
         torch.set_num_threads(args.threads)
     run = Path(args.run)
-    rec = Recommender.from_run(run, args.device, args.precision)
+    # with a model process, this process only maps ids and formats answers: its copy stays on the host
+    rec = Recommender.from_run(run, "cpu", None) if args.model_process else Recommender.from_run(run, args.device, args.precision)
     explicit = parse_buckets(args.buckets) if args.buckets else (list(cfg.buckets) if args.config else None)
     cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
     policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
                          max_body_bytes=parse_bytes(args.max_body_bytes, field="--max-body-bytes"), max_candidates=args.max_candidates,
-                         cold_start=args.cold_start, max_queue_delay_ms=args.max_queue_delay_ms, use_engine=args.engine, device=args.device)
+                         cold_start=args.cold_start, max_queue_delay_ms=args.max_queue_delay_ms, use_engine=args.engine, device=args.device,
+                         model_process=args.model_process, precision=args.precision, threads=args.threads)
     popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
-    app = create_app(cfg, rec, policy=policy, popularity=popularity)
+    app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(), access_log=args.access_log,
@@ -130,7 +134,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--engine", default="auto", choices=["auto", "never", "require"],
                    help="generate through hstu.generate.engine when available (auto), never, or fail without it")
     s.add_argument("--limit-concurrency", type=int, help="uvicorn: most concurrent connections before plain 503s")
-    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.add_argument("--threads", type=int, help="torch intra-op threads (of the model process)")
+    s.add_argument("--model-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run batches in a model process of their own, in parallel with the HTTP event loop (default: on)")
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument("--config", help="TOML/JSON with a [serve] table (flags override it)")
     s.set_defaults(func=cmd_serve)

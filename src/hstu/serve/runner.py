@@ -113,6 +113,7 @@ class BatchRunner:
         self.engine = self._make_engine(use_engine)
         self.backend_name = "engine" if self.engine is not None else "recommender"
         self.warm: set[int] = set()
+        self.costs: dict[int, tuple[float, float]] = {}  # bucket -> (fixed s, s per request), from warm-up
 
     # ----- backend choice -----
     def _make_engine(self, use_engine: str):
@@ -252,8 +253,25 @@ class BatchRunner:
             err = next((r for r in res if isinstance(r, Exception)), None)
             if err is not None:
                 raise RuntimeError(f"warm-up of bucket {bucket} failed: {err}") from err
+        self.costs[bucket] = self._measure_cost(bucket)
         self.warm.add(bucket)
         return time.perf_counter() - t0
+
+    def _measure_cost(self, bucket: int, k: int = 5) -> tuple[float, float]:
+        """(fixed s, s per request) of a greedy next-``k`` batch at this bucket: the best of two
+        timed runs at 1 and at ``max_batch`` full-length histories, a line through the two."""
+        k = min(k, self.max_k)
+        times = {}
+        for n in sorted({1, self.max_batch}):
+            jobs = [Job("generate", j.prepared, k=k) for j in self.synthetic_jobs(bucket, n)[:n]]
+            best = float("inf")
+            for _ in range(2):
+                t = time.perf_counter()
+                self.run_batch(bucket, jobs)
+                best = min(best, time.perf_counter() - t)
+            times[n] = best
+        per_row = max(0.0, (times[self.max_batch] - times[1]) / (self.max_batch - 1)) if self.max_batch > 1 else 0.0
+        return max(0.0, times[1] - per_row), per_row
 
     def release_caches(self) -> None:
         """Drop what can be rebuilt (the engine's user-prefix cache, Python garbage; the engine's
@@ -285,7 +303,7 @@ class _EngineAdapter:
                               device=rec.device)  # (B, I+1)
         res = self.engine.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
                                    strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=rec.item_category,
-                                   **kw)
+                                   bucket=bucket, **kw)
         items, scores = res.items.cpu().tolist(), res.scores.cpu().tolist()
         acts = res.actions.cpu().tolist() if res.actions is not None else None
         return [[rec.describe(items[i][j], scores[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(B)]

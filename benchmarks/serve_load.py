@@ -206,6 +206,7 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
         cmd += ["--buckets", args.buckets]
     if args.precision:
         cmd += ["--precision", args.precision]
+    cmd += ["--model-workers", str(args.model_workers)] if args.model_workers else ["--no-model-process"]
     cpus = None
     ncpu = os.cpu_count() or 1
     if args.server_cpus:
@@ -305,7 +306,9 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--buckets", help="server buckets (default: the server's)")
-    p.add_argument("--threads", type=int, default=2, help="server torch threads")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each model process (default 1)")
+    p.add_argument("--model-workers", type=int, default=1,
+                   help="server model processes (hstu serve --model-workers); 0 = the model on a thread of the HTTP process")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"], help="server inference precision (hstu serve --precision)")
     p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
     p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
@@ -363,7 +366,7 @@ def main(argv=None) -> int:
         "server_exit_code_after_sigterm": rc,
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
         "settings": {"k": args.k, "history": args.history, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
-                     "server_threads": args.threads, "server_cpus": cpus, "step_s": args.step_s, "overload_s": args.overload_s},
+                     "server_threads": args.threads, "model_workers": args.model_workers, "server_cpus": cpus, "step_s": args.step_s, "overload_s": args.overload_s},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "wall_s": round(time.monotonic() - t0, 1),

@@ -28,6 +28,7 @@ popular training items (:mod:`hstu.serve.popularity`), marked ``"cold_start": tr
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -72,6 +73,7 @@ class ServePolicy:
     model_process: run batches in a model process of their own (:class:`hstu.serve.worker.ProcessModel`,
         needs ``run_dir``) instead of a thread of this process; ``hstu serve`` does by default.
     precision, threads: the model process's inference precision and torch threads.
+    model_workers: model processes (each with its own copy of the model, one batch each at a time).
     """
 
     unknown_items: str = "drop"
@@ -86,6 +88,7 @@ class ServePolicy:
     model_process: bool = False
     precision: str | None = None
     threads: int | None = None
+    model_workers: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -180,7 +183,7 @@ class Service:
             if run_dir is None:
                 raise ValueError("ServePolicy.model_process needs run_dir (the model process loads the run itself)")
             self.model = ProcessModel(WorkerSpec(str(run_dir), policy.device, policy.precision, tuple(cfg.buckets), cfg.max_batch,
-                                                 policy.use_engine, policy.threads, cfg.memory_threshold))
+                                                 policy.use_engine, policy.threads, cfg.memory_threshold, policy.model_workers))
         else:
             runner = BatchRunner(rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine)
             guard = MemoryGuard(self.backend, min_free_ratio=cfg.memory_threshold, action=lambda info, g: self._release(runner))
@@ -262,6 +265,12 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Everything loaded so far (model, id maps, modules) lives as long as the process: move it out
+        # of the collector's reach (gc.freeze), so that a full collection scans only per-request
+        # garbage. Measured: without it, full collections stalled the event loop for 200-300 ms every
+        # few seconds under load (P99 344 ms at 150 QPS; 77 ms with collections off).
+        gc.collect()
+        gc.freeze()
         svc.batcher = MicroBatcher(svc.model, svc.metrics, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms,
                                    max_queue=cfg.max_queue, request_timeout_s=cfg.request_timeout_s,
                                    max_queue_delay_s=policy.max_queue_delay_ms / 1000.0)

@@ -137,6 +137,8 @@ class MicroBatcher:
 
     # ----- lifecycle -----
     def start(self) -> None:
+        self._slots = asyncio.Semaphore(getattr(self.model, "slots", 1))  # batches in flight: one per model worker
+        self._running: set[asyncio.Task] = set()
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="hstu-batcher")
 
     async def warmup(self) -> None:
@@ -220,9 +222,10 @@ class MicroBatcher:
 
     # ----- collector and execution -----
     async def _dispatch(self) -> None:
-        """Form and run batches, one at a time, for as long as the service runs."""
+        """Form batches whenever a model worker is free, for as long as the service runs."""
         loop = asyncio.get_running_loop()
         while True:
+            await self._slots.acquire()
             while not self.depth():
                 self._arrived.clear()
                 await self._arrived.wait()
@@ -243,11 +246,16 @@ class MicroBatcher:
                 batch += [self.queues[e].popleft() for _ in range(n)]
                 self.metrics.queue_depth.labels(bucket=str(e)).set(len(self.queues[e]))
             live = [j for j in batch if not j.expired and not j.future.done()]
-            if live:
-                await self._execute(edge, live)
+            if not live:
+                self._slots.release()
+                continue
+            self.executing += 1  # counted from now, so that drain never sees a formed batch as done
+            task = loop.create_task(self._execute(edge, live))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            task.add_done_callback(lambda _: self._slots.release())
 
     async def _execute(self, edge: int, batch: list[Job]) -> None:
-        self.executing += 1
         try:
             results = self._record(edge, batch, await self.model.run(edge, batch))
         except ModelRestart as exc:

@@ -48,11 +48,14 @@ def fit_buckets(edges: list[int] | None, max_seq_len: int) -> list[int]:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket bound to (host, port); port 0 picks a free one."""
+    """A listening TCP socket bound to (host, port); port 0 picks a free one. It listens at once,
+    so that connections made after the "listening on" line wait in the backlog while the app
+    starts instead of being refused."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(addr)
+    sock.listen(2048)
     return sock
 
 
@@ -86,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
                          max_body_bytes=parse_bytes(args.max_body_bytes, field="--max-body-bytes"), max_candidates=args.max_candidates,
                          cold_start=args.cold_start, max_queue_delay_ms=args.max_queue_delay_ms, use_engine=args.engine, device=args.device,
-                         model_process=args.model_process, precision=args.precision, threads=args.threads)
+                         model_process=args.model_process, precision=args.precision, threads=args.threads,
+                         model_workers=args.model_workers)
     popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
     app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
     sock = bind(cfg.host, cfg.port)
@@ -137,6 +141,9 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--threads", type=int, help="torch intra-op threads (of the model process)")
     s.add_argument("--model-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run batches in a model process of their own, in parallel with the HTTP event loop (default: on)")
+    s.add_argument("--model-workers", type=int, default=1,
+                   help="model processes, each with a copy of the model and one batch in flight (default 1; CPU serving "
+                        "with spare cores gains from 2)")
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument("--config", help="TOML/JSON with a [serve] table (flags override it)")
     s.set_defaults(func=cmd_serve)

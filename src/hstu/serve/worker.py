@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -75,7 +77,8 @@ class WorkerSpec:
 
     run_dir, device, precision: as ``Recommender.from_run``. buckets, max_batch, use_engine: as
     :class:`BatchRunner`. threads: torch intra-op threads in the worker (None: torch's default).
-    memory_threshold: the guard's minimum free fraction.
+    memory_threshold: the guard's minimum free fraction. workers: model processes (each loads
+    the run and runs one batch at a time; more than one only where memory allows a copy each).
     """
 
     run_dir: str
@@ -86,6 +89,7 @@ class WorkerSpec:
     use_engine: str = "auto"
     threads: int | None = None
     memory_threshold: float = 0.10
+    workers: int = 1
 
 
 class LocalModel:
@@ -96,6 +100,7 @@ class LocalModel:
         self.buckets, self.max_k = list(runner.buckets), runner.max_k
         self.has_engine, self.backend_name = runner.engine is not None, runner.backend_name
         self.warm, self.costs = runner.warm, runner.costs
+        self.slots = 1
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
 
     def bucket_for(self, length: int) -> int:
@@ -123,8 +128,9 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     from hstu import backend as backends
     from hstu.generate.recommend import Recommender
 
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    threads = spec.threads or (max(1, (os.cpu_count() or 1) // spec.workers) if spec.workers > 1 else None)
+    if threads:  # several model processes share the cores instead of each taking all of them
+        torch.set_num_threads(threads)
     rec = Recommender.from_run(spec.run_dir, spec.device, spec.precision)
     runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine)
     bk = backends.select(spec.device)
@@ -136,6 +142,8 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     _WORKER.update(runner=runner, guard=MemoryGuard(bk, min_free_ratio=spec.memory_threshold, action=release))
     for edge in warm:
         runner.warmup(edge)
+    gc.collect()
+    gc.freeze()  # the loaded model never becomes garbage: keep it out of full collections (app.py)
 
 
 def _worker_info() -> dict:
@@ -153,18 +161,30 @@ def _worker_warmup(edge: int) -> tuple[float, tuple[float, float]]:
 
 
 class ProcessModel:
-    """Batches in a model process of their own (module docstring). Blocks until the process has
-    loaded the run (raises what loading raised: FileNotFoundError, ValueError, ...)."""
+    """Batches in ``spec.workers`` model processes of their own (module docstring), one batch
+    each at a time. Blocks until every process has loaded the run (raises what loading raised:
+    FileNotFoundError, ValueError, ...)."""
 
     def __init__(self, spec: WorkerSpec, start_timeout_s: float = 300.0) -> None:
+        if spec.workers < 1:
+            raise ValueError(f"WorkerSpec.workers must be >= 1, got {spec.workers}")
         self.spec, self.start_timeout_s = spec, start_timeout_s
+        self.slots = spec.workers
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}
         self.restarts = 0
-        self.pool = self._spawn(())
-        info = self.pool.submit(_worker_info).result(timeout=start_timeout_s)
+        self.pools = [self._spawn(()) for _ in range(spec.workers)]
+        infos = [p.submit(_worker_info) for p in self.pools]
+        info = [f.result(timeout=start_timeout_s) for f in infos][0]  # noqa: RUF015 - waits for every process
         self.buckets, self.max_k = info["buckets"], info["max_k"]
-        self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + " (model process)"
+        suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"
+        self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix
+        self._free: asyncio.Queue | None = None  # indices of idle pools, made in the running loop
+
+    @property
+    def pool(self) -> ProcessPoolExecutor:
+        """The first model process's executor (tests reach its process through it)."""
+        return self.pools[0]
 
     def _spawn(self, warm: tuple[int, ...]) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("spawn")  # never fork a process whose torch has started threads
@@ -177,27 +197,38 @@ class ProcessModel:
         raise ValueError(f"history length {length} exceeds the largest bucket {self.buckets[-1]}")
 
     async def run(self, edge: int, jobs: list[Job]) -> BatchOutcome:
-        """Run a batch in the model process. Raises ModelRestart (503) when the process died."""
+        """Run a batch on an idle model process (waits for one). Raises ModelRestart (503) when
+        the process died."""
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for i in range(len(self.pools)):
+                self._free.put_nowait(i)
+        i = await self._free.get()
         sent = [dataclasses.replace(j, future=None) for j in jobs]  # the asyncio future stays here
         try:
-            return await asyncio.wrap_future(self.pool.submit(_worker_execute, edge, sent))
+            return await asyncio.wrap_future(self.pools[i].submit(_worker_execute, edge, sent))
         except BrokenProcessPool:
-            self._restart()
+            self._restart(i)
             raise ModelRestart(f"the model process stopped while running a batch of {len(jobs)}; restarted it, retry") from None
+        finally:
+            self._free.put_nowait(i)
 
-    def _restart(self) -> None:
-        log.error("model process died; starting a new one (restart %d)", self.restarts + 1)
+    def _restart(self, i: int) -> None:
+        log.error("model process %d died; starting a new one (restart %d)", i, self.restarts + 1)
         self.restarts += 1
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.pool = self._spawn(tuple(sorted(self.warm)))  # the new worker warms before its first batch
+        self.pools[i].shutdown(wait=False, cancel_futures=True)
+        self.pools[i] = self._spawn(tuple(sorted(self.warm)))  # the new worker warms before its first batch
 
     async def warmup(self, edge: int) -> float:
-        secs, self.costs[edge] = await asyncio.wrap_future(self.pool.submit(_worker_warmup, edge))
+        """Warm ``edge`` in every model process (seconds of the slowest); costs from the first."""
+        res = await asyncio.gather(*(asyncio.wrap_future(p.submit(_worker_warmup, edge)) for p in self.pools))
+        self.costs[edge] = res[0][1]
         self.warm.add(edge)
-        return secs
+        return max(r[0] for r in res)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        for p in self.pools:
+            p.shutdown(wait=True, cancel_futures=True)
 
 
 class ModelRestart(RuntimeError):

@@ -295,7 +295,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="run directory to serve (small preset trained on ML-1M)")
     p.add_argument("--url", help="use a running server instead of starting one")
-    p.add_argument("--data-dir", default=str(REPO.parent / "shared" / "data" / "ml-1m"), help="MovieLens-1M directory (ratings.dat)")
+    p.add_argument("--data-dir", help="MovieLens-1M directory (ratings.dat); default: the run's training data, else "
+                   "$HSTU_DATA_DIR, else ../shared/data/ml-1m beside the repository")
     p.add_argument("--quick", action="store_true", help="short steps; the whole run stays within ~90 s")
     p.add_argument("--steps", help="offered loads in requests/s, comma-separated (default by mode)")
     p.add_argument("--step-s", type=float, help="seconds per step (default 3 quick, 10 full)")
@@ -332,9 +333,22 @@ def parse_args(argv=None):
     return args
 
 
+def default_data_dir(run: str | None) -> Path:
+    """The run's own training data (config.json ``data.data_dir``) when it holds ratings.dat,
+    else $HSTU_DATA_DIR, else ../shared/data/ml-1m beside the repository."""
+    if run and (Path(run) / "config.json").exists():
+        d = (json.loads((Path(run) / "config.json").read_text()).get("data") or {}).get("data_dir")
+        if d and (Path(d) / "ratings.dat").exists():
+            return Path(d)
+    if os.environ.get("HSTU_DATA_DIR"):
+        return Path(os.environ["HSTU_DATA_DIR"])
+    return REPO.parent / "shared" / "data" / "ml-1m"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
+    args.data_dir = args.data_dir or str(default_data_dir(args.run))
     bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k)
     proc, url, cpus = start_server(args)
     try:

@@ -351,6 +351,7 @@ def test_score_bad_input_and_malformed_json(server) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "candidates"
     r = httpx.post(server.url + "/v1/generate", content=b'{"history": [', headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error"
+    assert r.json()["error"]["field"] == "body" and r.json()["error"]["message"].startswith("body: JSON decode error at character 13")
 
 
 def test_body_too_large_413(server) -> None:
@@ -545,12 +546,19 @@ def test_plan_batch_mixes_buckets_only_when_cheaper() -> None:
     assert plan_batch({20: 20}, 20, 16, costs) == (20, {20: 16})
 
 
-def test_model_process_answers_like_the_recommender_and_survives_its_death(run_dir, ratings, ref, rec) -> None:
-    """``model_process=True``: batches run in a spawned process that loads the run itself. The
-    answers equal the Recommender called here; a killed model process costs the batch in flight
-    a 503 (model_restart), and the replacement answers the next requests."""
+def _kill_model_process(svc, i: int = 0) -> None:
     import psutil
 
+    worker = psutil.Process(next(iter(svc.model.pools[i]._processes)))  # noqa: SLF001 - that model process
+    worker.kill()
+    worker.wait(30)
+
+
+def test_model_process_answers_like_the_recommender_and_survives_its_death(run_dir, ratings, ref, rec) -> None:
+    """``model_process=True``: batches run in a spawned process that loads the run itself. The
+    answers equal the Recommender called here. A killed model process costs the batch in flight
+    a 503 (model_restart); while its replacement loads, /readyz says "restarting" and requests get
+    a quick 503 (never a hang); then the replacement answers."""
     users = sorted(ratings.user.unique())[40:46]
     bodies = [{"history": events(ratings, u, n), "k": 4} for u, n in zip(users, [5, 12, 19, 33, 48, 50])]
     policy = ServePolicy(model_process=True, threads=1)
@@ -562,12 +570,62 @@ def test_model_process_answers_like_the_recommender_and_survives_its_death(run_d
             want = direct(ref, body["history"], 4)
             assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
             np.testing.assert_allclose([i["score"] for i in r.json()["items"]], [i["score"] for i in want], rtol=1e-4, atol=1e-4)
-        worker = psutil.Process(next(iter(svc.model.pool._processes)))  # noqa: SLF001 - the one model process
-        worker.kill()
-        worker.wait(30)
+        _kill_model_process(svc)
         r = post(s.url, "/v1/generate", bodies[0])
         assert r.status_code == 503 and r.json()["error"]["type"] == "model_restart" and int(r.headers["retry-after"]) >= 1
-        r = post(s.url, "/v1/generate", bodies[0])
-        assert r.status_code == 200 and [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in direct(ref, bodies[0]["history"], 4)]
-        assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "model_restart"),))] == 1
+        ready = httpx.get(s.url + "/readyz")
+        assert ready.status_code == 503 and ready.json()["status"] == "restarting"
+        deadline, codes = time.monotonic() + 120, []
+        while True:
+            t0 = time.monotonic()
+            r = post(s.url, "/v1/generate", bodies[0])
+            assert time.monotonic() - t0 < 5, "a request waited instead of being refused quickly"
+            codes.append(r.status_code)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert r.status_code == 503 and r.json()["error"]["type"] == "model_restart"
+            time.sleep(0.2)
+        assert codes[-1] == 200 and [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in direct(ref, bodies[0]["history"], 4)]
+        assert httpx.get(s.url + "/readyz").status_code == 200
+        assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "model_restart"),))] == len(codes)
         assert svc.model.restarts == 1
+
+
+def test_two_model_processes_answer_through_the_death_of_one(run_dir, ratings, ref, rec) -> None:
+    """With two model processes, the batch of a killed one is retried on the other: no request fails."""
+    hist = events(ratings, sorted(ratings.user.unique())[7], 30)
+    want = [i["item_id"] for i in direct(ref, hist, 3)]
+    policy = ServePolicy(model_process=True, threads=1, model_workers=2)
+    with LiveServer(create_app(ServeConfig(buckets=BUCKETS, max_wait_ms=2), rec, run_dir=str(run_dir), policy=policy)) as s:
+        svc = s.app.state.service
+        assert svc.model.available == 2 and svc.model.backend_name.endswith("(2 model processes)")
+        _kill_model_process(svc, 0)
+        for _ in range(3):
+            resp = gather(s.url, "/v1/generate", [{"history": hist, "k": 3}] * 4)
+            assert [r.status_code for r in resp] == [200] * 4, [r.text for r in resp]
+            assert all([i["item_id"] for i in r.json()["items"]] == want for r in resp)
+        assert svc.model.restarts == 1 and httpx.get(s.url + "/readyz").status_code == 200
+
+
+def test_model_process_dying_before_warmup_is_replaced_and_warmed(run_dir) -> None:
+    """A model process that dies before (or during) a bucket's warm-up is replaced and the bucket
+    warms on the replacement: warm-up does not fail for good."""
+    import psutil
+
+    from hstu.serve.worker import ProcessModel, WorkerSpec
+
+    model = ProcessModel(WorkerSpec(str(run_dir), buckets=tuple(BUCKETS), max_batch=4, threads=1))
+    try:
+        worker = psutil.Process(next(iter(model.pool._processes)))  # noqa: SLF001
+        worker.kill()
+        worker.wait(30)
+
+        async def warm_all() -> None:
+            for e in BUCKETS:
+                await model.warmup(e)
+
+        asyncio.run(warm_all())
+        assert model.warm == set(BUCKETS) and model.restarts == 1 and model.available == 1
+        assert all(fixed > 0 and per_row >= 0 for fixed, per_row in model.costs.values())
+    finally:
+        model.close()

@@ -301,6 +301,10 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
         items = []
         for e in exc.errors():
             loc = [p for p in e.get("loc", ()) if p != "body"]
+            if e.get("type") == "json_invalid":  # loc holds the character offset, not a field
+                at = f" at character {loc[-1]}" if loc else ""
+                items.append({"type": "validation_error", "message": f"body: {e.get('msg', 'invalid JSON')}{at}", "field": "body"})
+                continue
             name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "body"
             items.append({"type": "validation_error", "message": f"{name}: {e.get('msg', 'invalid')}", "field": name})
         svc.metrics.reject("invalid")
@@ -343,7 +347,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
             return JSONResponse({"status": "starting", **body}, status_code=503)
         if b.ready:
             return {"status": "ready", **body}
-        status = "draining" if b.draining else ("failed" if b.warmup_error else "warming")
+        status = ("draining" if b.draining else "failed" if b.warmup_error else
+                  "restarting" if svc.model.available == 0 else "warming")
         return JSONResponse({"status": status, "reason": b.warmup_error, **body}, status_code=503)
 
     @app.get("/metrics", summary="Prometheus metrics")

@@ -156,7 +156,8 @@ class MicroBatcher:
 
     @property
     def ready(self) -> bool:
-        return not self.draining and self.warmup_error is None and all(e in self.model.warm for e in self.queues)
+        return (not self.draining and self.warmup_error is None and self.model.available > 0
+                and all(e in self.model.warm for e in self.queues))
 
     def depth(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -197,6 +198,9 @@ class MicroBatcher:
         if self.draining:
             self.metrics.reject("draining")
             raise Rejected(503, "draining", "the server is shutting down", 1)
+        if self.model.available == 0:
+            self.metrics.reject("model_restart")
+            raise Rejected(503, "model_restart", "the model process is restarting; retry in a few seconds", 5)
         q = self.queues[bucket]
         predicted = (self.depth() / self.max_batch + 1) * self.batch_time_s
         if len(q) >= self.max_queue or predicted > self.max_delay:

@@ -14,9 +14,10 @@ device.
   with one ``spawn`` worker that loads the run and builds the runner once), so the event loop
   and the model run on two cores in parallel (vLLM V1 splits its API server and engine core the
   same way). Jobs go over the executor's pipe (pickled: a 200-event history is ~5 KB); results
-  come back as item dicts. A worker that dies (killed, out of memory) is replaced: the batch in
-  flight answers 503 (reason ``model_restart``) and the new worker warms every bucket before it
-  takes the next batch.
+  come back as item dicts. A worker that dies (killed, out of memory) is replaced in the
+  background and takes batches again once loaded and warm; its batch is retried on another live
+  worker, or answers 503 (reason ``model_restart``) when none is live, as do new requests while
+  none is (``/readyz`` says "restarting" then).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class LocalModel:
         self.buckets, self.max_k = list(runner.buckets), runner.max_k
         self.has_engine, self.backend_name = runner.engine is not None, runner.backend_name
         self.warm, self.costs = runner.warm, runner.costs
-        self.slots = 1
+        self.slots, self.available = 1, 1
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
 
     def bucket_for(self, length: int) -> int:
@@ -179,7 +180,9 @@ class ProcessModel:
         self.buckets, self.max_k = info["buckets"], info["max_k"]
         suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"
         self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix
-        self._free: asyncio.Queue | None = None  # indices of idle pools, made in the running loop
+        self.up = set(range(spec.workers))  # loaded and not restarting
+        self._free: asyncio.Queue | None = None  # indices of idle live pools, made in the running loop
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def pool(self) -> ProcessPoolExecutor:
@@ -196,32 +199,78 @@ class ProcessModel:
                 return b
         raise ValueError(f"history length {length} exceeds the largest bucket {self.buckets[-1]}")
 
-    async def run(self, edge: int, jobs: list[Job]) -> BatchOutcome:
-        """Run a batch on an idle model process (waits for one). Raises ModelRestart (503) when
-        the process died."""
-        if self._free is None:
+    @property
+    def available(self) -> int:
+        """Model processes loaded and warm (the others are restarting)."""
+        return len(self.up)
+
+    def _free_queue(self) -> asyncio.Queue:
+        if self._free is None:  # made lazily: it belongs to the running loop
             self._free = asyncio.Queue()
-            for i in range(len(self.pools)):
+            for i in sorted(self.up):
                 self._free.put_nowait(i)
-        i = await self._free.get()
+        return self._free
+
+    async def run(self, edge: int, jobs: list[Job], retry: bool = True) -> BatchOutcome:
+        """Run a batch on an idle model process (waits for one). When the process has died, it
+        is replaced in the background and the batch is retried once on another live process;
+        with none live, raises ModelRestart (503)."""
+        free = self._free_queue()
+        i = await free.get()
         sent = [dataclasses.replace(j, future=None) for j in jobs]  # the asyncio future stays here
+        died = False
         try:
             return await asyncio.wrap_future(self.pools[i].submit(_worker_execute, edge, sent))
         except BrokenProcessPool:
-            self._restart(i)
-            raise ModelRestart(f"the model process stopped while running a batch of {len(jobs)}; restarted it, retry") from None
+            died = True
         finally:
-            self._free.put_nowait(i)
+            if not died:
+                free.put_nowait(i)
+        self._restart(i)
+        if retry and self.up:
+            return await self.run(edge, jobs, retry=False)
+        raise ModelRestart(f"the model process stopped while running a batch of {len(jobs)}; a new one is starting, retry")
 
     def _restart(self, i: int) -> None:
+        """Replace dead process ``i``; it rejoins (warm) in the background."""
         log.error("model process %d died; starting a new one (restart %d)", i, self.restarts + 1)
         self.restarts += 1
+        self.up.discard(i)
         self.pools[i].shutdown(wait=False, cancel_futures=True)
-        self.pools[i] = self._spawn(tuple(sorted(self.warm)))  # the new worker warms before its first batch
+        self.pools[i] = self._spawn(tuple(sorted(self.warm)))  # the new process warms before it answers
+        task = asyncio.get_running_loop().create_task(self._rejoin(i))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _rejoin(self, i: int) -> None:
+        try:
+            await asyncio.wrap_future(self.pools[i].submit(_worker_info))  # returns once loaded and warm
+        except Exception:  # noqa: BLE001 - a process that cannot even start: try again a little later
+            log.exception("model process %d failed to start; retrying in 5 s", i)
+            await asyncio.sleep(5.0)
+            self._restart(i)
+            return
+        log.info("model process %d is back", i)
+        self.up.add(i)
+        if self._free is not None:  # else the queue, made later, starts from self.up
+            self._free.put_nowait(i)
 
     async def warmup(self, edge: int) -> float:
-        """Warm ``edge`` in every model process (seconds of the slowest); costs from the first."""
-        res = await asyncio.gather(*(asyncio.wrap_future(p.submit(_worker_warmup, edge)) for p in self.pools))
+        """Warm ``edge`` in every model process (seconds of the slowest); costs from the first.
+        A process that dies meanwhile is replaced and warmed again (up to 2 times each)."""
+        async def one(i: int) -> tuple[float, tuple[float, float]]:
+            for attempt in range(3):
+                try:
+                    return await asyncio.wrap_future(self.pools[i].submit(_worker_warmup, edge))
+                except BrokenProcessPool:
+                    if attempt == 2:
+                        raise
+                    self._restart(i)
+                    while i not in self.up:
+                        await asyncio.sleep(0.05)
+            raise AssertionError("unreachable")
+
+        res = await asyncio.gather(*(one(i) for i in range(len(self.pools))))
         self.costs[edge] = res[0][1]
         self.warm.add(edge)
         return max(r[0] for r in res)

@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=101, help="upper bound for the clean protocol (early stopping)")
     p.add_argument("--patience", type=int, default=10, help="clean protocol: epochs without a better valid NDCG@10")
     p.add_argument("--paper-epochs", type=int, default=101, help="epochs under the paper protocol (no early stopping)")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="another seed than 42 (the reference's) adds a -seedN suffix to the run directory")
     p.add_argument("--length-pool", type=int,
                    help="batches sorted by length within pools of this many batches; default 1 (random batches, "
                         "the reference's) under the paper protocol, 50 (our faster recipe) under clean; another "
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         for protocol in protocols:
             pool = args.length_pool or POOL_DEFAULT[protocol]
             run = runs / (f"{name}-{protocol}" + (f"-chunk{args.negatives_chunk}" if args.negatives_chunk != 16 else "")
-                          + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else ""))
+                          + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else "") + (f"-seed{args.seed}" if args.seed != 42 else ""))
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             interim = None
             if args.report_only and not (run / "metrics.json").exists():

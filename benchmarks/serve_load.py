@@ -358,7 +358,12 @@ def main(argv=None) -> int:
             server = psutil.Process(proc.pid) if proc is not None else None
         except ImportError:
             server = None
-        res = asyncio.run(main_async(args, url, bodies, server))
+        try:  # uvloop (uvicorn[standard] brings it) cuts the client's own CPU per request
+            import uvloop
+
+            res = uvloop.run(main_async(args, url, bodies, server))
+        except ImportError:
+            res = asyncio.run(main_async(args, url, bodies, server))
         res["server_metrics"] = scrape(url)
     finally:
         rc = None

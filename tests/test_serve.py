@@ -629,3 +629,19 @@ def test_model_process_dying_before_warmup_is_replaced_and_warmed(run_dir) -> No
         assert all(fixed > 0 and per_row >= 0 for fixed, per_row in model.costs.values())
     finally:
         model.close()
+
+
+def test_vectorised_id_map_equals_a_dict_lookup(rec) -> None:
+    """``Recommender.dense_ids`` (binary search over the sorted id map) against a per-id dict
+    lookup: known, unknown, negative, past-int64 and numeric-string ids; junk names its index."""
+    from hstu.generate.recommend import HistoryError
+
+    lookup = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}
+    rng = np.random.default_rng(0)
+    q = np.concatenate([rng.choice(rec.raw_ids[1:], 300), rng.integers(-5, 5000, 300), [0, 2**62, -(2**62)]]).tolist()
+    want = [lookup.get(int(x), 0) for x in q]
+    assert rec.dense_ids(q).tolist() == want
+    assert rec.dense_ids([str(x) for x in q[:40]]).tolist() == want[:40]
+    assert rec.dense_ids([2**70, q[0]]).tolist() == [0, want[0]]
+    with pytest.raises(HistoryError, match=r"history\[1\].item_id: not an integer id: 'x'"):
+        rec.dense_ids([q[0], "x"])

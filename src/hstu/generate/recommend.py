@@ -56,6 +56,8 @@ class Recommender:
         raw = np.asarray(idmap["item_raw_ids"], dtype=np.int64)
         self.raw_ids = raw
         self._dense = {int(r): i for i, r in enumerate(raw) if i > 0}
+        order = np.argsort(raw[1:], kind="stable")  # raw ids sorted, for a vectorised id map
+        self._raw_sorted, self._dense_sorted = raw[1:][order], (order + 1).astype(np.int64)
         self.titles = idmap.get("titles", {})
         self.item_category = torch.tensor(idmap.get("item_category") or [0] * len(raw), dtype=torch.int64, device=self.device)
         self.category_raw = idmap.get("category_raw_ids")
@@ -92,26 +94,21 @@ class Recommender:
                 raise HistoryError(f"history[{bad}].timestamp: earlier than the event before it (timestamps must not decrease)")
             idx = np.argsort(ts, kind="stable")
             warnings.append("history was not in time order; sorted by timestamp (stable)")
-        dense, keep = [], []
-        for i in idx:
-            d = self._dense.get(int(h.items[i]))
-            if d is None:
-                if unknown == "reject":
-                    raise HistoryError(f"history[{i}].item_id: unknown item id {h.items[i]}")
-                continue
-            dense.append(d)
-            keep.append(i)
-        if len(keep) < n:
-            warnings.append(f"dropped {n - len(keep)} event(s) with unknown item ids")
-        if not keep:
+        dense_all = self.dense_ids(h.items)  # (n,) 0 = unknown
+        known = dense_all[idx] > 0
+        if unknown == "reject" and not known.all():
+            i = int(idx[np.argmin(known)])
+            raise HistoryError(f"history[{i}].item_id: unknown item id {h.items[i]}")
+        keep_a, ids = idx[known], dense_all[idx][known]
+        if len(keep_a) < n:
+            warnings.append(f"dropped {n - len(keep_a)} event(s) with unknown item ids")
+        if not len(keep_a):
             raise HistoryError("history: no known item ids left after dropping unknown ones")
-        if len(keep) > self.max_len:
-            warnings.append(f"history has {len(keep)} events; kept the most recent {self.max_len}")
-            keep, dense = keep[-self.max_len:], dense[-self.max_len:]
-        keep_a = np.asarray(keep)
+        if len(keep_a) > self.max_len:
+            warnings.append(f"history has {len(keep_a)} events; kept the most recent {self.max_len}")
+            keep_a, ids = keep_a[-self.max_len:], ids[-self.max_len:]
         lut = {a: i + 1 for i, a in enumerate(self.action_names)}
         acts = np.array([lut.get(str(h.actions[i]), 0) for i in keep_a], np.int64) if h.actions else np.zeros(len(keep_a), np.int64)
-        ids = np.asarray(dense, np.int64)
         cats = self.item_category[torch.from_numpy(ids)].cpu().numpy()
         rt = int(h.request_time) if h.request_time is not None else int(ts[keep_a].max())
         if rt < int(ts[keep_a].max()):
@@ -119,6 +116,25 @@ class Recommender:
             rt = int(ts[keep_a].max())
         block = [self._dense[int(x)] for x in h.exclude if int(x) in self._dense]
         return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
+
+    def dense_ids(self, raw_ids) -> np.ndarray:
+        """Original item ids -> (n,) int64 dense ids, 0 where unknown (one binary search over the
+        sorted id map instead of a dict lookup per event). Raises HistoryError naming the first id
+        that is not an integer."""
+        try:
+            raw = np.asarray(raw_ids, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError):  # numeric strings, ids past int64: one at a time
+            out = []
+            for i, x in enumerate(raw_ids):
+                try:
+                    out.append(self._dense.get(int(x), 0))
+                except (TypeError, ValueError, OverflowError):
+                    raise HistoryError(f"history[{i}].item_id: not an integer id: {x!r}") from None
+            return np.asarray(out, dtype=np.int64)
+        if not len(self._raw_sorted):
+            return np.zeros(len(raw), np.int64)
+        pos = np.searchsorted(self._raw_sorted, raw).clip(max=len(self._raw_sorted) - 1)
+        return np.where(self._raw_sorted[pos] == raw, self._dense_sorted[pos], 0)
 
     def batch(self, preps: list[Prepared], width: int | None = None) -> dict[str, torch.Tensor]:
         """Right-padded tensors (B, W) for prepared histories; W = width or the longest."""

@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat-window", type=int, default=50,
                    help="HSTU's repeat-aware scoring over the last R events (hstu.model.repeat; 0 = off). "
                         "Model 'hstu-norepeat' is HSTU with it off, for the ablation")
+    p.add_argument("--cold-item-dropout", type=float, default=0.2,
+                   help="ModelConfig.cold_item_dropout for the HSTU models (items never in training enter the input "
+                        "without their embedding; in training, each event loses it with this probability); 0 = off. "
+                        "Runs with a value > 0 get a -coldP suffix")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
@@ -91,12 +95,14 @@ def main(argv=None) -> int:
     for name in models:
         arch = "sasrec" if name == "sasrec" else "hstu"
         rw = args.repeat_window if name == "hstu" else 0
-        mcfg = model_config_from_preset(args.preset, architecture=arch, max_seq_len=args.max_seq_len, repeat_window=rw)
+        cold = args.cold_item_dropout if arch == "hstu" else 0.0
+        mcfg = model_config_from_preset(args.preset, architecture=arch, max_seq_len=args.max_seq_len, repeat_window=rw,
+                                        cold_item_dropout=cold)
         tcfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
                            num_negatives=args.num_negatives, seed=args.seed, early_stopping_patience=args.patience,
                            num_threads=args.threads)
         t0 = time.perf_counter()
-        run = runs / (f"{name}-rw{rw}" if rw else name)
+        run = runs / ((f"{name}-rw{rw}" if rw else name) + (f"-cold{cold:g}" if cold else ""))
         metrics, history = train_or_resume(run, mcfg, tcfg, spec, device=args.device)
         model, cfg, _ = load_run(run, args.device)
         trained[name] = {"model": model, "metrics": metrics, "history": history, "config": cfg, "run": run,

@@ -189,3 +189,54 @@ def test_repeat_share_by_brute_force():
             hits += seq[t] in seq[max(0, t - 8):t]  # the 8 events before t
     assert repeat_share(log_, split, 8, 50) == pytest.approx(hits / total)
     assert 0.05 < hits / total < 0.5
+
+
+def test_cold_items_enter_the_input_without_their_embedding():
+    """``cold_item_dropout``: an item with no training events adds no item embedding to its input
+    row (position, action and category still do); warm items are unchanged; in training each
+    event drops its item embedding with probability p; the mark survives a save and load, and
+    generation (engine and model) sees the same inputs."""
+    from hstu.generate.engine import Engine
+
+    cfg = ModelConfig(num_items=30, max_seq_len=20, max_output_len=4, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8,
+                      num_actions=3, num_categories=4, cold_item_dropout=0.3)
+    torch.manual_seed(0)
+    m = build_hstu(cfg).eval()
+    counts = np.ones(31, np.int64)
+    counts[[0, 7, 12]] = 0
+    m.set_cold_items(counts)
+    assert m.cold_items.nonzero().view(-1).tolist() == [7, 12]  # padding 0 is never cold
+    ids = torch.tensor([[3, 7, 12, 5]])
+    pos, acts, cats = torch.arange(4).view(1, 4), torch.tensor([[1, 2, 3, 1]]), torch.tensor([[1, 2, 3, 4]])
+    rest = m.pos_emb(pos) + m.action_emb(acts) + m.category_emb(cats)  # (1, 4, d)
+    with torch.no_grad():
+        x = m.embed(ids, pos, acts, cats)
+        want = rest + m.item_emb(ids) * cfg.embedding_dim ** 0.5 * torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 4, 1)
+    torch.testing.assert_close(x, want)
+    # training: each warm event loses its item embedding with probability 0.3
+    m.train()
+    torch.manual_seed(1)
+    many = torch.full((1, 20000), 3)
+    with torch.no_grad():
+        x = m.embed(many, torch.zeros_like(many))
+    dropped = (x - m.pos_emb(torch.zeros_like(many))).abs().sum(-1).eq(0).float().mean().item()
+    assert abs(dropped - 0.3) < 4 * (0.3 * 0.7 / 20000) ** 0.5
+    m.eval()
+    # engine and model generate alike over a cold item (a model without an action head: the engine
+    # feeds predicted actions, the model-level loop does not); the mark is part of the state dict
+    import dataclasses
+
+    torch.manual_seed(2)
+    m = build_hstu(dataclasses.replace(cfg, num_actions=0, num_categories=0)).eval()
+    m.set_cold_items(counts)
+    hist, ts = torch.tensor([[4, 7, 9, 12, 0]]), torch.tensor([[100, 160, 200, 260, 0]])
+    L, rt = torch.tensor([4]), torch.tensor([300])
+    want = generate(m, hist, ts, L, 3, request_time=rt, exclude=exclusion_mask(30, 1, None, None))
+    got = Engine(m, buckets=(8,), max_batch=2, k_max=4).generate(hist, ts, L, 3, request_time=rt)
+    assert torch.equal(got.items, want.items)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    m2 = build_hstu(dataclasses.replace(cfg, num_actions=0, num_categories=0))
+    m2.load_state_dict(sd)
+    assert torch.equal(m2.cold_items, m.cold_items)
+    with pytest.raises(ValueError, match="cold_item_dropout = 0"):
+        build_hstu(ModelConfig(num_items=30, max_seq_len=20, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8)).set_cold_items(counts)

@@ -47,6 +47,10 @@ class ModelConfig:
     num_actions: int = 0  # >0: action-type embedding summed into the input + next-action head
     num_categories: int = 0  # >0: category embedding summed into the input
     repeat_window: int = 0  # >0: repeat-aware scoring over the last R events (hstu.model.repeat); 0 = off
+    # >0: items never seen in training enter the input without their item embedding (a "cold"
+    # input: action, category, position and time only), and in training each input event loses
+    # its item embedding with this probability, so that the model learns such inputs (base.embed)
+    cold_item_dropout: float = 0.0
 
     @property
     def width(self) -> int:
@@ -63,6 +67,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
         if self.temperature <= 0:
             raise ValueError(f"ModelConfig.temperature must be > 0, got {self.temperature}")
+        if not 0.0 <= self.cold_item_dropout < 1.0:
+            raise ValueError(f"ModelConfig.cold_item_dropout must be in [0, 1), got {self.cold_item_dropout}")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
 

@@ -49,6 +49,20 @@ class SequentialRecommender(nn.Module):
             if emb is not None:
                 nn.init.trunc_normal_(emb.weight, std=0.02)
         self.input_dropout = nn.Dropout(cfg.dropout)
+        if cfg.cold_item_dropout > 0:  # (I+1,) True = never seen in training: no item embedding as input
+            self.register_buffer("cold_items", torch.zeros(cfg.num_items + 1, dtype=torch.bool))
+        else:
+            self.cold_items = None
+
+    def set_cold_items(self, train_counts) -> None:
+        """Mark the items with zero training events (``train_counts``: (I+1,) counts) as cold."""
+        if self.cold_items is None:
+            raise ValueError("set_cold_items: the model was built with cold_item_dropout = 0")
+        counts = torch.as_tensor(train_counts, device=self.cold_items.device)
+        if counts.shape != self.cold_items.shape:
+            raise ValueError(f"set_cold_items: expected {tuple(self.cold_items.shape)} counts, got {tuple(counts.shape)}")
+        self.cold_items.copy_(counts == 0)
+        self.cold_items[0] = False
 
     def _init_extra_heads(self) -> None:
         """Hook for heads created right after the action head (keeps the seeded init order)."""
@@ -56,8 +70,20 @@ class SequentialRecommender(nn.Module):
     # ----- input -----
     def embed(self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None,
               categories: torch.Tensor | None = None) -> torch.Tensor:
-        """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows."""
-        x = self.item_emb(ids) * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
+        """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows.
+
+        With ``cold_item_dropout`` > 0, a cold item (never in training) adds no item embedding, and
+        in training each event drops its item embedding with that probability. Found on Taobao:
+        60 % of test histories end with an item that is not in training (the held-out valid
+        event), whose untrained embedding made the last row, the query, meaningless (test HR@10
+        .066 against .151 with that event dropped; valid histories never end cold)."""
+        e = self.item_emb(ids)
+        if self.cold_items is not None:
+            keep = ~self.cold_items[ids]
+            if self.training:
+                keep = keep & (torch.rand(ids.shape, device=ids.device) >= self.cfg.cold_item_dropout)
+            e = e * keep.unsqueeze(-1).to(e.dtype)
+        x = e * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
         if self.action_emb is not None and actions is not None:
             x = x + self.action_emb(actions)
         if self.category_emb is not None and categories is not None:

@@ -182,6 +182,8 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     model = build_hstu(mcfg).to(dev.device)
+    if model.cold_items is not None and not resume:
+        model.set_cold_items(train_item_counts(log_, split))
     if model.repeat is not None and not resume:
         model.repeat.init_from_prior(repeat_share(log_, split, mcfg.repeat_window, mcfg.max_seq_len), mcfg.num_items)
     opt = torch.optim.AdamW(model.parameters(), lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)

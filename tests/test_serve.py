@@ -334,6 +334,7 @@ def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
     ({"history": [], "exlude": [1]}, "exlude"),
     ({"history": [], "decoding": {"strategy": "nucleus"}}, "decoding.strategy"),
     ({"history": [], "decoding": {"strategy": "beam", "beam_width": 0}}, "decoding.beam_width"),
+    ({"history": [], "decoding": {"strategy": "topk", "temperature": float("nan")}}, "decoding.temperature"),
 ])
 def test_generate_bad_input_names_the_field(server, body, field) -> None:
     r = post(server.url, "/v1/generate", body)

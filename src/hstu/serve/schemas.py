@@ -46,7 +46,7 @@ class Decoding(_Strict):
 
     strategy: Literal["greedy", "topk", "beam"] = "greedy"
     top_k: int = Field(default=50, ge=1, le=100_000)
-    temperature: float = Field(default=1.0, gt=0.0, le=100.0)
+    temperature: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
     beam_width: int = Field(default=4, ge=1, le=16)
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
 

@@ -43,7 +43,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hstu import backend as backends
 from hstu.backend.cpu import host_memory_info
-from hstu.backend.memory_guard import MemoryGuard
 from hstu.config import ServeConfig
 from hstu.generate.recommend import History, HistoryError, Prepared, Recommender
 from hstu.serve.batcher import MicroBatcher, Rejected
@@ -51,7 +50,7 @@ from hstu.serve.metrics import ServeMetrics
 from hstu.serve.popularity import Popularity
 from hstu.serve.runner import BatchRunner, DecodeOptions, Job
 from hstu.serve.schemas import ErrorBody, Event, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
-from hstu.serve.worker import LocalModel, ProcessModel, WorkerSpec
+from hstu.serve.worker import LocalModel, ProcessModel, WorkerSpec, batch_guard
 
 log = logging.getLogger(__name__)
 
@@ -186,18 +185,13 @@ class Service:
                                                  policy.use_engine, policy.threads, cfg.memory_threshold, policy.model_workers))
         else:
             runner = BatchRunner(rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine)
-            guard = MemoryGuard(self.backend, min_free_ratio=cfg.memory_threshold, action=lambda info, g: self._release(runner))
-            self.model = LocalModel(runner, guard)
+            self.model = LocalModel(runner, batch_guard(runner, self.backend, cfg.memory_threshold))
         kinds = ("host",) if self.backend.name == "cpu" else ("device", "host")
         self.metrics = ServeMetrics(self.model.buckets, kinds)
         self.dense = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}  # original id -> dense id
         self.max_bucket = self.model.buckets[-1]
         self.batcher: MicroBatcher | None = None
         self.warm_task: asyncio.Task | None = None
-
-    def _release(self, runner: BatchRunner) -> None:
-        runner.release_caches()
-        self.backend.empty_cache()
 
     def update_memory(self) -> None:
         h = host_memory_info()

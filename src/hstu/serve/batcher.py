@@ -137,7 +137,7 @@ class MicroBatcher:
 
     # ----- lifecycle -----
     def start(self) -> None:
-        self._slots = asyncio.Semaphore(getattr(self.model, "slots", 1))  # batches in flight: one per model worker
+        self._slots = asyncio.Semaphore(self.model.slots)  # batches in flight: one per model worker
         self._running: set[asyncio.Task] = set()
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="hstu-batcher")
 

@@ -76,6 +76,14 @@ class Job:
     expired: bool = False
 
 
+def smallest_bucket(buckets: list[int], length: int) -> int:
+    """The smallest edge of ascending ``buckets`` >= ``length``; ValueError if none."""
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"history length {length} exceeds the largest bucket {buckets[-1]}")
+
+
 class BatchRunner:
     """Runs a bucket's batch on the model; one instance per served run.
 
@@ -136,10 +144,7 @@ class BatchRunner:
 
     def bucket_for(self, length: int) -> int:
         """The smallest edge >= ``length``; ValueError if none (the app truncates first)."""
-        for b in self.buckets:
-            if length <= b:
-                return b
-        raise ValueError(f"history length {length} exceeds the largest bucket {self.buckets[-1]}")
+        return smallest_bucket(self.buckets, length)
 
     # ----- execution -----
     @torch.inference_mode()
@@ -321,4 +326,4 @@ def _engine_adapter(engine_cls, runner: BatchRunner) -> _EngineAdapter:
     return _EngineAdapter(engine_cls, runner)
 
 
-__all__ = ["BatchRunner", "DecodeOptions", "Job"]
+__all__ = ["BatchRunner", "DecodeOptions", "Job", "smallest_bucket"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hstu.backend.memory_guard import MemoryGuard
-from hstu.serve.runner import BatchRunner, Job
+from hstu.serve.runner import BatchRunner, Job, smallest_bucket
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,16 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
     t0 = time.perf_counter()
     results = runner.run_batch(edge, jobs)
     return BatchOutcome(results, time.perf_counter() - t0, memory, triggered)
+
+
+def batch_guard(runner: BatchRunner, backend, min_free_ratio: float) -> MemoryGuard:
+    """The memory guard checked before each batch: below ``min_free_ratio`` free, it drops the
+    runner's rebuildable caches and the backend's allocator cache."""
+    def release(info, guard) -> None:
+        runner.release_caches()
+        backend.empty_cache()
+
+    return MemoryGuard(backend, min_free_ratio=min_free_ratio, action=release)
 
 
 @dataclass
@@ -134,13 +144,7 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
         torch.set_num_threads(threads)
     rec = Recommender.from_run(spec.run_dir, spec.device, spec.precision)
     runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine)
-    bk = backends.select(spec.device)
-
-    def release(info, guard) -> None:
-        runner.release_caches()
-        bk.empty_cache()
-
-    _WORKER.update(runner=runner, guard=MemoryGuard(bk, min_free_ratio=spec.memory_threshold, action=release))
+    _WORKER.update(runner=runner, guard=batch_guard(runner, backends.select(spec.device), spec.memory_threshold))
     for edge in warm:
         runner.warmup(edge)
     gc.collect()
@@ -194,10 +198,7 @@ class ProcessModel:
         return ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init, initargs=(self.spec, warm))
 
     def bucket_for(self, length: int) -> int:
-        for b in self.buckets:
-            if length <= b:
-                return b
-        raise ValueError(f"history length {length} exceeds the largest bucket {self.buckets[-1]}")
+        return smallest_bucket(self.buckets, length)
 
     @property
     def available(self) -> int:
@@ -284,4 +285,4 @@ class ModelRestart(RuntimeError):
     """The model process died during a batch; a new one has been started."""
 
 
-__all__ = ["BatchOutcome", "LocalModel", "ModelRestart", "ProcessModel", "WorkerSpec", "execute"]
+__all__ = ["BatchOutcome", "LocalModel", "ModelRestart", "ProcessModel", "WorkerSpec", "batch_guard", "execute"]

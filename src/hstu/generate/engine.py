@@ -49,6 +49,11 @@ model's fixed width, I items.
   beams of a user (beam search reorders only the small generated part). No cache growth,
   no torch.cat, no factory call (empty / zeros / arange ...) in the decode loop
   (tests/test_engine_alloc.py).
+- Prefill: every row through every layer (their K/V fill the cache), except that in the last
+  layer only the last live row, whose output is the user vector, is attended and projected
+  (as an LLM prefill computes only the last token's logits). Square causal attention runs in
+  two row blocks from ``prefill_split`` rows on (the first half of the queries never sees the
+  second half of the keys); masked scores get a -M bias whose SiLU is exactly 0.
 - A decode step attends to the history rows and to the generated rows in two pieces and adds
   them: HSTU attention is pointwise SiLU with no softmax, so A·V splits over key segments.
   An appended token has timestamp = request time = the query time, so a cached step equals a
@@ -242,6 +247,7 @@ class Engine:
         self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
         self.kernels: KernelSet = get_kernels(dev.type, kernels)
         self.graphs = self._graph_mode(graphs)
+        self.prefill_split = 64  # rows from which a prefill's attention runs in two causal row blocks (0: off)
         if batch_sizes is None:  # static batch shapes only where something is captured
             batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(self.graphs,
                                                                                                          _ladder(self.max_batch))
@@ -293,9 +299,9 @@ class Engine:
         return graphs
 
     def refresh(self) -> None:
-        """Re-read the item table (normalised, transposed) after the model's weights change."""
+        """Rebuild the similarity index (:mod:`hstu.model.item_index`) after the model's weights change."""
         with torch.inference_mode():
-            self._item_vecs_t = self.model.item_vectors().T.contiguous()  # (d, I+1)
+            self._index = self.model.item_index()  # .cosine(user (R, d)) -> (R, I+1), in the table's storage
 
     # ----- public helpers -----
     def bucket_for(self, length: int) -> int:
@@ -314,7 +320,7 @@ class Engine:
 
     def memory_report(self) -> dict:
         """Bytes per bucket (kv, total with static inputs), decode buffers and the prefix cache."""
-        shared = sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores, self._item_vecs_t))
+        shared = sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores)) + self._index.nbytes
         return {"buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
                 "shared_decode_buffers": shared, "prefix_cache": self.prefix.bytes if self.prefix else 0,
                 "prefix_cache_max": self.prefix.max_bytes if self.prefix else 0}
@@ -376,6 +382,23 @@ class Engine:
             return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
         return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
 
+    def _causal_attention(self, q, k, v, pos, tb, pw, tw) -> torch.Tensor:
+        """Square causal attention of a prefill, (Bp, H, E, ·) -> (Bp, E, H*d_v). With
+        ``prefill_split`` <= E rows, in two row blocks: the first half of the queries against
+        the first half of the keys only (the rest of their keys are masked), the second half
+        against all, which skips a quarter of the (Bp, H, E, E) scores. Same result: keys
+        beyond a query row contribute exactly 0 either way."""
+        ks, c = self.kernels, self.model.cfg
+        E = q.shape[2]
+        if not self.prefill_split or E < self.prefill_split:
+            return ks.attention(q, k, v, q_pos=pos, k_pos=pos, k_valid=None, tb=tb, pos_w=pw, ts_w=tw, n=c.width)
+        h = E // 2
+        tb1, tb2 = (None, None) if tb is None else (tb[:, :h, :h], tb[:, h:])
+        a1 = ks.attention(q[:, :, :h], k[:, :, :h], v[:, :, :h], q_pos=pos[:h], k_pos=pos[:h], k_valid=None, tb=tb1,
+                          pos_w=pw, ts_w=tw, n=c.width)  # (Bp, h, H*d_v)
+        a2 = ks.attention(q[:, :, h:], k, v, q_pos=pos[h:], k_pos=pos, k_valid=None, tb=tb2, pos_w=pw, ts_w=tw, n=c.width)
+        return torch.cat([a1, a2], dim=1)  # (Bp, E, H*d_v)
+
     def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
         return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)
 
@@ -391,6 +414,7 @@ class Engine:
             valid = (pos.view(1, E) < lengths.view(Bp, 1)).unsqueeze(-1).to(self.dtype)  # (Bp, E, 1)
             x = m.embed(ids, pos, *self._feat(b, acts, cats)) * valid  # (Bp, E, d)
             tb = self._tb(t[:, 1:E + 1], t[:, :E])  # (Bp, E, E): |t[i+1] - t[j]|
+            last = lengths - 1  # (Bp,) the row whose output is the user vector
             for li, layer in enumerate(m.layers):
                 u, v, q, k = self._layer(layer, x)  # (Bp, E, ·)
                 q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, E, ·)
@@ -398,9 +422,14 @@ class Engine:
                 hv[li][:, :, :E].copy_(v)
                 k, v = hk[li][:, :, :E], hv[li][:, :, :E]  # the cache rows: strided GEMM operands, no second copy
                 pw, tw = self._bias_tables(layer)
-                av = ks.attention(q, k, v, q_pos=pos, k_pos=pos, k_valid=None, tb=tb, pos_w=pw, ts_w=tw, n=c.width)  # (Bp, E, H*d_v)
+                if li == len(m.layers) - 1:  # only the last row's output is read: its query alone
+                    av = ks.attention(q[bidx, :, last].unsqueeze(2), k, v, q_pos=last.view(Bp, 1), k_pos=pos, k_valid=None,
+                                      tb=None if tb is None else tb[bidx, last].unsqueeze(1), pos_w=pw, ts_w=tw, n=c.width)  # (Bp, 1, H*d_v)
+                    x = x[bidx, last] + layer.o(ks.ln_mul(av.squeeze(1), u[bidx, last], eps=layer.eps))  # (Bp, d)
+                    return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
+                av = self._causal_attention(q, k, v, pos, tb, pw, tw)  # (Bp, E, H*d_v)
                 x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, E, d)
-            return l2_normalize(x[bidx, lengths - 1].to(self.score_dtype))  # (Bp, d)
+            raise AssertionError("a model without layers")  # HSTUModel always has >= 1 (config validation)
 
         return prefill
 
@@ -738,7 +767,7 @@ class Engine:
         beam = strategy == "beam"
         temp = self.model.cfg.temperature
         for s in range(k):
-            torch.matmul(user, self._item_vecs_t, out=scores)
+            self._index.cosine(user, out=scores)
             scores.div_(temp).masked_fill_(excl, float("-inf"))  # (R, I+1)
             act = self._next_action(user)
             if not beam:
@@ -800,7 +829,7 @@ class Engine:
         bidx = self._bidx[:R]
         temp = self.model.cfg.temperature
         for s in range(k):
-            torch.matmul(user, self._item_vecs_t, out=scores)
+            self._index.cosine(user, out=scores)
             scores.div_(temp).masked_fill_(excl, float("-inf"))
             act = self._next_action(user)
             choice = self._pick(scores, strategy, top_k, temperature)

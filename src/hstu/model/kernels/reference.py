@@ -57,6 +57,14 @@ def time_buckets(t_q: torch.Tensor, t_k: torch.Tensor, *, num_buckets: int, log_
     return idx.clamp(0, num_buckets)
 
 
+def masked_bias(dtype: torch.dtype) -> float:
+    """The bias that masks a score at inference: -M with M = max(dtype) / 4, so s - M stays
+    finite for any |s| < 3M / 4 and SiLU(s - M) = (s - M) · sigmoid(s - M) is exactly -0.0
+    (exp(M) overflows to inf in float32, bfloat16 and float16 alike), the same contribution to
+    A · V as a zero from masked_fill, one (B, T, S) pass instead of one per head."""
+    return torch.finfo(dtype).min / 4
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor, k_pos: torch.Tensor,
               k_valid: torch.Tensor | None, tb: torch.Tensor | None, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
               n: int) -> torch.Tensor:
@@ -74,8 +82,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
         pos_w: (2N - 1,) position table or None (no position bias); ts_w: (nb + 1,) or None.
         n: the divisor, the model's fixed width N.
     Returns:
-        (B, T, H * d_v), heads concatenated. Masked scores are set to exactly 0 (masked_fill,
-        not a multiply of SiLU(s)), so finite stale cache rows contribute exactly 0 (a cache is
+        (B, T, H * d_v), heads concatenated. Masked scores are set to exactly 0 (masked_fill in
+        training; at inference a -M bias (:func:`masked_bias`) whose SiLU is exactly -0.0), never
+        a multiply of SiLU(s), so finite stale cache rows contribute exactly 0 (a cache is
         zero-initialised and only ever holds finite K/V). No factory call
         (no arange / zeros), so it can run inside a decode loop that is checked for them.
     """
@@ -96,8 +105,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
         a = (F.silu(s) / n).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
         out = torch.matmul(a, v)  # (B, H, T, d_v)
     else:  # inference: in place on the (B, H, T, S) scores, 1/n applied to the (B, H, T, d_v) output
-        if rab is not None:
-            s.add_(rab.unsqueeze(-3))
-        a = F.silu(s, inplace=True).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
+        if rab is not None:  # mask folded into the bias: one pass over (B, T, S), not (B, H, T, S)
+            s.add_(torch.where(drop, masked_bias(s.dtype), rab).unsqueeze(-3))
+            a = F.silu(s, inplace=True)  # masked: SiLU(s - M) = -0.0 exactly
+        else:
+            a = F.silu(s, inplace=True).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
         out = torch.matmul(a, v).div_(n)  # (B, H, T, d_v)
     return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])  # (B, T, H*d_v)

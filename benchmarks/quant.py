@@ -52,7 +52,11 @@ from hstu.train.loop import DataSpec, prepare_data
 from hstu.train.metrics import auc
 
 log = logging.getLogger("bench.quant")
-VARIANTS = ("fp32", "int8", "bf16")
+VARIANTS = ("fp32", "int8", "int8e", "bf16")
+# variant -> (scheme, apply_precision options): "int8" is the scheme's default (fp16 item table, float
+# similarity); "int8e" stores the item table row-wise INT8 (--embeddings int8), whose similarity then runs
+# on the integer GEMM too (hstu.model.item_index.Int8Index)
+SCHEMES = {"int8": ("int8", {}), "int8e": ("int8", {"embeddings": "int8"}), "bf16": ("bf16", {})}
 
 
 def machine() -> dict:
@@ -75,22 +79,22 @@ def machine() -> dict:
 # ----- models --------------------------------------------------------------------------------
 
 def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict]:
-    """{"fp32", "int8", "bf16"} -> model (quantized ones reloaded from their checkpoints) and sizes."""
+    """{"fp32", "int8", "int8e", "bf16"} -> model (quantized ones reloaded from their checkpoints) and sizes."""
     models = {"fp32": float_model}
     fstate = {k: v.detach().cpu() for k, v in float_model.state_dict().items()}
     fbytes = tensor_bytes(fstate)
     sizes = {"fp32": {"tensors": fbytes, "file": (src_run / "model.safetensors").stat().st_size}}
-    for scheme in ("int8", "bf16"):
-        q = apply_precision(copy.deepcopy(float_model), scheme)
-        out = tmp / scheme
+    for name, (scheme, opts) in SCHEMES.items():
+        q = apply_precision(copy.deepcopy(float_model), scheme, **opts)
+        out = tmp / name
         meta = save_quantized_run(q, src_run, out)
-        models[scheme], _, _ = load_quantized_run(out, "cpu", scheme=scheme)
+        models[name], _, _ = load_quantized_run(out, "cpu", scheme=scheme)
         qb = tensor_bytes(quantized_state(q))
         linear_f = sum(t.numel() * 4 for k, t in fstate.items() if k.endswith((".uvqk.weight", ".o.weight")))
         linear_q = sum(t.numel() * t.element_size() for k, t in quantized_state(q).items()
                        if k.endswith((".uvqk.weight", ".o.weight", ".uvqk.weight_int8", ".o.weight_int8",
                                       ".uvqk.weight_scale", ".o.weight_scale")))
-        sizes[scheme] = {"tensors": qb, "file": meta["bytes"]["file"],
+        sizes[name] = {"tensors": qb, "file": meta["bytes"]["file"],
                          "dense_bytes_ratio": qb["dense"] / fbytes["dense"], "bytes_ratio": meta["bytes"]["file"] / sizes["fp32"]["file"],
                          "linear_weight_bytes_ratio": linear_q / linear_f}
     for m in models.values():
@@ -348,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
     res["wall_seconds"] = time.time() - t_start
-    for s in ("int8", "bf16"):
+    for s in SCHEMES:
         res[f"{s}_dense_bytes_ratio"] = res["small"]["sizes"][s]["dense_bytes_ratio"]
         res[f"{s}_dense_bytes_ratio_prod"] = res["prod"]["sizes"][s]["dense_bytes_ratio"]
         res[f"{s}_bytes_ratio"] = res["small"]["sizes"][s]["bytes_ratio"]
@@ -369,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     if "int8_hr10_drop" in res:
         floors["int8_hr10_drop <= 0.003"] = res["int8_hr10_drop"] <= 0.003
         floors["int8_auc_drop <= 0.001"] = res["int8_auc_drop"] <= 0.001
+    # the same floors for the scheme with the row-wise INT8 item table (--embeddings int8)
+    floors["int8e_dense_bytes_ratio <= 0.3"] = res["int8e_dense_bytes_ratio"] <= 0.3
+    floors["int8e_throughput_ratio >= 1.3"] = res["int8e_throughput_ratio"] >= 1.3
+    if "int8e_hr10_drop" in res:
+        floors["int8e_hr10_drop <= 0.003"] = res["int8e_hr10_drop"] <= 0.003
+        floors["int8e_auc_drop <= 0.001"] = res["int8e_auc_drop"] <= 0.001
     res["floors"] = floors
     res["notes"] = (
         "Shared 2-core machine (see loadavg_start/_end): every variant is timed interleaved, one call each per round "
@@ -376,8 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         "settings.path is 'decode'; "
         "*_paired_median_speedup is the median over rounds of fp32_time / variant_time within a round. "
         "linear_share_of_fp32_generate = replayed Linear time / generate time: the INT8 gain is bounded by "
-        "1 / (1 - share + share / linear_speedup) (Amdahl). BF16 on a CPU without avx512_bf16/AMX is emulated.")
-    summary = {k: v for k, v in res.items() if k.startswith(("int8_", "bf16_"))}
+        "1 / (1 - share + share / linear_speedup) (Amdahl). int8 = the INT8 scheme as specified (fp16 item "
+        "table, similarity in float); int8e = the same with the row-wise INT8 item table (--embeddings int8), "
+        "whose full-catalogue similarity runs on the integer GEMM. BF16 on a CPU without avx512_bf16/AMX is emulated.")
+    summary = {k: v for k, v in res.items() if k.startswith(tuple(f"{s}_" for s in SCHEMES))}
     print(json.dumps({"summary": summary, "floors": floors}, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

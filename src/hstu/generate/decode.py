@@ -128,7 +128,7 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
     B = ids.shape[0]
     gen = torch.Generator(device=ids.device).manual_seed(seed) if strategy == "topk" else None
     user, kv, tbuf = _prefill(model, ids, timestamps, lengths, request_time, k, cache, actions, categories)
-    item_vecs = model.item_vectors()  # (I+1, d)
+    index = model.item_index()  # (I+1) rows, the table's storage
     bias_parts = model.repeat_parts(ids, actions, lengths)  # repeat-aware bias, fixed while generating
     out_items = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
     out_scores = torch.zeros(B, k, dtype=user.dtype, device=ids.device)
@@ -136,7 +136,7 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
     bidx = torch.arange(B, device=ids.device)
     pos = lengths.clone()
     for step in range(k):
-        scores = user @ item_vecs.T / model.cfg.temperature  # (B, I+1)
+        scores = index.cosine(user).div_(model.cfg.temperature)  # (B, I+1)
         if bias_parts is not None:
             model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(exclude, float("-inf"))
@@ -162,8 +162,8 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
     rep = lambda t: None if t is None else t.repeat_interleave(W, dim=0)  # noqa: E731
     ids_r, ts_r, len_r, rt_r = rep(ids), rep(timestamps), rep(lengths), rep(request_time)
     user, kv, tbuf = _prefill(model, ids_r, ts_r, len_r, rt_r, k, cache, rep(actions), rep(categories))
-    item_vecs = model.item_vectors()
-    I1 = item_vecs.shape[0]
+    index = model.item_index()
+    I1 = index.num_rows
     bias_parts = model.repeat_parts(ids, actions, lengths)
     bias_parts = None if bias_parts is None else tuple(rep(t) for t in bias_parts)  # the same for every beam
     excl = exclude.repeat_interleave(W, dim=0)  # (B*W, I+1)
@@ -172,7 +172,7 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
     beam_lp = torch.zeros(B, W, dtype=user.dtype, device=ids.device)
     pos = len_r.clone()
     for step in range(k):
-        scores = user @ item_vecs.T / model.cfg.temperature  # (B*W, I+1)
+        scores = index.cosine(user).div_(model.cfg.temperature)  # (B*W, I+1)
         if bias_parts is not None:
             model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(excl, float("-inf"))
@@ -223,7 +223,7 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
     cur_ids, cur_ts = _fit(ids, W).clone(), _fit(timestamps, W).clone()
     cur_len = lengths.clone()
     bidx = torch.arange(B, device=ids.device)
-    item_vecs = model.item_vectors()
+    index = model.item_index()
     bias_parts = model.repeat_parts(ids, None, lengths)
     items = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
     scores_out = torch.zeros(B, k, device=ids.device)
@@ -232,7 +232,7 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
         w = int(cur_len.max()) + 1
         seq = model.encode(cur_ids[:, :w], cur_ts[:, :w], cur_len)
         user = model.last_rows(seq, cur_len)
-        scores = user @ item_vecs.T / model.cfg.temperature
+        scores = index.cosine(user).div_(model.cfg.temperature)
         if bias_parts is not None:
             model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(exclude, float("-inf"))

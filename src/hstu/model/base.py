@@ -120,12 +120,19 @@ class SequentialRecommender(nn.Module):
         rows = self.item_emb.rows(start, end) if hasattr(self.item_emb, "rows") else self.item_emb.weight[start:end]
         return l2_normalize(rows.to(self.pos_emb.weight.dtype))
 
+    def item_index(self):
+        """The full-catalogue similarity of this table's storage (:mod:`hstu.model.item_index`):
+        ``.cosine(user (B, d) float32) -> (B, I+1)``. Build once per weight change and reuse."""
+        from hstu.model.item_index import build_item_index
+
+        return build_item_index(self)
+
     def score_all(self, user_vecs: torch.Tensor) -> torch.Tensor:
         """Cosine similarity / temperature against every item: (B, d) -> (B, num_items + 1).
 
         Column 0 (padding) is set to -inf.
         """
-        s = user_vecs @ self.item_vectors().T / self.cfg.temperature  # (B, I+1)
+        s = self.item_index().cosine(user_vecs).div_(self.cfg.temperature)  # (B, I+1)
         s[:, 0] = float("-inf")
         return s
 
@@ -140,12 +147,13 @@ class SequentialRecommender(nn.Module):
         return self.repeat.full(items, acts, self.cfg.num_items)
 
     def history_scores(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor,
-                       item_vecs: torch.Tensor | None = None) -> torch.Tensor:
+                       index=None) -> torch.Tensor:
         """Full-ranking scores of users with these histories: cosine / temperature against every
-        item (``item_vecs`` (I+1, d), default :meth:`item_vectors`) plus the repeat bias when the
-        model has a repeat head: (B, I+1), column 0 (padding) -inf."""
-        item_vecs = self.item_vectors() if item_vecs is None else item_vecs
-        scores = user_vecs @ item_vecs.T / self.cfg.temperature  # (B, I+1)
+        item (``index``, default :meth:`item_index`; pass one built once when scoring many
+        batches) plus the repeat bias when the model has a repeat head: (B, I+1), column 0
+        (padding) -inf."""
+        index = self.item_index() if index is None else index
+        scores = index.cosine(user_vecs).div_(self.cfg.temperature)  # (B, I+1)
         parts = self.repeat_parts(ids, actions, lengths)
         if parts is not None:
             self.repeat.add_to(scores, user_vecs, *parts)

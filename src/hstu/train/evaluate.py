@@ -41,14 +41,14 @@ def evaluate_ranks(model: HSTUModel, log_: EventLog, split: Split, which: str, *
     if users is None:
         users = np.nonzero(targets >= 0)[0]
     exclude = log_.exclude_history_default if exclude is None else exclude
-    item_vecs = model.item_vectors()  # (I+1, d)
+    index = model.item_index()  # the similarity of the table's storage (model/item_index.py)
     order = users[np.argsort(targets[users] - log_.offsets[users], kind="stable")]  # by history length
     all_ranks = []
     for s in range(0, len(order), batch_size):
         ub = order[s:s + batch_size]
         b = eval_batch(log_, targets, ub, model.cfg.max_seq_len).to(device)
         seq = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        scores = model.history_scores(model.last_rows(seq, b.lengths), b.ids, b.actions, b.lengths, item_vecs)  # (B, I+1)
+        scores = model.history_scores(model.last_rows(seq, b.lengths), b.ids, b.actions, b.lengths, index)  # (B, I+1)
         if exclude:
             exclude_history(scores, log_, ub, targets[ub])
         all_ranks.append(target_ranks(scores, b.targets).cpu().numpy())

@@ -11,7 +11,8 @@ widening a 16-bit table block by block were each faster here (~11 and ~6-7 ms at
 INT8 on the integer GEMM ~2.3 ms). The index keeps the table in the precision it is stored in, never a full-size
 float32 copy of a 16-bit or INT8 table:
 
-    FloatIndex  float32 table: the normalised rows, (V, d) · (d, B), written transposed.
+    FloatIndex  float32 table: the normalised rows, (V, d) · (d, B) written transposed (from
+                4 MB of table; below, one (B, d) · (d, V) GEMM).
     HalfIndex   fp16 / bf16 table (the INT8 scheme's default item storage, and the 16-bit
                 schemes): the stored rows (no copy) and float32 inverse norms; blocks of rows
                 are widened to float32 and multiplied in float32, and each cosine is scaled
@@ -34,6 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HALF_BLOCK_ROWS = 2048  # rows widened per block: 2 MB of float32 at d = 256
+TABLE_MAJOR_MIN_ELEMENTS = 1 << 20  # float tables from 4 MB: table-major GEMM
 
 
 class ItemIndex:
@@ -49,11 +51,16 @@ class ItemIndex:
 
 class FloatIndex(ItemIndex):
     def __init__(self, vecs: torch.Tensor) -> None:
-        self.vecs = vecs.contiguous()  # (V, d) normalised
+        # large tables: (V, d) · (d, B) then a transposed copy; small ones (ML-1M: 3,706 x 50): one
+        # (B, d) · (d, V) GEMM into ``out``, where the extra copy cost more than it saved (paired runs)
+        self.table_major = vecs.numel() >= TABLE_MAJOR_MIN_ELEMENTS
+        self.vecs = vecs.contiguous() if self.table_major else vecs.T.contiguous()  # (V, d) or (d, V)
         self.num_rows = vecs.shape[0]
         self.nbytes = self.vecs.numel() * self.vecs.element_size()
 
     def cosine(self, user, out=None):
+        if not self.table_major:
+            return torch.matmul(user, self.vecs) if out is None else torch.matmul(user, self.vecs, out=out)
         y = torch.mm(self.vecs, user.T)  # (V, B)
         return y.T.contiguous() if out is None else out.copy_(y.T)
 

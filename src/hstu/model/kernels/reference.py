@@ -105,10 +105,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
         a = (F.silu(s) / n).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
         out = torch.matmul(a, v)  # (B, H, T, d_v)
     else:  # inference: in place on the (B, H, T, S) scores, 1/n applied to the (B, H, T, d_v) output
-        if rab is not None:  # mask folded into the bias: one pass over (B, T, S), not (B, H, T, S)
+        if rab is not None and H > 1:  # mask folded into the bias: one pass over (B, T, S), not (B, H, T, S)
             s.add_(torch.where(drop, masked_bias(s.dtype), rab).unsqueeze(-3))
             a = F.silu(s, inplace=True)  # masked: SiLU(s - M) = -0.0 exactly
-        else:
+        else:  # one head (or no bias): the fold saves nothing, masked_fill is the cheaper op
+            if rab is not None:
+                s.add_(rab.unsqueeze(-3))
             a = F.silu(s, inplace=True).masked_fill_(drop.unsqueeze(-3), 0.0)  # (B, H, T, S)
         out = torch.matmul(a, v).div_(n)  # (B, H, T, d_v)
     return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])  # (B, T, H*d_v)

@@ -3,12 +3,12 @@ code: HSTU small, HSTU large and SASRec in the same harness (same data, split, s
 full-ranking evaluation), side by side with the published numbers and the reference trajectory.
 
     python benchmarks/reproduce_ml1m.py                                  # all three, both protocols (hours on 2 cores)
-    python benchmarks/reproduce_ml1m.py --models hstu-small --protocols paper --paper-epochs 45
+    python benchmarks/reproduce_ml1m.py --models hstu-small --protocols paper --paper-epochs 50
     python benchmarks/reproduce_ml1m.py --report-only                     # rewrite results from finished runs
     python benchmarks/reproduce_ml1m.py --epochs 2 --paper-epochs 2 --max-users 200 --runs /tmp/m --out /tmp/m_out  # smoke
 
 Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
-batch 128, 128 uniform negatives per position, temperature 0.05, L2-normalised embeddings, dropout 0.2,
+batch 128, 128 uniform negatives per position (paper protocol; clean shares a set per 16), temperature 0.05, L2-normalised embeddings, dropout 0.2,
 max_seq_len 200, up to 101 epochs.
 
 Protocols: "clean" trains on all but the last two events per user, stops early on validation
@@ -66,6 +66,11 @@ TOLERANCE = 0.005
 # batches (measured: length-sorted batches reach test HR@10 .179 at epoch 5, random ones .198; the
 # reference .205); the clean protocol keeps length-sorted batches, ~3x faster per epoch on CPU.
 POOL_DEFAULT = {"paper": 1, "clean": 50}
+# Negatives per protocol: the paper protocol uses the reference's per-position negatives (1), with which our
+# trajectory tracks the reference's (test HR@10 .2046 / .2540 at epochs 5 / 10 against .1982 / .2502 with one
+# set per 16 positions and the reference's .2048 / .2561); the clean protocol shares a set per 16 positions
+# (~1.3x faster per epoch here).
+CHUNK_DEFAULT = {"paper": 1, "clean": 16}
 SPEED_FLOOR_SMALL = 85.0
 
 
@@ -84,11 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batches sorted by length within pools of this many batches; default 1 (random batches, "
                         "the reference's) under the paper protocol, 50 (our faster recipe) under clean; another "
                         "value adds a -poolN suffix to the run directory")
-    p.add_argument("--negatives-chunk", type=int, default=16,
-                   help="positions sharing one set of 128 negatives (1 = per position, the reference's scheme: ~1.3x "
-                        "slower per epoch here; with random batches (paper protocol) it tracks the reference's trajectory, "
-                        "test HR@10 .2046 / .2540 at epochs 5 / 10 against .1982 / .2502 with 16 and the reference's "
-                        ".2048 / .2561; runs with another value than 16 get a -chunkN suffix)")
+    p.add_argument("--negatives-chunk", type=int,
+                   help="positions sharing one set of 128 negatives; default 1 (per position, the reference's scheme) "
+                        "under the paper protocol, 16 (~1.3x faster per epoch here) under clean; another value adds "
+                        "a -chunkN suffix to the run directory")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
@@ -133,7 +137,8 @@ def main(argv=None) -> int:
         entry: dict = {"model": name, "published": PUBLISHED.get(name), **prov}
         for protocol in protocols:
             pool = args.length_pool or POOL_DEFAULT[protocol]
-            run = runs / (f"{name}-{protocol}" + (f"-chunk{args.negatives_chunk}" if args.negatives_chunk != 16 else "")
+            chunk = args.negatives_chunk or CHUNK_DEFAULT[protocol]
+            run = runs / (f"{name}-{protocol}" + (f"-chunk{chunk}" if chunk != CHUNK_DEFAULT[protocol] else "")
                           + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else "") + (f"-seed{args.seed}" if args.seed != 42 else ""))
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             interim = None
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
                 log.info("%s: unfinished run, reporting its best checkpoint so far", run)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
             tcfg = TrainConfig(epochs=epochs, batch_size=128, learning_rate=1e-3, beta1=0.9, beta2=0.98, weight_decay=0.0,
-                               num_negatives=128, negatives_chunk=args.negatives_chunk, length_pool=pool, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
+                               num_negatives=128, negatives_chunk=chunk, length_pool=pool, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
             run.mkdir(parents=True, exist_ok=True)
             if not (run / "metrics.json").exists():
                 (run / "command.txt").write_text(prov["command"] + "\n")
@@ -196,8 +201,10 @@ def main(argv=None) -> int:
                     "HR@10": [c["test"]["HR@10"], sas["test"]["HR@10"]], "NDCG@10": [c["test"]["NDCG@10"], sas["test"]["NDCG@10"]],
                     "holds": c["test"]["HR@10"] > sas["test"]["HR@10"] and c["test"]["NDCG@10"] > sas["test"]["NDCG@10"]}
     speed = {f"{n}-{p}": results[n][p]["sequences_per_s"] for n in results for p in protocols if p in results[n]}
-    floors["speed_sequences_per_s"] = {"values": speed, "floor_small": SPEED_FLOOR_SMALL,
-                                       "holds": all(v >= SPEED_FLOOR_SMALL for k, v in speed.items() if k.startswith("hstu-small"))}
+    # the floor is on our recipe (clean: length-sorted batches, negatives per 16 positions); the paper protocol
+    # runs the reference's slower recipe on purpose (random batches, per-position negatives), reported as is
+    floors["speed_sequences_per_s"] = {"values": speed, "floor_small": SPEED_FLOOR_SMALL, "floor_applies_to": "hstu-small-clean",
+                                       "holds": speed["hstu-small-clean"] >= SPEED_FLOOR_SMALL if "hstu-small-clean" in speed else None}
     summary["floors"] = floors
     summary["test"] = {f"{n}-{p}": {k: results[n][p]["test"][k] for k in ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "HR@200", "MRR")}
                        for n in results for p in protocols if p in results[n]}

@@ -289,6 +289,30 @@ def test_wrong_scheme_refused(tiny_run, tmp_path):
         save_quantized_run(apply_precision(copy.deepcopy(fm), "int8"), tiny_run, q8)
 
 
+def test_corrupt_run_files_name_the_file(tiny_run, tmp_path):
+    """Truncated weights and broken JSON give a ValueError naming the file (a fresh user's report:
+    raw SafetensorError / JSONDecodeError tracebacks before)."""
+    import shutil
+
+    from hstu.model.checkpoint import load_run
+
+    fm = _float(tiny_run)
+    q8 = tmp_path / "q8"
+    save_quantized_run(apply_precision(copy.deepcopy(fm), "int8"), tiny_run, q8)
+    w = q8 / "model.quant.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    with pytest.raises(QuantCheckpointError, match="model.quant.safetensors: not a readable safetensors file"):
+        load_quantized_run(q8)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_run, broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 7)
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_run(broken)
+    (broken / "config.json").write_text("{\n  'model': 1")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        load_run(broken)
+
+
 def test_float_run_converted_on_load(tiny_run):
     m, cfg, _ = load_for_inference(tiny_run, "cpu", "int8")
     assert isinstance(m.layers[1].o, Int8Linear) and "quant" not in cfg

@@ -635,6 +635,16 @@ def test_model_process_dying_before_warmup_is_replaced_and_warmed(run_dir) -> No
         model.close()
 
 
+def test_model_process_load_error_is_raised_as_itself(run_dir) -> None:
+    """A run the model process cannot load (here: a missing run directory; a wrong --precision alike)
+    raises the loader's own error in the server process, not BrokenProcessPool, so that
+    `hstu serve` prints it as a one-line error (a fresh user's report)."""
+    from hstu.serve.worker import ProcessModel, WorkerSpec
+
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ProcessModel(WorkerSpec(str(run_dir / "no_such_run"), buckets=tuple(BUCKETS), max_batch=4, threads=1))
+
+
 def test_vectorised_id_map_equals_a_dict_lookup(rec) -> None:
     """``Recommender.dense_ids`` (binary search over the sorted id map) against a per-id dict
     lookup: known, unknown, negative, past-int64 and numeric-string ids; junk names its index."""

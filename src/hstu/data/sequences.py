@@ -71,7 +71,7 @@ class EventLog:
         """Row of an original user id; KeyError names the id."""
         i = int(np.searchsorted(self.users, raw_user_id))
         if i >= len(self.users) or self.users[i] != raw_user_id:
-            raise KeyError(f"unknown user id {raw_user_id} in {self.name}")
+            raise KeyError(f"unknown user id {raw_user_id}: not among the {len(self.users)} users of {self.name} in this run")
         return i
 
     def item_dense(self, raw_ids) -> np.ndarray:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from hstu import backend
@@ -35,7 +36,18 @@ def read_json(path: Path) -> Any:
     """Read JSON; FileNotFoundError says which run file is missing."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: not found (is this a run directory written by `hstu train`?)")
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file; ValueError names a truncated or corrupt file."""
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}); the run may be incomplete or corrupt") from exc
 
 
 def save_weights(path: Path, module: torch.nn.Module, metadata: dict[str, str] | None = None) -> None:
@@ -49,7 +61,7 @@ def load_weights(path: Path, module: torch.nn.Module, device: torch.device | str
     """Load safetensors weights; a missing or unexpected key raises ValueError naming it."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: weights not found")
-    state = load_file(str(path), device=str(device))
+    state = read_safetensors(path, device)
     missing, unexpected = module.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import load_run, read_json, write_json
+from hstu.model.checkpoint import load_run, read_json, read_safetensors, write_json
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
 from hstu.quant.lowp import LOWP, to_low_precision
 
@@ -167,7 +167,11 @@ def _check(run: Path, meta: dict, scheme: str | None) -> None:
     wpath = run / WEIGHTS
     if not wpath.exists():
         raise FileNotFoundError(f"{wpath}: quantized weights not found")
-    with safe_open(str(wpath), "pt") as fh:
+    try:
+        fh_ctx = safe_open(str(wpath), "pt")
+    except (SafetensorError, OSError) as exc:
+        raise QuantCheckpointError(f"{wpath}: not a readable safetensors file ({exc}); the run may be incomplete or corrupt") from exc
+    with fh_ctx as fh:
         file_scheme = (fh.metadata() or {}).get("hstu_quant_scheme")
         if file_scheme != have:
             raise QuantCheckpointError(f"{wpath}: weights were written for scheme {file_scheme!r} but {run / META} says {have!r}")
@@ -217,9 +221,7 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
         quantize_model_int8(model, embeddings=meta["embeddings"], keep_float=meta["keep_float"], structure_only=True)
     else:
         to_low_precision(model, meta["scheme"])
-    from safetensors.torch import load_file
-
-    state = load_file(str(run / WEIGHTS))
+    state = read_safetensors(run / WEIGHTS)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise QuantCheckpointError(f"{run / WEIGHTS}: weights do not match the {meta['scheme']} model: "

@@ -29,6 +29,8 @@ def cmd_quantize(args) -> int:
         raise ValueError(f"{args.run} is already quantized; quantize the float run it was made from")
     if not args.report_only and not args.out:
         raise ValueError("--out is required (or pass --report-only)")
+    if args.report_only and args.no_calibrate:
+        raise ValueError("--report-only with --no-calibrate has nothing to do: the report is the calibration")
     float_model, cfg, _ = load_run(args.run, "cpu")
     kw = {}
     if args.scheme == "int8":

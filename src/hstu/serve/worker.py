@@ -142,7 +142,11 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     threads = spec.threads or (max(1, (os.cpu_count() or 1) // spec.workers) if spec.workers > 1 else None)
     if threads:  # several model processes share the cores instead of each taking all of them
         torch.set_num_threads(threads)
-    rec = Recommender.from_run(spec.run_dir, spec.device, spec.precision)
+    try:
+        rec = Recommender.from_run(spec.run_dir, spec.device, spec.precision)
+    except Exception as exc:  # noqa: BLE001 - kept and raised by the first call, in the parent, as itself
+        _WORKER["load_error"] = exc  # (an initializer that raises only breaks the pool: BrokenProcessPool)
+        return
     runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine)
     _WORKER.update(runner=runner, guard=batch_guard(runner, backends.select(spec.device), spec.memory_threshold))
     for edge in warm:
@@ -151,7 +155,13 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     gc.freeze()  # the loaded model never becomes garbage: keep it out of full collections (app.py)
 
 
+def _loaded() -> None:
+    if "load_error" in _WORKER:
+        raise _WORKER["load_error"]
+
+
 def _worker_info() -> dict:
+    _loaded()
     r = _WORKER["runner"]
     return {"buckets": list(r.buckets), "max_k": r.max_k, "has_engine": r.engine is not None, "backend_name": r.backend_name}
 
@@ -180,7 +190,11 @@ class ProcessModel:
         self.restarts = 0
         self.pools = [self._spawn(()) for _ in range(spec.workers)]
         infos = [p.submit(_worker_info) for p in self.pools]
-        info = [f.result(timeout=start_timeout_s) for f in infos][0]  # noqa: RUF015 - waits for every process
+        try:
+            info = [f.result(timeout=start_timeout_s) for f in infos][0]  # noqa: RUF015 - waits for every process
+        except BaseException:
+            self.close()
+            raise
         self.buckets, self.max_k = info["buckets"], info["max_k"]
         suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"
         self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix

@@ -53,7 +53,8 @@ model's fixed width, I items.
   layer only the last live row, whose output is the user vector, is attended and projected
   (as an LLM prefill computes only the last token's logits). Square causal attention runs in
   two row blocks from ``prefill_split`` rows on (the first half of the queries never sees the
-  second half of the keys); masked scores get a -M bias whose SiLU is exactly 0.
+  second half of the keys); with several heads, masked scores get a -M bias whose SiLU is
+  exactly 0 (kernels/reference.py).
 - A decode step attends to the history rows and to the generated rows in two pieces and adds
   them: HSTU attention is pointwise SiLU with no softmax, so A·V splits over key segments.
   An appended token has timestamp = request time = the query time, so a cached step equals a

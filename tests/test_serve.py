@@ -185,6 +185,7 @@ def test_probes_docs_and_metric_names(server) -> None:
     r = httpx.get(server.url + "/readyz")
     assert r.status_code == 200 and r.json()["status"] == "ready"
     assert r.json()["buckets"] == {"10": True, "20": True, "50": True}
+    assert r.json()["precision"] == "fp32" and r.json()["embeddings"] == "fp32"  # the run is float
     assert "swagger" in httpx.get(server.url + "/docs").text.lower()
     paths = httpx.get(server.url + "/openapi.json").json()["paths"]
     assert {"/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics"} <= set(paths)
@@ -194,6 +195,7 @@ def test_probes_docs_and_metric_names(server) -> None:
                  "hstu_serve_generated_items_total", "hstu_serve_rejected_requests_total", "hstu_serve_memory_free_bytes",
                  "hstu_serve_memory_total_bytes", "hstu_serve_requests_total", "hstu_serve_ready"):
         assert name in names, name
+    assert m[("hstu_serve_model_info", (("embeddings", "fp32"), ("precision", "fp32")))] == 1
     for b in BUCKETS:  # the ops alert rule "data-movement storm" reads this exact series name and label
         assert m[("hstu_serve_queue_depth", (("bucket", str(b)),))] == 0
         assert m[("hstu_serve_bucket_warm", (("bucket", str(b)),))] == 1
@@ -556,6 +558,16 @@ def _kill_model_process(svc, i: int = 0) -> None:
     worker = psutil.Process(next(iter(svc.model.pools[i]._processes)))  # noqa: SLF001 - that model process
     worker.kill()
     worker.wait(30)
+
+
+def test_readyz_and_metrics_name_the_precision_the_model_process_serves(run_dir, rec) -> None:
+    """A float run served with --precision int8 (converted in the model process): /readyz and the
+    hstu_serve_model_info series say int8 with the FP16 item table, not the HTTP process's float copy."""
+    policy = ServePolicy(model_process=True, threads=1, precision="int8")
+    with LiveServer(create_app(ServeConfig(buckets=BUCKETS, max_wait_ms=2), rec, run_dir=str(run_dir), policy=policy)) as s:
+        body = httpx.get(s.url + "/readyz").json()
+        assert body["precision"] == "int8" and body["embeddings"] == "fp16"
+        assert metrics(s.url)[("hstu_serve_model_info", (("embeddings", "fp16"), ("precision", "int8")))] == 1
 
 
 def test_model_process_answers_like_the_recommender_and_survives_its_death(run_dir, ratings, ref, rec) -> None:

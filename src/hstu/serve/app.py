@@ -188,6 +188,11 @@ class Service:
             self.model = LocalModel(runner, batch_guard(runner, self.backend, cfg.memory_threshold))
         kinds = ("host",) if self.backend.name == "cpu" else ("device", "host")
         self.metrics = ServeMetrics(self.model.buckets, kinds)
+        q = getattr(rec.model, "quant_meta", None) or {}
+        if policy.precision not in (None, q.get("scheme", "fp32")):  # converted in the model process as in this one
+            q = {"scheme": policy.precision, "embeddings": "fp16" if policy.precision == "int8" else policy.precision}
+        self.precision = {"precision": q.get("scheme", "fp32"), "embeddings": q.get("embeddings", "fp32")}
+        self.metrics.model_info.info(self.precision)
         self.dense = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}  # original id -> dense id
         self.max_bucket = self.model.buckets[-1]
         self.batcher: MicroBatcher | None = None
@@ -336,7 +341,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     async def readyz():
         b = svc.batcher
         warm = {str(e): e in svc.model.warm for e in svc.model.buckets}
-        body = {"buckets": warm, "generation": svc.model.backend_name, "cold_start": svc.popularity is not None}
+        body = {"buckets": warm, "generation": svc.model.backend_name, **svc.precision, "cold_start": svc.popularity is not None}
         if b is None:
             return JSONResponse({"status": "starting", **body}, status_code=503)
         if b.ready:

@@ -28,7 +28,7 @@ popularity path. ``hstu_serve_queue_depth`` is the exact name read by the ops al
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 REASONS = ("queue_full", "timeout", "memory", "draining", "invalid", "body_too_large", "model_restart")
 
@@ -60,6 +60,7 @@ class ServeMetrics:
         self.memory_free = Gauge("hstu_serve_memory_free_bytes", "Free memory (bytes)", ["memory"], registry=r)
         self.memory_total = Gauge("hstu_serve_memory_total_bytes", "Total memory (bytes)", ["memory"], registry=r)
         self.guard_triggers = Counter("hstu_serve_memory_guard_triggers", "Memory checks below the threshold", registry=r)
+        self.model_info = Info("hstu_serve_model", "The served model: precision and item-table storage", registry=r)
         self.ready = Gauge("hstu_serve_ready", "1 once the model is loaded and every bucket is warm", registry=r)
         self.bucket_warm = Gauge("hstu_serve_bucket_warm", "1 once the bucket is warm", ["bucket"], registry=r)
         for b in buckets:

@@ -671,3 +671,18 @@ def test_vectorised_id_map_equals_a_dict_lookup(rec) -> None:
     assert rec.dense_ids([2**70, q[0]]).tolist() == [0, want[0]]
     with pytest.raises(HistoryError, match=r"history\[1\].item_id: not an integer id: 'x'"):
         rec.dense_ids([q[0], "x"])
+
+
+def test_mapping_only_recommender_prepares_like_the_full_one_without_weights(run_dir, rec) -> None:
+    """What the HTTP process loads when a model process holds the model: the same id map and
+    prepared histories, a model with no storage (no second copy of the tables)."""
+    light = Recommender.mapping_only(run_dir)
+    assert all(p.is_meta for p in light.model.parameters())
+    assert light.model.cfg == rec.model.cfg and light.raw_ids.tolist() == rec.raw_ids.tolist()
+    items = [int(x) for x in rec.raw_ids[1:30]] + [999_999_999]
+    h = History(items, list(range(1_000_000, 1_000_000 + 30 * 60, 60)))
+    a, b = light.prepare(h), rec.prepare(h)
+    for f in ("ids", "timestamps", "actions", "categories"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert a.warnings == b.warnings and a.request_time == b.request_time
+    assert light.describe(3, 0.5) == rec.describe(3, 0.5)

@@ -9,6 +9,7 @@ non-monotonic timestamps (policy "sort", stable, or "reject").
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +74,26 @@ class Recommender:
 
         model, _, ids = load_for_inference(run_dir, device, precision)
         return cls(harden(model, backend.select(device).device), ids, device)
+
+    @classmethod
+    def mapping_only(cls, run_dir) -> "Recommender":
+        """The id map, titles and the model's config of a run, without its weights: the model is
+        built on PyTorch's "meta" device (shapes, no storage), so ``prepare`` / ``batch`` /
+        ``describe`` work and nothing can run it. What an HTTP process needs when a model process
+        holds the weights: no second full-size copy of the tables. Raises FileNotFoundError /
+        ValueError naming a missing or broken run file."""
+        from hstu.config import model_config_from_dict
+        from hstu.model.checkpoint import read_json
+        from hstu.model.hstu import build_hstu
+        from hstu.quant.checkpoint import read_quant_meta
+
+        cfg, ids = read_json(Path(run_dir) / "config.json"), read_json(Path(run_dir) / "idmap.json")
+        with torch.device("meta"):
+            model = build_hstu(model_config_from_dict(cfg["model"]))
+        meta = read_quant_meta(run_dir)
+        if meta is not None:
+            model.quant_meta = meta
+        return cls(model, ids, "cpu")
 
     @property
     def max_len(self) -> int:

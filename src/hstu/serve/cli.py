@@ -82,8 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.threads:
         torch.set_num_threads(args.threads)
     run = Path(args.run)
-    # with a model process, this process only maps ids and formats answers: its copy stays on the host
-    rec = Recommender.from_run(run, "cpu", None) if args.model_process else Recommender.from_run(run, args.device, args.precision)
+    # with a model process, this process only maps ids and formats answers: no weights here
+    rec = Recommender.mapping_only(run) if args.model_process else Recommender.from_run(run, args.device, args.precision)
     explicit = parse_buckets(args.buckets) if args.buckets else (list(cfg.buckets) if args.config else None)
     cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
     policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,

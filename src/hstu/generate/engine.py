@@ -52,8 +52,7 @@ model's fixed width, I items.
 - Prefill: every row through every layer (their K/V fill the cache), except that in the last
   layer only the last live row, whose output is the user vector, is attended and projected
   (as an LLM prefill computes only the last token's logits). Square causal attention runs in
-  two row blocks from ``prefill_split`` rows on (the first half of the queries never sees the
-  second half of the keys); with several heads, masked scores get a -M bias whose SiLU is
+  ``prefill_blocks`` row blocks from 64 rows on (a block's queries never see later keys); with several heads, masked scores get a -M bias whose SiLU is
   exactly 0 (kernels/reference.py).
 - A decode step attends to the history rows and to the generated rows in two pieces and adds
   them: HSTU attention is pointwise SiLU with no softmax, so A·V splits over key segments.
@@ -248,7 +247,7 @@ class Engine:
         self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
         self.kernels: KernelSet = get_kernels(dev.type, kernels)
         self.graphs = self._graph_mode(graphs)
-        self.prefill_split = 64  # rows from which a prefill's attention runs in two causal row blocks (0: off)
+        self.prefill_blocks = 2  # causal row blocks of a prefill's attention from 64 rows (1: one square)
         if batch_sizes is None:  # static batch shapes only where something is captured
             batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(self.graphs,
                                                                                                          _ladder(self.max_batch))
@@ -384,21 +383,19 @@ class Engine:
         return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
 
     def _causal_attention(self, q, k, v, pos, tb, pw, tw) -> torch.Tensor:
-        """Square causal attention of a prefill, (Bp, H, E, ·) -> (Bp, E, H*d_v). With
-        ``prefill_split`` <= E rows, in two row blocks: the first half of the queries against
-        the first half of the keys only (the rest of their keys are masked), the second half
-        against all, which skips a quarter of the (Bp, H, E, E) scores. Same result: keys
-        beyond a query row contribute exactly 0 either way."""
+        """Square causal attention of a prefill, (Bp, H, E, ·) -> (Bp, E, H*d_v). From 64 rows,
+        in ``prefill_blocks`` row blocks: block j's queries against keys 0 .. its last row only
+        (the later keys are masked for them), which skips (n - 1) / 2n of the (Bp, H, E, E)
+        scores for n blocks. Same result: keys beyond a query row contribute exactly 0 either way."""
         ks, c = self.kernels, self.model.cfg
-        E = q.shape[2]
-        if not self.prefill_split or E < self.prefill_split:
+        E, n = q.shape[2], self.prefill_blocks
+        if n <= 1 or E < 64:
             return ks.attention(q, k, v, q_pos=pos, k_pos=pos, k_valid=None, tb=tb, pos_w=pw, ts_w=tw, n=c.width)
-        h = E // 2
-        tb1, tb2 = (None, None) if tb is None else (tb[:, :h, :h], tb[:, h:])
-        a1 = ks.attention(q[:, :, :h], k[:, :, :h], v[:, :, :h], q_pos=pos[:h], k_pos=pos[:h], k_valid=None, tb=tb1,
-                          pos_w=pw, ts_w=tw, n=c.width)  # (Bp, h, H*d_v)
-        a2 = ks.attention(q[:, :, h:], k, v, q_pos=pos[h:], k_pos=pos, k_valid=None, tb=tb2, pos_w=pw, ts_w=tw, n=c.width)
-        return torch.cat([a1, a2], dim=1)  # (Bp, E, H*d_v)
+        edges = [E * j // n for j in range(n + 1)]
+        parts = [ks.attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=pos[a:b], k_pos=pos[:b], k_valid=None,
+                              tb=None if tb is None else tb[:, a:b, :b], pos_w=pw, ts_w=tw, n=c.width)  # (Bp, b - a, H*d_v)
+                 for a, b in zip(edges[:-1], edges[1:])]
+        return torch.cat(parts, dim=1)  # (Bp, E, H*d_v)
 
     def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
         return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)

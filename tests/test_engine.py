@@ -317,3 +317,30 @@ def test_warmup_runs_every_bucket_and_batch_size(model):
     for E in (20, 40):
         keys = set(eng._buckets[E].runners)
         assert {("prefill", 1), ("prefill", 2), ("step", 1, 1), ("step", 2, 1), ("step", 1, 2)} <= keys
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_prefill_in_causal_row_blocks_equals_one_square(blocks):
+    """Buckets from 64 rows run the prefill's attention in row blocks (each block against the
+    keys up to its last row); same items, scores within float reassociation, and the same
+    first-step scores as the float64 encoder."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=I, max_seq_len=80, max_output_len=4, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
+                      dropout=0.0)
+    m = build_hstu(cfg).eval()
+    lens = [80, 64, 65, 33, 1, 79]
+    ids, ts, L, rt = histories(lens, width=80, seed=5)
+    one = Engine(m, buckets=(80,), max_batch=8, k_max=4)
+    one.prefill_blocks = 1
+    split = Engine(m, buckets=(80,), max_batch=8, k_max=4)
+    split.prefill_blocks = blocks
+    a, b = one.generate(ids, ts, L, 4, request_time=rt), split.generate(ids, ts, L, 4, request_time=rt)
+    assert torch.equal(a.items, b.items)
+    close(a.scores, b.scores)
+    m64 = copy.deepcopy(m).double()
+    N, B = cfg.width, len(lens)
+    ids_n, ts_n = torch.nn.functional.pad(ids, (0, N - 80)), torch.nn.functional.pad(ts, (0, N - 80))
+    ts_n[torch.arange(B), L] = rt
+    with torch.no_grad():
+        want = m64.score_all(m64.last_rows(m64.encode(ids_n, ts_n, L), L))
+    close(b.scores[:, 0], want[torch.arange(B), b.items[:, 0]])

@@ -85,14 +85,10 @@ class Recommender:
         from hstu.config import model_config_from_dict
         from hstu.model.checkpoint import read_json
         from hstu.model.hstu import build_hstu
-        from hstu.quant.checkpoint import read_quant_meta
 
         cfg, ids = read_json(Path(run_dir) / "config.json"), read_json(Path(run_dir) / "idmap.json")
         with torch.device("meta"):
             model = build_hstu(model_config_from_dict(cfg["model"]))
-        meta = read_quant_meta(run_dir)
-        if meta is not None:
-            model.quant_meta = meta
         return cls(model, ids, "cpu")
 
     @property

@@ -89,17 +89,18 @@ class HalfIndex(ItemIndex):
 
 class Int8Index(ItemIndex):
     def __init__(self, q: torch.Tensor, engine: str) -> None:
-        from hstu.quant.int8 import _prepack, _reduce_range
+        from hstu.quant.int8 import Int8Linear
 
         norm = q.to(torch.float32).norm(dim=1)
-        scale = torch.where(norm > 0, 1.0 / norm.clamp(min=1e-12), torch.ones_like(norm))  # padding row: Q = 0
-        self.packed = _prepack(q, scale, None, engine)
-        self.reduce_range = _reduce_range(engine)
+        self.lin = Int8Linear(q.shape[1], q.shape[0], bias=False, kernel=engine)  # the table as a (V x d) Linear
+        self.lin.weight_int8 = q  # the model's rows, shared
+        self.lin.weight_scale = torch.where(norm > 0, 1.0 / norm.clamp(min=1e-12), torch.ones_like(norm))  # padding row: Q = 0
+        self.lin.prepare()
         self.num_rows = q.shape[0]
         self.nbytes = q.numel()  # the prepacked copy of the int8 rows
 
     def cosine(self, user, out=None):
-        y = torch.ops.quantized.linear_dynamic(user.to(torch.float32).contiguous(), self.packed, self.reduce_range)
+        y = self.lin(user.to(torch.float32))  # (B, V)
         return y if out is None else out.copy_(y)
 
 

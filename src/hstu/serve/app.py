@@ -188,10 +188,7 @@ class Service:
             self.model = LocalModel(runner, batch_guard(runner, self.backend, cfg.memory_threshold))
         kinds = ("host",) if self.backend.name == "cpu" else ("device", "host")
         self.metrics = ServeMetrics(self.model.buckets, kinds)
-        q = getattr(rec.model, "quant_meta", None) or {}
-        if policy.precision not in (None, q.get("scheme", "fp32")):  # converted in the model process as in this one
-            q = {"scheme": policy.precision, "embeddings": "fp16" if policy.precision == "int8" else policy.precision}
-        self.precision = {"precision": q.get("scheme", "fp32"), "embeddings": q.get("embeddings", "fp32")}
+        self.precision = self.model.precision  # what the model thread / process loaded
         self.metrics.model_info.info(self.precision)
         self.dense = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}  # original id -> dense id
         self.max_bucket = self.model.buckets[-1]

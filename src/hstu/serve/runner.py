@@ -142,6 +142,12 @@ class BatchRunner:
             log.warning("hstu.generate.engine.Engine could not be built for this run (%s); using Recommender.recommend", exc)
             return None
 
+    @property
+    def precision(self) -> dict[str, str]:
+        """What runs: {"precision": "fp32" | "bf16" | "fp16" | "int8", "embeddings": the item table's storage}."""
+        q = getattr(self.rec.model, "quant_meta", None) or {}
+        return {"precision": q.get("scheme", "fp32"), "embeddings": q.get("embeddings", "fp32")}
+
     def bucket_for(self, length: int) -> int:
         """The smallest edge >= ``length``; ValueError if none (the app truncates first)."""
         return smallest_bucket(self.buckets, length)

@@ -110,6 +110,7 @@ class LocalModel:
         self.runner, self.guard = runner, guard
         self.buckets, self.max_k = list(runner.buckets), runner.max_k
         self.has_engine, self.backend_name = runner.engine is not None, runner.backend_name
+        self.precision = runner.precision
         self.warm, self.costs = runner.warm, runner.costs
         self.slots, self.available = 1, 1
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
@@ -163,7 +164,8 @@ def _loaded() -> None:
 def _worker_info() -> dict:
     _loaded()
     r = _WORKER["runner"]
-    return {"buckets": list(r.buckets), "max_k": r.max_k, "has_engine": r.engine is not None, "backend_name": r.backend_name}
+    return {"buckets": list(r.buckets), "max_k": r.max_k, "has_engine": r.engine is not None, "backend_name": r.backend_name,
+            "precision": r.precision}
 
 
 def _worker_execute(edge: int, jobs: list[Job]) -> BatchOutcome:
@@ -198,6 +200,7 @@ class ProcessModel:
         self.buckets, self.max_k = info["buckets"], info["max_k"]
         suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"
         self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix
+        self.precision = info["precision"]  # as loaded by the model process
         self.up = set(range(spec.workers))  # loaded and not restarting
         self._free: asyncio.Queue | None = None  # indices of idle live pools, made in the running loop
         self._tasks: set[asyncio.Task] = set()

@@ -10,7 +10,10 @@ Measures, for two configs:
     greedy, KV cache preallocated once per model) at
     batch B with histories of H events: per-batch latency P50 / P99 (ms) and QPS (users / s);
     variants are timed interleaved (one call each per round, order rotated every round) so that
-    load from other processes on a shared machine hits all of them alike;
+    load from other processes on a shared machine hits all of them alike; throughput in two
+    layouts of the 2 cores: one process at --threads threads, and --workers single-threaded
+    processes generating at once (what `hstu serve --model-workers 2 --threads 1` runs), each
+    variant's throughput ratio taken at its best layout (both layouts are reported);
   * Linear-only time: every Linear call of one float generate() (prefill + decode steps) is
     recorded and replayed through the float / INT8 / BF16 modules, interleaved the same way;
   * quality (small only): HR@10 / NDCG@10 on the ML-1M test split (full ranking,
@@ -78,9 +81,11 @@ def machine() -> dict:
 
 # ----- models --------------------------------------------------------------------------------
 
-def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict]:
-    """{"fp32", "int8", "int8e", "bf16"} -> model (quantized ones reloaded from their checkpoints) and sizes."""
+def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict, dict]:
+    """{"fp32", "int8", "int8e", "bf16"} -> model (quantized ones reloaded from their checkpoints),
+    sizes, and the run directory each loads from (name -> (dir, scheme or None))."""
     models = {"fp32": float_model}
+    dirs = {"fp32": (str(src_run), None)}
     fstate = {k: v.detach().cpu() for k, v in float_model.state_dict().items()}
     fbytes = tensor_bytes(fstate)
     sizes = {"fp32": {"tensors": fbytes, "file": (src_run / "model.safetensors").stat().st_size}}
@@ -89,6 +94,7 @@ def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict]:
         out = tmp / name
         meta = save_quantized_run(q, src_run, out)
         models[name], _, _ = load_quantized_run(out, "cpu", scheme=scheme)
+        dirs[name] = (str(out), scheme)
         qb = tensor_bytes(quantized_state(q))
         linear_f = sum(t.numel() * 4 for k, t in fstate.items() if k.endswith((".uvqk.weight", ".o.weight")))
         linear_q = sum(t.numel() * t.element_size() for k, t in quantized_state(q).items()
@@ -101,7 +107,7 @@ def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict]:
         m.eval()
         for p in m.parameters():
             p.requires_grad_(False)
-    return models, sizes
+    return models, sizes, dirs
 
 
 # ----- timing --------------------------------------------------------------------------------
@@ -210,6 +216,74 @@ def speed(models: dict, ids, ts, lengths, k: int, repeats: int, warmup: int, pat
     return out
 
 
+def _worker(rank: int, dirs: dict, ids, ts, lengths, k: int, repeats: int, warmup: int, path: str, barrier, queue) -> None:
+    """One single-threaded worker process of :func:`worker_speed` (spawned; loads every variant itself)."""
+    torch.set_num_threads(1)
+    models = {}
+    for name, (d, scheme) in dirs.items():
+        models[name] = load_run(d, "cpu")[0] if scheme is None else load_quantized_run(d, "cpu", scheme=scheme)[0]
+    fns = generation_fns(models, ids, ts, lengths, k, path)
+    names = list(fns)
+    times = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            barrier.wait()  # every worker starts the same variant's call together
+            t0 = time.perf_counter()
+            fns[n]()
+            if r >= warmup:
+                times[n].append(time.perf_counter() - t0)
+    queue.put((rank, times))
+
+
+def worker_speed(dirs: dict, ids, ts, lengths, k: int, repeats: int, warmup: int, workers: int, path: str = "engine") -> dict:
+    """Throughput of ``workers`` single-threaded processes generating at once (the layout of
+    ``hstu serve --model-workers W --threads 1``): in every round each worker makes one call per
+    variant, all workers starting the same variant's call at a barrier, so that the variants share
+    the machine alike. QPS of a variant = workers * B * rounds / sum over rounds of the slowest
+    worker's call; latency percentiles over every worker's calls (ms)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, dirs, ids, ts, lengths, k, repeats, warmup, path, barrier, queue))
+             for r in range(workers)]
+    for pr in procs:
+        pr.start()
+    got = dict(queue.get(timeout=3600) for _ in procs)
+    for pr in procs:
+        pr.join()
+    B = ids.shape[0]
+    out: dict = {"workers": workers, "threads_per_worker": 1, "generate": {}}
+    for n in dirs:
+        per = np.asarray([got[r][n] for r in range(workers)])  # (workers, rounds) seconds
+        wall = per.max(axis=0)  # (rounds,)
+        out["generate"][n] = {"p50_ms": float(np.percentile(per, 50) * 1e3), "p99_ms": float(np.percentile(per, 99) * 1e3),
+                              "qps": float(workers * B * len(wall) / wall.sum()), "rounds": int(len(wall))}
+    f = out["generate"]["fp32"]["qps"]
+    for n in dirs:
+        if n != "fp32":
+            out[f"{n}_throughput_ratio"] = out["generate"][n]["qps"] / f
+    return out
+
+
+def summary_of(sp: dict) -> dict:
+    return {k: v for k, v in sp.items() if not isinstance(v, dict)}
+
+
+def best_qps(config: dict) -> dict[str, dict]:
+    """Each variant's highest QPS over the layouts measured on the 2 cores (one process with
+    --threads threads; --workers single-threaded processes), with the layout it came from."""
+    layouts = {"1_process": config["speed"]["generate"]}
+    if "speed_workers" in config:
+        layouts[f"{config['speed_workers']['workers']}_workers"] = config["speed_workers"]["generate"]
+    best = {}
+    for n in config["speed"]["generate"]:
+        lay = max(layouts, key=lambda L: layouts[L][n]["qps"])
+        best[n] = {"qps": layouts[lay][n]["qps"], "layout": lay}
+    return best
+
+
 # ----- quality ---------------------------------------------------------------------------------
 
 def sampled_negatives(log_, split, users: np.ndarray, m: int, seed: int) -> np.ndarray:
@@ -297,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prod-items", type=int, default=26_744)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--workers", type=int, default=2,
+                   help="also time this many single-threaded worker processes at once (the `hstu serve --model-workers` "
+                        "layout); 1: the one-process layout only")
+    p.add_argument("--worker-repeats", type=int, default=20, help="timed rounds of the worker layout")
     p.add_argument("--path", default="engine", choices=["engine", "decode"],
                    help="generation path timed: the serving Engine (default) or hstu.generate.generate")
     args = p.parse_args(argv)
@@ -313,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmpd)
         # --- small (trained ML-1M) ---
         fm, _, _ = load_run(run, "cpu")
-        small, small_sizes = make_variants(fm, run, tmp / "small")
+        small, small_sizes, small_dirs = make_variants(fm, run, tmp / "small")
         from hstu.model.checkpoint import read_json
 
         rcfg = read_json(run / "config.json")
@@ -334,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         ids, ts, lens = real_batch(log_, split, args.batch, args.history, args.seed)
         res["small"]["speed"] = speed(small, ids, ts, lens, args.k, args.repeats, args.warmup, args.path)
         log.info("small speed: %s", {k: v for k, v in res["small"]["speed"].items() if not isinstance(v, dict)})
+        if args.workers > 1:
+            res["small"]["speed_workers"] = worker_speed(small_dirs, ids, ts, lens, args.k, args.worker_repeats, args.warmup,
+                                                         args.workers, args.path)
+            log.info("small, %d workers: %s", args.workers, summary_of(res["small"]["speed_workers"]))
         del small
 
         # --- prod (random weights) ---
@@ -344,21 +426,31 @@ def main(argv: list[str] | None = None) -> int:
         save_weights(prun / "model.safetensors", pm)
         write_json(prun / "config.json", {"model": pcfg.__dict__})
         write_json(prun / "idmap.json", {"item_raw_ids": list(range(pcfg.num_items + 1))})
-        prod, prod_sizes = make_variants(pm, prun, tmp / "prod")
+        prod, prod_sizes, prod_dirs = make_variants(pm, prun, tmp / "prod")
         res["prod"] = {"config": pcfg.__dict__, "sizes": prod_sizes}
         ids, ts, lens = random_batch(pcfg.num_items, args.batch, args.history, args.seed)
         res["prod"]["speed"] = speed(prod, ids, ts, lens, args.k, args.repeats, args.warmup, args.path)
         log.info("prod speed: %s", {k: v for k, v in res["prod"]["speed"].items() if not isinstance(v, dict)})
+        if args.workers > 1:
+            del prod  # the workers load their own copies
+            res["prod"]["speed_workers"] = worker_speed(prod_dirs, ids, ts, lens, args.k, args.worker_repeats, args.warmup,
+                                                        args.workers, args.path)
+            log.info("prod, %d workers: %s", args.workers, summary_of(res["prod"]["speed_workers"]))
 
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
     res["wall_seconds"] = time.time() - t_start
+    for c in ("small", "prod"):
+        res[c]["best_qps"] = best_qps(res[c])
     for s in SCHEMES:
         res[f"{s}_dense_bytes_ratio"] = res["small"]["sizes"][s]["dense_bytes_ratio"]
         res[f"{s}_dense_bytes_ratio_prod"] = res["prod"]["sizes"][s]["dense_bytes_ratio"]
         res[f"{s}_bytes_ratio"] = res["small"]["sizes"][s]["bytes_ratio"]
         res[f"{s}_bytes_ratio_prod"] = res["prod"]["sizes"][s]["bytes_ratio"]
-        res[f"{s}_throughput_ratio"] = res["prod"]["speed"][f"{s}_throughput_ratio"]
-        res[f"{s}_throughput_ratio_small"] = res["small"]["speed"][f"{s}_throughput_ratio"]
+        # QPS on the 2 cores: each variant at its best layout (see best_qps); the one-process figures too
+        res[f"{s}_throughput_ratio"] = res["prod"]["best_qps"][s]["qps"] / res["prod"]["best_qps"]["fp32"]["qps"]
+        res[f"{s}_throughput_ratio_small"] = res["small"]["best_qps"][s]["qps"] / res["small"]["best_qps"]["fp32"]["qps"]
+        res[f"{s}_throughput_ratio_1process"] = res["prod"]["speed"][f"{s}_throughput_ratio"]
+        res[f"{s}_throughput_ratio_1process_small"] = res["small"]["speed"][f"{s}_throughput_ratio"]
         res[f"{s}_linear_speedup"] = res["prod"]["speed"][f"{s}_linear_speedup"]
         res[f"{s}_linear_speedup_small"] = res["small"]["speed"][f"{s}_linear_speedup"]
         res[f"{s}_paired_median_speedup"] = res["prod"]["speed"][f"{s}_paired_median_speedup"]
@@ -388,7 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         "linear_share_of_fp32_generate = replayed Linear time / generate time: the INT8 gain is bounded by "
         "1 / (1 - share + share / linear_speedup) (Amdahl). int8 = the INT8 scheme as specified (fp16 item "
         "table, similarity in float); int8e = the same with the row-wise INT8 item table (--embeddings int8), "
-        "whose full-catalogue similarity runs on the integer GEMM. BF16 on a CPU without avx512_bf16/AMX is emulated.")
+        "whose full-catalogue similarity runs on the integer GEMM. BF16 on a CPU without avx512_bf16/AMX is emulated. "
+        "Throughput on the 2 cores is measured in two layouts: one process with --threads threads (speed; its "
+        "ratios are *_throughput_ratio_1process*) and --workers single-threaded processes generating at once, "
+        "started together per call at a barrier (speed_workers, the layout of `hstu serve --model-workers 2 "
+        "--threads 1`); *_throughput_ratio compares each variant's best QPS over the two (best_qps names the "
+        "layout). P50/P99 latencies are reported for both.")
     summary = {k: v for k, v in res.items() if k.startswith(tuple(f"{s}_" for s in SCHEMES))}
     print(json.dumps({"summary": summary, "floors": floors}, indent=2))
     if args.json:

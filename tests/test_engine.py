@@ -87,6 +87,22 @@ def test_cached_equals_recompute_and_reference(model, engine):
         close(got.scores, other.scores)
 
 
+def test_stale_generated_slots_never_change_a_result(model):
+    """A one-beam step attends to all K generated slots of its row; slots not yet written for this
+    request (left by an earlier, longer or beam request) must contribute exactly nothing: the same
+    call on a used engine and on a fresh one gives bitwise equal results."""
+    used = Engine(model, buckets=EDGES, max_batch=4, k_max=6)
+    ids, ts, L, rt = histories([60, 41, 39, 20], seed=11)
+    used.generate(ids, ts, L, 6, request_time=rt)  # every generated slot written, later positions
+    used.generate(ids[:1], ts[:1], L[:1], 6, request_time=rt[:1], strategy="beam", beam_width=4)
+    short_ids, short_ts, short_L, short_rt = histories([5, 2, 19, 1], seed=12)
+    for strategy in ("greedy", "topk"):
+        a = used.generate(short_ids, short_ts, short_L, 4, request_time=short_rt, strategy=strategy, seed=3)
+        b = Engine(model, buckets=EDGES, max_batch=4, k_max=6).generate(short_ids, short_ts, short_L, 4, request_time=short_rt,
+                                                                       strategy=strategy, seed=3)
+        assert torch.equal(a.items, b.items) and torch.equal(a.scores, b.scores)
+
+
 def test_bucketed_equals_single_padded_bucket(model, engine):
     ids, ts, L, rt = histories(LENS, seed=3)
     flat = Engine(model, buckets=(60,), max_batch=16, k_max=6)  # eager default: batches unpadded

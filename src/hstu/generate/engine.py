@@ -44,18 +44,22 @@ model's fixed width, I items.
   padded to the next size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch; max_batch only
   under "compile") so every call has a static shape; eager runs any batch size unpadded.
 - KV-cache pool, per bucket, allocated once at construction and written in place:
-  history K/V (Ly x R x H x C x d) filled by the prefill, and generated-token K/V
-  (Ly x R x H x K x d) filled one slot per decode step. The history part is shared by all the
-  beams of a user (beam search reorders only the small generated part). No cache growth,
-  no torch.cat, no factory call (empty / zeros / arange ...) in the decode loop
-  (tests/test_engine_alloc.py).
+  Ly x R x H x (C + K) x d: history slots 0..C-1 filled by the prefill, then K slots filled
+  one per decode step with the generated tokens' K/V (one beam: user b's token s in row b,
+  slot C + s; beam search: beam r's tokens in row r of those K slots, while the history, shared
+  by all the beams of a user, stays in row b's history slots; beam search reorders only the
+  small generated part). No cache growth, no torch.cat, no factory call (empty / zeros /
+  arange ...) in the decode loop (tests/test_engine_alloc.py).
 - Prefill: every row through every layer (their K/V fill the cache), except that in the last
   layer only the last live row, whose output is the user vector, is attended and projected
   (as an LLM prefill computes only the last token's logits). Square causal attention runs in
   ``prefill_blocks`` row blocks from 64 rows on (a block's queries never see later keys); with several heads, masked scores get a -M bias whose SiLU is
   exactly 0 (kernels/reference.py).
-- A decode step attends to the history rows and to the generated rows in two pieces and adds
-  them: HSTU attention is pointwise SiLU with no softmax, so A·V splits over key segments.
+- A decode step with one beam per user (greedy, top-k) attends to a user's history and
+  generated slots in one call (per-row key positions and validity set once per request);
+  beam search attends to the shared history rows and to each beam's generated rows in two
+  pieces and adds them: HSTU attention is pointwise SiLU with no softmax, so A·V splits over
+  key segments.
   An appended token has timestamp = request time = the query time, so a cached step equals a
   full recompute of the grown sequence.
 - Graphs (``graphs``): "eager"; "compile" (torch.compile, one compilation per bucket: the
@@ -134,11 +138,15 @@ class _Bucket:
         self.E, self.C = E, E + 1
         C = self.C
         z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
-        # KV-cache pool
-        self.hk = [z(R, H, C, c.d_qk) for _ in range(c.num_blocks)]
-        self.hv = [z(R, H, C, c.d_v) for _ in range(c.num_blocks)]
-        self.gk = [z(R, H, K, c.d_qk) for _ in range(c.num_blocks)]
-        self.gv = [z(R, H, K, c.d_v) for _ in range(c.num_blocks)]
+        # KV-cache pool per layer: history slots 0 .. C-1, then K slots for generated rows. One-beam
+        # decoding (greedy, top-k) writes user b's generated row s to [b, :, C + s], so a decode step
+        # attends to history and generated keys in one call; beam search keeps each beam's generated
+        # rows in gk / gv = the same K slots viewed per beam row (beam r = user * W + w; the history of
+        # user b stays in [b, :, :C]), so both share one allocation
+        self.hk = [z(R, H, C + K, c.d_qk) for _ in range(c.num_blocks)]
+        self.hv = [z(R, H, C + K, c.d_v) for _ in range(c.num_blocks)]
+        self.gk = [t[:, :, C:] for t in self.hk]  # (R, H, K, d_qk) views
+        self.gv = [t[:, :, C:] for t in self.hv]
         self.gk_scratch, self.gv_scratch = z(R, H, K, c.d_qk), z(R, H, K, c.d_v)  # beam reorder
         # static inputs (prefill / extend)
         i64 = torch.int64
@@ -159,18 +167,24 @@ class _Bucket:
         self.len_r = torch.ones(R, dtype=i64, device=dev)
         self.gpos = z(R, K, d=i64)
         self.tb_hist = z(R, 1, C, d=i64)  # time buckets |request time - t_j|: fixed for a request, set before the loop
+        # one-beam decode over hk / hv's C + K slots: key positions, validity, time buckets (set per request)
+        self.kpos_j = z(R, C + K, d=i64)
+        self.kvalid_j = z(R, C + K, d=torch.bool)
+        self.tb_j = z(R, 1, C + K, d=i64)
+        self.s_idx_j = z(1, d=i64)  # C + s: the slot of generated row s
         self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
         self.has_features = (m.action_emb is not None, m.category_emb is not None)
 
     def pool_tensors(self) -> list[torch.Tensor]:
-        return [*self.hk, *self.hv, *self.gk, *self.gv, self.gk_scratch, self.gv_scratch]
+        return [*self.hk, *self.hv, self.gk_scratch, self.gv_scratch]  # gk / gv are views into hk / hv
 
     def kv_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pool_tensors())
 
     def total_bytes(self) -> int:
         io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.kvalid, self.start, self.item, self.pos,
-              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.tb_hist]
+              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.tb_hist, self.kpos_j, self.kvalid_j, self.tb_j,
+              self.s_idx_j]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
 
@@ -455,7 +469,8 @@ class Engine:
                 hk[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_qk), k)
                 hv[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_v), v)
                 pw, tw = self._bias_tables(layer)
-                av = ks.attention(q, hk[li], hv[li], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw, n=c.width)
+                av = ks.attention(q, hk[li][:, :, :C], hv[li][:, :, :C], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw,
+                                  n=c.width)
                 x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, T, d)
             return l2_normalize(x[bidx, lengths - 1 - start].to(self.score_dtype))  # (Bp, d)
 
@@ -463,12 +478,14 @@ class Engine:
 
     def _step_fn(self, b: _Bucket, Bp: int, W: int) -> Callable[[], torch.Tensor]:
         """One decode step for Bp users x W beams: R = Bp * W new rows at positions ``pos``."""
+        if W == 1:
+            return self._step_fn_one_beam(b, Bp)
         m, c, ks = self.model, self.model.cfg, self.kernels
         C, H, R = b.C, c.num_heads, Bp * W
         item, pos, s_idx, act, cat = b.item[:R], b.pos[:R], b.s_idx, b.act[:R], b.cat[:R]
         kvalid, gpos = b.kvalid[:Bp], b.gpos[:R]
         tb_h = b.tb_hist[:Bp].expand(Bp, W, C) if c.use_time_bias else None  # (Bp, W, C), the same for every beam
-        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
+        hk, hv = [k[:Bp, :, :C] for k in b.hk], [v[:Bp, :, :C] for v in b.hv]  # history slots
         gk, gv = [k[:R] for k in b.gk], [v[:R] for v in b.gv]
         kpos = self._arange[:C]
         zero_tb = self._zero_tb[:R]
@@ -489,6 +506,34 @@ class Engine:
                 av = av_h.reshape(R, H * c.d_v) + av_g.view(R, H * c.d_v)  # (R, H*d_v)
                 x = x + layer.o(ks.ln_mul(av, u, eps=layer.eps))  # (R, d)
             return l2_normalize(x.to(self.score_dtype))  # (R, d)
+
+        return step
+
+    def _step_fn_one_beam(self, b: _Bucket, Bp: int) -> Callable[[], torch.Tensor]:
+        """A decode step with one beam per user (greedy, top-k): generated row s is written to slot
+        C + s of the history cache, so each layer attends to history and generated keys in one
+        call (key positions kpos_j, validity kvalid_j, time buckets tb_j: set per request in
+        _run_group). With pointwise SiLU and no softmax, A·V over the joint keys equals the sum
+        of the two segments the beam path computes separately."""
+        m, c, ks = self.model, self.model.cfg, self.kernels
+        H = c.num_heads
+        item, pos, s_idx, act, cat = b.item[:Bp], b.pos[:Bp], b.s_idx_j, b.act[:Bp], b.cat[:Bp]
+        kpos, kvalid = b.kpos_j[:Bp], b.kvalid_j[:Bp]
+        tb = b.tb_j[:Bp] if c.use_time_bias else None  # (Bp, 1, C + K)
+        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
+
+        def step() -> torch.Tensor:
+            x = m.embed(item, pos, *self._feat(b, act, cat))  # (Bp, d)
+            qpos = pos.view(Bp, 1)
+            for li, layer in enumerate(m.layers):
+                u, v, q, k = self._layer(layer, x)  # (Bp, ·)
+                hk[li].index_copy_(2, s_idx, k.view(Bp, H, 1, c.d_qk))
+                hv[li].index_copy_(2, s_idx, v.view(Bp, H, 1, c.d_v))
+                pw, tw = self._bias_tables(layer)
+                av = ks.attention(q.view(Bp, H, 1, c.d_qk), hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb,
+                                  pos_w=pw, ts_w=tw, n=c.width)  # (Bp, 1, H*d_v)
+                x = x + layer.o(ks.ln_mul(av.view(Bp, H * c.d_v), u, eps=layer.eps))  # (Bp, d)
+            return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
 
         return step
 
@@ -681,6 +726,15 @@ class Engine:
         b.kvalid[:Bp] = self._arange[:b.C].view(1, b.C) < b.lengths[:Bp].view(Bp, 1)
         if c.use_time_bias:
             b.tb_hist[:Bp] = self._tb(b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
+        if W == 1:  # the joint keys of a one-beam decode step: history slots, then generated rows at L, L + 1, ...
+            C = b.C
+            b.kpos_j[:Bp, :C] = self._arange[:C]
+            b.kpos_j[:Bp, C:] = b.lengths[:Bp].view(Bp, 1) + self._arange[:self.k_max].view(1, self.k_max)
+            b.kvalid_j[:Bp, :C] = b.kvalid[:Bp]
+            b.kvalid_j[:Bp, C:] = True  # a generated row later than the query is masked by position
+            if c.use_time_bias:
+                b.tb_j[:Bp, :, :C] = b.tb_hist[:Bp]
+                b.tb_j[:Bp, :, C:] = 0  # bucket(|rt - rt|)
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
@@ -806,6 +860,7 @@ class Engine:
                         t[:R].copy_(scratch[:R])
             b.item[:R].copy_(choice)
             b.s_idx.fill_(s)
+            b.s_idx_j.fill_(b.C + s)
             if act is not None:
                 b.act[:R].copy_(act)
             if item_category is not None:

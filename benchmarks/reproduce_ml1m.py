@@ -72,6 +72,8 @@ POOL_DEFAULT = {"paper": 1, "clean": 50}
 # (~1.3x faster per epoch here).
 CHUNK_DEFAULT = {"paper": 1, "clean": 16}
 SPEED_FLOOR_SMALL = 85.0
+# The reference's ML-1M training recipe (issue 3), shared with benchmarks/ablate_ml1m.py.
+RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0, "num_negatives": 128}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -149,8 +151,8 @@ def main(argv=None) -> int:
                     continue
                 log.info("%s: unfinished run, reporting its best checkpoint so far", run)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
-            tcfg = TrainConfig(epochs=epochs, batch_size=128, learning_rate=1e-3, beta1=0.9, beta2=0.98, weight_decay=0.0,
-                               num_negatives=128, negatives_chunk=chunk, length_pool=pool, seed=args.seed, early_stopping_patience=args.patience, num_threads=args.threads)
+            tcfg = TrainConfig(**RECIPE, epochs=epochs, negatives_chunk=chunk, length_pool=pool, seed=args.seed,
+                               early_stopping_patience=args.patience, num_threads=args.threads)
             run.mkdir(parents=True, exist_ok=True)
             if not (run / "metrics.json").exists():
                 (run / "command.txt").write_text(prov["command"] + "\n")

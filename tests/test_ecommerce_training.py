@@ -61,7 +61,11 @@ def test_trained_run_generates_items_with_action_and_category(taobao_csv, tmp_pa
     rec = Recommender.from_run(tmp_path)
     assert rec.exclude_history_default is False
     hist = History([2268318, 2333346, 2576651], [1511544070, 1511561733, 1511572885], ["pv", "pv", "cart"])
-    items = rec.recommend([rec.prepare(hist)], 5)[0]
+    prep = rec.prepare(hist)
+    # the history's categories as the CSV gives them (dense category -> raw id through the run's id map)
+    assert [rec.category_raw[c] for c in prep.categories] == [raw_category[i] for i in hist.items]
+    assert prep.actions.tolist() == [rec.action_names.index(a) + 1 for a in hist.actions]
+    items = rec.recommend([prep], 5)[0]
     assert len(items) == 5
     for it in items:
         assert it["action"] in ("pv", "cart", "fav", "buy")

@@ -155,7 +155,14 @@ class _Bucket:
         self.lengths = torch.ones(R, dtype=i64, device=dev)
         self.actions = z(R, E, d=i64)
         self.categories = z(R, E, d=i64)
-        self.kvalid = z(R, C, d=torch.bool)
+        # keys of a one-beam decode step over hk / hv's C + K slots: positions, validity, time buckets;
+        # the history parts are what the prefill, extend and beam paths use (kvalid, tb_hist: views)
+        self.kpos_j = z(R, C + K, d=i64)
+        self.kpos_j[:, :C] = torch.arange(C, dtype=i64, device=dev)  # history slot j holds position j
+        self.kvalid_j = z(R, C + K, d=torch.bool)
+        self.kvalid_j[:, C:] = True  # a generated row later than the query is masked by position
+        self.tb_j = z(R, 1, C + K, d=i64)  # generated rows keep bucket(|rt - rt|) = 0
+        self.kvalid = self.kvalid_j[:, :C]  # (R, C) set per request
         self.start = z(R, d=i64)
         # static inputs (decode step)
         self.item = z(R, d=i64)
@@ -166,11 +173,7 @@ class _Bucket:
         self.cat = z(R, d=i64)
         self.len_r = torch.ones(R, dtype=i64, device=dev)
         self.gpos = z(R, K, d=i64)
-        self.tb_hist = z(R, 1, C, d=i64)  # time buckets |request time - t_j|: fixed for a request, set before the loop
-        # one-beam decode over hk / hv's C + K slots: key positions, validity, time buckets (set per request)
-        self.kpos_j = z(R, C + K, d=i64)
-        self.kvalid_j = z(R, C + K, d=torch.bool)
-        self.tb_j = z(R, 1, C + K, d=i64)
+        self.tb_hist = self.tb_j[:, :, :C]  # |request time - t_j| buckets: fixed for a request, set before the loop
         self.s_idx_j = z(1, d=i64)  # C + s: the slot of generated row s
         self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
         self.has_features = (m.action_emb is not None, m.category_emb is not None)
@@ -182,9 +185,8 @@ class _Bucket:
         return sum(t.numel() * t.element_size() for t in self.pool_tensors())
 
     def total_bytes(self) -> int:
-        io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.kvalid, self.start, self.item, self.pos,
-              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.tb_hist, self.kpos_j, self.kvalid_j, self.tb_j,
-              self.s_idx_j]
+        io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.start, self.item, self.pos,
+              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.kpos_j, self.kvalid_j, self.tb_j, self.s_idx_j]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
 
@@ -726,15 +728,8 @@ class Engine:
         b.kvalid[:Bp] = self._arange[:b.C].view(1, b.C) < b.lengths[:Bp].view(Bp, 1)
         if c.use_time_bias:
             b.tb_hist[:Bp] = self._tb(b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
-        if W == 1:  # the joint keys of a one-beam decode step: history slots, then generated rows at L, L + 1, ...
-            C = b.C
-            b.kpos_j[:Bp, :C] = self._arange[:C]
-            b.kpos_j[:Bp, C:] = b.lengths[:Bp].view(Bp, 1) + self._arange[:self.k_max].view(1, self.k_max)
-            b.kvalid_j[:Bp, :C] = b.kvalid[:Bp]
-            b.kvalid_j[:Bp, C:] = True  # a generated row later than the query is masked by position
-            if c.use_time_bias:
-                b.tb_j[:Bp, :, :C] = b.tb_hist[:Bp]
-                b.tb_j[:Bp, :, C:] = 0  # bucket(|rt - rt|)
+        if W == 1:  # one-beam decode: generated rows at positions L, L + 1, ... (kvalid, tb_hist are views of the rest)
+            b.kpos_j[:Bp, b.C:] = b.lengths[:Bp].view(Bp, 1) + self._arange[:self.k_max].view(1, self.k_max)
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)

@@ -245,7 +245,7 @@ class BatchRunner:
         """``n`` full-length (``bucket`` events) generate and score jobs over real item ids, for warm-up."""
         ids = (np.arange(bucket, dtype=np.int64) % self.num_items) + 1
         ts = 1_000_000_000 + 60 * np.arange(bucket, dtype=np.int64)
-        cats = self.rec.item_category[torch.from_numpy(ids).to(self.rec.item_category.device)].cpu().numpy()
+        cats = self.rec.item_category_np[ids]
         prep = Prepared(ids, ts, np.zeros(bucket, np.int64), cats, int(ts[-1]), [], [])
         jobs = [Job("generate", prep, k=self.max_k) for _ in range(n)]
         jobs += [Job("score", prep, candidates=ids[: min(bucket, 8)]) for _ in range(n)]

@@ -555,7 +555,7 @@ def test_plan_batch_mixes_buckets_only_when_cheaper() -> None:
 def _kill_model_process(svc, i: int = 0) -> None:
     import psutil
 
-    worker = psutil.Process(next(iter(svc.model.pools[i]._processes)))  # noqa: SLF001 - that model process
+    worker = psutil.Process(svc.model.pid(i))  # that model process
     worker.kill()
     worker.wait(30)
 
@@ -632,7 +632,7 @@ def test_model_process_dying_before_warmup_is_replaced_and_warmed(run_dir) -> No
 
     model = ProcessModel(WorkerSpec(str(run_dir), buckets=tuple(BUCKETS), max_batch=4, threads=1))
     try:
-        worker = psutil.Process(next(iter(model.pool._processes)))  # noqa: SLF001
+        worker = psutil.Process(model.pid(0))
         worker.kill()
         worker.wait(30)
 
@@ -649,7 +649,7 @@ def test_model_process_dying_before_warmup_is_replaced_and_warmed(run_dir) -> No
 
 def test_model_process_load_error_is_raised_as_itself(run_dir) -> None:
     """A run the model process cannot load (here: a missing run directory; a wrong --precision alike)
-    raises the loader's own error in the server process, not BrokenProcessPool, so that
+    raises the loader's own error in the server process, not a broken-pool error, so that
     `hstu serve` prints it as a one-line error (a fresh user's report)."""
     from hstu.serve.worker import ProcessModel, WorkerSpec
 

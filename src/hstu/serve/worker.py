@@ -10,28 +10,33 @@ device.
   the model thread needs the GIL for each of the ~1,000 ATen calls of a small generate call, so
   HTTP parsing and the model serialise; measured on the 2-core dev box: 11.7 ms of model-thread
   CPU per request at 60 QPS against 5-8 ms for the same batches alone.
-- :class:`ProcessModel`: a model process of its own (``concurrent.futures.ProcessPoolExecutor``
-  with one ``spawn`` worker that loads the run and builds the runner once), so the event loop
-  and the model run on two cores in parallel (vLLM V1 splits its API server and engine core the
-  same way). Jobs go over the executor's pipe (pickled: a 200-event history is ~5 KB); results
-  come back as item dicts. A worker that dies (killed, out of memory) is replaced in the
-  background and takes batches again once loaded and warm; its batch is retried on another live
-  worker, or answers 503 (reason ``model_restart``) when none is live, as do new requests while
-  none is (``/readyz`` says "restarting" then).
+- :class:`ProcessModel`: model processes of their own (``spawn``; each loads the run and builds
+  the runner once), so the event loop and the model run on separate cores in parallel (vLLM V1
+  splits its API server and engine core the same way). Each process has one duplex
+  ``multiprocessing`` pipe: the event loop sends a call (pickled: a 200-event history is ~5 KB)
+  and reads the answer in a ``loop.add_reader`` callback, so no thread of this process takes part
+  (``ProcessPoolExecutor`` routes every call through a manager and a feeder thread, each waiting
+  for the GIL behind the event loop: 0.7 ms per round trip alone, more under load; a bare pipe
+  0.3 ms). A process that dies (killed, out of memory) is seen as the pipe's end, is replaced
+  in the background and takes batches again once loaded and warm; its batch is retried on
+  another live process, or answers 503 (reason ``model_restart``) when none is live, as do new
+  requests while none is (``/readyz`` says "restarting" then).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import gc
 import logging
 import multiprocessing
 import os
+import signal
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from hstu.backend.memory_guard import MemoryGuard
@@ -146,7 +151,7 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     try:
         rec = Recommender.from_run(spec.run_dir, spec.device, spec.precision)
     except Exception as exc:  # noqa: BLE001 - kept and raised by the first call, in the parent, as itself
-        _WORKER["load_error"] = exc  # (an initializer that raises only breaks the pool: BrokenProcessPool)
+        _WORKER["load_error"] = exc  # answered to the first call ("info" at start-up)
         return
     runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine)
     _WORKER.update(runner=runner, guard=batch_guard(runner, backends.select(spec.device), spec.memory_threshold))
@@ -177,10 +182,137 @@ def _worker_warmup(edge: int) -> tuple[float, tuple[float, float]]:
     return r.warmup(edge), r.costs[edge]
 
 
+_OPS = {"info": _worker_info, "execute": _worker_execute, "warmup": _worker_warmup}
+
+
+def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
+    """The model process: load, then answer calls ``(op, args)`` in order with ``("ok", value)``
+    or ``("err", exception)`` until "stop" or the pipe's end (the serving process is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains, then stops us
+    _worker_init(spec, warm)
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if op == "stop":
+            return
+        try:
+            reply = ("ok", _OPS[op](*args))
+        except Exception as exc:  # noqa: BLE001 - raised again in the serving process, as itself
+            reply = ("err", exc)
+        try:
+            conn.send(reply)
+        except Exception as exc:  # noqa: BLE001 - an answer that does not pickle (send writes nothing then)
+            conn.send(("err", RuntimeError(f"model process: cannot send the {op} answer: {type(exc).__name__}: {exc}")))
+
+
+class ModelProcessDied(RuntimeError):
+    """The model process ended (killed, out of memory) before answering."""
+
+
+class _Channel:
+    """One model process and its duplex pipe; calls are answered in the order sent. Before an
+    event loop runs (start-up): :meth:`call_sync`; then :meth:`call`, answered from a
+    ``loop.add_reader`` callback on the pipe."""
+
+    def __init__(self, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process whose torch has started threads
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, warm), name="hstu-model", daemon=True)
+        self.proc.start()
+        child.close()
+        self.pending: collections.deque[asyncio.Future] = collections.deque()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.dead = False
+
+    @staticmethod
+    def _unwrap(reply: tuple[str, Any]) -> Any:
+        status, value = reply
+        if status == "err":
+            raise value
+        return value
+
+    def call_sync(self, op: str, *args: Any, timeout: float) -> Any:
+        """Send a call and wait up to ``timeout`` s for its answer (no event loop needed)."""
+        try:
+            self.conn.send((op, args))
+            if not self.conn.poll(timeout):
+                raise TimeoutError(f"the model process did not answer {op!r} within {timeout:.0f} s")
+            reply = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self.dead = True
+            raise ModelProcessDied(f"the model process ended (exit code {self.proc.exitcode})") from exc
+        return self._unwrap(reply)
+
+    def call(self, op: str, *args: Any) -> asyncio.Future:
+        """Send a call; the future resolves with its answer, its exception, or ModelProcessDied."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self.loop is not loop and not self.dead:  # first call in this loop
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.remove_reader(self.conn.fileno())
+            self.loop = loop
+            loop.add_reader(self.conn.fileno(), self._on_readable)
+        if not self.dead:
+            try:
+                self.conn.send((op, args))
+            except OSError:  # BrokenPipeError: the process is gone
+                self._died()
+        if self.dead:
+            fut.set_exception(ModelProcessDied(f"the model process ended (exit code {self.proc.exitcode})"))
+        else:
+            self.pending.append(fut)
+        return fut
+
+    def _on_readable(self) -> None:
+        try:
+            while self.pending and self.conn.poll():
+                buf = self.conn.recv_bytes()
+                fut = self.pending.popleft()
+                try:
+                    status, value = ForkingPickler.loads(buf)
+                except Exception as exc:  # noqa: BLE001 - e.g. an exception type that does not unpickle
+                    status, value = "err", RuntimeError(f"cannot read the model process's answer: {type(exc).__name__}: {exc}")
+                if not fut.done():  # a cancelled waiter's answer is dropped
+                    fut.set_result(value) if status == "ok" else fut.set_exception(value)
+            if not self.pending and self.conn.poll():  # readable with nothing asked: the pipe's end
+                self.conn.recv_bytes()
+        except (EOFError, OSError):
+            self._died()
+
+    def _died(self) -> None:
+        self.dead = True
+        if self.loop is not None:
+            self.loop.remove_reader(self.conn.fileno())
+            self.loop = None
+        while self.pending:
+            fut = self.pending.popleft()
+            if not fut.done():
+                fut.set_exception(ModelProcessDied(f"the model process ended (exit code {self.proc.exitcode})"))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the process (after the call it is running, if any) and close the pipe."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.remove_reader(self.conn.fileno())
+        self.loop = None
+        if not self.dead:
+            try:
+                self.conn.send(("stop", ()))
+            except OSError:
+                pass
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout)
+        self.conn.close()
+        self.dead = True
+
+
 class ProcessModel:
     """Batches in ``spec.workers`` model processes of their own (module docstring), one batch
     each at a time. Blocks until every process has loaded the run (raises what loading raised:
-    FileNotFoundError, ValueError, ...)."""
+    FileNotFoundError, ValueError, ...; TimeoutError after ``start_timeout_s``)."""
 
     def __init__(self, spec: WorkerSpec, start_timeout_s: float = 300.0) -> None:
         if spec.workers < 1:
@@ -190,10 +322,9 @@ class ProcessModel:
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}
         self.restarts = 0
-        self.pools = [self._spawn(()) for _ in range(spec.workers)]
-        infos = [p.submit(_worker_info) for p in self.pools]
+        self.channels = [_Channel(spec, ()) for _ in range(spec.workers)]
         try:
-            info = [f.result(timeout=start_timeout_s) for f in infos][0]  # noqa: RUF015 - waits for every process
+            info = [ch.call_sync("info", timeout=start_timeout_s) for ch in self.channels][0]  # noqa: RUF015 - waits for every process
         except BaseException:
             self.close()
             raise
@@ -202,17 +333,12 @@ class ProcessModel:
         self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix
         self.precision = info["precision"]  # as loaded by the model process
         self.up = set(range(spec.workers))  # loaded and not restarting
-        self._free: asyncio.Queue | None = None  # indices of idle live pools, made in the running loop
+        self._free: asyncio.Queue | None = None  # indices of idle live processes, made in the running loop
         self._tasks: set[asyncio.Task] = set()
 
-    @property
-    def pool(self) -> ProcessPoolExecutor:
-        """The first model process's executor (tests reach its process through it)."""
-        return self.pools[0]
-
-    def _spawn(self, warm: tuple[int, ...]) -> ProcessPoolExecutor:
-        ctx = multiprocessing.get_context("spawn")  # never fork a process whose torch has started threads
-        return ProcessPoolExecutor(max_workers=1, mp_context=ctx, initializer=_worker_init, initargs=(self.spec, warm))
+    def pid(self, i: int = 0) -> int | None:
+        """Process id of model process ``i`` (tests kill it through this)."""
+        return self.channels[i].proc.pid
 
     def bucket_for(self, length: int) -> int:
         return smallest_bucket(self.buckets, length)
@@ -238,8 +364,8 @@ class ProcessModel:
         sent = [dataclasses.replace(j, future=None) for j in jobs]  # the asyncio future stays here
         died = False
         try:
-            return await asyncio.wrap_future(self.pools[i].submit(_worker_execute, edge, sent))
-        except BrokenProcessPool:
+            return await self.channels[i].call("execute", edge, sent)
+        except ModelProcessDied:
             died = True
         finally:
             if not died:
@@ -254,15 +380,15 @@ class ProcessModel:
         log.error("model process %d died; starting a new one (restart %d)", i, self.restarts + 1)
         self.restarts += 1
         self.up.discard(i)
-        self.pools[i].shutdown(wait=False, cancel_futures=True)
-        self.pools[i] = self._spawn(tuple(sorted(self.warm)))  # the new process warms before it answers
+        self.channels[i].close(timeout=1.0)
+        self.channels[i] = _Channel(self.spec, tuple(sorted(self.warm)))  # the new process warms before it answers
         task = asyncio.get_running_loop().create_task(self._rejoin(i))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _rejoin(self, i: int) -> None:
         try:
-            await asyncio.wrap_future(self.pools[i].submit(_worker_info))  # returns once loaded and warm
+            await self.channels[i].call("info")  # answered once loaded and warm
         except Exception:  # noqa: BLE001 - a process that cannot even start: try again a little later
             log.exception("model process %d failed to start; retrying in 5 s", i)
             await asyncio.sleep(5.0)
@@ -279,8 +405,8 @@ class ProcessModel:
         async def one(i: int) -> tuple[float, tuple[float, float]]:
             for attempt in range(3):
                 try:
-                    return await asyncio.wrap_future(self.pools[i].submit(_worker_warmup, edge))
-                except BrokenProcessPool:
+                    return await self.channels[i].call("warmup", edge)
+                except ModelProcessDied:
                     if attempt == 2:
                         raise
                     self._restart(i)
@@ -288,18 +414,18 @@ class ProcessModel:
                         await asyncio.sleep(0.05)
             raise AssertionError("unreachable")
 
-        res = await asyncio.gather(*(one(i) for i in range(len(self.pools))))
+        res = await asyncio.gather(*(one(i) for i in range(len(self.channels))))
         self.costs[edge] = res[0][1]
         self.warm.add(edge)
         return max(r[0] for r in res)
 
     def close(self) -> None:
-        for p in self.pools:
-            p.shutdown(wait=True, cancel_futures=True)
+        for ch in self.channels:
+            ch.close()
 
 
 class ModelRestart(RuntimeError):
     """The model process died during a batch; a new one has been started."""
 
 
-__all__ = ["BatchOutcome", "LocalModel", "ModelRestart", "ProcessModel", "WorkerSpec", "batch_guard", "execute"]
+__all__ = ["BatchOutcome", "LocalModel", "ModelProcessDied", "ModelRestart", "ProcessModel", "WorkerSpec", "batch_guard", "execute"]

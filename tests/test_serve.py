@@ -488,6 +488,74 @@ def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
     assert "--buckets" in err and "max_seq_len=50" in err
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--port", "70000", "must be in 0..65535, got 70000"),
+    ("--port", "-1", "must be in 0..65535, got -1"),
+    ("--max-batch", "0", "must be >= 1, got 0"),
+    ("--max-wait-ms", "-1", "must be >= 0, got -1"),
+    ("--max-wait-ms", "nan", "must be >= 0, got nan"),
+    ("--max-queue", "0", "must be >= 1, got 0"),
+    ("--request-timeout-s", "0", "must be > 0, got 0"),
+    ("--max-queue-delay-ms", "-5", "must be > 0, got -5"),
+    ("--memory-threshold", "1.5", "must be in [0, 1], got 1.5"),
+    ("--max-candidates", "0", "must be >= 1, got 0"),
+    ("--limit-concurrency", "0", "must be >= 1, got 0"),
+    ("--threads", "0", "must be >= 1, got 0"),
+    ("--model-workers", "0", "must be >= 1, got 0"),
+    ("--max-batch", "two", "expected an integer, got 'two'"),
+])
+def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, message) -> None:
+    """A fresh user's report: --port 70000 listened on another port, --max-wait-ms -1 printed
+    "listening" then died, --max-batch 0 gave BrokenProcessPool tracebacks. Each flag is refused
+    by argparse (exit 2, the flag and its range named) before the run is even looked at."""
+    from hstu.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--run", str(tmp_path / "no_run"), flag, value])
+    assert exc.value.code == 2
+    assert f"hstu serve: error: argument {flag}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-body-bytes", "100"], "--max-body-bytes: must be >= 1024 bytes, got 100"),
+    (["--max-body-bytes", "lots"], "--max-body-bytes: cannot parse 'lots'"),
+    (["--buckets", "50,20"], "--buckets: edges must be distinct, ascending and >= 1"),
+    (["--buckets", "0,20"], "--buckets: edges must be distinct, ascending and >= 1"),
+    (["--config", "serve.toml"], "ServeConfig.max_batch must be >= 1, got 0"),
+])
+def test_cli_serve_checks_settings_before_loading_the_run(tmp_path, capsys, monkeypatch, args, message) -> None:
+    from hstu.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "serve.toml").write_text("[serve]\nmax_batch = 0\n")
+    assert main(["serve", "--run", str(tmp_path / "no_run"), "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"hstu serve: error: {message}" in err and "no_run" not in err  # refused before the run is read
+
+
+def test_cli_serve_busy_port_or_unknown_host_is_one_line_and_starts_no_process(run_dir, capsys) -> None:
+    """A port in use and an unresolvable --host were raw tracebacks (after the model process had
+    started): now one line naming host:port, exit 2, and no model process is ever started."""
+    import multiprocessing
+
+    from hstu.cli import main
+
+    before = set(multiprocessing.active_children())
+    busy = bind("127.0.0.1", 0)
+    try:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--run", str(run_dir), "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hstu serve: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err, err
+        assert len(err.strip().splitlines()) == 1
+    finally:
+        busy.close()
+    assert main(["serve", "--run", str(run_dir), "--host", "no-such-host.invalid", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hstu serve: error: cannot listen on no-such-host.invalid:0: the host does not resolve"), err
+    assert set(multiprocessing.active_children()) == before
+
+
 # ----------------------------------------------------------------------------------------------
 # pieces without HTTP
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -27,6 +28,32 @@ def default_data_dir() -> Path | None:
         if (cand / "ratings.dat").exists():
             return cand
     return None
+
+
+def number_in(kind: type = int, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    """An argparse ``type``: a finite ``kind`` (int or float) in [lo, hi] ((lo, hi] with ``lo_open``;
+    None: unbounded). Anything else exits 2 naming the flag and the range, e.g.
+    ``argument --port: must be in 0..65535, got 70000``."""
+    def num(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else str(x)
+
+    if lo is not None and hi is not None:
+        rng = f"in {num(lo)}..{num(hi)}" if kind is int and not lo_open else f"in {'(' if lo_open else '['}{num(lo)}, {num(hi)}]"
+    elif lo is not None:
+        rng = f"{'>' if lo_open else '>='} {num(lo)}"
+    else:
+        rng = f"<= {num(hi)}"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {rng}, got {text}")
+        return v
+
+    return parse
 
 
 NO_DATA = ("MovieLens-1M not found. Download https://files.grouplens.org/datasets/movielens/ml-1m.zip, unzip it, and "

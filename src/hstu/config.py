@@ -139,6 +139,21 @@ class ServeConfig:
     request_timeout_s: float = 10.0
     memory_threshold: float = 0.10
 
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"ServeConfig.port must be in 0..65535, got {self.port}")
+        for name in ("max_batch", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_wait_ms >= 0:
+            raise ValueError(f"ServeConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"ServeConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not 0.0 <= self.memory_threshold <= 1.0:
+            raise ValueError(f"ServeConfig.memory_threshold must be in [0, 1], got {self.memory_threshold}")
+        if not self.buckets or any(e < 1 for e in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"ServeConfig.buckets must be distinct, ascending and >= 1, got {self.buckets}")
+
 
 def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}

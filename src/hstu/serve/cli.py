@@ -20,6 +20,8 @@ import signal
 import socket
 from pathlib import Path
 
+from hstu.cli import number_in
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (20, 50, 100, 200)
@@ -50,16 +52,36 @@ def fit_buckets(edges: list[int] | None, max_seq_len: int) -> list[int]:
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket bound to (host, port); port 0 picks a free one. It listens at once,
     so that connections made after the "listening on" line wait in the backlog while the app
-    starts instead of being refused."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    starts instead of being refused.
+
+    Raises:
+        OSError: ``host`` does not resolve, or (host, port) cannot be bound (in use, not a local
+            address, a privileged port); the message names host:port.
+    """
+    where = f"cannot listen on {host}:{port}"
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OSError(exc.errno, f"{where}: the host does not resolve ({exc.strerror}); check --host") from None
     sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"{where}: {exc.strerror or exc}; check --host / --port") from None
     return sock
 
 
+MIN_BODY_BYTES = 1024  # ServePolicy.max_body_bytes' floor
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Check every setting, bind the socket, then load the run and serve: a bad flag, a busy port
+    or an unresolvable host fail (one line, exit 2) before any model (process) is started."""
+    import sys
+
     import torch
     import uvicorn
 
@@ -76,24 +98,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("host", "port", "max_batch", "max_wait_ms", "max_queue", "request_timeout_s", "memory_threshold"):
         v = getattr(args, name)
         if v is not None:
-            setattr(cfg, name, v)
-    if args.model_process:
-        torch.set_num_threads(1)  # this process only parses requests; the model process uses --threads
-    elif args.threads:
-        torch.set_num_threads(args.threads)
-    run = Path(args.run)
-    # with a model process, this process only maps ids and formats answers: no weights here
-    rec = Recommender.mapping_only(run) if args.model_process else Recommender.from_run(run, args.device, args.precision)
+            setattr(cfg, name, v)  # flags are range-checked by argparse; a --config file's values here
+    cfg.validate()
     explicit = parse_buckets(args.buckets) if args.buckets else (list(cfg.buckets) if args.config else None)
-    cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
+    max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
+    if max_body_bytes < MIN_BODY_BYTES:
+        raise ValueError(f"--max-body-bytes: must be >= {MIN_BODY_BYTES} bytes, got {args.max_body_bytes}")
     policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
-                         max_body_bytes=parse_bytes(args.max_body_bytes, field="--max-body-bytes"), max_candidates=args.max_candidates,
+                         max_body_bytes=max_body_bytes, max_candidates=args.max_candidates,
                          cold_start=args.cold_start, max_queue_delay_ms=args.max_queue_delay_ms, use_engine=args.engine, device=args.device,
                          model_process=args.model_process, precision=args.precision, threads=args.threads,
                          model_workers=args.model_workers)
-    popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
-    app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
-    sock = bind(cfg.host, cfg.port)
+    policy.validate()
+    try:
+        sock = bind(cfg.host, cfg.port)
+    except OSError as exc:
+        print(f"hstu serve: error: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
+        if args.model_process:
+            torch.set_num_threads(1)  # this process only parses requests; the model process uses --threads
+        elif args.threads:
+            torch.set_num_threads(args.threads)
+        run = Path(args.run)
+        # with a model process, this process only maps ids and formats answers: no weights here
+        rec = Recommender.mapping_only(run) if args.model_process else Recommender.from_run(run, args.device, args.precision)
+        cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
+        popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
+        app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
+    except BaseException:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(), access_log=args.access_log,
                             timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1, limit_concurrency=args.limit_concurrency)
@@ -116,32 +151,32 @@ def add_subcommands(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--run", required=True, help="run directory written by `hstu train`")
     s.add_argument("--host", help="bind address (default 127.0.0.1, loopback only)")
-    s.add_argument("--port", type=int, help="TCP port (default 8000; 0 = any free port)")
+    s.add_argument("--port", type=number_in(int, 0, 65535), help="TCP port, 0..65535 (default 8000; 0 = any free port)")
     s.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
     s.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"],
                    help="inference precision (a float run is converted in memory; a quantized run loads as saved)")
-    s.add_argument("--max-batch", type=int, help="requests per batch (default 16)")
-    s.add_argument("--max-wait-ms", type=float, help="close a batch this long after its oldest request (default 5)")
+    s.add_argument("--max-batch", type=number_in(int, 1), help="requests per batch, >= 1 (default 16)")
+    s.add_argument("--max-wait-ms", type=number_in(float, 0), help="close a batch this long after its oldest request (default 5)")
     s.add_argument("--buckets", help="length-bucket edges in events (default 20,50,100,200 clipped to the model's max_seq_len)")
-    s.add_argument("--max-queue", type=int, help="waiting requests per bucket before 429 (default 256)")
-    s.add_argument("--request-timeout-s", type=float, help="per-request timeout before 503 (default 10)")
-    s.add_argument("--max-queue-delay-ms", type=float, default=1000.0,
+    s.add_argument("--max-queue", type=number_in(int, 1), help="waiting requests per bucket before 429 (default 256)")
+    s.add_argument("--request-timeout-s", type=number_in(float, 0, lo_open=True), help="per-request timeout before 503 (default 10)")
+    s.add_argument("--max-queue-delay-ms", type=number_in(float, 0, lo_open=True), default=1000.0,
                    help="refuse (429) when the predicted queueing delay is longer (default 1000)")
-    s.add_argument("--memory-threshold", type=float, help="free-memory fraction under which caches are released / load shed (default 0.10)")
+    s.add_argument("--memory-threshold", type=number_in(float, 0, 1), help="free-memory fraction under which caches are released / load shed (default 0.10)")
     s.add_argument("--unknown-items", default="drop", choices=["drop", "reject"], help="unknown item ids: drop with a warning, or 422")
     s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")
     s.add_argument("--cold-start", default="popular", choices=["popular", "reject"],
                    help="empty histories: most popular training items, or 422")
     s.add_argument("--data-dir", help="the run's training data (for cold-start popularity), if it moved since training")
-    s.add_argument("--max-body-bytes", default="1MiB", help="larger bodies answer 413 (default 1MiB)")
-    s.add_argument("--max-candidates", type=int, default=1000, help="most candidates per /v1/score request")
+    s.add_argument("--max-body-bytes", default="1MiB", help="larger bodies answer 413, >= 1024 (default 1MiB)")
+    s.add_argument("--max-candidates", type=number_in(int, 1), default=1000, help="most candidates per /v1/score request")
     s.add_argument("--engine", default="auto", choices=["auto", "never", "require"],
                    help="generate through hstu.generate.engine when available (auto), never, or fail without it")
-    s.add_argument("--limit-concurrency", type=int, help="uvicorn: most concurrent connections before plain 503s")
-    s.add_argument("--threads", type=int, help="torch intra-op threads (of the model process)")
+    s.add_argument("--limit-concurrency", type=number_in(int, 1), help="uvicorn: most concurrent connections before plain 503s")
+    s.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (of the model process)")
     s.add_argument("--model-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run batches in a model process of their own, in parallel with the HTTP event loop (default: on)")
-    s.add_argument("--model-workers", type=int, default=1,
+    s.add_argument("--model-workers", type=number_in(int, 1), default=1,
                    help="model processes, each with a copy of the model and one batch in flight (default 1; CPU serving "
                         "with spare cores gains from 2)")
     s.add_argument("--access-log", action="store_true", help="log every request")

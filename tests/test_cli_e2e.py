@@ -70,3 +70,38 @@ def test_clear_errors(run_dir, tmp_path):
     assert p.returncode == 2 and "not found" in p.stderr
     p = hstu("train", "--data-dir", tmp_path, "--out", tmp_path / "o", "--device", "cuda", check=False)
     assert p.returncode == 2
+
+
+def test_generate_k_names_the_models_range_as_http_does(run_dir):
+    """-k 0 said "k must be >= 1", -k 11 "k=11 exceeds ..."; now the message of the HTTP service's
+    422 (hstu.config.check_k), with the flag's name."""
+    for k in (0, 11):
+        p = hstu("generate", "--run", run_dir, "--user", 1, "-k", k, check=False)
+        assert p.returncode == 2 and p.stderr.strip() == f"hstu generate: error: -k: must be in 1..10 (the model's max_output_len), got {k}"
+
+
+@pytest.mark.parametrize("flag, field, bad, message, edge", [
+    ("--top-k", "top_k", "0", "must be in 1..100000, got 0", "100000"),
+    ("--temperature", "temperature", "0", "must be in (0, 100], got 0", "100"),
+    ("--temperature", "temperature", "-1", "must be in (0, 100], got -1", "0.001"),
+    ("--temperature", "temperature", "nan", "must be in (0, 100], got nan", "1"),
+    ("--beam-width", "beam_width", "0", "must be in 1..16, got 0", "1"),
+    ("--beam-width", "beam_width", "17", "must be in 1..16, got 17", "16"),
+    ("--seed", "seed", "-1", "must be in 0..4294967295, got -1", "4294967295"),
+])
+def test_generate_decoding_options_take_the_http_ranges(tmp_path, capsys, flag, field, bad, message, edge):
+    """--top-k 0, --temperature 0 and --beam-width 0 were raw RuntimeErrors, --temperature -1 ran:
+    each is refused by argparse (exit 2, flag and range named) before the run is read, exactly
+    where the HTTP schema refuses it; the edge value passes both."""
+    from pydantic import ValidationError
+
+    from hstu.cli import build_parser, main
+    from hstu.serve.schemas import Decoding
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--run", str(tmp_path / "no_run"), "--user", "1", flag, bad])
+    assert exc.value.code == 2 and f"hstu generate: error: argument {flag}: {message}" in capsys.readouterr().err
+    with pytest.raises(ValidationError):
+        Decoding(**{field: float(bad) if field == "temperature" else int(bad)})
+    args = build_parser().parse_args(["generate", "--run", "r", "--user", "1", flag, edge])
+    assert getattr(args, field) == Decoding(**{field: getattr(args, field)}).model_dump()[field]

@@ -344,6 +344,15 @@ def test_generate_bad_input_names_the_field(server, body, field) -> None:
     assert err["field"] == field and err["message"].startswith(field), err
 
 
+def test_k_out_of_range_names_the_models_range(server) -> None:
+    """Both ends of k answer the message `hstu generate -k` gives (hstu.config.check_k); k = 0
+    used to be pydantic's "Input should be greater than or equal to 1"."""
+    for k in (0, -3, 11):
+        r = post(server.url, "/v1/generate", {"history": [{"item_id": 1, "timestamp": 1}], "k": k})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "k"
+        assert r.json()["error"]["message"] == f"k: must be in 1..10 (the model's max_output_len), got {k}"
+
+
 def test_score_bad_input_and_malformed_json(server) -> None:
     r = post(server.url, "/v1/score", {"history": [], "candidates": [1]})
     assert r.status_code == 422 and r.json()["error"]["field"] == "history"

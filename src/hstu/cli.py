@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from hstu.config import BEAM_WIDTH_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
+
 log = logging.getLogger("hstu")
 
 
@@ -164,6 +166,7 @@ def cmd_generate(args) -> int:
     if (args.user is None) == (args.history is None):
         raise ValueError("give exactly one of --user USER_ID or --history FILE")
     rec = Recommender.from_run(args.run, args.device, args.precision)
+    check_k(args.k, rec.model.cfg.max_output_len, "-k")
     cfg = read_json(Path(args.run) / "config.json")
     hist = _history_from_file(args.history) if args.history else _user_history(rec, cfg, args.user)
     if args.request_time is not None:
@@ -264,12 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--run", required=True)
     q.add_argument("--user", type=int, help="original user id in the run's data set")
     q.add_argument("--history", help='JSON list of {"item_id", "timestamp"[, "action"]} events')
-    q.add_argument("-k", type=int, default=5)
+    q.add_argument("-k", type=int, default=5, help="items to generate, 1..the model's max_output_len (default 5)")
     q.add_argument("--strategy", default="greedy", choices=["greedy", "topk", "beam"])
-    q.add_argument("--top-k", type=int, default=50)
-    q.add_argument("--temperature", type=float, default=1.0)
-    q.add_argument("--beam-width", type=int, default=4)
-    q.add_argument("--seed", type=int, default=0)
+    # the ranges of the HTTP schema (hstu.serve.schemas.Decoding)
+    q.add_argument("--top-k", type=number_in(int, 1, TOP_K_MAX), default=50, help="topk: sample among this many best (default 50)")
+    q.add_argument("--temperature", type=number_in(float, 0, TEMPERATURE_MAX, lo_open=True), default=1.0,
+                   help="topk: softmax temperature (default 1.0)")
+    q.add_argument("--beam-width", type=number_in(int, 1, BEAM_WIDTH_MAX), default=4, help="beam: beams (default 4)")
+    q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="topk: sampling seed (default 0)")
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])

@@ -117,6 +117,19 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
 
 
+# Decoding ranges, shared by `hstu generate` and the HTTP schema (hstu.serve.schemas.Decoding).
+TOP_K_MAX = 100_000
+TEMPERATURE_MAX = 100.0  # sampling temperature: in (0, TEMPERATURE_MAX]
+BEAM_WIDTH_MAX = 16  # a request's beams run as rows of one batch (serve: also <= max_batch)
+SEED_MAX = 2**32 - 1
+
+
+def check_k(k: int, max_output_len: int, name: str = "k") -> None:
+    """ValueError unless 1 <= k <= max_output_len; the one message of the CLI and the HTTP service."""
+    if not 1 <= k <= max_output_len:
+        raise ValueError(f"{name}: must be in 1..{max_output_len} (the model's max_output_len), got {k}")
+
+
 @dataclass
 class GenerateConfig:
     k: int = 5

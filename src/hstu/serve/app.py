@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hstu import backend as backends
 from hstu.backend.cpu import host_memory_info
-from hstu.config import ServeConfig
+from hstu.config import ServeConfig, check_k
 from hstu.generate.recommend import History, HistoryError, Prepared, Recommender
 from hstu.serve.batcher import MicroBatcher, Rejected
 from hstu.serve.metrics import ServeMetrics
@@ -354,16 +354,18 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
         return Response(body, media_type=ctype)
 
     # ----- model endpoints -----
-    def check_k(k: int) -> None:
-        if k > svc.model.max_k:
-            raise ApiError(422, "validation_error", f"k: must be in 1..{svc.model.max_k} (the model's max_output_len), got {k}", "k")
+    def check_request_k(k: int) -> None:
+        try:
+            check_k(k, svc.model.max_k)
+        except ValueError as exc:
+            raise ApiError(422, "validation_error", str(exc), "k") from None
 
     def since(request: Request) -> float:
         return time.perf_counter() - request.scope.get("hstu_t0", time.perf_counter())
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses=errors, summary="next-k items for a history")
     async def generate(req: GenerateRequest, request: Request) -> Any:
-        check_k(req.k)
+        check_request_k(req.k)
         prep, warnings = svc.prepare(req.history, req.request_time, req.exclude, req.unknown_items, req.timestamp_order)
         if prep is None:
             if svc.popularity is None:

@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hstu.config import BEAM_WIDTH_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX
+
 INT64_MAX = 2**63 - 1
 
 
@@ -45,10 +47,10 @@ class Decoding(_Strict):
     """
 
     strategy: Literal["greedy", "topk", "beam"] = "greedy"
-    top_k: int = Field(default=50, ge=1, le=100_000)
-    temperature: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
-    beam_width: int = Field(default=4, ge=1, le=16)
-    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    top_k: int = Field(default=50, ge=1, le=TOP_K_MAX)
+    temperature: float = Field(default=1.0, gt=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
+    beam_width: int = Field(default=4, ge=1, le=BEAM_WIDTH_MAX)
+    seed: int = Field(default=0, ge=0, le=SEED_MAX)
 
 
 UnknownPolicy = Literal["drop", "reject"]
@@ -65,7 +67,8 @@ class GenerateRequest(_Strict):
 
     user_id: int | str | None = Field(default=None, description="echoed back; routing key for a load balancer")
     history: list[Event] = Field(description="events, ideally oldest first")
-    k: int = Field(default=5, ge=1, le=1000, description="items to return, 1..the model's max_output_len")
+    # range checked by the app against the loaded model (hstu.config.check_k: the message `hstu generate -k` gives)
+    k: int = Field(default=5, description="items to return, 1..the model's max_output_len", json_schema_extra={"minimum": 1})
     exclude: list[int] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
     exclude_history: bool | None = Field(default=None, description="never return history items (default: the data set's)")
     request_time: int | None = Field(default=None, ge=0, le=INT64_MAX, description="Unix seconds; default: the last event's time")

@@ -105,3 +105,27 @@ def test_generate_decoding_options_take_the_http_ranges(tmp_path, capsys, flag, 
         Decoding(**{field: float(bad) if field == "temperature" else int(bad)})
     args = build_parser().parse_args(["generate", "--run", "r", "--user", "1", flag, edge])
     assert getattr(args, field) == Decoding(**{field: getattr(args, field)}).model_dump()[field]
+
+
+def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
+    """`hstu train --out EXISTING_RUN` silently trained over it: now refused unless --resume or
+    --overwrite (which deletes the old run's files first); checked before any data is read."""
+    from hstu.cli import RUN_FILES, main
+
+    for name, files in (("finished", ["model.safetensors", "metrics.json"]), ("interrupted", ["last.json", "last.safetensors"])):
+        out = tmp_path / name
+        out.mkdir()
+        for f in files:
+            (out / f).write_text("{}")
+        assert main(["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hstu train: error: --out {out} already holds a run ({', '.join(f for f in RUN_FILES if f in files)}); "
+                              "pass --resume to continue it, --overwrite to replace it"), err
+    nodata = ["--data-dir", str(tmp_path / "no_data"), "--out", str(out), "--quiet"]  # the interrupted run
+    assert main(["train", "--resume", *nodata]) == 2  # passes the check, then misses the data
+    assert "already holds" not in capsys.readouterr().err and (out / "last.json").exists()
+    assert main(["train", "--overwrite", *nodata]) == 2
+    assert "already holds" not in capsys.readouterr().err and not any(out.iterdir())
+    with pytest.raises(SystemExit):
+        main(["train", "--resume", "--overwrite", *nodata])
+    assert "not allowed with argument --resume" in capsys.readouterr().err

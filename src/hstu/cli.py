@@ -76,7 +76,26 @@ PRECISION_HELP = ("inference precision: a float run is converted in memory (int8
                   "item table); a quantized run (hstu quantize) loads as saved and refuses another scheme")
 
 
+RUN_FILES = ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json")  # what `fit` writes per epoch / at the end
+
+
+def _check_out_dir(args) -> None:
+    """FileExistsError when --out already holds a run and neither --resume nor --overwrite is given;
+    with --overwrite the old run's files are deleted, so that nothing of it can be resumed or reported."""
+    out = Path(args.out)
+    found = [f for f in RUN_FILES if (out / f).exists()]
+    if not found or args.resume:
+        return
+    if not args.overwrite:
+        raise FileExistsError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+                              "--overwrite to replace it, or choose another --out")
+    log.warning("--overwrite: deleting the run in %s (%s)", out, ", ".join(found))
+    for f in found:
+        (out / f).unlink()
+
+
 def cmd_train(args) -> int:
+    _check_out_dir(args)
     if args.distributed:
         from hstu.train.distributed import cmd_train_distributed
 
@@ -243,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last")
     t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
     t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
+    r = t.add_mutually_exclusive_group()
+    r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
+    r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--distributed", action="store_true",
                    help="item table sharded by TorchRec, dense layers under DDP; start with "

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 
-def hstu(*args, check=True):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def hstu(*args, check=True, env=None):
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     p = subprocess.run([sys.executable, "-m", "hstu.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"hstu {args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
@@ -129,3 +129,31 @@ def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--resume", "--overwrite", *nodata])
     assert "not allowed with argument --resume" in capsys.readouterr().err
+
+
+def test_generate_data_dir_flag_and_env(run_dir, tmp_path):
+    """`generate --user` reads the run's data: --data-dir, else $HSTU_DATA_DIR (as `hstu train`),
+    else where the run was trained; both used to be ignored (no flag, env unread)."""
+    import shutil
+
+    from conftest import ML1M
+
+    want = json.loads(hstu("generate", "--run", run_dir, "--user", 1, "--json").stdout)["items"]
+    moved = tmp_path / "moved-run"
+    shutil.copytree(run_dir, moved)
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["data"]["data_dir"] = str(tmp_path / "gone")  # the data moved since training
+    (moved / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "elsewhere").symlink_to(ML1M)
+    out = json.loads(hstu("generate", "--run", moved, "--user", 1, "--json", "--data-dir", tmp_path / "elsewhere").stdout)
+    assert out["items"] == want
+    env = {k: v for k, v in os.environ.items() if k != "HSTU_DATA_DIR"}
+    out = json.loads(hstu("generate", "--run", moved, "--user", 1, "--json", env={**env, "HSTU_DATA_DIR": str(tmp_path / "elsewhere")}).stdout)
+    assert out["items"] == want
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = hstu("generate", "--run", run_dir, "--user", 1, env={**env, "HSTU_DATA_DIR": str(empty)}, check=False)  # env over the recorded dir
+    assert p.returncode == 2 and str(empty) in p.stderr and "pass --data-dir or set HSTU_DATA_DIR" in p.stderr, p.stderr
+    out = json.loads(hstu("generate", "--run", run_dir, "--user", 1, "--json", "--data-dir", ML1M,
+                          env={**env, "HSTU_DATA_DIR": str(empty)}).stdout)  # the flag over the env
+    assert out["items"] == want

@@ -166,11 +166,30 @@ def _history_from_file(path: str):
     return History(items, ts, acts if any(a is not None for a in acts) else None)
 
 
-def _user_history(rec, cfg, user: int):
+def run_data_dir(cfg: dict, data_dir: str | None = None) -> str:
+    """Where a run's data set is read from: ``data_dir`` (--data-dir), else $HSTU_DATA_DIR (as for
+    ``hstu train``), else the directory recorded at training; for ML-1M whose recorded directory is
+    gone, ../shared/data/ml-1m as ``hstu train`` finds it (:func:`default_data_dir`)."""
+    if data_dir:
+        return str(data_dir)
+    data = cfg["data"]
+    recorded = data.get("data_dir")
+    if os.environ.get("HSTU_DATA_DIR") or (data.get("dataset") == "ml-1m" and not (recorded and Path(recorded).exists())):
+        found = default_data_dir()
+        if found is not None:
+            return str(found)
+    return recorded
+
+
+def _user_history(rec, cfg, user: int, data_dir: str | None = None):
     from hstu.generate.recommend import History
     from hstu.train.loop import DataSpec, prepare_data
 
-    log_, _ = prepare_data(DataSpec(**cfg["data"]))
+    spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, data_dir)})
+    try:
+        log_, _ = prepare_data(spec)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc} (the run's {spec.dataset} data; pass --data-dir or set HSTU_DATA_DIR if it moved)") from None
     u = log_.user_index(user)
     s, e = log_.offsets[u], log_.offsets[u + 1]
     raw = log_.item_raw_ids[log_.items[s:e]].tolist()
@@ -187,7 +206,7 @@ def cmd_generate(args) -> int:
     rec = Recommender.from_run(args.run, args.device, args.precision)
     check_k(args.k, rec.model.cfg.max_output_len, "-k")
     cfg = read_json(Path(args.run) / "config.json")
-    hist = _history_from_file(args.history) if args.history else _user_history(rec, cfg, args.user)
+    hist = _history_from_file(args.history) if args.history else _user_history(rec, cfg, args.user, args.data_dir)
     if args.request_time is not None:
         hist.request_time = args.request_time
     prep = rec.prepare(hist, unknown=args.unknown_items)
@@ -230,7 +249,7 @@ def cmd_demo(args) -> int:
     rec = Recommender.from_run(out, args.device)
     cfg = read_json(out / "config.json")
     for user in (1, 2, 3):
-        hist = _user_history(rec, cfg, user)
+        hist = _user_history(rec, cfg, user, str(data_dir))
         items = rec.recommend([rec.prepare(hist)], 5)[0]
         last = [rec.titles.get(str(i), str(i)) for i in hist.items[-3:]]
         print(f"user {user}: last watched: " + " | ".join(last))
@@ -296,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="topk: softmax temperature (default 1.0)")
     q.add_argument("--beam-width", type=number_in(int, 1, BEAM_WIDTH_MAX), default=4, help="beam: beams (default 4)")
     q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="topk: sampling seed (default 0)")
+    q.add_argument("--data-dir", help="the run's data set (for --user), if it moved since training "
+                                      "(default: $HSTU_DATA_DIR, else the directory recorded in the run)")
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])

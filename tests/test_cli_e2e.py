@@ -157,3 +157,20 @@ def test_generate_data_dir_flag_and_env(run_dir, tmp_path):
     out = json.loads(hstu("generate", "--run", run_dir, "--user", 1, "--json", "--data-dir", ML1M,
                           env={**env, "HSTU_DATA_DIR": str(empty)}).stdout)  # the flag over the env
     assert out["items"] == want
+
+
+def test_demo_says_1_epoch(tmp_path, capsys):
+    """`hstu demo --epochs 1` printed "1 epochs" (twice); on the first 30 ML-1M users."""
+    from conftest import ML1M, need
+
+    from hstu.cli import main
+
+    need(ML1M / "ratings.dat")
+    data = tmp_path / "ml-1m"
+    data.mkdir()
+    with open(ML1M / "ratings.dat", encoding="latin-1") as f:
+        (data / "ratings.dat").write_text("".join(line for line in f if int(line.split("::", 1)[0]) <= 30), encoding="latin-1")
+    (data / "movies.dat").symlink_to(ML1M / "movies.dat")
+    assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert " for 1 epoch on cpu" in out and "\ntrained 1 epoch in " in out and "epochs" not in out

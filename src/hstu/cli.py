@@ -227,6 +227,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def cmd_demo(args) -> int:
     """Train the small preset on ML-1M, evaluate on test, show next-5 titles for 3 users."""
     from hstu.config import TrainConfig, model_config_from_preset
@@ -239,13 +243,13 @@ def cmd_demo(args) -> int:
         raise FileNotFoundError(NO_DATA if data_dir is None else f"{data_dir}/ratings.dat not found. " + NO_DATA)
     out = Path(args.out)
     t0 = time.perf_counter()
-    print(f"hstu demo: training HSTU (small preset) on {data_dir} for {args.epochs} epochs on {args.device} ...", flush=True)
+    print(f"hstu demo: training HSTU (small preset) on {data_dir} for {_count(args.epochs, 'epoch')} on {args.device} ...", flush=True)
     metrics = fit(out, model_config_from_preset("small"), TrainConfig(epochs=args.epochs, seed=args.seed),
                   DataSpec("ml-1m", str(data_dir)), device=args.device, progress=not args.quiet)
     t = metrics["test"]
     print(f"\ntest (full ranking over all items, {t['users']} users): HR@10 {t['HR@10']:.4f}  NDCG@10 {t['NDCG@10']:.4f}  "
           f"HR@50 {t['HR@50']:.4f}  MRR {t['MRR']:.4f}")
-    print(f"trained {metrics['epochs']} epochs in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n")
+    print(f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n")
     rec = Recommender.from_run(out, args.device)
     cfg = read_json(out / "config.json")
     for user in (1, 2, 3):

@@ -3,6 +3,7 @@ provenance (machine, git commit, exact command) and the validation-curve plot.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -69,6 +70,21 @@ def finite(obj):
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(finite(obj), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def run_spec(run_dir: Path, spec: DataSpec) -> DataSpec:
+    """``spec`` with the user subset the run in ``run_dir`` recorded (config.json ``data.max_users``):
+    a run is rescored on the users it was trained and tested on, whatever ``--max-users`` this
+    invocation got (``--report-only`` without it rescored smoke runs on all users). ``spec`` as
+    is when the run has no config.json yet."""
+    cfg = Path(run_dir) / "config.json"
+    if not cfg.exists():
+        return spec
+    recorded = (read_json(cfg).get("data") or {}).get("max_users")
+    if recorded != spec.max_users:
+        log.info("%s: rescoring on the run's own users (max_users=%s, not %s)", run_dir, recorded, spec.max_users)
+        return dataclasses.replace(spec, max_users=recorded)
+    return spec
 
 
 def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu") -> tuple[dict, list]:

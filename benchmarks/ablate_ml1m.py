@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _quality import command, git_commit, machine, train_or_resume, write_json
+from _quality import command, git_commit, machine, run_spec, train_or_resume, write_json
 from reproduce_ml1m import CHUNK_DEFAULT, DEFAULT_DATA, POOL_DEFAULT, RECIPE
 
 from hstu.config import TrainConfig, model_config_from_preset
@@ -123,9 +123,10 @@ def main(argv=None) -> int:
                 (run / "command.txt").write_text(prov["command"] + "\n")
             _, history = train_or_resume(run, model_config_from_preset("small", **mo), TrainConfig(**{**tbase, **to}), spec,
                                          device=args.device)
-        per_user[name] = per_user_hits(run, spec, args.device)
+        rspec = run_spec(run, spec)  # the run's own --max-users, whatever this invocation got
+        per_user[name] = per_user_hits(run, rspec, args.device)
         report["runs"][name] = {
-            "run_dir": str(run), "model_overrides": mo, "train_overrides": to,
+            "run_dir": str(run), "model_overrides": mo, "train_overrides": to, "max_users": rspec.max_users,
             "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
             "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])), 1),
             "test": {h["epoch"]: {"HR@10": h["test"]["HR@10"], "NDCG@10": h["test"]["NDCG@10"]} for h in history if "test" in h},
@@ -138,7 +139,9 @@ def main(argv=None) -> int:
                 continue
             r["minus_base"] = {ep: {k: v[k] - base["test"][ep][k] for k in v} for ep, v in r["test"].items() if ep in base["test"]}
             hb, hr = per_user["base"], per_user[name]
-            assert np.array_equal(hb["users"], hr["users"])
+            if not np.array_equal(hb["users"], hr["users"]):
+                raise SystemExit(f"{name} and base were tested on different users (max_users {r['max_users']} vs "
+                                 f"{base['max_users']}): no paired interval; rerun one of them")
             r["final_minus_base_ci95"] = {k: paired_ci(hr[k], hb[k], args.resamples) for k in ("HR@10", "NDCG@10")}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "ml1m_ablations.json", report)

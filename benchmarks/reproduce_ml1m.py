@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from _quality import command, git_commit, interim_metrics, machine, plot_curves, train_or_resume, write_json
+from _quality import command, git_commit, interim_metrics, machine, plot_curves, run_spec, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
 from hstu.model.checkpoint import load_run, read_json
 from hstu.train.loop import DataSpec, prepare_data
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             interim = None
             if args.report_only and not (run / "metrics.json").exists():
-                interim = interim_metrics(run, spec, device=args.device)
+                interim = interim_metrics(run, run_spec(run, spec), device=args.device)
                 if interim is None:
                     log.info("%s: no run, skipped (--report-only)", run)
                     continue
@@ -154,11 +154,12 @@ def main(argv=None) -> int:
             tcfg = TrainConfig(**RECIPE, epochs=epochs, negatives_chunk=chunk, length_pool=pool, seed=args.seed,
                                early_stopping_patience=args.patience, num_threads=args.threads)
             run.mkdir(parents=True, exist_ok=True)
-            if not (run / "metrics.json").exists():
+            if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
             metrics, history = interim or train_or_resume(run, model_config_from_preset(preset, architecture=arch), tcfg, spec,
                                                           device=args.device)
             run_cfg = read_json(run / "config.json")
+            spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got
             res = {"run_dir": str(run), "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
                    "model_config": run_cfg["model"], "train_config": run_cfg["train"],
                    "status": metrics.get("status", "finished"),

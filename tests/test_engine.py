@@ -335,11 +335,12 @@ def test_warmup_runs_every_bucket_and_batch_size(model):
         assert {("prefill", 1), ("prefill", 2), ("step", 1, 1), ("step", 2, 1), ("step", 1, 2)} <= keys
 
 
-@pytest.mark.parametrize("blocks", [2, 3])
-def test_prefill_in_causal_row_blocks_equals_one_square(blocks):
+@pytest.mark.parametrize("blocks, chunk", [(2, 0), (3, 0), (None, 0), (4, 100)])
+def test_prefill_in_causal_row_blocks_equals_one_square(blocks, chunk):
     """Buckets from 64 rows run the prefill's attention in row blocks (each block against the
-    keys up to its last row); same items, scores within float reassociation, and the same
-    first-step scores as the float64 encoder."""
+    keys up to its last row, with the time buckets of its own pairs; ``chunk``: those buckets
+    computed a few batch rows at a time); same items, scores within float reassociation, and
+    the same first-step scores as the float64 encoder."""
     torch.manual_seed(0)
     cfg = ModelConfig(num_items=I, max_seq_len=80, max_output_len=4, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
                       dropout=0.0)
@@ -349,7 +350,8 @@ def test_prefill_in_causal_row_blocks_equals_one_square(blocks):
     one = Engine(m, buckets=(80,), max_batch=8, k_max=4)
     one.prefill_blocks = 1
     split = Engine(m, buckets=(80,), max_batch=8, k_max=4)
-    split.prefill_blocks = blocks
+    split.prefill_blocks, split.tb_chunk_elements = blocks, chunk
+    assert len(split._row_blocks(80)) == (blocks or 2) and len(split._row_blocks(200)) == (blocks or 4)
     a, b = one.generate(ids, ts, L, 4, request_time=rt), split.generate(ids, ts, L, 4, request_time=rt)
     assert torch.equal(a.items, b.items)
     close(a.scores, b.scores)

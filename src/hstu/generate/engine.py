@@ -53,7 +53,8 @@ model's fixed width, I items.
 - Prefill: every row through every layer (their K/V fill the cache), except that in the last
   layer only the last live row, whose output is the user vector, is attended and projected
   (as an LLM prefill computes only the last token's logits). Square causal attention runs in
-  ``prefill_blocks`` row blocks from 64 rows on (a block's queries never see later keys); with several heads, masked scores get a -M bias whose SiLU is
+  ``prefill_blocks`` row blocks from 64 rows on (a block's queries never see later keys; each block's
+  time buckets are computed for its own (query, key) pairs only); with several heads, masked scores get a -M bias whose SiLU is
   exactly 0 (kernels/reference.py).
 - A decode step with one beam per user (greedy, top-k) attends to a user's history and
   generated slots in one call (per-row key positions and validity set once per request);
@@ -106,6 +107,7 @@ from hstu.model.kernels import KernelSet, get_kernels
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (20, 50, 100, 200)
+TB_CHUNK_ELEMENTS = 1 << 15  # (query, key) pairs per time-bucket call on CPU: int64 / float64 passes of 256 KB stay in L2
 
 
 @dataclass
@@ -263,7 +265,11 @@ class Engine:
         self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
         self.kernels: KernelSet = get_kernels(dev.type, kernels)
         self.graphs = self._graph_mode(graphs)
-        self.prefill_blocks = 2  # causal row blocks of a prefill's attention from 64 rows (1: one square)
+        # causal row blocks of a prefill's attention from 64 rows (1: one square; None: 2, or 4 from 150 rows).
+        # Measured (small ML-1M model, one thread, next-5 of 16 histories at bucket 200): 4 blocks with
+        # per-block time buckets 1.6x the one square's call, 2 blocks 1.4x; 1.1x at bucket 100
+        self.prefill_blocks: int | None = None
+        self.tb_chunk_elements = TB_CHUNK_ELEMENTS  # CPU: time buckets in groups of batch rows (see _tb); 0: one call
         if batch_sizes is None:  # static batch shapes only where something is captured
             batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(self.graphs,
                                                                                                          _ladder(self.max_batch))
@@ -387,10 +393,25 @@ class Engine:
         return (rb.pos_w if rb.use_position else None), (rb.ts_w if rb.use_time else None)
 
     def _tb(self, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor | None:
+        """Time buckets (B, T, S) int64 of t_q (B, T) against t_k (B, S), or None without a time
+        bias. On CPU in groups of batch rows of at most TB_CHUNK_ELEMENTS pairs: the bucket
+        formula is ~10 elementwise passes over (B, T, S) int64 / float64, memory-bound once the
+        tensors outgrow the L2 cache (a (16, 200, 200) prefill: ~10-25 ms at one thread, as
+        much as the rest of a small model's generate call)."""
         c = self.model.cfg
         if not c.use_time_bias:
             return None
-        return self.kernels.time_buckets(t_q, t_k, num_buckets=c.num_time_buckets, log_base=c.time_bucket_log_base)
+        B, T, S = t_q.shape[0], t_q.shape[1], t_k.shape[1]
+        step = max(1, self.tb_chunk_elements // max(1, T * S)) if self.device.type == "cpu" and self.tb_chunk_elements > 0 else B
+        parts = [self.kernels.time_buckets(t_q[a:a + step], t_k[a:a + step], num_buckets=c.num_time_buckets,
+                                           log_base=c.time_bucket_log_base) for a in range(0, B, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _row_blocks(self, E: int) -> list[tuple[int, int]]:
+        """Causal row blocks (a, b) of a prefill's square attention (see _causal_attention)."""
+        n = (4 if E >= 150 else 2) if self.prefill_blocks is None else self.prefill_blocks
+        n = n if E >= 64 else 1
+        return [(E * j // n, E * (j + 1) // n) for j in range(max(1, n))]
 
     def _layer(self, layer, x: torch.Tensor):
         c = self.model.cfg
@@ -398,20 +419,18 @@ class Engine:
             return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
         return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
 
-    def _causal_attention(self, q, k, v, pos, tb, pw, tw) -> torch.Tensor:
+    def _causal_attention(self, q, k, v, pos, tbs, pw, tw) -> torch.Tensor:
         """Square causal attention of a prefill, (Bp, H, E, ·) -> (Bp, E, H*d_v). From 64 rows,
-        in ``prefill_blocks`` row blocks: block j's queries against keys 0 .. its last row only
-        (the later keys are masked for them), which skips (n - 1) / 2n of the (Bp, H, E, E)
-        scores for n blocks. Same result: keys beyond a query row contribute exactly 0 either way."""
+        in ``prefill_blocks`` row blocks (:meth:`_row_blocks`): block (a, b)'s queries against
+        keys 0 .. b - 1 only (the later keys are masked for them), which skips (n - 1) / 2n of
+        the (Bp, H, E, E) scores for n blocks. Same result: keys beyond a query row contribute
+        exactly 0 either way. ``tbs``: each block's time buckets (Bp, b - a, b), or None."""
         ks, c = self.kernels, self.model.cfg
-        E, n = q.shape[2], self.prefill_blocks
-        if n <= 1 or E < 64:
-            return ks.attention(q, k, v, q_pos=pos, k_pos=pos, k_valid=None, tb=tb, pos_w=pw, ts_w=tw, n=c.width)
-        edges = [E * j // n for j in range(n + 1)]
+        blocks = self._row_blocks(q.shape[2])
         parts = [ks.attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=pos[a:b], k_pos=pos[:b], k_valid=None,
-                              tb=None if tb is None else tb[:, a:b, :b], pos_w=pw, ts_w=tw, n=c.width)  # (Bp, b - a, H*d_v)
-                 for a, b in zip(edges[:-1], edges[1:])]
-        return torch.cat(parts, dim=1)  # (Bp, E, H*d_v)
+                              tb=None if tbs is None else tbs[j], pos_w=pw, ts_w=tw, n=c.width)  # (Bp, b - a, H*d_v)
+                 for j, (a, b) in enumerate(blocks)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (Bp, E, H*d_v)
 
     def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
         return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)
@@ -427,8 +446,11 @@ class Engine:
         def prefill() -> torch.Tensor:
             valid = (pos.view(1, E) < lengths.view(Bp, 1)).unsqueeze(-1).to(self.dtype)  # (Bp, E, 1)
             x = m.embed(ids, pos, *self._feat(b, acts, cats)) * valid  # (Bp, E, d)
-            tb = self._tb(t[:, 1:E + 1], t[:, :E])  # (Bp, E, E): |t[i+1] - t[j]|
+            t_q, t_k = t[:, 1:E + 1], t[:, :E]  # row i's query time t[i+1]; key times
             last = lengths - 1  # (Bp,) the row whose output is the user vector
+            tb_last = self._tb(t_q[bidx, last].view(Bp, 1), t_k)  # (Bp, 1, E): the last row's buckets
+            # each causal row block's buckets (Bp, b - a, b): |t[i+1] - t[j]| for the pairs it computes
+            tbs = None if tb_last is None or len(m.layers) == 1 else [self._tb(t_q[:, a:b], t_k[:, :b]) for a, b in self._row_blocks(E)]
             for li, layer in enumerate(m.layers):
                 u, v, q, k = self._layer(layer, x)  # (Bp, E, ·)
                 q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, E, ·)
@@ -438,10 +460,10 @@ class Engine:
                 pw, tw = self._bias_tables(layer)
                 if li == len(m.layers) - 1:  # only the last row's output is read: its query alone
                     av = ks.attention(q[bidx, :, last].unsqueeze(2), k, v, q_pos=last.view(Bp, 1), k_pos=pos, k_valid=None,
-                                      tb=None if tb is None else tb[bidx, last].unsqueeze(1), pos_w=pw, ts_w=tw, n=c.width)  # (Bp, 1, H*d_v)
+                                      tb=tb_last, pos_w=pw, ts_w=tw, n=c.width)  # (Bp, 1, H*d_v)
                     x = x[bidx, last] + layer.o(ks.ln_mul(av.squeeze(1), u[bidx, last], eps=layer.eps))  # (Bp, d)
                     return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
-                av = self._causal_attention(q, k, v, pos, tb, pw, tw)  # (Bp, E, H*d_v)
+                av = self._causal_attention(q, k, v, pos, tbs, pw, tw)  # (Bp, E, H*d_v)
                 x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, E, d)
             raise AssertionError("a model without layers")  # HSTUModel always has >= 1 (config validation)
 

@@ -18,6 +18,8 @@ Ablations (name -> change):
     no-pos-bias     relative position bias off (ModelConfig.use_position_bias = False)
     no-time-bias    relative time bias off (use_time_bias = False)
     no-rel-bias     both off
+    n-causal        attention divisor n = i + 1 for row i (the keys it attends) instead of the fixed
+                    width N (ModelConfig.attention_norm = "causal")
     negatives-32    32 negatives instead of 128
     negatives-512   512 negatives
     seed-7          the base with another seed (data order, initialisation, negatives): the noise
@@ -52,6 +54,7 @@ ABLATIONS: dict[str, tuple[dict, dict]] = {
     "no-pos-bias": ({"use_position_bias": False}, {}),
     "no-time-bias": ({"use_time_bias": False}, {}),
     "no-rel-bias": ({"use_position_bias": False, "use_time_bias": False}, {}),
+    "n-causal": ({"attention_norm": "causal"}, {}),
     "negatives-32": ({}, {"num_negatives": 32}),
     "negatives-512": ({}, {"num_negatives": 512}),
     "seed-7": ({}, {"seed": 7}),

@@ -26,8 +26,8 @@ def test_time_bucket_hand_values(dt, expected):
     assert int(time_buckets(ts)[0, 0, 0]) == expected == bucket_ref(dt)
 
 
-def layer_norm(z):
-    return (z - z.mean()) / math.sqrt(z.var() + 1e-6)  # numpy var is the biased one, like LN
+def layer_norm(z, eps=1e-6):
+    return (z - z.mean()) / math.sqrt(z.var() + eps)  # numpy var is the biased one, like LN
 
 
 def silu(z):
@@ -35,8 +35,9 @@ def silu(z):
 
 
 def reference_encoder(m: HSTUModel, ids, ts, lengths):
-    """Loops over batch, rows and keys in float64."""
+    """Loops over batch, rows and keys in float64. Divisor n: N, or i + 1 for row i ("causal")."""
     c = m.cfg
+    eps = c.layer_norm_eps
     N, d, H, dqk, dv = c.width, c.embedding_dim, c.num_heads, c.d_qk, c.d_v
     P = {k: v.detach().double().numpy() for k, v in m.state_dict().items()}
     B, W = ids.shape
@@ -51,17 +52,18 @@ def reference_encoder(m: HSTUModel, ids, ts, lengths):
             pre = f"layers.{li}."
             Wuvqk, Wo, bo = P[pre + "uvqk.weight"].T, P[pre + "o.weight"], P[pre + "o.bias"]
             pos_w, ts_w = P[pre + "rel_bias.pos_w"], P[pre + "rel_bias.ts_w"]
-            h = np.array([silu(layer_norm(x[i]) @ Wuvqk) for i in range(W)])
+            h = np.array([silu(layer_norm(x[i], eps) @ Wuvqk) for i in range(W)])
             u, v, q, k = h[:, :H * dv], h[:, H * dv:2 * H * dv], h[:, 2 * H * dv:2 * H * dv + H * dqk], h[:, 2 * H * dv + H * dqk:]
             y = np.zeros((W, d))
             for i in range(L):
+                n = N if c.attention_norm == "fixed" else i + 1
                 av = np.zeros(H * dv)
                 for hh in range(H):
                     for j in range(i + 1):
                         rab = pos_w[N - 1 + j - i] + ts_w[bucket_ref(t[i + 1] - t[j])]
                         s = q[i, hh * dqk:(hh + 1) * dqk] @ k[j, hh * dqk:(hh + 1) * dqk] + rab
-                        av[hh * dv:(hh + 1) * dv] += silu(s) / N * v[j, hh * dv:(hh + 1) * dv]
-                y[i] = Wo @ (u[i] * layer_norm(av)) + bo + x[i]
+                        av[hh * dv:(hh + 1) * dv] += silu(s) / n * v[j, hh * dv:(hh + 1) * dv]
+                y[i] = Wo @ (u[i] * layer_norm(av, eps)) + bo + x[i]
             x = y
         for i in range(L):
             out[b, i] = x[i] / max(np.linalg.norm(x[i]), 1e-6)
@@ -80,8 +82,11 @@ def tiny_model(seed=0, heads=2, **kw) -> HSTUModel:
     return m
 
 
-def test_encoder_matches_float64_loops():
-    m = tiny_model()
+# LN(A·V) cancels a per-row scale of A·V up to its eps, so a large eps makes the divisor visible
+@pytest.mark.parametrize("kw", [{}, dict(attention_norm="causal"), dict(attention_norm="causal", layer_norm_eps=0.5),
+                                dict(layer_norm_eps=0.5)])
+def test_encoder_matches_float64_loops(kw):
+    m = tiny_model(**kw)
     ids = torch.tensor([[3, 9, 27, 4, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8][:8]])
     ids[2, 7] = 0
     lengths = torch.tensor([4, 1, 7])

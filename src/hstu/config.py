@@ -20,12 +20,16 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+ATTENTION_NORMS = ("fixed", "causal")
+
+
 @dataclass
 class ModelConfig:
     """HSTU encoder sizes (DESIGN.md "The model"; Zhai et al. 2024, §3).
 
     The fixed width N = max_seq_len + max_output_len is both the positional table size and
-    the attention divisor n, so padding to any width <= N never changes a live output.
+    the attention divisor n (``attention_norm="fixed"``), so padding to any width <= N never
+    changes a live output; ``"causal"`` divides row i by the i + 1 keys it attends instead.
     """
 
     architecture: str = "hstu"  # "hstu" | "sasrec" (baseline, Kang & McAuley 2018)
@@ -42,6 +46,9 @@ class ModelConfig:
     time_bucket_log_base: float = 0.301  # bucket(dt) = floor(ln(max(|dt|, 1)) / 0.301)
     use_time_bias: bool = True  # ablation switches (issue: relative bias off, time bias off)
     use_position_bias: bool = True
+    # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
+    # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
+    attention_norm: str = "fixed"
     layer_norm_eps: float = 1e-6
     temperature: float = 0.05  # cosine-similarity temperature (recipe: 0.05)
     num_actions: int = 0  # >0: action-type embedding summed into the input + next-action head
@@ -69,6 +76,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.temperature must be > 0, got {self.temperature}")
         if not 0.0 <= self.cold_item_dropout < 1.0:
             raise ValueError(f"ModelConfig.cold_item_dropout must be in [0, 1), got {self.cold_item_dropout}")
+        if self.attention_norm not in ATTENTION_NORMS:
+            raise ValueError(f"ModelConfig.attention_norm must be one of {ATTENTION_NORMS}, got {self.attention_norm!r}")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
 

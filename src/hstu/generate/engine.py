@@ -419,6 +419,16 @@ class Engine:
             return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
         return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
 
+    def _attention(self, q, k, v, *, q_pos, **kw) -> torch.Tensor:
+        """The backend's attention kernel with the model's divisor n (ModelConfig.attention_norm):
+        N for every row, or q_pos + 1 per query row ("causal": every position 0..q_pos it attends
+        is live here), applied to the (B, T, H*d_v) output. Shapes: kernels.attention."""
+        c = self.model.cfg
+        if c.attention_norm == "fixed":
+            return self.kernels.attention(q, k, v, q_pos=q_pos, n=c.width, **kw)
+        av = self.kernels.attention(q, k, v, q_pos=q_pos, n=1, **kw)  # (B, T, H*d_v)
+        return av.div_((q_pos + 1).to(av.dtype).expand(av.shape[:2]).unsqueeze(-1))
+
     def _causal_attention(self, q, k, v, pos, tbs, pw, tw) -> torch.Tensor:
         """Square causal attention of a prefill, (Bp, H, E, ·) -> (Bp, E, H*d_v). From 64 rows,
         in ``prefill_blocks`` row blocks (:meth:`_row_blocks`): block (a, b)'s queries against
@@ -427,8 +437,8 @@ class Engine:
         exactly 0 either way. ``tbs``: each block's time buckets (Bp, b - a, b), or None."""
         ks, c = self.kernels, self.model.cfg
         blocks = self._row_blocks(q.shape[2])
-        parts = [ks.attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=pos[a:b], k_pos=pos[:b], k_valid=None,
-                              tb=None if tbs is None else tbs[j], pos_w=pw, ts_w=tw, n=c.width)  # (Bp, b - a, H*d_v)
+        parts = [self._attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=pos[a:b], k_pos=pos[:b], k_valid=None,
+                              tb=None if tbs is None else tbs[j], pos_w=pw, ts_w=tw)  # (Bp, b - a, H*d_v)
                  for j, (a, b) in enumerate(blocks)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (Bp, E, H*d_v)
 
@@ -459,8 +469,8 @@ class Engine:
                 k, v = hk[li][:, :, :E], hv[li][:, :, :E]  # the cache rows: strided GEMM operands, no second copy
                 pw, tw = self._bias_tables(layer)
                 if li == len(m.layers) - 1:  # only the last row's output is read: its query alone
-                    av = ks.attention(q[bidx, :, last].unsqueeze(2), k, v, q_pos=last.view(Bp, 1), k_pos=pos, k_valid=None,
-                                      tb=tb_last, pos_w=pw, ts_w=tw, n=c.width)  # (Bp, 1, H*d_v)
+                    av = self._attention(q[bidx, :, last].unsqueeze(2), k, v, q_pos=last.view(Bp, 1), k_pos=pos, k_valid=None,
+                                      tb=tb_last, pos_w=pw, ts_w=tw)  # (Bp, 1, H*d_v)
                     x = x[bidx, last] + layer.o(ks.ln_mul(av.squeeze(1), u[bidx, last], eps=layer.eps))  # (Bp, d)
                     return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
                 av = self._causal_attention(q, k, v, pos, tbs, pw, tw)  # (Bp, E, H*d_v)
@@ -493,8 +503,7 @@ class Engine:
                 hk[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_qk), k)
                 hv[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_v), v)
                 pw, tw = self._bias_tables(layer)
-                av = ks.attention(q, hk[li][:, :, :C], hv[li][:, :, :C], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw,
-                                  n=c.width)
+                av = self._attention(q, hk[li][:, :, :C], hv[li][:, :, :C], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw)
                 x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, T, d)
             return l2_normalize(x[bidx, lengths - 1 - start].to(self.score_dtype))  # (Bp, d)
 
@@ -523,10 +532,10 @@ class Engine:
                 gv[li].index_copy_(2, s_idx, v.view(R, H, 1, c.d_v))
                 pw, tw = self._bias_tables(layer)
                 qh = q.view(Bp, W, H, c.d_qk).transpose(1, 2)  # (Bp, H, W, d_qk)
-                av_h = ks.attention(qh, hk[li], hv[li], q_pos=qpos_h, k_pos=kpos, k_valid=kvalid, tb=tb_h, pos_w=pw, ts_w=tw,
-                                    n=c.width)  # (Bp, W, H*d_v): history rows
-                av_g = ks.attention(q.view(R, H, 1, c.d_qk), gk[li], gv[li], q_pos=qpos_g, k_pos=gpos, k_valid=None,
-                                    tb=zero_tb if tw is not None else None, pos_w=pw, ts_w=tw, n=c.width)  # (R, 1, H*d_v)
+                av_h = self._attention(qh, hk[li], hv[li], q_pos=qpos_h, k_pos=kpos, k_valid=kvalid, tb=tb_h, pos_w=pw,
+                                       ts_w=tw)  # (Bp, W, H*d_v): history rows
+                av_g = self._attention(q.view(R, H, 1, c.d_qk), gk[li], gv[li], q_pos=qpos_g, k_pos=gpos, k_valid=None,
+                                    tb=zero_tb if tw is not None else None, pos_w=pw, ts_w=tw)  # (R, 1, H*d_v)
                 av = av_h.reshape(R, H * c.d_v) + av_g.view(R, H * c.d_v)  # (R, H*d_v)
                 x = x + layer.o(ks.ln_mul(av, u, eps=layer.eps))  # (R, d)
             return l2_normalize(x.to(self.score_dtype))  # (R, d)
@@ -554,8 +563,8 @@ class Engine:
                 hk[li].index_copy_(2, s_idx, k.view(Bp, H, 1, c.d_qk))
                 hv[li].index_copy_(2, s_idx, v.view(Bp, H, 1, c.d_v))
                 pw, tw = self._bias_tables(layer)
-                av = ks.attention(q.view(Bp, H, 1, c.d_qk), hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb,
-                                  pos_w=pw, ts_w=tw, n=c.width)  # (Bp, 1, H*d_v)
+                av = self._attention(q.view(Bp, H, 1, c.d_qk), hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb,
+                                  pos_w=pw, ts_w=tw)  # (Bp, 1, H*d_v)
                 x = x + layer.o(ks.ln_mul(av.view(Bp, H * c.d_v), u, eps=layer.eps))  # (Bp, d)
             return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
 

@@ -5,7 +5,8 @@ d embedding width, H heads, d_qk / d_v per-head widths, S KV-cache capacity (<= 
 
 Per layer, for input X (B, W, d)                                        (§3, eqs. 1-3)
     U, V, Q, K = Split(SiLU(LN(X) · W_uvqk))        split order u, v, q, k
-    A = SiLU(Q Kᵀ + rab) / N ⊙ causal mask           (see attention.py, bias.py)
+    A = SiLU(Q Kᵀ + rab) / n ⊙ causal mask           (see attention.py, bias.py)
+        n = N for every row ("fixed", the reference), or i + 1 for row i ("causal", an ablation)
     Y = X + W_o · Dropout(U ⊙ LN(A · V))
 Rows at positions >= length are zero after every layer, so padding never changes live rows.
 Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
@@ -29,11 +30,15 @@ class HSTULayer(nn.Module):
     """One HSTU block. Keyword-only sizes, checked at construction."""
 
     def __init__(self, *, dim: int, num_heads: int, d_qk: int, d_v: int, width: int, num_buckets: int,
-                 dropout: float = 0.0, eps: float = 1e-6, use_position_bias: bool = True, use_time_bias: bool = True) -> None:
+                 dropout: float = 0.0, eps: float = 1e-6, use_position_bias: bool = True, use_time_bias: bool = True,
+                 attention_norm: str = "fixed") -> None:
         super().__init__()
         if min(dim, num_heads, d_qk, d_v, width) <= 0:
             raise ValueError(f"HSTULayer sizes must be > 0: dim={dim} heads={num_heads} d_qk={d_qk} d_v={d_v} width={width}")
+        if attention_norm not in ("fixed", "causal"):
+            raise ValueError(f"HSTULayer attention_norm must be 'fixed' or 'causal', got {attention_norm!r}")
         self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
+        self.attention_norm = attention_norm
         self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + d_qk), bias=False)
         self.o = nn.Linear(num_heads * d_v, dim)
         self.rel_bias = RelativeBias(width=width, num_buckets=num_buckets, use_position=use_position_bias, use_time=use_time_bias)
@@ -78,7 +83,11 @@ class HSTULayer(nn.Module):
             kv_out[0][:, :, :W].copy_(k)
             kv_out[1][:, :, :W].copy_(v)
         rab = self.rel_bias(buckets)  # (B, W, W)
-        av = attn(q, k, v, rab, n=self.width)  # (B, W, H*d_v)
+        if self.attention_norm == "fixed":
+            av = attn(q, k, v, rab, n=self.width)  # (B, W, H*d_v)
+        else:  # row i attends keys 0..i: n_i = i + 1, a per-row scale applied to A·V (any kernel, n = 1)
+            W = x.shape[1]
+            av = attn(q, k, v, rab, n=1) / torch.arange(1, W + 1, device=x.device, dtype=x.dtype).view(1, W, 1)
         return self.output(x, u, av) * valid  # (B, W, d)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets_row: torch.Tensor) -> torch.Tensor:
@@ -101,7 +110,8 @@ class HSTULayer(nn.Module):
         s = torch.matmul(q, k_cache.transpose(-1, -2)).squeeze(2)  # (B, H, S)
         s = s + self.rel_bias.row(pos, buckets_row).unsqueeze(1)  # (B, H, S)
         keep = torch.arange(S, device=x.device).view(1, S) <= pos.view(B, 1)  # (B, S)
-        a = F.silu(s) / self.width * keep.unsqueeze(1)  # (B, H, S)
+        n = self.width if self.attention_norm == "fixed" else (pos + 1).to(s.dtype).view(B, 1, 1)
+        a = F.silu(s) / n * keep.unsqueeze(1)  # (B, H, S)
         av = torch.matmul(a.unsqueeze(2), v_cache).reshape(B, 1, self.num_heads * self.d_v)  # (B, 1, H*d_v)
         return self.output(x.unsqueeze(1), u, av).squeeze(1)  # (B, d)
 
@@ -119,7 +129,8 @@ class HSTUModel(SequentialRecommender):
         d, N = cfg.embedding_dim, cfg.width
         self.layers = nn.ModuleList(
             HSTULayer(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, width=N, num_buckets=cfg.num_time_buckets,
-                      dropout=cfg.dropout, eps=cfg.layer_norm_eps, use_position_bias=cfg.use_position_bias, use_time_bias=cfg.use_time_bias)
+                      dropout=cfg.dropout, eps=cfg.layer_norm_eps, use_position_bias=cfg.use_position_bias, use_time_bias=cfg.use_time_bias,
+                      attention_norm=cfg.attention_norm)
             for _ in range(cfg.num_blocks)
         )
         self.attention: AttentionFn = hstu_attention_reference

@@ -12,6 +12,7 @@ import asyncio
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,8 +188,14 @@ def test_probes_docs_and_metric_names(server) -> None:
     assert r.json()["buckets"] == {"10": True, "20": True, "50": True}
     assert r.json()["precision"] == "fp32" and r.json()["embeddings"] == "fp32"  # the run is float
     assert "swagger" in httpx.get(server.url + "/docs").text.lower()
-    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    spec = httpx.get(server.url + "/openapi.json").json()
+    paths, comps = spec["paths"], spec["components"]["schemas"]
     assert {"/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics"} <= set(paths)
+    for path, model, field in (("/v1/generate", "GenerateRequest", "history"), ("/v1/score", "ScoreRequest", "candidates")):
+        ref = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}" and field in comps[model]["properties"]
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(spec)))
+    assert {"Event", "Decoding"} <= refs and refs <= set(comps)  # every reference resolves
     m = metrics(server.url)
     names = {n for n, _ in m}
     for name in ("hstu_serve_request_duration_seconds_bucket", "hstu_serve_batch_size_bucket", "hstu_serve_queue_depth",
@@ -362,7 +369,7 @@ def test_score_bad_input_and_malformed_json(server) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "candidates"
     r = httpx.post(server.url + "/v1/generate", content=b'{"history": [', headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error"
-    assert r.json()["error"]["field"] == "body" and r.json()["error"]["message"].startswith("body: JSON decode error at character 13")
+    assert r.json()["error"]["field"] == "body" and r.json()["error"]["message"] == "body: Invalid JSON: EOF while parsing a list at line 1 column 13"
     nan = b'{"history": [], "decoding": {"strategy": "topk", "temperature": NaN}}'  # JSON extension Python parses
     r = httpx.post(server.url + "/v1/generate", content=nan, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "decoding.temperature"

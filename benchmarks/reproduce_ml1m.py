@@ -5,6 +5,7 @@ full-ranking evaluation), side by side with the published numbers and the refere
     python benchmarks/reproduce_ml1m.py                                  # all three, both protocols (hours on 2 cores)
     python benchmarks/reproduce_ml1m.py --models hstu-small --protocols paper --paper-epochs 50
     python benchmarks/reproduce_ml1m.py --report-only                     # rewrite results from finished runs
+    python benchmarks/reproduce_ml1m.py --report-only --run hstu-large-clean=runs/ml1m/hstu-large-clean-chunk1-pool1  # the committed results
     python benchmarks/reproduce_ml1m.py --epochs 2 --paper-epochs 2 --max-users 200 --runs /tmp/m --out /tmp/m_out  # smoke
 
 Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
@@ -99,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
     p.add_argument("--report-only", action="store_true", help="do not train; report the finished runs found")
+    p.add_argument("--run", action="append", default=[], metavar="MODEL-PROTOCOL=DIR",
+                   help="use DIR as that model's run under that protocol, e.g. hstu-large-clean=runs/ml1m/hstu-large-clean-chunk1-pool1 "
+                        "(a run trained with other --length-pool / --negatives-chunk than the rest); repeatable")
     p.add_argument("--max-users", type=int, help="first N users only (smoke runs; the reported results use all)")
     return p.parse_args(argv)
 
@@ -128,6 +132,15 @@ def main(argv=None) -> int:
     runs, out = Path(args.runs), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prov = {"machine": machine(), "git_commit": git_commit(), "command": command()}
+    overrides = {}
+    for item in args.run:
+        key, sep, path = item.partition("=")
+        if not sep or not path:
+            raise SystemExit(f"--run {item!r}: expected MODEL-PROTOCOL=DIR")
+        overrides[key] = Path(path)
+    bad = set(overrides) - {f"{m}-{p}" for m in MODELS for p in ("clean", "paper")}
+    if bad:
+        raise SystemExit(f"--run: unknown MODEL-PROTOCOL {sorted(bad)}; valid: MODEL in {list(MODELS)}, PROTOCOL clean or paper")
     models = [m for m in args.models.split(",") if m]
     protocols = [p for p in args.protocols.split(",") if p]
     for m in models:
@@ -142,6 +155,7 @@ def main(argv=None) -> int:
             chunk = args.negatives_chunk or CHUNK_DEFAULT[protocol]
             run = runs / (f"{name}-{protocol}" + (f"-chunk{chunk}" if chunk != CHUNK_DEFAULT[protocol] else "")
                           + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else "") + (f"-seed{args.seed}" if args.seed != 42 else ""))
+            run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             interim = None
             if args.report_only and not (run / "metrics.json").exists():

@@ -228,6 +228,28 @@ def test_causal_attention_norm_every_engine_path():
     close(ext.scores, got.scores)
 
 
+@pytest.mark.parametrize("norm", ["fixed", "causal"])
+def test_decode_bias_formed_once_equals_bias_formed_every_step(norm):
+    """The reference kernel set forms each decode step's bias once per request group
+    (decode_bias / attention_bias); a set without them forms it inside every step's attention."""
+    from dataclasses import replace
+
+    from hstu.model.kernels import REFERENCE, available_kernels, register_kernels
+
+    if "reference-per-step-bias" not in available_kernels("cpu"):
+        register_kernels("cpu", replace(REFERENCE, name="reference-per-step-bias", decode_bias=None, attention_bias=None))
+    m = small_model(seed=9, attention_norm=norm)
+    once = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
+    per_step = Engine(m, buckets=EDGES, max_batch=4, k_max=6, kernels="reference-per-step-bias")
+    assert once._buckets[EDGES[0]].bias_j is not None and per_step._buckets[EDGES[0]].bias_j is None
+    ids, ts, L, rt = histories(LENS, seed=15)
+    for kw in (dict(), dict(strategy="topk", top_k=7, seed=3)):
+        a = once.generate(ids, ts, L, 6, request_time=rt, **kw)
+        b = per_step.generate(ids, ts, L, 6, request_time=rt, **kw)
+        assert torch.equal(a.items, b.items)
+        close(a.scores, b.scores, rtol=1e-6)
+
+
 def test_truncation_keeps_most_recent_events(model):
     eng = Engine(model, buckets=(10, 20), max_batch=4, k_max=6)
     ids, ts, L, rt = histories([35, 20, 3], width=40, seed=13)

@@ -164,6 +164,9 @@ class _Bucket:
         self.kvalid_j = z(R, C + K, d=torch.bool)
         self.kvalid_j[:, C:] = True  # a generated row later than the query is masked by position
         self.tb_j = z(R, 1, C + K, d=i64)  # generated rows keep bucket(|rt - rt|) = 0
+        # per layer, the bias of the one-beam decode step s (query at position L + s) against the C + K
+        # keys, mask folded in: formed once per request group when the kernel set can take it
+        self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None else None
         self.kvalid = self.kvalid_j[:, :C]  # (R, C) set per request
         self.start = z(R, d=i64)
         # static inputs (decode step)
@@ -188,7 +191,8 @@ class _Bucket:
 
     def total_bytes(self) -> int:
         io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.start, self.item, self.pos,
-              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.kpos_j, self.kvalid_j, self.tb_j, self.s_idx_j]
+              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.kpos_j, self.kvalid_j, self.tb_j, self.s_idx_j,
+              *(self.bias_j or [])]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
 
@@ -373,10 +377,12 @@ class Engine:
         return out
 
     # ----- compiled / captured pieces -----
-    def _runner(self, b: _Bucket, key: tuple, fn: Callable[[], torch.Tensor], graphable: bool) -> Callable[[], torch.Tensor]:
+    def _runner(self, b: _Bucket, key: tuple, make: Callable[[], Callable[[], torch.Tensor]], graphable: bool) -> Callable[[], torch.Tensor]:
+        """The cached runner of ``key``; ``make()`` builds its function on the first call only."""
         r = b.runners.get(key)
         if r is not None:
             return r
+        fn = make()
         mode = self.graphs if graphable else "eager"
         if mode == "compile":
             r = torch.compile(fn, dynamic=False, backend=self.compile_backend)
@@ -419,14 +425,19 @@ class Engine:
             return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
         return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
 
-    def _attention(self, q, k, v, *, q_pos, **kw) -> torch.Tensor:
+    def _attention(self, q, k, v, *, q_pos, bias=None, **kw) -> torch.Tensor:
         """The backend's attention kernel with the model's divisor n (ModelConfig.attention_norm):
         N for every row, or q_pos + 1 per query row ("causal": every position 0..q_pos it attends
-        is live here), applied to the (B, T, H*d_v) output. Shapes: kernels.attention."""
+        is live here), applied to the (B, T, H*d_v) output. Shapes: kernels.attention. ``bias``:
+        a (B, T, S) bias from kernels.decode_bias (then ``kw`` is ignored: the bias holds it all)."""
         c = self.model.cfg
+        n = c.width if c.attention_norm == "fixed" else 1
+        if bias is not None:
+            av = self.kernels.attention_bias(q, k, v, bias=bias, n=n)
+        else:
+            av = self.kernels.attention(q, k, v, q_pos=q_pos, n=n, **kw)  # (B, T, H*d_v)
         if c.attention_norm == "fixed":
-            return self.kernels.attention(q, k, v, q_pos=q_pos, n=c.width, **kw)
-        av = self.kernels.attention(q, k, v, q_pos=q_pos, n=1, **kw)  # (B, T, H*d_v)
+            return av
         return av.div_((q_pos + 1).to(av.dtype).expand(av.shape[:2]).unsqueeze(-1))
 
     def _causal_attention(self, q, k, v, pos, tbs, pw, tw) -> torch.Tensor:
@@ -542,6 +553,17 @@ class Engine:
 
         return step
 
+    def _decode_biases(self, b: _Bucket, Bp: int, steps: int) -> None:
+        """Fill b.bias_j[layer][:Bp, :steps]: decode step s's query (position L + s, slot C + s)
+        against the C + K keys, for every layer: the relative-bias gathers and the mask, formed
+        once per request group instead of once per step and layer."""
+        C = b.C
+        q_pos = b.kpos_j[:Bp, C:C + steps]  # (Bp, steps): generated row s sits at position L + s
+        tb = b.tb_j[:Bp] if self.model.cfg.use_time_bias else None
+        for li, layer in enumerate(self.model.layers):
+            pw, tw = self._bias_tables(layer)
+            b.bias_j[li][:Bp, :steps] = self.kernels.decode_bias(q_pos, b.kpos_j[:Bp], b.kvalid_j[:Bp], tb, pw, tw, self.dtype)
+
     def _step_fn_one_beam(self, b: _Bucket, Bp: int) -> Callable[[], torch.Tensor]:
         """A decode step with one beam per user (greedy, top-k): generated row s is written to slot
         C + s of the history cache, so each layer attends to history and generated keys in one
@@ -554,6 +576,8 @@ class Engine:
         kpos, kvalid = b.kpos_j[:Bp], b.kvalid_j[:Bp]
         tb = b.tb_j[:Bp] if c.use_time_bias else None  # (Bp, 1, C + K)
         hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
+        biases = [t[:Bp] for t in b.bias_j] if b.bias_j is not None else None  # (Bp, K, C + K) per layer, step s at [:, s]
+        step_no = b.s_idx  # (1,) s
 
         def step() -> torch.Tensor:
             x = m.embed(item, pos, *self._feat(b, act, cat))  # (Bp, d)
@@ -563,8 +587,9 @@ class Engine:
                 hk[li].index_copy_(2, s_idx, k.view(Bp, H, 1, c.d_qk))
                 hv[li].index_copy_(2, s_idx, v.view(Bp, H, 1, c.d_v))
                 pw, tw = self._bias_tables(layer)
+                bias = None if biases is None else biases[li].index_select(1, step_no)  # (Bp, 1, C + K)
                 av = self._attention(q.view(Bp, H, 1, c.d_qk), hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb,
-                                  pos_w=pw, ts_w=tw)  # (Bp, 1, H*d_v)
+                                     pos_w=pw, ts_w=tw, bias=bias)  # (Bp, 1, H*d_v)
                 x = x + layer.o(ks.ln_mul(av.view(Bp, H * c.d_v), u, eps=layer.eps))  # (Bp, d)
             return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
 
@@ -761,6 +786,8 @@ class Engine:
             b.tb_hist[:Bp] = self._tb(b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
         if W == 1:  # one-beam decode: generated rows at positions L, L + 1, ... (kvalid, tb_hist are views of the rest)
             b.kpos_j[:Bp, b.C:] = b.lengths[:Bp].view(Bp, 1) + self._arange[:self.k_max].view(1, self.k_max)
+            if b.bias_j is not None and use_cache and k > 1:
+                self._decode_biases(b, Bp, k - 1)
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
@@ -773,10 +800,10 @@ class Engine:
                     b.hv[li][j, :, :e.rows].copy_(e.v[li])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
-            user = self._runner(b, ("extend", Bp, T), self._extend_fn(b, Bp, T), self.graphs != "compile")()
+            user = self._runner(b, ("extend", Bp, T), lambda: self._extend_fn(b, Bp, T), self.graphs != "compile")()
             out.prefix_rows[ri] = P
         else:
-            user = self._runner(b, ("prefill", Bp), self._prefill_fn(b, Bp), True)()
+            user = self._runner(b, ("prefill", Bp), lambda: self._prefill_fn(b, Bp), True)()
         if self.prefix is not None and user_ids is not None and use_cache:
             self._store_prefix(b, rows, L, user_ids, req)
         # ---- decode ----
@@ -797,10 +824,10 @@ class Engine:
         b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[:self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
-            step = self._runner(b, ("step", Bp, W), self._step_fn(b, Bp, W), W == 1 or self.graphs != "compile")
+            step = self._runner(b, ("step", Bp, W), lambda: self._step_fn(b, Bp, W), W == 1 or self.graphs != "compile")
             res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic)
         else:
-            prefill = self._runner(b, ("prefill", Bp), self._prefill_fn(b, Bp), True)
+            prefill = self._runner(b, ("prefill", Bp), lambda: self._prefill_fn(b, Bp), True)
             res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic)
         items, scores, acts, blp, final_excl = res
         out.items[ri] = items[:Bu]

@@ -45,6 +45,10 @@ class KernelSet:
     ln_mul: Callable
     verified: bool = True
     note: str = ""
+    # optional: attention with a bias formed once per decode loop (reference.decode_bias /
+    # attention_bias); None = the engine forms the bias inside ``attention`` every step
+    decode_bias: Callable | None = None
+    attention_bias: Callable | None = None
     available: Callable[[], str | None] = lambda: None
 
 
@@ -91,7 +95,8 @@ def default_kernels(backend: str) -> str:
 
 
 REFERENCE = KernelSet("reference", _ref.uvqk, _ref.time_buckets, _ref.attention, _ref.ln_mul,
-                      note="PyTorch reference (oracle and fallback)")
+                      note="PyTorch reference (oracle and fallback)", decode_bias=_ref.decode_bias,
+                      attention_bias=_ref.attention_bias)
 NPU = KernelSet("npu", _npu.uvqk, _npu.time_buckets, _npu.attention, _npu.ln_mul,
                 verified=False, note="ops with torch_npu kernels, no float64; values checked on CPU, unverified on an NPU")
 TRITON = KernelSet("triton", _ref.uvqk, _npu.time_buckets, _triton.attention, _ref.ln_mul,

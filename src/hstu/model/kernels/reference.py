@@ -6,6 +6,8 @@ Zhai et al. 2024, §3, eqs. 1-3, split into the pieces a backend may fuse:
     time_buckets: bucket(|t_q - t_k|) = clamp(floor(ln(max(|dt|, 1)) / log_base), 0, nb)
     attention:  A = SiLU(Q Kᵀ + rab) / n ⊙ mask;  out = A · V       (eq. 2, bias inside)
     ln_mul:     U ⊙ LN(A · V)                                         (eq. 3, before W_o)
+    decode_bias + attention_bias: the same attention with the bias (mask folded in) formed once
+                for every step of a decode loop, then read per step (inference only)
 
 Symbols: B batch, H heads, T query rows, S key rows, d_qk / d_v per-head widths, N the model's
 fixed width (the divisor n and the position table size 2N - 1).
@@ -65,6 +67,48 @@ def masked_bias(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min / 4
 
 
+def _rab(rel: torch.Tensor, tb: torch.Tensor | None, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None) -> torch.Tensor | None:
+    """pos_w[N - 1 + rel] + ts_w[tb] (either term absent when its table is None); rel = k_pos - q_pos."""
+    rab = None
+    if pos_w is not None:
+        rab = pos_w[(rel + (pos_w.shape[0] - 1) // 2).clamp(0, pos_w.shape[0] - 1)]
+    if ts_w is not None:
+        rab = ts_w[tb] if rab is None else ts_w[tb] + rab
+    return rab
+
+
+def decode_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, tb: torch.Tensor | None,
+                pos_w: torch.Tensor | None, ts_w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias of :func:`attention` with its mask folded in, for every query row at once.
+
+    Args:
+        q_pos: (B, T) int64 positions of the query rows (a decode loop: one row per step).
+        k_pos: (B, S) int64 key positions; k_valid: (B, S) bool.
+        tb: (B, 1, S) or (B, T, S) int64 time buckets, or None; pos_w, ts_w: as :func:`attention`.
+        dtype: the scores' dtype.
+    Returns:
+        (B, T, S) ``dtype``: rab where key j is valid and k_pos[j] <= q_pos[i], else
+        :func:`masked_bias` (SiLU of the masked score is exactly -0.0).
+    """
+    rel = k_pos.unsqueeze(1) - q_pos.unsqueeze(-1)  # (B, T, S)
+    drop = (rel > 0) | ~k_valid.unsqueeze(1)
+    rab = _rab(rel, tb, pos_w, ts_w)
+    if rab is None:
+        return torch.zeros(rel.shape, dtype=dtype, device=rel.device).masked_fill_(drop, masked_bias(dtype))
+    return torch.where(drop, masked_bias(dtype), rab.to(dtype))
+
+
+def attention_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor, n: int) -> torch.Tensor:
+    """Inference HSTU attention with a precomputed bias (:func:`decode_bias`):
+    A = SiLU(q·k + bias) / n, out = A · V; the same values as :func:`attention` with that bias
+    formed inside. q: (B, H, T, d_qk); k: (B, H, S, d_qk); v: (B, H, S, d_v); bias: (B, T, S).
+    Returns (B, T, H * d_v). No factory call (graph-capturable)."""
+    B, H, T, _ = q.shape
+    s = torch.matmul(q, k.transpose(-1, -2)).add_(bias.unsqueeze(-3))  # (B, H, T, S)
+    out = torch.matmul(F.silu(s, inplace=True), v).div_(n)  # (B, H, T, d_v)
+    return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor, k_pos: torch.Tensor,
               k_valid: torch.Tensor | None, tb: torch.Tensor | None, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
               n: int) -> torch.Tensor:
@@ -94,11 +138,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch
     drop = rel > 0  # (B, T, S) or (T, S)
     if k_valid is not None:
         drop = drop | ~k_valid.unsqueeze(1)  # (B, T, S)
-    rab = None  # (B, T, S) or (T, S): both biases summed once, then added to every head
-    if pos_w is not None:
-        rab = pos_w[(rel + (pos_w.shape[0] - 1) // 2).clamp(0, pos_w.shape[0] - 1)]
-    if ts_w is not None:
-        rab = ts_w[tb] if rab is None else ts_w[tb] + rab
+    rab = _rab(rel, tb, pos_w, ts_w)  # (B, T, S) or (T, S) or None: both biases summed once, added to every head
     if s.requires_grad:
         if rab is not None:
             s = s + rab.unsqueeze(-3)  # (B, H, T, S)

@@ -28,16 +28,15 @@ def time_buckets(timestamps: torch.Tensor, num_buckets: int = 128, log_base: flo
         (B, W, W) int64 bucket indices in [0, num_buckets].
     """
     nxt = torch.cat([timestamps[:, 1:], timestamps[:, -1:]], dim=1)  # (B, W): t[i+1]
-    delta = (nxt.unsqueeze(2) - timestamps.unsqueeze(1)).abs().clamp(min=1)  # (B, W, W)
-    # float64 keeps the floor exact for deltas up to 2^53 s
-    idx = torch.floor(torch.log(delta.to(torch.float64)) / log_base).to(torch.int64)
-    return idx.clamp(0, num_buckets)
+    delta = (nxt.unsqueeze(2) - timestamps.unsqueeze(1)).abs_().clamp_(min=1)  # (B, W, W)
+    # float64 keeps the floor exact for deltas up to 2^53 s; in place after each dtype change
+    return delta.to(torch.float64).log_().div_(log_base).floor_().to(torch.int64).clamp_(0, num_buckets)
 
 
 def time_buckets_row(t_query: torch.Tensor, t_keys: torch.Tensor, num_buckets: int = 128, log_base: float = 0.301) -> torch.Tensor:
     """Bucket indices of one query row against keys: (B,) and (B, W) -> (B, W) int64."""
-    delta = (t_query.unsqueeze(1) - t_keys).abs().clamp(min=1)
-    return torch.floor(torch.log(delta.to(torch.float64)) / log_base).to(torch.int64).clamp(0, num_buckets)
+    delta = (t_query.unsqueeze(1) - t_keys).abs_().clamp_(min=1)
+    return delta.to(torch.float64).log_().div_(log_base).floor_().to(torch.int64).clamp_(0, num_buckets)
 
 
 class RelativeBias(nn.Module):

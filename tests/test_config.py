@@ -30,3 +30,5 @@ def test_invalid_values_name_the_field():
     cfg = model_config_from_preset("small", dropout=1.5, num_items=10)
     with pytest.raises(ValueError, match="dropout"):
         cfg.validate()
+    with pytest.raises(ValueError, match=r"attention_norm must be one of \('fixed', 'causal'\), got 'rowwise'"):
+        model_config_from_preset("small", attention_norm="rowwise", num_items=10).validate()

@@ -380,7 +380,10 @@ def main(argv=None) -> int:
         met = json.loads((Path(args.run) / "metrics.json").read_text()) if (Path(args.run) / "metrics.json").exists() else {}
         run_info = {"dir": args.run, "model": {k: cfg["model"].get(k) for k in ("num_items", "max_seq_len", "num_blocks", "embedding_dim")},
                     "data": cfg.get("data"), "epochs": met.get("epochs"), "test_NDCG@10": (met.get("test") or {}).get("NDCG@10")}
+    from _quality import git_commit  # after the run: the client never imports torch while it measures
+
     res.update({
+        "git_commit": git_commit(),
         "run": run_info,
         "server_exit_code_after_sigterm": rc,
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),

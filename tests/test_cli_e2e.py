@@ -159,6 +159,24 @@ def test_generate_data_dir_flag_and_env(run_dir, tmp_path):
     assert out["items"] == want
 
 
+def test_eval_data_dir_flag_and_env(run_dir, tmp_path):
+    """`eval` finds the run's data as `generate` does: --data-dir, else $HSTU_DATA_DIR, else where
+    the run was trained (the env used to be ignored)."""
+    from conftest import ML1M
+
+    want = json.loads(hstu("eval", "--run", run_dir, "--json").stdout)
+    env = {k: v for k, v in os.environ.items() if k != "HSTU_DATA_DIR"}
+    (tmp_path / "elsewhere").symlink_to(ML1M)
+    got = json.loads(hstu("eval", "--run", run_dir, "--json", env={**env, "HSTU_DATA_DIR": str(tmp_path / "elsewhere")}).stdout)
+    assert got == want
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = hstu("eval", "--run", run_dir, env={**env, "HSTU_DATA_DIR": str(empty)}, check=False)  # env over the recorded dir
+    assert p.returncode == 2 and str(empty) in p.stderr and "pass --data-dir or set HSTU_DATA_DIR" in p.stderr, p.stderr
+    got = json.loads(hstu("eval", "--run", run_dir, "--json", "--data-dir", ML1M, env={**env, "HSTU_DATA_DIR": str(empty)}).stdout)
+    assert got == want  # the flag over the env
+
+
 def test_demo_says_1_epoch(tmp_path, capsys):
     """`hstu demo --epochs 1` printed "1 epochs" (twice); on the first 30 ML-1M users."""
     from conftest import ML1M, need

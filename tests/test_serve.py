@@ -589,6 +589,20 @@ def test_popularity_from_counts_orders_by_count_then_id() -> None:
         popularity_from_counts([0, -1])
 
 
+def test_cold_start_data_dir_env(run_dir, rec, popularity, monkeypatch, tmp_path) -> None:
+    """Without stored counts, cold start reads the run's data: --data-dir, else $HSTU_DATA_DIR
+    (as train / eval / generate), else the directory recorded in the run (the env was ignored)."""
+    cfg = read_json(run_dir / "config.json")
+    cfg["data"]["data_dir"] = str(tmp_path / "gone")  # the data moved since training
+    idmap = {k: v for k, v in rec.idmap.items() if k != "item_train_counts"}
+    monkeypatch.delenv("HSTU_DATA_DIR", raising=False)
+    assert popularity_for_run(cfg, idmap) is None
+    monkeypatch.setenv("HSTU_DATA_DIR", str(ML1M))
+    got = popularity_for_run(cfg, idmap)
+    assert got is not None and got.order.tolist() == popularity.order.tolist()
+    assert popularity_for_run(cfg, idmap, tmp_path / "gone") is None  # the argument over the env
+
+
 def test_runner_engine_and_recommender_paths_agree(rec, ratings) -> None:
     """One mixed batch (greedy k 1..10, beam, no-history-exclusion, score) through the engine
     path and through Recommender.recommend: same items, scores within float32 reassociation."""

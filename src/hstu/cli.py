@@ -127,12 +127,13 @@ def cmd_eval(args) -> int:
     from hstu.train.loop import DataSpec, prepare_data
 
     model, cfg, _ = load_for_inference(args.run, args.device, args.precision)
-    spec = DataSpec(**cfg["data"])
-    if args.data_dir:
-        spec.data_dir = args.data_dir
+    spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, args.data_dir)})
     if args.protocol:
         spec.protocol = args.protocol
-    log_, split = prepare_data(spec)
+    try:
+        log_, split = prepare_data(spec)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc} (the run's {spec.dataset} data; pass --data-dir or set HSTU_DATA_DIR if it moved)") from None
     out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device)
     if args.json:
         print(json.dumps(out, indent=2))
@@ -301,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run", required=True)
     e.add_argument("--split", default="test", choices=["valid", "test"])
     e.add_argument("--protocol", choices=["clean", "paper"])
-    e.add_argument("--data-dir")
+    e.add_argument("--data-dir", help="the run's data set, if it moved since training (default: $HSTU_DATA_DIR, else the "
+                                      "directory recorded in the run)")
     e.add_argument("--device", default="cpu")
     e.add_argument("--json", action="store_true")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)

@@ -167,7 +167,7 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")
     s.add_argument("--cold-start", default="popular", choices=["popular", "reject"],
                    help="empty histories: most popular training items, or 422")
-    s.add_argument("--data-dir", help="the run's training data (for cold-start popularity), if it moved since training")
+    s.add_argument("--data-dir", help="the run's training data (for cold-start popularity), if it moved since training (default: the counts stored in the run, else $HSTU_DATA_DIR, else the recorded directory)")
     s.add_argument("--max-body-bytes", default="1MiB", help="larger bodies answer 413, >= 1024 (default 1MiB)")
     s.add_argument("--max-candidates", type=number_in(int, 1), default=1000, help="most candidates per /v1/score request")
     s.add_argument("--engine", default="auto", choices=["auto", "never", "require"],

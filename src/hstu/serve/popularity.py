@@ -17,6 +17,7 @@ starts, with cold start disabled (an empty history then answers 422 saying so).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
     Args:
         run_cfg: the run's ``config.json`` dict (its ``data`` entry names the data set).
         idmap: the run's ``idmap.json`` dict; the data's item vocabulary must equal it.
-        data_dir: overrides ``data.data_dir`` (e.g. the data moved since training).
+        data_dir: overrides ``data.data_dir`` (e.g. the data moved since training); None: the
+            counts stored in ``idmap.json``, else $HSTU_DATA_DIR, else ``data.data_dir``.
     """
     from hstu.train.loop import DataSpec, prepare_data
 
@@ -89,6 +91,7 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
     if not data:
         log.warning("cold start disabled: the run's config.json has no 'data' entry")
         return None
+    data_dir = data_dir if data_dir is not None else os.environ.get("HSTU_DATA_DIR") or None
     if data_dir is not None:
         data["data_dir"] = str(data_dir)
     try:

@@ -72,6 +72,26 @@ def test_clear_errors(run_dir, tmp_path):
     assert p.returncode == 2
 
 
+def test_history_file_and_train_flag_errors_name_the_input(run_dir, tmp_path):
+    """Found by a fresh-user trial: a directory, a binary file or a timestamp past int64 as
+    --history were tracebacks (exit 1); a negative timestamp ran; --max-users 0 trained on every
+    user. Now one line naming the file / flag, exit 2 (ranges as the HTTP Event's)."""
+    cases = [(tmp_path, f"{tmp_path}: is a directory, not a history file"),
+             (tmp_path / "bin.json", "not UTF-8 text"),
+             (tmp_path / "big.json", "event [0].timestamp must be in 0..9223372036854775807, got 99999999999999999999999"),
+             (tmp_path / "neg.json", "event [0].timestamp must be in 0..9223372036854775807, got -4")]
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe")
+    (tmp_path / "big.json").write_text('[{"item_id": 1, "timestamp": 99999999999999999999999}]')
+    (tmp_path / "neg.json").write_text('[{"item_id": 1, "timestamp": -4}]')
+    for path, message in cases:
+        p = hstu("generate", "--run", run_dir, "--history", path, check=False)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    for flag in ("--max-users", "--epochs", "--batch-size", "--num-negatives", "--learning-rate"):
+        p = hstu("train", "--data-dir", tmp_path, "--out", tmp_path / "o", flag, 0, check=False)
+        assert p.returncode == 2 and f"argument {flag}: must be" in p.stderr, p.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_generate_k_names_the_models_range_as_http_does(run_dir):
     """-k 0 said "k must be >= 1", -k 11 "k=11 exceeds ..."; now the message of the HTTP service's
     422 (hstu.config.check_k), with the flag's name."""

@@ -142,6 +142,9 @@ def cmd_eval(args) -> int:
     return 0
 
 
+INT64_MAX = 2**63 - 1  # the ranges HTTP events have (hstu.serve.schemas.Event)
+
+
 def _history_from_file(path: str):
     from hstu.generate.recommend import History, HistoryError
 
@@ -150,6 +153,10 @@ def _history_from_file(path: str):
         events = json.loads(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FileNotFoundError(f"{p}: history file not found") from None
+    except IsADirectoryError:
+        raise HistoryError(f"{p}: is a directory, not a history file") from None
+    except UnicodeDecodeError as exc:
+        raise HistoryError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise HistoryError(f"{p}: not valid JSON: {exc}") from None
     if not isinstance(events, list):
@@ -161,6 +168,8 @@ def _history_from_file(path: str):
         for f in ("item_id", "timestamp"):
             if not isinstance(e[f], int) or isinstance(e[f], bool):
                 raise HistoryError(f"{p}: event [{i}].{f} must be an integer, got {e[f]!r}")
+            if not -INT64_MAX <= e[f] <= INT64_MAX or (f == "timestamp" and e[f] < 0):
+                raise HistoryError(f"{p}: event [{i}].{f} must be in {'0' if f == 'timestamp' else -INT64_MAX}..{INT64_MAX}, got {e[f]}")
         items.append(e["item_id"])
         ts.append(e["timestamp"])
         acts.append(e.get("action"))
@@ -274,12 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = t.add_mutually_exclusive_group()
     g.add_argument("--preset", default="small", choices=["small", "large", "prod"])
     g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
-    t.add_argument("--epochs", type=int)
-    t.add_argument("--batch-size", type=int)
-    t.add_argument("--learning-rate", type=float)
-    t.add_argument("--num-negatives", type=int)
+    t.add_argument("--epochs", type=number_in(int, 1))
+    t.add_argument("--batch-size", type=number_in(int, 1))
+    t.add_argument("--learning-rate", type=number_in(float, 0, lo_open=True))
+    t.add_argument("--num-negatives", type=number_in(int, 1))
     t.add_argument("--out", required=True, help="run directory")
-    t.add_argument("--max-users", type=int, help="use only the first N users")
+    t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
     t.add_argument("--seed", type=int)
     t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
     t.add_argument("--protocol", default="clean", choices=["clean", "paper"],

@@ -104,7 +104,11 @@ class Recommender:
         if len(h.timestamps) != n or (h.actions is not None and len(h.actions) != n):
             raise HistoryError(f"history: items ({n}), timestamps ({len(h.timestamps)}) and actions must have equal lengths")
         warnings: list[str] = []
-        ts = np.asarray(h.timestamps, dtype=np.int64)
+        try:
+            ts = np.asarray(h.timestamps, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            i = next((i for i, t in enumerate(h.timestamps) if isinstance(t, bool) or not isinstance(t, int) or not -2**63 <= t < 2**63), 0)
+            raise HistoryError(f"history[{i}].timestamp: not an int64 Unix time: {h.timestamps[i]!r}") from None
         idx = np.arange(n)
         if (np.diff(ts) < 0).any():
             if order == "reject":

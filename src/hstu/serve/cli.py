@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if v is not None:
             setattr(cfg, name, v)  # flags are range-checked by argparse; a --config file's values here
     cfg.validate()
-    explicit = parse_buckets(args.buckets) if args.buckets else (list(cfg.buckets) if args.config else None)
+    explicit = parse_buckets(args.buckets) if args.buckets is not None else (list(cfg.buckets) if args.config else None)
     max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
     if max_body_bytes < MIN_BODY_BYTES:
         raise ValueError(f"--max-body-bytes: must be >= {MIN_BODY_BYTES} bytes, got {args.max_body_bytes}")

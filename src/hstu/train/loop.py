@@ -49,7 +49,7 @@ class DataSpec:
 
 def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
     log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
-    if spec.max_users:
+    if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
         log_ = subset_users(log_, spec.max_users)
     return log_, make_split(log_, spec.protocol)
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstu.config import BEAM_WIDTH_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
 
 log = logging.getLogger("hstu")
 
@@ -124,25 +124,15 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from hstu.quant.checkpoint import load_for_inference
     from hstu.train.evaluate import evaluate
-    from hstu.train.loop import DataSpec, prepare_data
 
     model, cfg, _ = load_for_inference(args.run, args.device, args.precision)
-    spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, args.data_dir)})
-    if args.protocol:
-        spec.protocol = args.protocol
-    try:
-        log_, split = prepare_data(spec)
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{exc} (the run's {spec.dataset} data; pass --data-dir or set HSTU_DATA_DIR if it moved)") from None
+    log_, split, spec = _run_data(cfg, args.data_dir, args.protocol)
     out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"{args.split} ({spec.protocol}, {out['users']} users): " + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
     return 0
-
-
-INT64_MAX = 2**63 - 1  # the ranges HTTP events have (hstu.serve.schemas.Event)
 
 
 def _history_from_file(path: str):
@@ -191,15 +181,25 @@ def run_data_dir(cfg: dict, data_dir: str | None = None) -> str:
     return recorded
 
 
-def _user_history(rec, cfg, user: int, data_dir: str | None = None):
-    from hstu.generate.recommend import History
+def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = None):
+    """The run's data set (:func:`run_data_dir`), as (EventLog, Split, DataSpec); a missing
+    directory says how to point at it."""
     from hstu.train.loop import DataSpec, prepare_data
 
     spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, data_dir)})
+    if protocol:
+        spec.protocol = protocol
     try:
-        log_, _ = prepare_data(spec)
+        log_, split = prepare_data(spec)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{exc} (the run's {spec.dataset} data; pass --data-dir or set HSTU_DATA_DIR if it moved)") from None
+    return log_, split, spec
+
+
+def _user_history(rec, cfg, user: int, data_dir: str | None = None):
+    from hstu.generate.recommend import History
+
+    log_, _, _ = _run_data(cfg, data_dir)
     u = log_.user_index(user)
     s, e = log_.offsets[u], log_.offsets[u + 1]
     raw = log_.item_raw_ids[log_.items[s:e]].tolist()

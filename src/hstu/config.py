@@ -21,6 +21,7 @@ else:  # pragma: no cover
 
 
 ATTENTION_NORMS = ("fixed", "causal")
+INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
 
 
 @dataclass

@@ -446,7 +446,6 @@ class Engine:
         keys 0 .. b - 1 only (the later keys are masked for them), which skips (n - 1) / 2n of
         the (Bp, H, E, E) scores for n blocks. Same result: keys beyond a query row contribute
         exactly 0 either way. ``tbs``: each block's time buckets (Bp, b - a, b), or None."""
-        ks, c = self.kernels, self.model.cfg
         blocks = self._row_blocks(q.shape[2])
         parts = [self._attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=pos[a:b], k_pos=pos[:b], k_valid=None,
                               tb=None if tbs is None else tbs[j], pos_w=pw, ts_w=tw)  # (Bp, b - a, H*d_v)
@@ -586,10 +585,12 @@ class Engine:
                 u, v, q, k = self._layer(layer, x)  # (Bp, ·)
                 hk[li].index_copy_(2, s_idx, k.view(Bp, H, 1, c.d_qk))
                 hv[li].index_copy_(2, s_idx, v.view(Bp, H, 1, c.d_v))
-                pw, tw = self._bias_tables(layer)
-                bias = None if biases is None else biases[li].index_select(1, step_no)  # (Bp, 1, C + K)
-                av = self._attention(q.view(Bp, H, 1, c.d_qk), hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb,
-                                     pos_w=pw, ts_w=tw, bias=bias)  # (Bp, 1, H*d_v)
+                qh = q.view(Bp, H, 1, c.d_qk)
+                if biases is not None:  # formed once per request group (_decode_biases)
+                    av = self._attention(qh, hk[li], hv[li], q_pos=qpos, bias=biases[li].index_select(1, step_no))  # (Bp, 1, H*d_v)
+                else:
+                    pw, tw = self._bias_tables(layer)
+                    av = self._attention(qh, hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw)
                 x = x + layer.o(ks.ln_mul(av.view(Bp, H * c.d_v), u, eps=layer.eps))  # (Bp, d)
             return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hstu.config import ModelConfig
+from hstu.config import ATTENTION_NORMS, ModelConfig
 from hstu.model.attention import AttentionFn, hstu_attention_reference
 from hstu.model.base import SequentialRecommender, l2_normalize
 from hstu.model.repeat import RepeatBias
@@ -35,8 +35,8 @@ class HSTULayer(nn.Module):
         super().__init__()
         if min(dim, num_heads, d_qk, d_v, width) <= 0:
             raise ValueError(f"HSTULayer sizes must be > 0: dim={dim} heads={num_heads} d_qk={d_qk} d_v={d_v} width={width}")
-        if attention_norm not in ("fixed", "causal"):
-            raise ValueError(f"HSTULayer attention_norm must be 'fixed' or 'causal', got {attention_norm!r}")
+        if attention_norm not in ATTENTION_NORMS:
+            raise ValueError(f"HSTULayer attention_norm must be one of {ATTENTION_NORMS}, got {attention_norm!r}")
         self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
         self.attention_norm = attention_norm
         self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + d_qk), bias=False)

@@ -19,9 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hstu.config import BEAM_WIDTH_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX
-
-INT64_MAX = 2**63 - 1
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX
 
 
 class _Strict(BaseModel):

@@ -23,7 +23,8 @@ EDGES = (20, 40, 60)
 
 def small_model(seed: int = 0, **kw) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
+    kw = {"num_heads": 2, **kw}
+    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, d_qk=8, d_v=8,
                       dropout=0.0, **kw)
     return build_hstu(cfg).eval()
 
@@ -228,17 +229,18 @@ def test_causal_attention_norm_every_engine_path():
     close(ext.scores, got.scores)
 
 
-@pytest.mark.parametrize("norm", ["fixed", "causal"])
-def test_decode_bias_formed_once_equals_bias_formed_every_step(norm):
+@pytest.mark.parametrize("norm,heads", [("fixed", 2), ("causal", 2), ("fixed", 1)])
+def test_decode_bias_formed_once_equals_bias_formed_every_step(norm, heads):
     """The reference kernel set forms each decode step's bias once per request group
-    (decode_bias / attention_bias); a set without them forms it inside every step's attention."""
+    (decode_bias / attention_bias, whose one-head case is a 3-D baddbmm); a set without them
+    forms it inside every step's attention."""
     from dataclasses import replace
 
     from hstu.model.kernels import REFERENCE, available_kernels, register_kernels
 
     if "reference-per-step-bias" not in available_kernels("cpu"):
         register_kernels("cpu", replace(REFERENCE, name="reference-per-step-bias", decode_bias=None, attention_bias=None))
-    m = small_model(seed=9, attention_norm=norm)
+    m = small_model(seed=9, attention_norm=norm, num_heads=heads)
     once = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
     per_step = Engine(m, buckets=EDGES, max_batch=4, k_max=6, kernels="reference-per-step-bias")
     assert once._buckets[EDGES[0]].bias_j is not None and per_step._buckets[EDGES[0]].bias_j is None

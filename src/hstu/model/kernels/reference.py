@@ -104,6 +104,11 @@ def attention_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: t
     formed inside. q: (B, H, T, d_qk); k: (B, H, S, d_qk); v: (B, H, S, d_v); bias: (B, T, S).
     Returns (B, T, H * d_v). No factory call (graph-capturable)."""
     B, H, T, _ = q.shape
+    if H == 1:  # 3-D, the bias added inside the batched GEMM (baddbmm): equal to the 4-D path, measured
+        # 20 vs 27-31 us per call at one decode row against 211 keys (d 50, one thread), 30 vs 39-48 at 4
+        S = k.shape[-2]
+        s = torch.baddbmm(bias, q.view(B, T, -1), k.view(B, S, -1).transpose(1, 2))  # (B, T, S)
+        return torch.bmm(F.silu(s, inplace=True), v.view(B, S, -1)).div_(n)  # (B, T, d_v)
     s = torch.matmul(q, k.transpose(-1, -2)).add_(bias.unsqueeze(-3))  # (B, H, T, S)
     out = torch.matmul(F.silu(s, inplace=True), v).div_(n)  # (B, H, T, d_v)
     return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])

@@ -5,8 +5,8 @@ Example::
     hstu plan-memory --items 120000000 --dim 128 --dtype fp16 --device-mem 32GiB
 
 Nothing is allocated: the plan hashes row ids in small chunks to count rows per shard
-(:func:`hstu.model.embedding.plan_memory`). Exit codes: 0 fits, 2 does not fit (the reasons go to
-stderr), 1 bad arguments.
+(:func:`hstu.model.embedding.plan_memory`). Exit codes: 0 fits, 3 does not fit (the reasons go to
+stderr), 2 bad arguments (as for argparse's own usage errors).
 """
 
 from __future__ import annotations
@@ -63,20 +63,20 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def plan_memory_command(args: argparse.Namespace) -> int:
-    """Handler of ``hstu plan-memory``; returns 0 (fits), 2 (refused) or 1 (bad arguments)."""
+    """Handler of ``hstu plan-memory``; returns 0 (fits), 3 (refused) or 2 (bad arguments)."""
     from hstu.backend import BackendUnavailableError, select
     from hstu.backend.cpu import host_memory_info
 
     if args.items < 1 or args.dim < 1:
         print(f"plan-memory: --items and --dim must be >= 1 (got {args.items}, {args.dim})", file=sys.stderr)
-        return 1
+        return 2
     device_mem, device_is_host = args.device_mem, False
     if device_mem is None:
         try:
             backend = select(args.device)
         except (ValueError, BackendUnavailableError) as exc:
             print(f"plan-memory: {exc}", file=sys.stderr)
-            return 1
+            return 2
         if backend.device.type == "cpu":
             device_is_host = True
         else:
@@ -87,7 +87,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
         placement = [x.strip() for x in placement.split(",")]
     elif placement not in ("auto", *PLACEMENTS):
         print(f"plan-memory: --placement {placement!r} unknown; use auto, device, host or a comma list", file=sys.stderr)
-        return 1
+        return 2
     try:
         plan = plan_memory(
             args.items + 1,
@@ -105,7 +105,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"plan-memory: {exc}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -117,7 +117,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
             f"(table is {format_bytes(plan.table_bytes)}).",
             file=sys.stderr,
         )
-        return 2
+        return 3
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -212,3 +213,40 @@ def test_demo_says_1_epoch(tmp_path, capsys):
     assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert " for 1 epoch on cpu" in out and "\ntrained 1 epoch in " in out and "epochs" not in out
+
+
+def test_python_dash_m_hstu_is_the_cli():
+    """``python -m hstu`` runs the same parser as the console script: help exits 0, a usage
+    error exits 2 naming the flag."""
+    ok = subprocess.run([sys.executable, "-m", "hstu", "--help"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("usage: hstu")
+    bad = subprocess.run([sys.executable, "-m", "hstu", "train", "--epochs", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--epochs: must be >= 1" in bad.stderr
+
+
+def test_resume_keeps_the_runs_data_and_refuses_contradicting_flags(run_dir, tmp_path):
+    """`train --resume` continues the run's own data (its --max-users, dataset, protocol) and
+    train settings when the flags are not given; a model choice or a data option that contradicts
+    the run exits 2 naming the flag and the run's config.json, before anything is written. A train
+    that fails on its data leaves no empty --out behind."""
+    from conftest import ML1M
+
+    before = (run_dir / "config.json").read_text()
+    p = hstu("train", "--resume", "--out", run_dir, "--data-dir", ML1M, "--max-users", 200, check=False)
+    assert p.returncode == 2 and "--max-users is 200 here but 300 in the run" in p.stderr and "config.json" in p.stderr, p.stderr
+    p = hstu("train", "--resume", "--out", run_dir, "--preset", "large", check=False)
+    assert p.returncode == 2 and "drop --preset large" in p.stderr, p.stderr
+    p = hstu("train", "--resume", "--out", run_dir, "--protocol", "paper", "--data-dir", ML1M, check=False)
+    assert p.returncode == 2 and "--protocol is 'paper' here but 'clean'" in p.stderr, p.stderr
+    assert (run_dir / "config.json").read_text() == before
+    p = hstu("train", "--data-dir", tmp_path / "no_data", "--out", tmp_path / "never", check=False)
+    assert p.returncode == 2 and not (tmp_path / "never").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    saved = json.loads(before)
+    cfg = {**saved, "train": {**saved["train"], "batch_size": 64}}  # a run trained at another batch size
+    (copy / "config.json").write_text(json.dumps(cfg))
+    hstu("train", "--resume", "--out", copy, "--data-dir", ML1M, "--epochs", 2, "--quiet")
+    m = json.loads((copy / "metrics.json").read_text())
+    assert m["epochs"] == 2 and m["test"]["users"] == 300
+    assert json.loads((copy / "config.json").read_text())["train"]["batch_size"] == 64

@@ -67,8 +67,8 @@ def _model_cfg(args):
 
     if getattr(args, "config", None):
         cfgs = load_config_file(args.config)
-        return cfgs.get("model") or model_config_from_preset(args.preset), cfgs.get("train")
-    return model_config_from_preset(args.preset), None
+        return cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
+    return model_config_from_preset(args.preset or "small"), None
 
 
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "int8")
@@ -94,20 +94,57 @@ def _check_out_dir(args) -> None:
         (out / f).unlink()
 
 
+def _check_resume_flags(args) -> None:
+    """ValueError when --resume comes with a model choice: the run continues its saved model
+    (config.json), so --preset or a [model] table would be silently ignored."""
+    if not args.resume:
+        return
+    if args.preset is not None:
+        raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --preset {args.preset}")
+    if args.config:
+        from hstu.config import load_config_file
+
+        if "model" in load_config_file(args.config):
+            raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); "
+                             f"{args.config} has a [model] table (only [train] applies to a resumed run)")
+
+
+def _resume_defaults(args) -> dict:
+    """With --resume: the run's saved config.json ({"train": ..., "data": ...}), whose train
+    settings and data options stand in for the flags not given (empty dict otherwise). The data
+    flags left unset become the run's; flags given that contradict the run are refused by
+    :func:`hstu.train.loop.fit`."""
+    path = Path(args.out) / "config.json"
+    saved = json.loads(path.read_text(encoding="utf-8")) if args.resume and path.exists() else {}
+    data = saved.get("data", {})
+    args.dataset = args.dataset or data.get("dataset") or "ml-1m"
+    args.protocol = args.protocol or data.get("protocol") or "clean"
+    if args.max_users is None:
+        args.max_users = data.get("max_users")
+    args.skip_bad_rows = args.skip_bad_rows or bool(data.get("skip_bad_rows", False))
+    if not getattr(args, "columns", None):
+        args.columns = data.get("options", {}).get("columns")
+    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data.get("data_dir") and Path(data["data_dir"]).exists():
+        args.data_dir = data["data_dir"]
+    return saved
+
+
 def cmd_train(args) -> int:
     _check_out_dir(args)
+    _check_resume_flags(args)
+    saved = _resume_defaults(args)
     if args.distributed:
         from hstu.train.distributed import cmd_train_distributed
 
         return cmd_train_distributed(args)
-    from hstu.config import TrainConfig
+    from hstu.config import TrainConfig, train_config_from_dict
     from hstu.train.loop import DataSpec, fit
 
     data_dir = args.data_dir or default_data_dir()
     if data_dir is None:
         raise FileNotFoundError(NO_DATA)
     mcfg, tcfg = _model_cfg(args)
-    tcfg = tcfg or TrainConfig()
+    tcfg = tcfg or (train_config_from_dict(saved["train"]) if "train" in saved else TrainConfig())
     for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
         v = getattr(args, name, None)
         if v is not None:
@@ -278,10 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model on a data set")
-    t.add_argument("--dataset", default="ml-1m", help="ml-1m | taobao | retailrocket | csv")
+    t.add_argument("--dataset", help="ml-1m | taobao | retailrocket | csv (default ml-1m; with --resume: the run's)")
     t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
     g = t.add_mutually_exclusive_group()
-    g.add_argument("--preset", default="small", choices=["small", "large", "prod"])
+    g.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
     g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
     t.add_argument("--epochs", type=number_in(int, 1))
     t.add_argument("--batch-size", type=number_in(int, 1))
@@ -291,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
     t.add_argument("--seed", type=int)
     t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
-    t.add_argument("--protocol", default="clean", choices=["clean", "paper"],
-                   help="clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last")
+    t.add_argument("--protocol", choices=["clean", "paper"],
+                   help="(default clean; with --resume: the run's) clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last")
     t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
     t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
     r = t.add_mutually_exclusive_group()

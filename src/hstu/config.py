@@ -217,3 +217,7 @@ def to_dict(obj: Any) -> dict[str, Any]:
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return _from_dict(ModelConfig, data, "model config")
+
+
+def train_config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    return _from_dict(TrainConfig, data, "train config")

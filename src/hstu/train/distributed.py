@@ -910,9 +910,9 @@ def cmd_train_distributed(args: argparse.Namespace) -> int:
     tcfg = None
     if getattr(args, "config", None):
         cfgs = load_config_file(args.config)
-        mcfg, tcfg = cfgs.get("model") or model_config_from_preset(args.preset), cfgs.get("train")
+        mcfg, tcfg = cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
     else:
-        mcfg = model_config_from_preset(args.preset)
+        mcfg = model_config_from_preset(args.preset or "small")
     tcfg = tcfg or TrainConfig()
     for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
         v = getattr(args, name, None)

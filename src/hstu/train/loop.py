@@ -163,6 +163,19 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
     return {"loss": total / max(n_seq, 1), "seconds": secs, "sequences_per_s": n_seq / secs, "positions": n_pos}
 
 
+RESUME_DATA_FIELDS = ("dataset", "protocol", "max_users", "skip_bad_rows", "options")  # data_dir may move
+
+
+def _check_resume_data(run: Path, saved: dict, spec: DataSpec) -> None:
+    """ValueError naming the first data option of ``spec`` that differs from the run's
+    (config.json ``data``): the run's item ids and splits come from its own data."""
+    for name in RESUME_DATA_FIELDS:
+        if name in saved and saved[name] != getattr(spec, name):
+            flag = {"options": "--columns", "skip_bad_rows": "--skip-bad-rows"}.get(name, "--" + name.replace("_", "-"))
+            raise ValueError(f"--resume: {flag} is {getattr(spec, name)!r} here but {saved[name]!r} in the run "
+                             f"({run / 'config.json'} data.{name}); resume with the run's data options or train a new --out")
+
+
 def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
         resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
     """Train, checkpoint every epoch, evaluate; returns the metrics.json object."""
@@ -170,7 +183,6 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     run = Path(run_dir)
     if (run / "last.json").exists() and not resume and not overwrite:
         raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
-    run.mkdir(parents=True, exist_ok=True)
     dev = backend.select(device)
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
@@ -179,6 +191,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     if resume:
         saved = read_json(run / "config.json")
         mcfg = ModelConfig(**saved["model"])
+        _check_resume_data(run, saved.get("data", {}), spec)
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     model = build_hstu(mcfg).to(dev.device)
@@ -196,6 +209,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         state.update({k: v for k, v in load_train_state(run, model, opt, gen).items() if k != "param_groups"})
         history = read_json(run / "history.json") if (run / "history.json").exists() else []
         log.info("resumed %s at epoch %d", run, state["epoch"])
+    run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
     write_json(run / "config.json", cfg_json)
     write_json(run / "idmap.json", idmap(log_, split))
     paper = spec.protocol == "paper"

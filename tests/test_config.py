@@ -27,8 +27,26 @@ def test_unknown_fields_and_tables_rejected(tmp_path):
 
 
 def test_invalid_values_name_the_field():
-    cfg = model_config_from_preset("small", dropout=1.5, num_items=10)
-    with pytest.raises(ValueError, match="dropout"):
-        cfg.validate()
+    with pytest.raises(ValueError, match=r"preset small: ModelConfig.dropout must be in \[0, 1\), got 1.5"):
+        model_config_from_preset("small", dropout=1.5, num_items=10)
     with pytest.raises(ValueError, match=r"attention_norm must be one of \('fixed', 'causal'\), got 'rowwise'"):
-        model_config_from_preset("small", attention_norm="rowwise", num_items=10).validate()
+        model_config_from_preset("small", attention_norm="rowwise", num_items=10)
+
+
+@pytest.mark.parametrize("table,body,message", [
+    ("model", "embedding_dim = -4", "[model]: ModelConfig.embedding_dim must be > 0, got -4"),
+    ("model", 'num_heads = "x"', "[model]: num_heads must be int, got 'x'"),
+    ("model", "use_time_bias = 1", "[model]: use_time_bias must be bool, got 1"),
+    ("train", "learning_rate = -1", "[train]: TrainConfig.learning_rate must be > 0, got -1"),
+    ("train", "beta2 = 1.0", "[train]: TrainConfig.beta2 must be in [0, 1), got 1.0"),
+    ("serve", "buckets = [20, 10]", "[serve]: ServeConfig.buckets must be distinct, ascending"),
+    ("serve", 'buckets = ["a"]', "[serve]: buckets must be list[int], got ['a']"),
+])
+def test_config_file_errors_name_the_file_table_and_field(tmp_path, table, body, message):
+    """A bad value in a config file is refused when the file is read (before any data loads),
+    naming the file, the table and the field; a wrong type is not left to fail deep inside."""
+    f = tmp_path / "c.toml"
+    f.write_text(f"[{table}]\n{body}\n")
+    with pytest.raises(ValueError) as e:
+        load_config_file(f)
+    assert str(e.value).startswith(f"{f} {message}"), str(e.value)

@@ -125,6 +125,17 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.length_pool must be >= 1, got {self.length_pool}")
         if self.negatives_chunk < 1:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("weight_decay", "action_loss_weight", "num_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("early_stopping_patience", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 # Decoding ranges, shared by `hstu generate` and the HTTP schema (hstu.serve.schemas.Decoding).
@@ -178,12 +189,34 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.buckets must be distinct, ascending and >= 1, got {self.buckets}")
 
 
+_TYPE_CHECKS = {  # a field's annotation (a string under `from __future__ import annotations`) -> accepted values
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "bool | None": lambda v: v is None or isinstance(v, bool),
+    "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+}
+
+
 def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    """``cls(**data)`` with every field's type and the class's ``validate()`` checked; ValueError
+    names ``where`` (a file and table, a preset) and the field."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}; valid: {sorted(names)}")
-    return cls(**data)
+        raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}; valid: {sorted(fields)}")
+    for name, value in data.items():
+        check = _TYPE_CHECKS.get(str(fields[name].type))
+        if check is not None and not check(value):
+            raise ValueError(f"{where}: {name} must be {fields[name].type}, got {value!r}")
+    obj = cls(**data)
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return obj
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

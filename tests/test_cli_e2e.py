@@ -80,7 +80,11 @@ def test_history_file_and_train_flag_errors_name_the_input(run_dir, tmp_path):
     cases = [(tmp_path, f"{tmp_path}: is a directory, not a history file"),
              (tmp_path / "bin.json", "not UTF-8 text"),
              (tmp_path / "big.json", "event [0].timestamp must be in 0..9223372036854775807, got 99999999999999999999999"),
-             (tmp_path / "neg.json", "event [0].timestamp must be in 0..9223372036854775807, got -4")]
+             (tmp_path / "neg.json", "event [0].timestamp must be in 0..9223372036854775807, got -4"),
+             (tmp_path / "typo.json", "event [1] has unknown field(s) ['actoin']; valid: item_id, timestamp, action"),
+             (tmp_path / "act.json", "event [0].action must be a string or null, got 3")]
+    (tmp_path / "typo.json").write_text('[{"item_id": 1, "timestamp": 5}, {"item_id": 2, "timestamp": 6, "actoin": "buy"}]')
+    (tmp_path / "act.json").write_text('[{"item_id": 1, "timestamp": 5, "action": 3}]')
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe")
     (tmp_path / "big.json").write_text('[{"item_id": 1, "timestamp": 99999999999999999999999}]')
     (tmp_path / "neg.json").write_text('[{"item_id": 1, "timestamp": -4}]')

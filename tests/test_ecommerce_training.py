@@ -64,7 +64,10 @@ def test_trained_run_generates_items_with_action_and_category(taobao_csv, tmp_pa
     prep = rec.prepare(hist)
     # the history's categories as the CSV gives them (dense category -> raw id through the run's id map)
     assert [rec.category_raw[c] for c in prep.categories] == [raw_category[i] for i in hist.items]
-    assert prep.actions.tolist() == [rec.action_names.index(a) + 1 for a in hist.actions]
+    assert prep.actions.tolist() == [rec.action_names.index(a) + 1 for a in hist.actions] and not prep.warnings
+    odd = rec.prepare(History(hist.items, hist.timestamps, ["pv", "purchase", None]))  # an action the run does not know
+    assert odd.actions.tolist() == [rec.action_names.index("pv") + 1, 0, 0]
+    assert odd.warnings == ["unknown action(s) ['purchase'] (this run's: ['pv', 'cart', 'fav', 'buy']); those events count as no action"]
     items = rec.recommend([prep], 5)[0]
     assert len(items) == 5
     for it in items:

@@ -309,6 +309,16 @@ def test_unknown_items_drop_or_reject(server, ratings, ref) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "candidates[1]"
 
 
+def test_actions_on_a_run_without_action_types_are_reported(server, ratings, ref) -> None:
+    """ML-1M has no action types: actions in a request change nothing and the answer says so
+    (they were silently dropped)."""
+    hist = events(ratings, sorted(ratings.user.unique())[8], 10)
+    r = post(server.url, "/v1/generate", {"history": [dict(e, action="click") for e in hist], "k": 3}).json()
+    assert r["warnings"] == ["this run has no action types; the events' actions were ignored"]
+    assert [i["item_id"] for i in r["items"]] == [i["item_id"] for i in direct(ref, hist, 3)]
+    assert post(server.url, "/v1/generate", {"history": hist, "k": 3}).json()["warnings"] == []
+
+
 def test_long_history_keeps_most_recent_events(server, ratings, ref) -> None:
     u = next(u for u in sorted(ratings.user.unique()) if (ratings.user == u).sum() >= 80)
     hist = events(ratings, u, 80)

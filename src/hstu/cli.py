@@ -192,6 +192,11 @@ def _history_from_file(path: str):
     for i, e in enumerate(events):
         if not isinstance(e, dict) or "item_id" not in e or "timestamp" not in e:
             raise HistoryError(f"{p}: event [{i}] needs 'item_id' and 'timestamp'")
+        extra = sorted(set(e) - {"item_id", "timestamp", "action"})
+        if extra:  # a misspelt field must not pass silently (the HTTP Event refuses it too)
+            raise HistoryError(f"{p}: event [{i}] has unknown field(s) {extra}; valid: item_id, timestamp, action")
+        if e.get("action") is not None and not isinstance(e["action"], str):
+            raise HistoryError(f"{p}: event [{i}].action must be a string or null, got {e['action']!r}")
         for f in ("item_id", "timestamp"):
             if not isinstance(e[f], int) or isinstance(e[f], bool):
                 raise HistoryError(f"{p}: event [{i}].{f} must be an integer, got {e[f]!r}")

@@ -31,7 +31,7 @@ class Event(_Strict):
 
     item_id: int = Field(ge=-INT64_MAX, le=INT64_MAX, description="original item id, as in the training data")
     timestamp: int = Field(ge=0, le=INT64_MAX, description="Unix seconds")
-    action: str | None = Field(default=None, max_length=64, description="action name from the run's idmap (unknown names count as none)")
+    action: str | None = Field(default=None, max_length=64, description="action name from the run's idmap (unknown names count as none, with a warning)")
 
 
 class Decoding(_Strict):

@@ -217,6 +217,10 @@ def test_demo_says_1_epoch(tmp_path, capsys):
     assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert " for 1 epoch on cpu" in out and "\ntrained 1 epoch in " in out and "epochs" not in out
+    with pytest.raises(SystemExit) as e:  # --epochs 0 printed the banner, then failed inside training
+        main(["demo", "--data-dir", str(data), "--epochs", "0", "--out", str(tmp_path / "run0")])
+    cap = capsys.readouterr()
+    assert e.value.code == 2 and "argument --epochs: must be >= 1, got 0" in cap.err and cap.out == ""
 
 
 def test_python_dash_m_hstu_is_the_cli():

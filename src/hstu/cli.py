@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="train on ML-1M, evaluate, and show next-5 titles for three users")
     d.add_argument("--data-dir")
-    d.add_argument("--epochs", type=int, default=12)
+    d.add_argument("--epochs", type=number_in(int, 1), default=12, help="training epochs, >= 1 (default 12)")
     d.add_argument("--seed", type=int, default=42)
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--device", default="cpu")

@@ -548,7 +548,7 @@ def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, mes
     (["--buckets", "50,20"], "--buckets: edges must be distinct, ascending and >= 1"),
     (["--buckets", "0,20"], "--buckets: edges must be distinct, ascending and >= 1"),
     (["--buckets", ""], "--buckets: edges must be distinct, ascending and >= 1, got ''"),  # was: the defaults, silently
-    (["--config", "serve.toml"], "ServeConfig.max_batch must be >= 1, got 0"),
+    (["--config", "serve.toml"], "serve.toml [serve]: ServeConfig.max_batch must be >= 1, got 0"),
 ])
 def test_cli_serve_checks_settings_before_loading_the_run(tmp_path, capsys, monkeypatch, args, message) -> None:
     from hstu.cli import main

@@ -63,6 +63,7 @@ def write(tmp_path, ratings: str, movies: str = "1::A (2000)::Drama\n2::B (2001)
     ("1::1::5::100\n1::2::4::200\nx::2::4::200\n", 3, "not an integer"),
     ("1::1::5::100\n1::2::4::20.5\n", 2, "not an integer"),
     ("1::1::5::100\n1::2::4::200::9\n", 2, "expected 4"),
+    ("1::1::5::100\n99999999999999999999::2::4::200\n", 2, "outside the int64 range"),  # was an OverflowError traceback
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, bad, line, msg):
     d = write(tmp_path, bad)
@@ -71,11 +72,11 @@ def test_malformed_rows_name_file_and_line(tmp_path, bad, line, msg):
 
 
 def test_skip_bad_rows_reports_count(tmp_path):
-    d = write(tmp_path, "1::1::5::100\n1::2::oops::200\n2::1::3::50\n1::2::4\n2::2::1::60\n1::2::4::300\n")
+    d = write(tmp_path, "1::1::5::100\n1::2::oops::200\n2::1::3::50\n1::2::4\n2::2::1::60\n1::2::4::300\n" + "9" * 21 + "::1::1::1\n")
     log_ = load_dataset("ml-1m", d, skip_bad_rows=True)
-    assert log_.skipped_rows == 2 and log_.num_events == 4
+    assert log_.skipped_rows == 3 and log_.num_events == 4
     _, report = load_ratings(d / "ratings.dat", skip_bad_rows=True)
-    assert report.skipped == 2 and "ratings.dat:2" in report.first_error
+    assert report.skipped == 3 and "ratings.dat:2" in report.first_error
 
 
 def test_missing_and_unknown(tmp_path):

@@ -219,7 +219,7 @@ def test_csv_integer_times_units(tmp_path: Path):
 
 def test_csv_malformed_rows_name_the_line(tmp_path: Path):
     p = _write(tmp_path / "log.csv", "u,i,t,a\n1,2,10,view\n\n1,x3,11,view\n")
-    with pytest.raises(DataFormatError, match=r"log.csv:4: item \('i'\) is not an integer: 'x3'"):
+    with pytest.raises(DataFormatError, match=r"log.csv:4: item \('i'\) is not an integer in the int64 range: 'x3'"):
         load_csv(p, columns="user=u,item=i,time=t,action=a")
     log_ = load_csv(p, columns="user=u,item=i,time=t,action=a", skip_bad_rows=True)
     assert log_.skipped_rows == 1 and log_.num_events == 1
@@ -240,9 +240,23 @@ def test_csv_malformed_rows_name_the_line(tmp_path: Path):
         load_csv(p, columns="user=u,item=i,time=t")
 
 
+def test_csv_ids_are_parsed_exactly(tmp_path: Path):
+    """A user id past int64 turned the whole column into float64: every id above 2^53 was
+    rounded (two users became one) and the big id wrapped to a negative one. Now ids are exact
+    and an id past int64 is a bad row naming its line."""
+    big = 2**62 + 1  # float64 rounds it to 2^62
+    p = _write(tmp_path / "log.csv", f"u,i,t\n{big},2,10\n{big - 1},3,11\n{big},3,12\n5.0,2,13\n99999999999999999999,2,14\n")
+    with pytest.raises(DataFormatError, match=r"log.csv:6: user \('u'\) is not an integer in the int64 range: '99999999999999999999'"):
+        load_csv(p, columns="user=u,item=i,time=t")
+    log_ = load_csv(p, columns="user=u,item=i,time=t", skip_bad_rows=True)
+    assert log_.skipped_rows == 1 and sorted(log_.users.tolist()) == sorted([big, big - 1, 5])
+    pd.DataFrame({"u": [big, big - 1], "i": [2, 3], "t": [1, 2]}).to_parquet(tmp_path / "x.parquet")
+    assert sorted(load_csv(tmp_path / "x.parquet", columns="user=u,item=i,time=t").users.tolist()) == [big - 1, big]
+
+
 def test_parquet_malformed_rows_name_the_row(tmp_path: Path):
     pd.DataFrame({"u": [1, 1, 2], "i": ["5", "abc", "6"], "t": [1, 2, 3]}).to_parquet(tmp_path / "x.parquet")
-    with pytest.raises(DataFormatError, match=r"x.parquet: row 1: item \('i'\) is not an integer: 'abc'"):
+    with pytest.raises(DataFormatError, match=r"x.parquet: row 1: item \('i'\) is not an integer in the int64 range: 'abc'"):
         load_csv(tmp_path / "x.parquet", columns="user=u,item=i,time=t")
     log_ = load_csv(tmp_path / "x.parquet", columns="user=u,item=i,time=t", skip_bad_rows=True)
     assert log_.skipped_rows == 1 and log_.item_raw_ids[log_.items].tolist() == [5, 6]

@@ -354,6 +354,42 @@ def parse_columns(spec: str | dict) -> tuple[dict[str, str], str | None]:
     return mapping, unit
 
 
+def _exact_int(v) -> int | None:
+    """An id value as an exact Python int, or None: ints as they are, whole floats below 2^53
+    (where float64 is still exact), strings such as '12' or '12.0'; anything else None."""
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return int(v) if float(v).is_integer() and abs(v) < 2**53 else None
+    try:
+        return int(str(v).strip())
+    except ValueError:
+        try:
+            f = float(str(v))
+        except ValueError:
+            return None
+        return int(f) if f.is_integer() and abs(f) < 2**53 else None
+
+
+def _exact_ids(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
+    """(int64 ids, bad-row mask) of an id column, exactly: an int64 column (or strings that
+    pandas reads as int64) as it is, anything else value by value (:func:`_exact_int`), so an
+    id past int64 is a bad row instead of a float rounded onto another id or a wrapped integer."""
+    if col.dtype == object:
+        try:
+            num = pd.to_numeric(col)
+        except (ValueError, TypeError, OverflowError):
+            num = None
+        col = num if num is not None and num.dtype == np.int64 else col
+    if pd.api.types.is_signed_integer_dtype(col):
+        return col.astype(np.int64), np.zeros(len(col), bool)
+    vals = [_exact_int(v) for v in col.tolist()]
+    bad = np.array([v is None or not -2**63 <= v < 2**63 for v in vals], bool)
+    return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
+
+
 def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, where: Callable[[int], tuple[int | None, str]],
                   path: Path, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
     """Vectorised checks and conversion of a frame read with inferred dtypes (Parquet, or a CSV
@@ -368,10 +404,9 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
         if key not in mapping:
             continue
         col = df[mapping[key]]
-        num = pd.to_numeric(col, errors="coerce")
-        bad = (num.isna() | (num != np.floor(num))).to_numpy()
+        num, bad = _exact_ids(col)
         problems.append((bad, lambda i, key=key, col=col: f"{key} ({mapping[key]!r}) is "
-                         + ("missing" if pd.isna(col.iloc[i]) else f"not an integer: {str(col.iloc[i])[:40]!r}")))
+                         + ("missing" if pd.isna(col.iloc[i]) else f"not an integer in the int64 range: {str(col.iloc[i])[:40]!r}")))
         out[key] = num
     if "action" in mapping:
         col = df[mapping["action"]]
@@ -475,6 +510,10 @@ def _read_csv_mapped(path: Path, mapping: dict[str, str], unit: str | None, sep:
         # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
         raw = pd.read_csv(path, sep=sep, engine="c", skip_blank_lines=False,
                           dtype={mapping["action"]: str} if "action" in mapping else None)[[mapping[k] for k in keys]]
+        for k in ("user", "item", "category"):  # an id column pandas did not read as int64 (one id past int64 makes
+            c = mapping.get(k)                   # it float64, rounding every id above 2^53): again as text, parsed exactly
+            if c is not None and not pd.api.types.is_signed_integer_dtype(raw[c]):
+                raw[c] = pd.read_csv(path, sep=sep, engine="c", skip_blank_lines=False, usecols=[c], dtype=str)[c]
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError):
         raw = None
     if raw is not None:

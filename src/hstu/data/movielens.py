@@ -51,6 +51,8 @@ def _parse_int_rows(path: Path, nfields: int, int_cols: tuple[int, ...], skip_ba
                     parts[c] = int(parts[c])
                 except ValueError:
                     raise DataFormatError(path, lineno, f"field {c + 1} is not an integer: {parts[c][:40]!r}") from None
+                if not -2**63 <= parts[c] < 2**63:
+                    raise DataFormatError(path, lineno, f"field {c + 1} is outside the int64 range: {str(parts[c])[:40]!r}")
         except DataFormatError as exc:
             if not skip_bad_rows:
                 raise
@@ -69,7 +71,7 @@ def _fast_int_table(path: Path, nfields: int) -> np.ndarray | None:
         return None
     try:
         df = pd.read_csv(io.StringIO(text.replace("::", ",")), header=None, dtype=np.int64, skip_blank_lines=True)
-    except (ValueError, pd.errors.ParserError):
+    except (ValueError, OverflowError, pd.errors.ParserError):  # e.g. an id past int64: the slow parser names it
         return None
     return df.to_numpy() if df.shape[1] == nfields else None
 

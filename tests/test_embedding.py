@@ -276,6 +276,12 @@ def test_plan_memory_refusals() -> None:
         ShardedEmbedding(10**12, 128, num_shards=4)  # before any allocation
 
 
+def test_index_ranges():
+    from hstu.model.embedding import index_ranges
+
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and index_ranges([3]) == "3" and index_ranges([]) == "none"
+
+
 def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["plan-memory", "--items", "200000", "--dim", "128", "--dtype", "fp16", "--device-mem", "32GiB", "--host-mem", "8GiB", "--shards", "3"])
     out = capsys.readouterr().out
@@ -286,7 +292,15 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
     cap = capsys.readouterr()
     assert rc == 3 and "refused" in cap.err and "fits: NO" in cap.out
     rc = cli_main(["plan-memory", "--items", "10", "--dim", "8", "--dtype", "int4"])
-    assert rc == 2 and "int4" in capsys.readouterr().err  # bad argument: 2, as argparse's own errors
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("hstu plan-memory: error: ") and "int4" in err  # bad argument: 2, as argparse's own errors
+    # thousands of shards: the table shows the first and last ones, the reasons name index ranges
+    rc = cli_main(["plan-memory", "--items", "3000000", "--dim", "128", "--max-shard-bytes", "1MiB", "--device-mem", "1MiB", "--host-mem", "64MiB"])
+    cap = capsys.readouterr()
+    n = -(-(3_000_001 + 1024) * 128 * 4 // 2**20)  # 1466 shards of <= 1 MiB; 24 lines shown
+    assert rc == 3 and f"in {n} shard(s)" in cap.out and f"({n - 24:,} more shards; --json lists them all)" in cap.out
+    assert f"(shards 0-{n - 1})" in cap.err
+    assert len(cap.out.splitlines()) < 40 and len(cap.err) < 400
     rc = cli_main(["plan-memory", "--items", "200000", "--dim", "64", "--device-mem", "1GiB", "--host-mem", "1GiB", "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert rc == 0 and plan["fits"] and sum(s["rows"] for s in plan["shards"]) == 200_001 + 1024

@@ -275,7 +275,10 @@ class MemoryPlan:
             f"= {format_bytes(self.table_bytes)} in {len(self.shards)} shard(s)",
             f"{'shard':>5}  {'rows':>13}  {'dtype':>5}  {'bytes':>15}  {'size':>10}  placement",
         ]
-        for s in self.shards:
+        shown = self.shards if len(self.shards) <= FORMAT_MAX_SHARDS else self.shards[:FORMAT_MAX_SHARDS - 4] + self.shards[-4:]
+        for j, s in enumerate(shown):
+            if j == FORMAT_MAX_SHARDS - 4 and len(shown) < len(self.shards):
+                lines.append(f"{'...':>5}  ({len(self.shards) - len(shown):,} more shards; --json lists them all)")
             lines.append(
                 f"{s.index:>5}  {s.rows:>13,}  {s.dtype:>5}  {s.bytes:>15,}  {format_bytes(s.bytes):>10}  {s.placement}"
             )
@@ -305,6 +308,21 @@ def _index_itemsize(shard_rows: Sequence[int], num_shards: int) -> int:
     if num_shards == 1:
         return 0  # S = 1 needs no index: local row = global row
     return 4 if max(shard_rows) < 2**31 else 8
+
+
+FORMAT_MAX_SHARDS = 24  # MemoryPlan.format lists at most this many shard lines (first and last ones)
+
+
+def index_ranges(idx: list[int]) -> str:
+    """Ascending shard indices as compact ranges: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    parts, start = [], None
+    for j, v in enumerate(idx):
+        if start is None:
+            start = v
+        if j + 1 == len(idx) or idx[j + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(parts) or "none"
 
 
 def plan_memory(
@@ -430,13 +448,13 @@ def plan_memory(
             )
     else:
         if dev_budget is not None and device_bytes > dev_budget:
-            on_dev = [s.index for s in shards if s.placement == "device"]
+            on_dev = index_ranges([s.index for s in shards if s.placement == "device"])
             problems.append(
                 f"device needs {format_bytes(device_bytes)} (shards {on_dev}, index {format_bytes(index_bytes)}, "
                 f"cache {format_bytes(cache_used)}), budget is {format_bytes(dev_budget)}"
             )
         if host_budget is not None and host_bytes > host_budget:
-            on_host = [s.index for s in shards if s.placement == "host"]
+            on_host = index_ranges([s.index for s in shards if s.placement == "host"])
             problems.append(
                 f"host needs {format_bytes(host_bytes)} (shards {on_host}), budget is {format_bytes(host_budget)}"
             )

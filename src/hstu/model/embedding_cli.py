@@ -68,14 +68,14 @@ def plan_memory_command(args: argparse.Namespace) -> int:
     from hstu.backend.cpu import host_memory_info
 
     if args.items < 1 or args.dim < 1:
-        print(f"plan-memory: --items and --dim must be >= 1 (got {args.items}, {args.dim})", file=sys.stderr)
+        print(f"hstu plan-memory: error: --items and --dim must be >= 1 (got {args.items}, {args.dim})", file=sys.stderr)
         return 2
     device_mem, device_is_host = args.device_mem, False
     if device_mem is None:
         try:
             backend = select(args.device)
         except (ValueError, BackendUnavailableError) as exc:
-            print(f"plan-memory: {exc}", file=sys.stderr)
+            print(f"hstu plan-memory: error: {exc}", file=sys.stderr)
             return 2
         if backend.device.type == "cpu":
             device_is_host = True
@@ -86,7 +86,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
     if "," in placement:
         placement = [x.strip() for x in placement.split(",")]
     elif placement not in ("auto", *PLACEMENTS):
-        print(f"plan-memory: --placement {placement!r} unknown; use auto, device, host or a comma list", file=sys.stderr)
+        print(f"hstu plan-memory: error: --placement {placement!r} unknown; use auto, device, host or a comma list", file=sys.stderr)
         return 2
     try:
         plan = plan_memory(
@@ -104,7 +104,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
             max_shard_bytes=args.max_shard_bytes,
         )
     except ValueError as exc:
-        print(f"plan-memory: {exc}", file=sys.stderr)
+        print(f"hstu plan-memory: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -112,7 +112,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
         print(plan.format())
     if not plan.fits:
         print(
-            "plan-memory: refused: " + "; ".join(plan.problems)
+            "hstu plan-memory: refused: " + "; ".join(plan.problems)
             + f". Try --dtype fp16/bf16, more --host-mem, --placement host for some shards, or more devices "
             f"(table is {format_bytes(plan.table_bytes)}).",
             file=sys.stderr,

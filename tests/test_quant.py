@@ -334,6 +334,11 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     assert rc == 2 and "unknown layer 'layers.9'" in capsys.readouterr().err
     rc = main(["quantize", "--run", str(out), "--scheme", "int8", "--out", str(tmp_path / "again")])
     assert rc == 2 and "already quantized" in capsys.readouterr().err
+    # a taken --out is refused before the run's data is read (it loaded the whole data set first);
+    # the data directory is pointed at nothing, so reaching the data would fail differently
+    for taken, why in ((out, "directory exists and is not empty"), (tiny_run, "is the source run itself")):
+        rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(taken), "--data-dir", str(tmp_path / "none")])
+        assert rc == 2 and why in capsys.readouterr().err
 
 
 # ----- --precision on the inference paths ------------------------------------------------------

@@ -107,6 +107,16 @@ def layer_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = False) -> None:
+    """FileExistsError when ``out`` is ``src_run`` or a non-empty directory (unless ``overwrite``);
+    ``hstu quantize`` calls it before it reads any data."""
+    src, out = Path(src_run), Path(out)
+    if out.resolve() == src.resolve():
+        raise FileExistsError(f"--out {out} is the source run itself; write the quantized run to a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out}: {'directory exists and is not empty' if out.is_dir() else 'is a file'} (choose a new --out)")
+
+
 def save_quantized_run(model: torch.nn.Module, src_run: str | Path, out: str | Path, *, calibration: dict | None = None,
                        overwrite: bool = False) -> dict[str, Any]:
     """Write a quantized run directory (see module docstring) and return its quant.json dict.
@@ -116,10 +126,7 @@ def save_quantized_run(model: torch.nn.Module, src_run: str | Path, out: str | P
         ValueError: the model was not converted by :func:`hstu.quant.apply_precision`.
     """
     src, out = Path(src_run), Path(out)
-    if out.resolve() == src.resolve():
-        raise FileExistsError(f"--out {out} is the source run itself; write the quantized run to a new directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: directory exists and is not empty (choose a new --out)")
+    check_quantized_out(src, out, overwrite)
     meta = dict(getattr(model, "quant_meta", None) or {})
     if meta.get("scheme") not in SCHEMES:
         raise ValueError("model has no quantization scheme (quant_meta): convert it with hstu.quant.apply_precision first")

@@ -31,6 +31,10 @@ def cmd_quantize(args) -> int:
         raise ValueError("--out is required (or pass --report-only)")
     if args.report_only and args.no_calibrate:
         raise ValueError("--report-only with --no-calibrate has nothing to do: the report is the calibration")
+    if not args.report_only:
+        from hstu.quant.checkpoint import check_quantized_out
+
+        check_quantized_out(args.run, args.out)  # before the run and its data are read
     float_model, cfg, _ = load_run(args.run, "cpu")
     kw = {}
     if args.scheme == "int8":

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pandas as pd
+import pydantic
 import pytest
 import torch
 import uvicorn
@@ -353,12 +354,24 @@ def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
     ({"history": [], "exlude": [1]}, "exlude"),
     ({"history": [], "decoding": {"strategy": "nucleus"}}, "decoding.strategy"),
     ({"history": [], "decoding": {"strategy": "beam", "beam_width": 0}}, "decoding.beam_width"),
+    ({"history": [], "user_id": {"a": 1}}, "user_id"),  # was "user_id.int" (pydantic's union branch)
+    ({"history": [], "user_id": True}, "user_id"),
 ])
 def test_generate_bad_input_names_the_field(server, body, field) -> None:
     r = post(server.url, "/v1/generate", body)
     assert r.status_code == 422, r.text
     err = r.json()["error"]
     assert err["field"] == field and err["message"].startswith(field), err
+
+
+def test_wrong_user_id_type_is_one_error() -> None:
+    from hstu.serve.schemas import GenerateRequest, ScoreRequest
+
+    for cls, body in ((GenerateRequest, {"history": []}), (ScoreRequest, {"history": [], "candidates": [1]})):
+        with pytest.raises(pydantic.ValidationError) as e:
+            cls.model_validate_json(json.dumps({**body, "user_id": 1.5}))
+        assert [(x["loc"], x["msg"]) for x in e.value.errors()] == [(("user_id",), "must be an integer, a string or null, got a number with a fraction")]
+        assert [cls.model_validate_json(json.dumps({**body, "user_id": u})).user_id for u in (7, "u7", None)] == [7, "u7", None]
 
 
 def test_k_out_of_range_names_the_models_range(server) -> None:

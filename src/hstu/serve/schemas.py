@@ -15,15 +15,28 @@ score is the item's share of the training events (documented on :class:`Generate
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _user_id(v: Any) -> int | str | None:
+    if v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    kind = {dict: "an object", list: "an array", bool: "a boolean", float: "a number with a fraction"}.get(type(v), type(v).__name__)
+    raise PydanticCustomError("user_id_type", "must be an integer, a string or null, got {kind}", {"kind": kind})
+
+
+# one error naming user_id (a plain ``int | str`` union reports "user_id.int" and "user_id.str")
+UserId = Annotated[int | str | None, PlainValidator(_user_id),
+                   WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]})]
 
 
 class Event(_Strict):
@@ -63,7 +76,7 @@ class GenerateRequest(_Strict):
     policies for this request.
     """
 
-    user_id: int | str | None = Field(default=None, description="echoed back; routing key for a load balancer")
+    user_id: UserId = Field(default=None, description="echoed back; routing key for a load balancer")
     history: list[Event] = Field(description="events, ideally oldest first")
     # range checked by the app against the loaded model (hstu.config.check_k: the message `hstu generate -k` gives)
     k: int = Field(default=5, description="items to return, 1..the model's max_output_len", json_schema_extra={"minimum": 1})
@@ -79,7 +92,7 @@ class ScoreRequest(_Strict):
     """``POST /v1/score`` body: candidates are scored each against the history alone
     (target-aware: no candidate sees another one). Scores come back in input order."""
 
-    user_id: int | str | None = None
+    user_id: UserId = None
     history: list[Event] = Field(description="at least one event (no cold-start scoring)")
     candidates: list[int] = Field(min_length=1, description="original item ids to score")
     request_time: int | None = Field(default=None, ge=0, le=INT64_MAX)

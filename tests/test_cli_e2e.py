@@ -154,6 +154,8 @@ def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--resume", "--overwrite", *nodata])
     assert "not allowed with argument --resume" in capsys.readouterr().err
+    assert main(["train", "--resume", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path / "new")]) == 2
+    assert f"--resume: {tmp_path / 'new'} holds no run to resume (no config.json)" in capsys.readouterr().err
 
 
 def test_generate_data_dir_flag_and_env(run_dir, tmp_path):

@@ -90,6 +90,11 @@ def test_missing_and_unknown(tmp_path):
         load_dataset("ml-1m", d)
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset("netflix", d)
+    d = write(tmp_path, "1::1::5::100\n1::2::4::200\n")
+    assert load_dataset("ml-1m", d / "ratings.dat").num_events == 2  # the ratings file itself: its directory
+    (d / "ratings.dat").write_text("")
+    with pytest.raises(DataFormatError, match=f"{d / 'ratings.dat'}: no events \\(empty file\\)"):
+        load_dataset("ml-1m", d)
 
 
 def test_ties_keep_file_order(tmp_path):

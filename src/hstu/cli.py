@@ -115,7 +115,9 @@ def _resume_defaults(args) -> dict:
     flags left unset become the run's; flags given that contradict the run are refused by
     :func:`hstu.train.loop.fit`."""
     path = Path(args.out) / "config.json"
-    saved = json.loads(path.read_text(encoding="utf-8")) if args.resume and path.exists() else {}
+    if args.resume and not path.exists():
+        raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
+    saved = json.loads(path.read_text(encoding="utf-8")) if args.resume else {}
     data = saved.get("data", {})
     args.dataset = args.dataset or data.get("dataset") or "ml-1m"
     args.protocol = args.protocol or data.get("protocol") or "clean"

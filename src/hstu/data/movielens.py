@@ -116,9 +116,14 @@ def load_movielens(data_dir: str | Path, skip_bad_rows: bool = False):
     from hstu.data.sequences import EventLog
 
     d = Path(data_dir)
+    if d.is_file() and d.name == "ratings.dat":  # the ratings file itself: its directory holds movies.dat too
+        d = d.parent
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: MovieLens-1M directory not found (download ml-1m.zip from GroupLens and unzip it)")
     ratings, report = load_ratings(d / "ratings.dat", skip_bad_rows)
+    if not len(ratings):
+        raise DataFormatError(d / "ratings.dat", None, "no events" + (f" left after skipping {report.skipped} malformed rows"
+                                                                      if report.skipped else " (empty file)"))
     movies = load_movies(d / "movies.dat", skip_bad_rows) if (d / "movies.dat").exists() else None
     if movies is not None:
         known = set(movies.item_id.tolist())

@@ -863,7 +863,9 @@ def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``hstu train`` (kept identical to hstu.cli's train parser)."""
+    """The options of ``hstu train``, same names and defaults, except that under torchrun
+    ``--resume`` does not take unset data flags from the run nor refuse a contradicting
+    ``--preset`` (``hstu train --resume`` does: hstu.cli._resume_defaults)."""
     p.add_argument("--dataset", default="ml-1m", help="ml-1m | taobao | retailrocket | csv")
     p.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
     g = p.add_mutually_exclusive_group()

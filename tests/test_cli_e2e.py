@@ -149,8 +149,8 @@ def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
     nodata = ["--data-dir", str(tmp_path / "no_data"), "--out", str(out), "--quiet"]  # the interrupted run
     assert main(["train", "--resume", *nodata]) == 2  # passes the check, then misses the data
     assert "already holds" not in capsys.readouterr().err and (out / "last.json").exists()
-    assert main(["train", "--overwrite", *nodata]) == 2
-    assert "already holds" not in capsys.readouterr().err and not any(out.iterdir())
+    assert main(["train", "--overwrite", *nodata]) == 2  # the data is missing: the old run must survive that
+    assert "already holds" not in capsys.readouterr().err and (out / "last.json").exists()
     with pytest.raises(SystemExit):
         main(["train", "--resume", "--overwrite", *nodata])
     assert "not allowed with argument --resume" in capsys.readouterr().err
@@ -248,6 +248,15 @@ def test_resume_keeps_the_runs_data_and_refuses_contradicting_flags(run_dir, tmp
     assert p.returncode == 2 and "drop --preset large" in p.stderr, p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--protocol", "paper", "--data-dir", ML1M, check=False)
     assert p.returncode == 2 and "--protocol is 'paper' here but 'clean'" in p.stderr, p.stderr
+    p = hstu("train", "--resume", "--out", run_dir, "--dataset", "taobao", check=False)  # refused before its data is looked for
+    assert p.returncode == 2 and "--dataset is 'taobao' here but 'ml-1m'" in p.stderr, p.stderr
+    other = tmp_path / "other"  # the same options over other data (40 users): the item ids differ
+    other.mkdir()
+    with open(ML1M / "ratings.dat", encoding="latin-1") as f:
+        (other / "ratings.dat").write_text("".join(line for line in f if int(line.split("::", 1)[0]) <= 40), encoding="latin-1")
+    (other / "movies.dat").symlink_to(ML1M / "movies.dat")
+    p = hstu("train", "--resume", "--out", run_dir, "--data-dir", other, "--max-users", 300, check=False)
+    assert p.returncode == 2 and "item ids are not the run's" in p.stderr and "idmap.json" in p.stderr, p.stderr
     assert (run_dir / "config.json").read_text() == before
     p = hstu("train", "--data-dir", tmp_path / "no_data", "--out", tmp_path / "never", check=False)
     assert p.returncode == 2 and not (tmp_path / "never").exists()
@@ -256,7 +265,8 @@ def test_resume_keeps_the_runs_data_and_refuses_contradicting_flags(run_dir, tmp
     saved = json.loads(before)
     cfg = {**saved, "train": {**saved["train"], "batch_size": 64}}  # a run trained at another batch size
     (copy / "config.json").write_text(json.dumps(cfg))
-    hstu("train", "--resume", "--out", copy, "--data-dir", ML1M, "--epochs", 2, "--quiet")
+    (tmp_path / "train.toml").write_text("[train]\nepochs = 2\n")  # only [train] epochs: the run's other settings stay
+    hstu("train", "--resume", "--out", copy, "--data-dir", ML1M, "--config", tmp_path / "train.toml", "--quiet")
     m = json.loads((copy / "metrics.json").read_text())
     assert m["epochs"] == 2 and m["test"]["users"] == 300
     assert json.loads((copy / "config.json").read_text())["train"]["batch_size"] == 64

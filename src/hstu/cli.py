@@ -81,7 +81,8 @@ RUN_FILES = ("model.safetensors", "last.json", "last.safetensors", "history.json
 
 def _check_out_dir(args) -> None:
     """FileExistsError when --out already holds a run and neither --resume nor --overwrite is given;
-    with --overwrite the old run's files are deleted, so that nothing of it can be resumed or reported."""
+    with --overwrite, ``fit`` deletes the old run's files once the data and device are good (so
+    nothing of it can be resumed or reported, and a failed start loses nothing)."""
     out = Path(args.out)
     found = [f for f in RUN_FILES if (out / f).exists()]
     if not found or args.resume:
@@ -89,9 +90,7 @@ def _check_out_dir(args) -> None:
     if not args.overwrite:
         raise FileExistsError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
                               "--overwrite to replace it, or choose another --out")
-    log.warning("--overwrite: deleting the run in %s (%s)", out, ", ".join(found))
-    for f in found:
-        (out / f).unlink()
+    log.warning("--overwrite: the run in %s (%s) is replaced once the data and device are ready", out, ", ".join(found))
 
 
 def _check_resume_flags(args) -> None:
@@ -119,6 +118,13 @@ def _resume_defaults(args) -> dict:
         raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
     saved = json.loads(path.read_text(encoding="utf-8")) if args.resume else {}
     data = saved.get("data", {})
+    given = {"dataset": args.dataset, "protocol": args.protocol, "max_users": args.max_users,
+             "options": {"columns": args.columns} if getattr(args, "columns", None) else None}
+    for name, value in given.items():  # before any data is read: a contradicting flag, not a missing file
+        if value is not None and name in data and data[name] != value:
+            flag = "--columns" if name == "options" else "--" + name.replace("_", "-")
+            raise ValueError(f"--resume: {flag} is {value!r} here but {data[name]!r} in the run ({path} data.{name}); "
+                             "resume with the run's data options or train a new --out")
     args.dataset = args.dataset or data.get("dataset") or "ml-1m"
     args.protocol = args.protocol or data.get("protocol") or "clean"
     if args.max_users is None:
@@ -139,14 +145,17 @@ def cmd_train(args) -> int:
         from hstu.train.distributed import cmd_train_distributed
 
         return cmd_train_distributed(args)
-    from hstu.config import TrainConfig, train_config_from_dict
+    from hstu.config import TrainConfig, load_config_tables, train_config_from_dict
     from hstu.train.loop import DataSpec, fit
 
     data_dir = args.data_dir or default_data_dir()
     if data_dir is None:
         raise FileNotFoundError(NO_DATA)
     mcfg, tcfg = _model_cfg(args)
-    tcfg = tcfg or (train_config_from_dict(saved["train"]) if "train" in saved else TrainConfig())
+    if "train" in saved:  # the run's settings, then a --config [train] table's fields, then flags
+        given = load_config_tables(args.config).get("train", {}) if args.config else {}
+        tcfg = train_config_from_dict({**saved["train"], **given})
+    tcfg = tcfg or TrainConfig()
     for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
         v = getattr(args, name, None)
         if v is not None:

@@ -729,6 +729,9 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
     table_fused_params(dcfg, tcfg, ctx.table_device)  # a bad table optimizer fails before the data is read
     if ctx.is_main:
         run.mkdir(parents=True, exist_ok=True)
+        if not resume:  # --overwrite: the old run's files go (hstu.train.loop.fit deletes them once its data is read)
+            for f in ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json"):
+                (run / f).unlink(missing_ok=True)
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     log_, split = data if data is not None else prepare_data(spec)

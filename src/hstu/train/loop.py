@@ -176,6 +176,18 @@ def _check_resume_data(run: Path, saved: dict, spec: DataSpec) -> None:
                              f"({run / 'config.json'} data.{name}); resume with the run's data options or train a new --out")
 
 
+def _check_resume_items(run: Path, log_: EventLog) -> None:
+    """ValueError when the data's item ids are not the run's (idmap.json): its embeddings are
+    indexed by them, so training on (or rewriting the id map from) other data breaks the run."""
+    path = run / "idmap.json"
+    if not path.exists():
+        return
+    saved = read_json(path).get("item_raw_ids")
+    if saved is not None and saved != log_.item_raw_ids.tolist():
+        raise ValueError(f"--resume: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
+                         f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)")
+
+
 def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
         resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
     """Train, checkpoint every epoch, evaluate; returns the metrics.json object."""
@@ -192,6 +204,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         saved = read_json(run / "config.json")
         mcfg = ModelConfig(**saved["model"])
         _check_resume_data(run, saved.get("data", {}), spec)
+        _check_resume_items(run, log_)
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     model = build_hstu(mcfg).to(dev.device)
@@ -210,6 +223,9 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         history = read_json(run / "history.json") if (run / "history.json").exists() else []
         log.info("resumed %s at epoch %d", run, state["epoch"])
     run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
+    if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
+        for f in ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json"):
+            (run / f).unlink(missing_ok=True)
     write_json(run / "config.json", cfg_json)
     write_json(run / "idmap.json", idmap(log_, split))
     paper = spec.protocol == "paper"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ else:  # pragma: no cover
 
 ATTENTION_NORMS = ("fixed", "causal")
 INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
+MAX_WIDTH = 65_536  # max_seq_len + max_output_len: the position table and attention width N
 
 
 @dataclass
@@ -66,15 +68,23 @@ class ModelConfig:
         return self.max_seq_len + self.max_output_len
 
     def validate(self) -> None:
-        for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v"):
+        for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v", "num_time_buckets"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_output_len < 1:
             raise ValueError(f"ModelConfig.max_output_len must be >= 1, got {self.max_output_len}")
+        if self.width > MAX_WIDTH:
+            raise ValueError(f"ModelConfig.max_seq_len + max_output_len must be <= {MAX_WIDTH}, got {self.width}")
+        for name in ("num_items", "num_actions", "num_categories"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("time_bucket_log_base", "layer_norm_eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
-        if self.temperature <= 0:
-            raise ValueError(f"ModelConfig.temperature must be > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"ModelConfig.temperature must be a finite number > 0, got {self.temperature}")
         if not 0.0 <= self.cold_item_dropout < 1.0:
             raise ValueError(f"ModelConfig.cold_item_dropout must be in [0, 1), got {self.cold_item_dropout}")
         if self.attention_norm not in ATTENTION_NORMS:
@@ -125,14 +135,14 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.length_pool must be >= 1, got {self.length_pool}")
         if self.negatives_chunk < 1:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"TrainConfig.learning_rate must be > 0, got {self.learning_rate}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"TrainConfig.learning_rate must be a finite number > 0, got {self.learning_rate}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
         for name in ("weight_decay", "action_loss_weight", "num_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {getattr(self, name)}")
         for name in ("early_stopping_patience", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -219,6 +229,9 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     return obj
 
 
+_TABLES = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig}
+
+
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON file with optional [model], [train], [generate], [serve] tables.
 
@@ -226,16 +239,28 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     or FileNotFoundError.
     """
     path = Path(path)
+    raw = load_config_tables(path)
+    return {k: _from_dict(_TABLES[k], v, f"{path} [{k}]") for k, v in raw.items()}
+
+
+def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The raw tables of a config file ({table: {field: value}}, only the fields it sets), checked
+    for shape: a known table name, and a table (not a value). Raises ValueError naming the file."""
+    path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"{path}: cannot parse config: {exc}") from exc
-    classes = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig}
-    unknown = sorted(set(raw) - set(classes))
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected tables such as [model] and [train], got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_TABLES))
     if unknown:
-        raise ValueError(f"{path}: unknown table(s) {unknown}; valid: {sorted(classes)}")
-    return {k: _from_dict(classes[k], v, f"{path} [{k}]") for k, v in raw.items()}
+        raise ValueError(f"{path}: unknown table(s) {unknown}; valid: {sorted(_TABLES)}")
+    for k, v in raw.items():
+        if not isinstance(v, dict):
+            raise ValueError(f"{path} [{k}]: must be a table of fields, got {v!r}")
+    return raw
 
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:

@@ -64,6 +64,8 @@ def write(tmp_path, ratings: str, movies: str = "1::A (2000)::Drama\n2::B (2001)
     ("1::1::5::100\n1::2::4::20.5\n", 2, "not an integer"),
     ("1::1::5::100\n1::2::4::200::9\n", 2, "expected 4"),
     ("1::1::5::100\n99999999999999999999::2::4::200\n", 2, "outside the int64 range"),  # was an OverflowError traceback
+    ("1::1::5::100\n4611686018427387905.0::2::4::200\n", 2, "not an integer"),  # the fast parser rounded it to 2^62
+    ("1::1::5::100\n1e5::2::4::200\n", 2, "not an integer"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, bad, line, msg):
     d = write(tmp_path, bad)
@@ -91,7 +93,8 @@ def test_missing_and_unknown(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset("netflix", d)
     d = write(tmp_path, "1::1::5::100\n1::2::4::200\n")
-    assert load_dataset("ml-1m", d / "ratings.dat").num_events == 2  # the ratings file itself: its directory
+    assert load_dataset("ml-1m", d / "ratings.dat").num_events == 2  # a file of the set: its directory
+    assert load_dataset("ml-1m", d / "movies.dat").num_events == 2
     (d / "ratings.dat").write_text("")
     with pytest.raises(DataFormatError, match=f"{d / 'ratings.dat'}: no events \\(empty file\\)"):
         load_dataset("ml-1m", d)

@@ -227,7 +227,7 @@ def test_csv_malformed_rows_name_the_line(tmp_path: Path):
     with pytest.raises(DataFormatError, match=r"log.csv:3: expected"):
         load_csv(p, columns="user=u,item=i,time=t")
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,10\n1,3,yesterday\n")
-    with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither integer Unix time nor an ISO 8601 .*'yesterday'"):
+    with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither integer Unix time \(int64\) nor an ISO 8601 .*'yesterday'"):
         load_csv(p, columns="user=u,item=i,time=t")
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,2024-01-01\n1,3,not-a-date\n")
     with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither"):
@@ -250,6 +250,10 @@ def test_csv_ids_are_parsed_exactly(tmp_path: Path):
         load_csv(p, columns="user=u,item=i,time=t")
     log_ = load_csv(p, columns="user=u,item=i,time=t", skip_bad_rows=True)
     assert log_.skipped_rows == 1 and sorted(log_.users.tolist()) == sorted([big, big - 1, 5])
+    p = _write(tmp_path / "t.csv", "u,i,t\n1,2,10\n1,3,99999999999999999999\n")  # a time past int64 wrapped to -2^63
+    with pytest.raises(DataFormatError, match=r"t.csv:3: time \('t'\) is neither integer Unix time \(int64\)"):
+        load_csv(p, columns="user=u,item=i,time=t")
+    assert load_csv(p, columns="user=u,item=i,time=t", skip_bad_rows=True).skipped_rows == 1
     pd.DataFrame({"u": [big, big - 1], "i": [2, 3], "t": [1, 2]}).to_parquet(tmp_path / "x.parquet")
     assert sorted(load_csv(tmp_path / "x.parquet", columns="user=u,item=i,time=t").users.tolist()) == [big - 1, big]
 

@@ -294,6 +294,9 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli_main(["plan-memory", "--items", "10", "--dim", "8", "--dtype", "int4"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("hstu plan-memory: error: ") and "int4" in err  # bad argument: 2, as argparse's own errors
+    for bad in (["--items", str(10**20), "--dim", "8"], ["--items", "10", "--dim", "8", "--max-shard-bytes", "1KiB"]):
+        assert cli_main(["plan-memory", *bad, "--device-mem", "1GiB"]) == 2  # were a MemoryError and a 33,120-shard plan
+        assert capsys.readouterr().err.startswith("hstu plan-memory: error: --")
     # thousands of shards: the table shows the first and last ones, the reasons name index ranges
     rc = cli_main(["plan-memory", "--items", "3000000", "--dim", "128", "--max-shard-bytes", "1MiB", "--device-mem", "1MiB", "--host-mem", "64MiB"])
     cap = capsys.readouterr()

@@ -336,7 +336,9 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     assert rc == 2 and "already quantized" in capsys.readouterr().err
     # a taken --out is refused before the run's data is read (it loaded the whole data set first);
     # the data directory is pointed at nothing, so reaching the data would fail differently
-    for taken, why in ((out, "directory exists and is not empty"), (tiny_run, "is the source run itself")):
+    (tmp_path / "afile").write_text("x")
+    for taken, why in ((out, "directory exists and is not empty"), (tiny_run, "is the source run itself"),
+                       (tmp_path / "afile" / "sub", "is a file, not a directory")):
         rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(taken), "--data-dir", str(tmp_path / "none")])
         assert rc == 2 and why in capsys.readouterr().err
 

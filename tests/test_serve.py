@@ -368,10 +368,13 @@ def test_wrong_user_id_type_is_one_error() -> None:
     from hstu.serve.schemas import GenerateRequest, ScoreRequest
 
     for cls, body in ((GenerateRequest, {"history": []}), (ScoreRequest, {"history": [], "candidates": [1]})):
-        with pytest.raises(pydantic.ValidationError) as e:
-            cls.model_validate_json(json.dumps({**body, "user_id": 1.5}))
-        assert [(x["loc"], x["msg"]) for x in e.value.errors()] == [(("user_id",), "must be an integer, a string or null, got a number with a fraction")]
-        assert [cls.model_validate_json(json.dumps({**body, "user_id": u})).user_id for u in (7, "u7", None)] == [7, "u7", None]
+        for bad, kind in ((1.5, "a number that is not an integer"), (2**64, "an integer outside int64"), ("u" * 257, "a string over 256 characters")):
+            with pytest.raises(pydantic.ValidationError) as e:
+                cls.model_validate_json(json.dumps({**body, "user_id": bad}))
+            assert [(x["loc"], x["msg"]) for x in e.value.errors()] == [
+                (("user_id",), f"must be an int64 integer, a string of at most 256 characters or null, got {kind}")]
+        ok = (7, -2**63, 2**63 - 1, "u" * 256, None)
+        assert [cls.model_validate_json(json.dumps({**body, "user_id": u})).user_id for u in ok] == list(ok)
 
 
 def test_k_out_of_range_names_the_models_range(server) -> None:

@@ -421,8 +421,8 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
         bad = t.isna().to_numpy()
     else:
         num = pd.to_numeric(col, errors="coerce")
-        if num.notna().sum() * 2 >= col.notna().sum():  # mostly numbers: integer Unix time
-            bad = (num.isna() | (num != np.floor(num))).to_numpy()
+        if num.notna().sum() * 2 >= col.notna().sum():  # mostly numbers: integer Unix time (int64: |t| < 2^63)
+            bad = (num.isna() | (num != np.floor(num)) | (num.abs() >= 2.0**63)).to_numpy()
             secs = num.where(~bad, 0).astype(np.int64)
             secs = secs // _unit_of(secs[~bad], unit, path)
         else:  # date-time strings
@@ -430,7 +430,7 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
             bad = t.isna().to_numpy()
             secs = (t - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)
     problems.append((bad, lambda i: f"time ({mapping['time']!r}) is " + ("missing" if pd.isna(col.iloc[i]) else
-                     f"neither integer Unix time nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}")))
+                     f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}")))
     out["time"] = secs
     any_bad = np.zeros(len(df), bool)
     for bad, _ in problems:

@@ -67,7 +67,7 @@ def _parse_int_rows(path: Path, nfields: int, int_cols: tuple[int, ...], skip_ba
 def _fast_int_table(path: Path, nfields: int) -> np.ndarray | None:
     """Parse an all-integer '::' file with pandas' C parser; None if any row is malformed."""
     text = "\n".join(_read_lines(path))
-    if "," in text:
+    if "," in text or "." in text or "e" in text or "E" in text:  # pandas would read '1.0' / '1e5' as ints: the slow parser refuses them
         return None
     try:
         df = pd.read_csv(io.StringIO(text.replace("::", ",")), header=None, dtype=np.int64, skip_blank_lines=True)
@@ -116,7 +116,7 @@ def load_movielens(data_dir: str | Path, skip_bad_rows: bool = False):
     from hstu.data.sequences import EventLog
 
     d = Path(data_dir)
-    if d.is_file() and d.name == "ratings.dat":  # the ratings file itself: its directory holds movies.dat too
+    if d.is_file() and d.name in ("ratings.dat", "movies.dat", "users.dat"):  # a file of the set: its directory
         d = d.parent
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: MovieLens-1M directory not found (download ml-1m.zip from GroupLens and unzip it)")

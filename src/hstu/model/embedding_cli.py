@@ -21,6 +21,10 @@ from hstu.model.embedding import PLACEMENTS, plan_memory
 
 log = logging.getLogger(__name__)
 
+MAX_ITEMS = 10**12  # rows the plan hashes in chunks (a trillion: minutes; more would not finish)
+MAX_DIM = 65_536
+MIN_SHARD_BYTES = 2**20  # 1 MiB: smaller shards only multiply the shard count
+
 
 def _size(text: str) -> int:
     try:
@@ -67,8 +71,13 @@ def plan_memory_command(args: argparse.Namespace) -> int:
     from hstu.backend import BackendUnavailableError, select
     from hstu.backend.cpu import host_memory_info
 
-    if args.items < 1 or args.dim < 1:
-        print(f"hstu plan-memory: error: --items and --dim must be >= 1 (got {args.items}, {args.dim})", file=sys.stderr)
+    if not (1 <= args.items <= MAX_ITEMS and 1 <= args.dim <= MAX_DIM):
+        print(f"hstu plan-memory: error: --items must be in 1..{MAX_ITEMS:,} and --dim in 1..{MAX_DIM:,} "
+              f"(got {args.items}, {args.dim})", file=sys.stderr)
+        return 2
+    if args.max_shard_bytes < MIN_SHARD_BYTES:
+        print(f"hstu plan-memory: error: --max-shard-bytes must be >= {format_bytes(MIN_SHARD_BYTES)}, got {args.max_shard_bytes}",
+              file=sys.stderr)
         return 2
     device_mem, device_is_host = args.device_mem, False
     if device_mem is None:

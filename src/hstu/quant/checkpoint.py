@@ -115,6 +115,9 @@ def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = 
         raise FileExistsError(f"--out {out} is the source run itself; write the quantized run to a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: {'directory exists and is not empty' if out.is_dir() else 'is a file'} (choose a new --out)")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise FileExistsError(f"{out}: {above} is a file, not a directory (choose a new --out)")
 
 
 def save_quantized_run(model: torch.nn.Module, src_run: str | Path, out: str | Path, *, calibration: dict | None = None,

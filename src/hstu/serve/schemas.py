@@ -28,15 +28,22 @@ class _Strict(BaseModel):
 
 
 def _user_id(v: Any) -> int | str | None:
-    if v is None or isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)):
+    if v is None or (isinstance(v, str) and len(v) <= USER_ID_MAX_CHARS) or (isinstance(v, int) and not isinstance(v, bool)
+                                                                              and -INT64_MAX - 1 <= v <= INT64_MAX):
         return v
-    kind = {dict: "an object", list: "an array", bool: "a boolean", float: "a number with a fraction"}.get(type(v), type(v).__name__)
-    raise PydanticCustomError("user_id_type", "must be an integer, a string or null, got {kind}", {"kind": kind})
+    kind = {dict: "an object", list: "an array", bool: "a boolean", float: "a number that is not an integer",
+            int: "an integer outside int64", str: f"a string over {USER_ID_MAX_CHARS} characters"}.get(type(v), type(v).__name__)
+    raise PydanticCustomError("user_id_type", "must be an int64 integer, a string of at most {n} characters or null, got {kind}",
+                              {"kind": kind, "n": USER_ID_MAX_CHARS})
+
+
+USER_ID_MAX_CHARS = 256
 
 
 # one error naming user_id (a plain ``int | str`` union reports "user_id.int" and "user_id.str")
 UserId = Annotated[int | str | None, PlainValidator(_user_id),
-                   WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]})]
+                   WithJsonSchema({"anyOf": [{"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
+                                            {"type": "string", "maxLength": USER_ID_MAX_CHARS}, {"type": "null"}]})]
 
 
 class Event(_Strict):

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, RUN_FILES, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
 
 log = logging.getLogger("hstu")
 
@@ -76,7 +76,6 @@ PRECISION_HELP = ("inference precision: a float run is converted in memory (int8
                   "item table); a quantized run (hstu quantize) loads as saved and refuses another scheme")
 
 
-RUN_FILES = ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json")  # what `fit` writes per epoch / at the end
 
 
 def _check_out_dir(args) -> None:
@@ -118,13 +117,11 @@ def _resume_defaults(args) -> dict:
         raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
     saved = json.loads(path.read_text(encoding="utf-8")) if args.resume else {}
     data = saved.get("data", {})
+    from hstu.train.loop import check_resume_data
+
     given = {"dataset": args.dataset, "protocol": args.protocol, "max_users": args.max_users,
              "options": {"columns": args.columns} if getattr(args, "columns", None) else None}
-    for name, value in given.items():  # before any data is read: a contradicting flag, not a missing file
-        if value is not None and name in data and data[name] != value:
-            flag = "--columns" if name == "options" else "--" + name.replace("_", "-")
-            raise ValueError(f"--resume: {flag} is {value!r} here but {data[name]!r} in the run ({path} data.{name}); "
-                             "resume with the run's data options or train a new --out")
+    check_resume_data(path, data, {k: v for k, v in given.items() if v is not None})  # before any data is read
     args.dataset = args.dataset or data.get("dataset") or "ml-1m"
     args.protocol = args.protocol or data.get("protocol") or "clean"
     if args.max_users is None:

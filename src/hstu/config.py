@@ -23,6 +23,7 @@ else:  # pragma: no cover
 
 ATTENTION_NORMS = ("fixed", "causal")
 INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
+RUN_FILES = ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json")  # what training writes per epoch / at the end
 MAX_WIDTH = 65_536  # max_seq_len + max_output_len: the position table and attention width N
 
 

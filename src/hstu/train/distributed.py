@@ -104,7 +104,7 @@ from hstu.model.torchrec_tables import (
 )
 from hstu.train.checkpoint import load_train_state, save_train_state
 from hstu.train.evaluate import evaluate_ranks
-from hstu.train.loop import DataSpec, idmap, model_config_for, prepare_data
+from hstu.train.loop import DataSpec, idmap, model_config_for, prepare_data, remove_run_files
 from hstu.train.metrics import DEFAULT_KS, ranking_metrics
 
 log = logging.getLogger(__name__)
@@ -730,8 +730,7 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
     if ctx.is_main:
         run.mkdir(parents=True, exist_ok=True)
         if not resume:  # --overwrite: the old run's files go (hstu.train.loop.fit deletes them once its data is read)
-            for f in ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json"):
-                (run / f).unlink(missing_ok=True)
+            remove_run_files(run)
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     log_, split = data if data is not None else prepare_data(spec)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import hstu
 from hstu import backend
-from hstu.config import ModelConfig, TrainConfig
+from hstu.config import RUN_FILES, ModelConfig, TrainConfig
 from hstu.data import EventLog, Split, load_dataset, make_split, train_batch
 from hstu.data.batching import length_bucketed_batches
 from hstu.model.hstu import HSTUModel, build_hstu
@@ -164,16 +164,26 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
 
 
 RESUME_DATA_FIELDS = ("dataset", "protocol", "max_users", "skip_bad_rows", "options")  # data_dir may move
+_FLAGS = {"options": "--columns", "skip_bad_rows": "--skip-bad-rows"}
 
 
-def _check_resume_data(run: Path, saved: dict, spec: DataSpec) -> None:
-    """ValueError naming the first data option of ``spec`` that differs from the run's
-    (config.json ``data``): the run's item ids and splits come from its own data."""
+def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
+    """ValueError naming the first data option in ``given`` (name -> value, only the options to
+    compare) that differs from the run's (config.json ``data``): the run's item ids and splits
+    come from its own data. ``hstu train`` calls it with the flags given, before any data is
+    read; fit with its whole spec."""
     for name in RESUME_DATA_FIELDS:
-        if name in saved and saved[name] != getattr(spec, name):
-            flag = {"options": "--columns", "skip_bad_rows": "--skip-bad-rows"}.get(name, "--" + name.replace("_", "-"))
-            raise ValueError(f"--resume: {flag} is {getattr(spec, name)!r} here but {saved[name]!r} in the run "
-                             f"({run / 'config.json'} data.{name}); resume with the run's data options or train a new --out")
+        value = given.get(name)
+        if name in given and name in saved and saved[name] != value:
+            flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+            raise ValueError(f"--resume: {flag} is {value!r} here but {saved[name]!r} in the run "
+                             f"({config_path} data.{name}); resume with the run's data options or train a new --out")
+
+
+def remove_run_files(run: Path) -> None:
+    """Delete an old run's files from ``run`` (a fresh run replaces it: nothing of it can be resumed or reported)."""
+    for f in RUN_FILES:
+        (run / f).unlink(missing_ok=True)
 
 
 def _check_resume_items(run: Path, log_: EventLog) -> None:
@@ -203,7 +213,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     if resume:
         saved = read_json(run / "config.json")
         mcfg = ModelConfig(**saved["model"])
-        _check_resume_data(run, saved.get("data", {}), spec)
+        check_resume_data(run / "config.json", saved.get("data", {}), asdict(spec))
         _check_resume_items(run, log_)
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
@@ -224,8 +234,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         log.info("resumed %s at epoch %d", run, state["epoch"])
     run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
     if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
-        for f in ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json"):
-            (run / f).unlink(missing_ok=True)
+        remove_run_files(run)
     write_json(run / "config.json", cfg_json)
     write_json(run / "idmap.json", idmap(log_, split))
     paper = spec.protocol == "paper"

@@ -12,7 +12,7 @@ Formats
                   behavior_type in pv | cart | fav | buy.
     retailrocket  events.csv (Retailrocket recommender system data set, Kaggle), header
                   ``timestamp,visitorid,event,itemid,transactionid``; timestamp in Unix **ms**
-                  (converted to s, floor), event in view | addtocart | transaction. Item
+                  (sorted on the ms, then converted to s, floor), event in view | addtocart | transaction. Item
                   categories come from item_properties_part*.csv (property ``categoryid``, the
                   latest value per item) when those files sit beside events.csv.
     csv           any CSV (header row) or Parquet file with a column mapping
@@ -20,6 +20,10 @@ Formats
                   user/item/category must be integers; time is integer Unix time (``time_unit``,
                   default: s, or ms when every value is >= 1e11, i.e. after year 5138 in s) or a
                   date-time string (ISO 8601, UTC unless it carries an offset).
+
+Time order: events are sorted on the exact time as given (ms, us, ns, fractional ISO seconds), and
+only then converted to the model's whole seconds (floor): each frame carries ``time`` (s) and
+``subsecond_ns`` (the rest, 0..1e9-1), which :meth:`EventLog.from_frame` sorts on after ``time``.
 
 Errors: a missing file raises FileNotFoundError; a malformed row raises
 :class:`~hstu.data.errors.DataFormatError` naming the file and 1-based line (Parquet: row index),
@@ -52,6 +56,16 @@ MS_THRESHOLD = 100_000_000_000  # 1e11: as seconds that is year 5138, as ms it i
 TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 MAPPING_KEYS = ("user", "item", "time", "action", "category")
 OUT_NAMES = {"user": "user_id", "item": "item_id", "time": "timestamp", "action": "action", "category": "category"}
+NS_PER_S = 1_000_000_000
+
+
+def split_time(t, unit: int):
+    """Integer times in ``unit`` ticks per second -> (whole seconds, floor; the rest in ns, 0..1e9-1).
+
+    ``t``: an int, an int64 array or Series. Sorting on (seconds, rest) is sorting on ``t``.
+    """
+    secs, rest = t // unit, t % unit
+    return secs, rest * (NS_PER_S // unit)
 
 
 @dataclass(frozen=True)
@@ -88,10 +102,11 @@ def _to_int(s: str) -> int:
     return int(s.strip())
 
 
-def _to_time(s: str, unit: int) -> int:
+def _to_time(s: str, unit: int) -> tuple[int, int]:
+    """A time field -> (Unix seconds, floor; the sub-second rest in ns), see :func:`split_time`."""
     s = s.strip()
     try:
-        return int(s) // unit
+        return split_time(int(s), unit)
     except ValueError:
         pass
     try:
@@ -102,15 +117,16 @@ def _to_time(s: str, unit: int) -> int:
             raise ValueError(f"not a time: {s!r}") from None
         if ts.tzinfo is None:
             ts = ts.tz_localize("UTC")
-        return int(ts.timestamp())
+        return split_time((ts - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(1, "ns"), NS_PER_S)
     if not np.isfinite(f) or f != int(f):
         raise ValueError(f"not an integer time: {s!r}")
-    return int(f) // unit
+    return split_time(int(f), unit)
 
 
 def _parse_slow(path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
     """Line-by-line parse naming the first bad line; returns (frame, skipped rows)."""
     out: dict[str, list] = {c.key: [] for c in cols}
+    rest: list[int] = []
     skipped, first = 0, None
     idx: dict[str, int] = {}
     width = len(cols)
@@ -132,10 +148,14 @@ def _parse_slow(path: Path, cols: list[Column], *, header: bool, sep: str, time_
                 first = first or str(exc)
                 continue
             for c, v in zip(cols, vals):
+                if c.key == "time":
+                    v, r = v
+                    rest.append(r)
                 out[c.key].append(v)
     if skipped:
         log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
     frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key == "action" else np.int64) for c in cols})
+    frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
     return frame, skipped
 
 
@@ -209,8 +229,7 @@ def _read(path: Path, cols: list[Column], *, header: bool, sep: str = ",", time_
     """(frame with columns = keys of ``cols``, skipped rows). Times are converted with ``time_unit``."""
     df = _parse_fast(path, cols, header=header, sep=sep)
     if df is not None:
-        if time_unit != 1:
-            df["time"] = df["time"] // time_unit
+        df["time"], df["subsecond_ns"] = split_time(df["time"], time_unit)
         return df, 0
     log.info("%s: the fast parser failed; checking line by line", path)
     return _parse_slow(path, cols, header=header, sep=sep, time_unit=time_unit, skip_bad_rows=skip_bad_rows)
@@ -415,20 +434,7 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
         problems.append((bad, lambda i: f"action ({mapping['action']!r}) is empty"))
         out["action"] = text
     col = df[mapping["time"]]
-    if pd.api.types.is_datetime64_any_dtype(col):
-        t = col.dt.tz_localize("UTC") if col.dt.tz is None else col
-        secs = (t - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)
-        bad = t.isna().to_numpy()
-    else:
-        num = pd.to_numeric(col, errors="coerce")
-        if num.notna().sum() * 2 >= col.notna().sum():  # mostly numbers: integer Unix time (int64: |t| < 2^63)
-            bad = (num.isna() | (num != np.floor(num)) | (num.abs() >= 2.0**63)).to_numpy()
-            secs = num.where(~bad, 0).astype(np.int64)
-            secs = secs // _unit_of(secs[~bad], unit, path)
-        else:  # date-time strings
-            t = pd.to_datetime(col.where(col.notna(), None).astype(str), errors="coerce", utc=True, format="ISO8601")
-            bad = t.isna().to_numpy()
-            secs = (t - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)
+    secs, out["subsecond_ns"], bad = _exact_times(col, unit, path)
     problems.append((bad, lambda i: f"time ({mapping['time']!r}) is " + ("missing" if pd.isna(col.iloc[i]) else
                      f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}")))
     out["time"] = secs
@@ -448,6 +454,31 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
     keep = ~any_bad
     frame = pd.DataFrame({k: (v[keep].astype(np.int64) if k != "action" else v[keep]) for k, v in out.items()}).reset_index(drop=True)
     return frame, skipped
+
+
+def _exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series, pd.Series, np.ndarray]:
+    """(Unix seconds, sub-second rest in ns, bad-row mask) of a time column: integer Unix time in
+    ``unit`` (auto: s, or ms when every value is >= 1e11), a datetime column, or ISO 8601 strings.
+    Both parts come from the exact value (:func:`split_time`), so ms / ns / fractional ISO times
+    keep their order; bad rows hold 0."""
+    epoch = pd.Timestamp(0, tz="UTC")
+    if pd.api.types.is_datetime64_any_dtype(col) or not _mostly_numbers(col):
+        t = col if pd.api.types.is_datetime64_any_dtype(col) else pd.to_datetime(
+            col.where(col.notna(), None).astype(str), errors="coerce", utc=True, format="ISO8601")
+        t = t.dt.tz_localize("UTC") if t.dt.tz is None else t
+        bad = t.isna().to_numpy()
+        ns = (t.where(~bad, epoch) - epoch) // pd.Timedelta(1, "ns")  # int64 ns: NaT rows set to 0 first (NaN would make it float)
+        secs, rest = split_time(ns.astype(np.int64), NS_PER_S)
+        return secs, rest, bad
+    num = pd.to_numeric(col, errors="coerce")  # integer Unix time (int64: |t| < 2^63)
+    bad = (num.isna() | (num != np.floor(num)) | (num.abs() >= 2.0**63)).to_numpy()
+    ticks = num.where(~bad, 0).astype(np.int64)
+    secs, rest = split_time(ticks, _unit_of(ticks[~bad], unit, path))
+    return secs, rest, bad
+
+
+def _mostly_numbers(col: pd.Series) -> bool:
+    return pd.to_numeric(col, errors="coerce").notna().sum() * 2 >= col.notna().sum()
 
 
 def _unit_of(t: pd.Series, unit: str | None, path: Path) -> int:
@@ -524,8 +555,10 @@ def _read_csv_mapped(path: Path, mapping: dict[str, str], unit: str | None, sep:
     # a row with too many fields stops the C parser: the line-by-line pass names it
     cols = [Column(k, mapping[k]) for k in keys]
     df, skipped = _parse_slow(path, cols, header=True, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows)
-    if unit is None and len(df):
-        df["time"] = df["time"] // _unit_of(df["time"], None, path)
+    if unit is None and len(df):  # integer times were read as seconds; ISO ones are seconds already (auto only
+        auto = _unit_of(df["time"], None, path)  # turns to ms when every value is >= 1e11, far past ISO's range)
+        if auto != 1:
+            df["time"], df["subsecond_ns"] = split_time(df["time"], auto)
     return df, skipped
 
 

@@ -11,7 +11,7 @@ Layout (TorchRec-style values + offsets), for U users and E events in total:
     categories   (E,)   int64  dense category ids 1..C (0 = none)
 
 Example: users [7, 9], offsets [0, 2, 5] → user 7 has events 0-1, user 9 has events 2-4.
-Events are stably sorted by timestamp, so equal times keep file order.
+Events are stably sorted by their exact time (before flooring to s), so equal times keep file order.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class EventLog:
     item_genres: dict[int, list[str]] = field(default_factory=dict)
     exclude_history_default: bool = True
     skipped_rows: int = 0
+    facts: dict = field(default_factory=dict)  # how the files were read, e.g. {"encodings": {"movies.dat": "utf-8"}}
 
     @property
     def num_users(self) -> int:
@@ -86,13 +87,16 @@ class EventLog:
     @classmethod
     def from_frame(cls, df: pd.DataFrame, *, name: str, titles: dict | None = None, item_genres: dict | None = None,
                    action_names: list[str] | None = None, exclude_history_default: bool = True, skipped_rows: int = 0) -> "EventLog":
-        """Build from a frame with columns user_id, item_id, timestamp and optional action
-        (str or int), category (int), value. Dense ids follow ascending original ids."""
+        """Build from a frame with columns user_id, item_id, timestamp (int64 Unix s) and optional
+        action (str or int), category (int), value, subsecond_ns (int64, the part of the source's
+        exact time below the second, 0..1e9-1: events are sorted on timestamp then it, so ms / ns
+        times keep their order after flooring to s). Dense ids follow ascending original ids."""
         if df.empty:
             raise ValueError(f"{name}: no events")
         df = df.reset_index(drop=True)
-        order = np.lexsort((np.arange(len(df)), df["timestamp"].to_numpy(), df["user_id"].to_numpy()))
-        df = df.iloc[order].reset_index(drop=True)  # by user, then time, ties in file order
+        sub = df["subsecond_ns"].to_numpy() if "subsecond_ns" in df else np.zeros(len(df), np.int64)
+        order = np.lexsort((np.arange(len(df)), sub, df["timestamp"].to_numpy(), df["user_id"].to_numpy()))
+        df = df.iloc[order].reset_index(drop=True)  # by user, then exact time, ties in file order
         users, counts = np.unique(df["user_id"].to_numpy(), return_counts=True)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         item_raw, items = np.unique(df["item_id"].to_numpy(), return_inverse=True)

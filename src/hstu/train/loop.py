@@ -64,6 +64,34 @@ def subset_users(log_: EventLog, n: int) -> EventLog:
     return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[:n + 1]})
 
 
+PROTOCOL_NEEDS = {"clean": (3, "a training, a validation and a test event"), "paper": (2, "a training and a test event")}
+
+
+def _users_by_length(lengths: np.ndarray, need: int) -> str:
+    """'80 users have 1 event, 40 have 2, 0 have >= 3' for per-user event counts ``lengths``."""
+    parts = [f"{int((lengths == n).sum())} have {n} event{'s' if n > 1 else ''}" for n in range(1, need) if (lengths == n).any()]
+    parts.append(f"{int((lengths >= need).sum())} have >= {need}")
+    return f"of {len(lengths)} users, " + ", ".join(parts)
+
+
+def check_trainable(log_: EventLog, split: Split, max_seq_len: int) -> None:
+    """ValueError (one line) when the data cannot train and evaluate a model under the split's
+    protocol: no user has enough events to be evaluated (clean: >= 3, paper: >= 2), or there is
+    no training position (a user needs >= 2 training events, within ``max_seq_len``, for one).
+    ``fit`` calls it before anything is written to the run directory."""
+    need, what = PROTOCOL_NEEDS[split.protocol]
+    lengths = np.diff(log_.offsets)
+    if not (lengths >= need).any():
+        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: {_users_by_length(lengths, need)} events; "
+                         f"a user needs >= {need} ({what}) to be evaluated, and no user does")
+    train_len = np.minimum(split.train_end - log_.offsets[:-1], max_seq_len)
+    positions = int(np.clip(train_len - 1, 0, None).sum())
+    if positions == 0:
+        who = "a user with 2 events (too few to evaluate: all trained on) or >= 4" if split.protocol == "clean" else "a user with >= 3"
+        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: 0 training positions "
+                         f"({_users_by_length(lengths, need + 1)} events; a training position needs {who} events)")
+
+
 def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:
     """(I+1,) int64 number of training events per dense item (popularity, cold-start serving)."""
     keep = np.zeros(log_.num_events, dtype=bool)
@@ -83,6 +111,7 @@ def idmap(log_: EventLog, split: Split | None = None) -> dict:
         "titles": {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
         "exclude_history_default": log_.exclude_history_default,
         "last_timestamp": int(log_.timestamps.max()),
+        "data_facts": {"events": log_.num_events, "users": log_.num_users, "skipped_rows": log_.skipped_rows, **log_.facts},
         **({"item_train_counts": train_item_counts(log_, split).tolist()} if split is not None else {}),
     }
 
@@ -217,6 +246,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         _check_resume_items(run, log_)
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
+    check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
     model = build_hstu(mcfg).to(dev.device)
     if model.cold_items is not None and not resume:
         model.set_cold_items(train_item_counts(log_, split))

@@ -271,7 +271,10 @@ def cmd_generate(args) -> int:
         hist.request_time = args.request_time
     prep = rec.prepare(hist, unknown=args.unknown_items)
     excl = None if args.exclude_history is None else args.exclude_history == "yes"
-    items = rec.recommend([prep], args.k, exclude_history=excl, strategy=args.strategy, top_k=args.top_k,
+    allow = True if args.allow_untrained_items else None
+    need = max(args.k, args.beam_width if args.strategy == "beam" else 1)
+    rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
+    items = rec.recommend([prep], args.k, exclude_history=excl, allow_untrained=allow, strategy=args.strategy, top_k=args.top_k,
                           temperature=args.temperature, beam_width=args.beam_width, seed=args.seed)[0]
     out = {"user": args.user, "items": items}
     if prep.warnings:
@@ -377,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the ranges of the HTTP schema (hstu.serve.schemas.Decoding)
     q.add_argument("--top-k", type=number_in(int, 1, TOP_K_MAX), default=50, help="topk: sample among this many best (default 50)")
     q.add_argument("--temperature", type=number_in(float, 0, TEMPERATURE_MAX, lo_open=True), default=1.0,
-                   help="topk: softmax temperature (default 1.0)")
+                   help="topk: softmax temperature (default 1.0; a tiny one samples in the greedy limit)")
     q.add_argument("--beam-width", type=number_in(int, 1, BEAM_WIDTH_MAX), default=4, help="beam: beams (default 4)")
     q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="topk: sampling seed (default 0)")
     q.add_argument("--data-dir", help="the run's data set (for --user), if it moved since training "
@@ -385,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])
+    q.add_argument("--allow-untrained-items", action="store_true",
+                   help="may generate items without training events (default: only for a run trained with cold_item_dropout > 0)")
     q.add_argument("--device", default="cpu")
     q.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     q.add_argument("--json", action="store_true")

@@ -35,9 +35,16 @@ class GenerationResult:
 
 
 def exclusion_mask(num_items: int, batch: int, ids: torch.Tensor | None, lengths: torch.Tensor | None,
-                   block: list[list[int]] | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(B, I+1) bool, True = never generate: padding 0, the history ids (if given) and block lists."""
+                   block: list[list[int]] | None = None, device: torch.device | str = "cpu",
+                   never: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, I+1) bool, True = never generate: padding 0, the history ids (if given), block lists
+    and ``never``: an optional (I+1,) bool row excluded for every user (e.g. the items without
+    training events, :attr:`hstu.generate.recommend.Recommender.untrained`)."""
     mask = torch.zeros(batch, num_items + 1, dtype=torch.bool, device=device)
+    if never is not None:
+        if never.shape != (num_items + 1,):
+            raise ValueError(f"exclusion_mask: never must be (I+1,) = ({num_items + 1},), got {tuple(never.shape)}")
+        mask |= never.to(device=device, dtype=torch.bool).view(1, -1)
     mask[:, 0] = True
     if ids is not None:
         live = torch.arange(ids.shape[1], device=ids.device).view(1, -1) < lengths.view(-1, 1)
@@ -48,6 +55,54 @@ def exclusion_mask(num_items: int, batch: int, ids: torch.Tensor | None, lengths
         if ok:
             mask[b, torch.tensor(ok, device=device)] = True
     return mask
+
+
+def check_candidates(exclude: torch.Tensor, need: int, detail: str) -> None:
+    """Raise ValueError when a row of ``exclude`` ((B, I+1) bool, True = never generate, column
+    0 padding) leaves fewer than ``need`` items: that row would otherwise generate excluded
+    items with score -inf. ``detail`` ends the message (e.g. "k=10, beam width 1")."""
+    left = (~exclude[:, 1:]).sum(dim=1)  # (B,)
+    short = (left < need).nonzero().view(-1).tolist()
+    if short:
+        raise ValueError(f"row(s) {short[:10]}: fewer than {need} items left after exclusion ({detail})")
+
+
+# the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
+TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
+
+
+def sample_topk(scores: torch.Tensor, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Seeded sampling among the ``top_k`` best of each row at softmax ``temperature``; the one
+    top-k sampler of every generation path (``generate``, the engine).
+
+    Args:
+        scores: (R, I+1) float scores, -inf where excluded; every row needs >= 1 finite entry.
+        top_k: candidates per row (>= 1; more than I+1 means all).
+        temperature: > 0. Computed in a way that cannot overflow: in float32 (at least), the
+            row's best score subtracted first, then divided by max(temperature,
+            ``TEMPERATURE_FLOOR`` = 1.18e-38), so the logits lie in [-inf, 0] with 0 at the best
+            item and the softmax is finite for any temperature. A tiny temperature (1e-38,
+            1e-300, 5e-324) is the greedy limit: the best item, or one of exactly tied ones
+            uniformly.
+        gen: the generator drawn from (seeded by the caller).
+    Returns:
+        (R,) int64 column ids of the picks.
+    """
+    vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)  # (R, k') descending
+    z = vals.float() if vals.dtype in (torch.float16, torch.bfloat16) else vals
+    z = (z - z[:, :1]).div_(max(float(temperature), TEMPERATURE_FLOOR))  # (R, k') in [-inf, 0]
+    probs = torch.softmax(z, dim=1)
+    return idx.gather(1, torch.multinomial(probs, 1, generator=gen)).squeeze(1)
+
+
+def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """(R,) int64 next item per row of ``scores`` (R, I+1): argmax ("greedy") or
+    :func:`sample_topk` ("topk"). Raises ValueError for another strategy."""
+    if strategy == "greedy":
+        return scores.argmax(dim=1)
+    if strategy == "topk":
+        return sample_topk(scores, top_k, temperature, gen)
+    raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
 
 
 def _check(model: HSTUModel, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
@@ -87,16 +142,6 @@ def _fit(t: torch.Tensor, W: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, W - t.shape[1]))
 
 
-def _pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    if strategy == "greedy":
-        return scores.argmax(dim=1)
-    if strategy == "topk":
-        vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)
-        probs = torch.softmax(vals / temperature, dim=1)
-        return idx.gather(1, torch.multinomial(probs, 1, generator=gen)).squeeze(1)
-    raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
-
-
 @torch.inference_mode()
 def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, k: int, *,
              request_time: torch.Tensor, exclude: torch.Tensor, strategy: str = "greedy", top_k: int = 50, temperature: float = 1.0,
@@ -120,9 +165,12 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
     Returns:
         GenerationResult with (B, k) items and scores.
     Raises:
-        ValueError: k <= 0 or > max_output_len, empty history, history > max_seq_len, bad strategy.
+        ValueError: k <= 0 or > max_output_len, empty history, history > max_seq_len, bad strategy,
+            a row of ``exclude`` leaving fewer than max(k, beam width) items (:func:`check_candidates`).
     """
     _check(model, ids, lengths, k)
+    W = beam_width if strategy == "beam" else 1
+    check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
     if strategy == "beam":
         return _beam(model, ids, timestamps, lengths, k, request_time, exclude, beam_width, cache, actions, categories, item_category)
     B = ids.shape[0]
@@ -140,7 +188,7 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
         if bias_parts is not None:
             model.repeat.add_to(scores, user, *bias_parts)
         scores = scores.masked_fill(exclude, float("-inf"))
-        choice = _pick(scores, strategy, top_k, temperature, gen)
+        choice = pick(scores, strategy, top_k, temperature, gen)
         out_items[:, step] = choice
         out_scores[:, step] = scores[bidx, choice]
         exclude[bidx, choice] = True
@@ -216,8 +264,9 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
 def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, k: int, *,
                        request_time: torch.Tensor, exclude: torch.Tensor) -> GenerationResult:
     """Greedy next-k by full recomputation of the grown sequence at every step (the oracle
-    for the cached path; also the "no cache" side of the benchmark)."""
+    for the cached path; also the "no cache" side of the benchmark). Raises as :func:`generate`."""
     _check(model, ids, lengths, k)
+    check_candidates(exclude, k, f"k={k}")
     B = ids.shape[0]
     W = int(lengths.max()) + k + 1
     cur_ids, cur_ts = _fit(ids, W).clone(), _fit(timestamps, W).clone()

@@ -75,7 +75,8 @@ model's fixed width, I items.
   A hit copies the cached rows 0..P-1 into the pool and computes only rows P..L-1 (the new
   events and the old last row, whose time bias used the old request time).
 - Decoding: greedy; "topk" (seeded sampling among the top_k best at ``temperature``; the same
-  call with the same seed returns the same items); "beam" (width W, ranked by the **sum of
+  call with the same seed returns the same items; :func:`hstu.generate.decode.sample_topk`, finite for
+  any temperature > 0); "beam" (width W, ranked by the **sum of
   log-probabilities**, log-softmax over the non-excluded items; every beam has length k, so
   length normalisation would not change the ranking; width 1 equals greedy). With a
   next-action head, the predicted action of each generated token is fed to the next step in
@@ -98,7 +99,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from hstu.generate.decode import GenerationResult
+from hstu.generate.decode import GenerationResult, check_candidates, pick
 from hstu.generate.hardening import check_inputs_on, harden
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.model.hstu import HSTUModel, l2_normalize
@@ -656,9 +657,7 @@ class Engine:
             exclude = torch.zeros(B, c.num_items + 1, dtype=torch.bool, device=dev)
         exclude[:, 0] = True
         W = beam_width if strategy == "beam" else 1
-        short = ((c.num_items - exclude[:, 1:].sum(dim=1)) < max(k, W)).nonzero().view(-1).tolist()
-        if short:
-            raise ValueError(f"row(s) {short[:10]}: fewer than {max(k, W)} items left after exclusion (k={k}, beam width {W})")
+        check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
         if strategy == "beam" and W > self.max_batch:
             raise ValueError(f"beam_width={W} exceeds max_batch={self.max_batch} (pool rows)")
         out = EngineResult(items=torch.zeros(B, k, dtype=torch.int64, device=dev), scores=torch.zeros(B, k, dtype=self.score_dtype, device=dev),
@@ -850,11 +849,7 @@ class Engine:
             self.prefix.put(user_ids[i], e)
 
     def _pick(self, scores: torch.Tensor, strategy: str, top_k: int, temperature: float) -> torch.Tensor:
-        if strategy == "greedy":
-            return scores.argmax(dim=1)
-        vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)
-        probs = torch.softmax(vals / temperature, dim=1)
-        return idx.gather(1, torch.multinomial(probs, 1, generator=self._gen)).squeeze(1)
+        return pick(scores, strategy, top_k, temperature, self._gen)  # the shared, underflow-safe sampler
 
     def _next_action(self, user: torch.Tensor) -> torch.Tensor | None:
         if self.model.action_head is None:

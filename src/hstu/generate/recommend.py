@@ -4,6 +4,12 @@ Used by ``hstu generate`` and the HTTP service. Input is validated here (the edg
 item ids (policy "drop" with a warning, or "reject"), empty histories, over-long histories
 (the most recent ``max_seq_len`` events are kept and the response says how many were cut),
 non-monotonic timestamps (policy "sort", stable, or "reject").
+
+Items without training events (``idmap.json`` ``item_train_counts`` == 0, e.g. the catalogue
+items no user of a ``--max-users`` run touched) are never generated unless asked for
+(``allow_untrained``), since their embeddings are the random init; runs trained with
+``cold_item_dropout`` > 0 allow them by default (trained to take cold items). A history holding
+such items gets a warning. A run without counts (older runs) counts every item as trained.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ class Recommender:
         self.category_raw = idmap.get("category_raw_ids")
         self.action_names: list[str] = idmap.get("action_names", [])
         self.exclude_history_default = bool(idmap.get("exclude_history_default", True))
+        self.untrained_np = _untrained(idmap.get("item_train_counts"), len(raw))  # (I+1,) bool or None
+        self.untrained = None if self.untrained_np is None else torch.from_numpy(self.untrained_np).to(self.device)
+        self.num_untrained = 0 if self.untrained_np is None else int(self.untrained_np.sum())
+        self.allow_untrained_default = float(getattr(model.cfg, "cold_item_dropout", 0.0)) > 0
 
     @classmethod
     def from_run(cls, run_dir, device: str = "cpu", precision: str | None = None) -> "Recommender":
@@ -130,6 +140,7 @@ class Recommender:
             warnings.append(f"history has {len(keep_a)} events; kept the most recent {self.max_len}")
             keep_a, ids = keep_a[-self.max_len:], ids[-self.max_len:]
         acts = self._action_ids(h.actions, keep_a, warnings)
+        self._warn_untrained(ids, warnings)
         # NumPy, not a torch op: in the HTTP process a torch op releases the GIL and may wait to get it
         # back from the executor threads (measured: ~0.2 ms per request under load vs ~1 us here)
         cats = self.item_category_np[ids]
@@ -139,6 +150,66 @@ class Recommender:
             rt = int(ts[keep_a].max())
         block = [self._dense[int(x)] for x in h.exclude if int(x) in self._dense]
         return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
+
+    def _warn_untrained(self, ids: np.ndarray, warnings: list[str]) -> None:
+        """Append a warning when the kept history ``ids`` ((n,) dense) hold items without training events."""
+        if self.untrained_np is None:
+            return
+        cold = self.untrained_np[ids]
+        if cold.any():
+            raw = sorted({int(r) for r in self.raw_ids[ids[cold]]})
+            how = ("the model ignores their embeddings (cold_item_dropout)" if self.allow_untrained_default
+                   else "their embeddings were never trained, so they carry no signal")
+            more = f" (+{len(raw) - 10} more)" if len(raw) > 10 else ""
+            warnings.append(f"history holds {int(cold.sum())} event(s) of item(s) with no training events {raw[:10]}{more}: {how}")
+
+    def allows_untrained(self, allow_untrained: bool | None) -> bool:
+        """Whether items without training events may be generated: ``allow_untrained``, or by
+        default only for a run trained with cold_item_dropout > 0."""
+        return self.allow_untrained_default if allow_untrained is None else bool(allow_untrained)
+
+    def check_room(self, prep: Prepared, need: int, *, exclude_history: bool | None, allow_untrained: bool | None,
+                   field: str = "exclude") -> None:
+        """Raise HistoryError("{field}: ...") when fewer than ``need`` items (k, or max(k, beam
+        width)) are left to generate for ``prep`` after its block list, its history (when
+        excluded) and the items without training events (unless allowed). The one check every
+        caller runs before a request joins a batch (each row of a batch must pass it, else
+        ``generate`` raises for the whole batch)."""
+        I = self.model.cfg.num_items
+        block = np.unique(np.asarray(prep.block, dtype=np.int64))
+        block = block[(block > 0) & (block <= I)]
+        hist = np.setdiff1d(prep.ids, block) if self._excl_hist(exclude_history) else np.zeros(0, np.int64)
+        cold = 0
+        if self.untrained_np is not None and not self.allows_untrained(allow_untrained):
+            cold = self.num_untrained - int(self.untrained_np[block].sum()) - int(self.untrained_np[hist].sum())
+        left = I - len(block) - len(hist) - cold
+        if left < need:
+            raise HistoryError(f"{field}: only {left} of the run's {I} items are left to generate ({len(block)} excluded by "
+                               f"'exclude', {len(hist)} history items, {cold} items without training events), fewer than "
+                               f"the {need} needed (k, or the beam width if larger)")
+
+    def _excl_hist(self, exclude_history: bool | None) -> bool:
+        return self.exclude_history_default if exclude_history is None else bool(exclude_history)
+
+    def exclusion(self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None,
+                  allow_untrained: bool | None) -> torch.Tensor:
+        """(B, I+1) bool never-generate mask of a batch (``b`` from :meth:`batch`): padding, the
+        block lists, the histories when excluded, and the untrained items unless allowed; the one
+        mask builder of every generation path (``recommend`` and the server's engine adapter)."""
+        never = None if self.allows_untrained(allow_untrained) else self.untrained
+        return exclusion_mask(self.model.cfg.num_items, len(preps), b["ids"] if self._excl_hist(exclude_history) else None,
+                              b["lengths"], [p.block for p in preps], device=self.device, never=never)
+
+    def results(self, items: torch.Tensor, scores: torch.Tensor, actions: torch.Tensor | None, k: int) -> list[list[dict]]:
+        """Item dicts (:meth:`describe`) of (B, >= k) generated ``items`` / ``scores`` / ``actions``.
+        Raises ValueError naming the row when a score is not finite (JSON has no inf / nan)."""
+        bad = (~torch.isfinite(scores[:, :k])).nonzero()
+        if len(bad):
+            r, j = (int(v) for v in bad[0])
+            raise ValueError(f"generation produced a non-finite score ({float(scores[r, j])}) at row {r}, step {j}")
+        it, sc = items[:, :k].cpu().tolist(), scores[:, :k].cpu().tolist()
+        acts = actions[:, :k].cpu().tolist() if actions is not None else None
+        return [[self.describe(it[i][j], sc[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(len(it))]
 
     def _action_ids(self, actions: list[str] | None, keep: np.ndarray, warnings: list[str]) -> np.ndarray:
         """(len(keep),) int64 action ids (1.. in ``action_names`` order, 0 = none) of the kept
@@ -204,15 +275,26 @@ class Recommender:
 
     @torch.inference_mode()
     def recommend(self, preps: list[Prepared], k: int = 5, *, exclude_history: bool | None = None, strategy: str = "greedy",
-                  **decode_kwargs) -> list[list[dict]]:
-        """Next-k items for each prepared history; one list of item dicts per history."""
+                  allow_untrained: bool | None = None, **decode_kwargs) -> list[list[dict]]:
+        """Next-k items for each prepared history; one list of item dicts per history.
+        ``allow_untrained``: see :meth:`allows_untrained`. Raises ValueError as ``generate``
+        (e.g. a history whose exclusions leave fewer than k items: check :meth:`check_room` first)."""
         b = self.batch(preps)
-        excl_hist = self.exclude_history_default if exclude_history is None else exclude_history
-        mask = exclusion_mask(self.model.cfg.num_items, len(preps), b["ids"] if excl_hist else None, b["lengths"],
-                              [p.block for p in preps], device=self.device)
+        mask = self.exclusion(b, preps, exclude_history, allow_untrained)
         res = generate(self.model, b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
                        strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=self.item_category,
                        **decode_kwargs)
-        items, scores = res.items.cpu().tolist(), res.scores.cpu().tolist()
-        acts = res.actions.cpu().tolist() if res.actions is not None else None
-        return [[self.describe(items[i][j], scores[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(len(preps))]
+        return self.results(res.items, res.scores, res.actions, k)
+
+
+def _untrained(counts, n: int) -> np.ndarray | None:
+    """(n,) bool, True = dense id with no training event (padding 0 False), from idmap.json's
+    ``item_train_counts``; None when the run has none (or a count list of another length)."""
+    if counts is None:
+        return None
+    if len(counts) != n:
+        log.warning("idmap.json item_train_counts has %d entries for %d ids; every item counts as trained", len(counts), n)
+        return None
+    out = np.asarray(counts, dtype=np.int64) == 0
+    out[0] = False
+    return out

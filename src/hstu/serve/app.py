@@ -267,6 +267,17 @@ class Service:
             warnings.append(f"history has {n} events; kept the most recent {m} (the largest bucket)")
         return p, warnings
 
+    def check_room(self, prep: Prepared, req: GenerateRequest, dec: DecodeOptions) -> None:
+        """ApiError 422 (field ``exclude``, or ``k`` without one) when the request's exclusions
+        leave fewer than k items (beam: max(k, beam width)): checked per request, before batching."""
+        need = max(req.k, dec.beam_width if dec.strategy == "beam" else 1)
+        try:
+            self.rec.check_room(prep, need, exclude_history=req.exclude_history, allow_untrained=req.allow_untrained_items,
+                                field="exclude" if req.exclude else "k")
+        except HistoryError as exc:
+            msg = str(exc)
+            raise ApiError(422, "validation_error", msg, msg.split(":", 1)[0]) from None
+
     def cold_start(self, k: int, exclude: list[int] | None) -> list[dict]:
         blocked = {self.dense[int(x)] for x in (exclude or []) if int(x) in self.dense}
         return [self.rec.describe(d, s) for d, s in self.popularity.top(k, blocked)]
@@ -418,8 +429,10 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
                 raise ApiError(422, "validation_error", f"decoding.beam_width: at most the server's max batch {cfg.max_batch}, "
                                f"got {d.beam_width}", "decoding.beam_width")
             dec = DecodeOptions(d.strategy, d.top_k, d.temperature, d.beam_width, d.seed) if d else DecodeOptions()
+            svc.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone
             bucket = svc.model.bucket_for(len(prep.ids))
-            items = await svc.batcher.submit(bucket, Job("generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history))
+            items = await svc.batcher.submit(bucket, Job("generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history,
+                                                         allow_untrained=req.allow_untrained_items))
             n, cold = len(prep.ids), False
         dt = since(request)
         svc.metrics.request_duration.labels(endpoint="/v1/generate", bucket="cold_start" if cold else str(bucket)).observe(dt)

@@ -8,7 +8,8 @@ what to do with it) and returns one result per job. Two kinds of job share a bat
   k, and each job keeps its first k items (greedy step j depends only on steps < j, so the
   prefix of a longer run equals the shorter run); beam jobs group by (beam width, k, exclusion)
   since a beam's final ranking depends on k; seeded top-k sampling runs each job alone so a
-  seed always gives the same items whatever else is in the batch.
+  seed always gives the same items whatever else is in the batch. Jobs that differ in whether
+  items without training events may be generated (``allow_untrained``) never share a group.
 - ``score``: target-aware candidate scoring. The histories are encoded once at the bucket's
   static width ``edge + 1`` (the last slot holds the query time, DESIGN.md "The model"), the
   user vector is the last live row, and each candidate's score is
@@ -20,6 +21,10 @@ pool, warm-up; issue "Generative inference engine") when that module can be impo
 accepts the run, else :meth:`hstu.generate.recommend.Recommender.recommend` (which pads each
 batch to its longest history; results are identical since the attention divisor is the fixed
 width N, but the shapes are not static). ``BatchRunner.backend_name`` says which one runs.
+
+A group that raises (one bad job, e.g. exclusions that leave fewer than k items when the app's
+check was bypassed) is run again job by job, so that only the faulty job gets the exception and
+the others their results.
 
 Symbols: B jobs in the batch, E the bucket's upper edge (events), C candidates per job.
 Input is trusted here (validated by the app): histories hold 1..E known dense ids.
@@ -37,7 +42,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hstu.generate.decode import exclusion_mask
 from hstu.generate.recommend import Prepared, Recommender
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,8 @@ class Job:
 
     kind: "generate" or "score". prepared: the validated history (dense ids, length 1..E).
     k, decoding, exclude_history: generate only (exclude_history None = the data set's default).
+    allow_untrained: generate only; may items without training events be generated (None = the
+    run's default, :meth:`hstu.generate.recommend.Recommender.allows_untrained`).
     candidates: score only, (C,) int64 dense ids, 0 where the original id is unknown (scored
     then discarded). Fields below ``candidates`` belong to the batcher.
     """
@@ -70,6 +76,7 @@ class Job:
     decoding: DecodeOptions = field(default_factory=DecodeOptions)
     exclude_history: bool | None = None
     candidates: np.ndarray | None = None
+    allow_untrained: bool | None = None
     # batcher bookkeeping
     future: Any = None
     enqueued_at: float = 0.0
@@ -170,20 +177,34 @@ class BatchRunner:
         with self._lock:
             score_idx = [i for i, j in enumerate(jobs) if j.kind == "score"]
             if score_idx:
-                self._guarded(out, score_idx, lambda: self._score(bucket, [jobs[i] for i in score_idx]))
+                self._guarded(out, score_idx, lambda sub: self._score(bucket, [jobs[i] for i in sub]))
             for idx, run in self._generate_groups(bucket, jobs):
                 self._guarded(out, idx, run)
         return out
 
     @staticmethod
     def _guarded(out: list[Any], idx: list[int], run) -> None:
+        """``run(sub)`` returns one result per job index of ``sub``; fill ``out`` at ``idx``. When
+        the group raises, each job runs again alone, so an exception reaches only the job(s) that
+        raise alone (one bad request does not fail its batch)."""
         try:
-            res = run()
+            res = run(idx)
+            if len(res) != len(idx):
+                raise RuntimeError(f"batch group returned {len(res)} results for {len(idx)} jobs")
             for i, r in zip(idx, res):
                 out[i] = r
-        except Exception as exc:  # noqa: BLE001 - reported to each request of the group
-            log.exception("batch group of %d job(s) failed", len(idx))
-            for i in idx:
+            return
+        except Exception as exc:  # retried job by job below
+            if len(idx) == 1:
+                log.exception("batch job failed")
+                out[idx[0]] = exc
+                return
+            log.warning("batch group of %d jobs failed (%s: %s); running each job alone", len(idx), type(exc).__name__, exc)
+        for i in idx:
+            try:
+                out[i] = run([i])[0]
+            except Exception as exc:  # reported to this job only
+                log.exception("batch job failed alone")
                 out[i] = exc
 
     def _generate_groups(self, bucket: int, jobs: list[Job]):
@@ -193,19 +214,21 @@ class BatchRunner:
                 continue
             d = j.decoding
             excl = self.rec.exclude_history_default if j.exclude_history is None else bool(j.exclude_history)
+            allow = self.rec.allows_untrained(j.allow_untrained)
             if d.strategy == "greedy":
-                key = ("greedy", excl)
+                key = ("greedy", excl, allow)
             elif d.strategy == "beam":
-                key = ("beam", excl, d.beam_width, j.k)
+                key = ("beam", excl, allow, d.beam_width, j.k)
             else:
                 key = ("topk", i)
             groups.setdefault(key, []).append(i)
         for idx in groups.values():
-            group = [jobs[i] for i in idx]
-            excl = self.rec.exclude_history_default if group[0].exclude_history is None else bool(group[0].exclude_history)
-            yield idx, (lambda g=group, e=excl: self._generate(bucket, g, e))
+            j0 = jobs[idx[0]]
+            excl = self.rec.exclude_history_default if j0.exclude_history is None else bool(j0.exclude_history)
+            allow = self.rec.allows_untrained(j0.allow_untrained)
+            yield idx, (lambda sub, e=excl, a=allow: self._generate(bucket, [jobs[i] for i in sub], e, a))
 
-    def _generate(self, bucket: int, group: list[Job], excl: bool) -> list[list[dict]]:
+    def _generate(self, bucket: int, group: list[Job], excl: bool, allow: bool) -> list[list[dict]]:
         d = group[0].decoding
         kmax = max(j.k for j in group)
         kw: dict[str, Any] = {}
@@ -215,9 +238,9 @@ class BatchRunner:
             kw = dict(beam_width=d.beam_width)
         preps = [j.prepared for j in group]
         if self.engine is not None:
-            lists = self.engine.recommend(bucket, preps, kmax, exclude_history=excl, strategy=d.strategy, **kw)
+            lists = self.engine.recommend(bucket, preps, kmax, exclude_history=excl, allow_untrained=allow, strategy=d.strategy, **kw)
         else:
-            lists = self.rec.recommend(preps, kmax, exclude_history=excl, strategy=d.strategy, **kw)
+            lists = self.rec.recommend(preps, kmax, exclude_history=excl, allow_untrained=allow, strategy=d.strategy, **kw)
         return [items[: j.k] for items, j in zip(lists, group)]
 
     def _score(self, bucket: int, jobs: list[Job]) -> list[np.ndarray]:
@@ -247,7 +270,8 @@ class BatchRunner:
         ts = 1_000_000_000 + 60 * np.arange(bucket, dtype=np.int64)
         cats = self.rec.item_category_np[ids]
         prep = Prepared(ids, ts, np.zeros(bucket, np.int64), cats, int(ts[-1]), [], [])
-        jobs = [Job("generate", prep, k=self.max_k) for _ in range(n)]
+        # every item may be generated: warm-up must not depend on how much of the catalogue was trained
+        jobs = [Job("generate", prep, k=self.max_k, allow_untrained=True) for _ in range(n)]
         jobs += [Job("score", prep, candidates=ids[: min(bucket, 8)]) for _ in range(n)]
         return jobs
 
@@ -306,18 +330,15 @@ class _EngineAdapter:
         self.batch_sizes = tuple(getattr(self.engine, "batch_sizes", (runner.max_batch, 1)))
         self.graphs = str(getattr(self.engine, "graphs", "eager"))
 
-    def recommend(self, bucket: int, preps: list[Prepared], k: int, *, exclude_history: bool, strategy: str, **kw) -> list[list[dict]]:
+    def recommend(self, bucket: int, preps: list[Prepared], k: int, *, exclude_history: bool, allow_untrained: bool | None = None,
+                  strategy: str, **kw) -> list[list[dict]]:
         rec = self.rec
         b = rec.batch(preps, width=bucket)  # (B, E) static per bucket
-        B = len(preps)
-        mask = exclusion_mask(rec.model.cfg.num_items, B, b["ids"] if exclude_history else None, b["lengths"], [p.block for p in preps],
-                              device=rec.device)  # (B, I+1)
+        mask = rec.exclusion(b, preps, exclude_history, allow_untrained)  # (B, I+1)
         res = self.engine.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
                                    strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=rec.item_category,
                                    bucket=bucket, **kw)
-        items, scores = res.items.cpu().tolist(), res.scores.cpu().tolist()
-        acts = res.actions.cpu().tolist() if res.actions is not None else None
-        return [[rec.describe(items[i][j], scores[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(B)]
+        return rec.results(res.items, res.scores, res.actions, k)
 
     def release_caches(self) -> None:
         prefix = getattr(self.engine, "prefix", None)

@@ -80,7 +80,11 @@ class GenerateRequest(_Strict):
 
     An empty ``history`` takes the cold-start path (most popular training items; see
     :class:`GenerateResponse`). ``unknown_items`` and ``timestamp_order`` override the server's
-    policies for this request.
+    policies for this request. ``exclude``, the history (when excluded) and the items without
+    training events (unless ``allow_untrained_items``) must leave at least k items (beam:
+    max(k, beam_width)), else 422 naming ``exclude`` (or ``k`` when no ``exclude`` is given).
+    ``decoding.temperature`` may be any value in (0, 100]: a tiny one (5e-324) samples in the
+    greedy limit, never a non-finite score.
     """
 
     user_id: UserId = Field(default=None, description="echoed back; routing key for a load balancer")
@@ -89,6 +93,8 @@ class GenerateRequest(_Strict):
     k: int = Field(default=5, description="items to return, 1..the model's max_output_len", json_schema_extra={"minimum": 1})
     exclude: list[int] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
     exclude_history: bool | None = Field(default=None, description="never return history items (default: the data set's)")
+    allow_untrained_items: bool | None = Field(default=None, description="may return items without training events (default: "
+                                               "only for a run trained with cold_item_dropout > 0)")
     request_time: int | None = Field(default=None, ge=0, le=INT64_MAX, description="Unix seconds; default: the last event's time")
     decoding: Decoding | None = None
     unknown_items: UnknownPolicy | None = Field(default=None, description="drop (with a warning) or reject unknown item ids")

@@ -769,7 +769,7 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
         log.info("resumed %s at epoch %d (table optimizer state restarts)", run, state["epoch"])
     if ctx.is_main:
         write_json(run / "config.json", cfg_json)
-        write_json(run / "idmap.json", idmap(log_))
+        write_json(run / "idmap.json", idmap(log_, split))  # with item_train_counts, as hstu train writes
     paper = spec.protocol == "paper"
     best: HSTUModel | None = None
     while state["epoch"] < tcfg.epochs:

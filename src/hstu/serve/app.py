@@ -5,8 +5,10 @@ Endpoints
 ``POST /v1/generate``  next-k items for a history (:class:`~hstu.serve.schemas.GenerateRequest`).
 ``POST /v1/score``     target-aware scores of candidate items for a history, in input order.
 ``GET /healthz``       200 while the process is up.
-``GET /readyz``        200 once the model is loaded and every bucket is warm; 503 (with the
-                       reason) while warming, after a failed warm-up, or while draining.
+``GET /readyz``        200 once the model is loaded and every bucket is warm (status "ready", or
+                       "degraded" with the reason while requests were refused with 429 for load in
+                       the last few seconds); 503 (with the reason) while warming, after a failed
+                       warm-up, or while draining.
 ``GET /metrics``       Prometheus text format from the app's own registry (:mod:`hstu.serve.metrics`).
 ``GET /docs``          OpenAPI UI (``/openapi.json``).
 
@@ -391,6 +393,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
         if b is None:
             return JSONResponse({"status": "starting", **body}, status_code=503)
         if b.ready:
+            if b.shedding:  # still HTTP 200: it answers, but refuses part of the load (429)
+                return {"status": "degraded", "reason": f"shedding load: {b.shed_reason}", **body}
             return {"status": "ready", **body}
         status = ("draining" if b.draining else "failed" if b.warmup_error else
                   "restarting" if svc.model.available == 0 else "warming")

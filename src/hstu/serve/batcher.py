@@ -20,9 +20,14 @@ batch at a time since one process drives one device:
    own batch.
 
 Backpressure: a request is refused at once, never queued, when its bucket already holds
-``max_queue`` waiting requests, or when the predicted wait (requests ahead / ``max_batch`` batches
-of the recent mean batch time) exceeds ``max_queue_delay_s`` (default: the request timeout):
-:class:`Rejected` 429 with a Retry-After in seconds. A queued request that is not answered within ``request_timeout_s`` gets
+``max_queue`` waiting requests, or when its predicted queueing delay exceeds ``max_queue_delay_s``
+(default: the request timeout): :class:`Rejected` 429 with a Retry-After in seconds. The delay is
+predicted from the work actually queued, per bucket and per runner group (a beam-16 job costs ~16
+rows), plus what is left of the running batches, with per-bucket costs measured at warm-up and
+corrected by every finished batch (:mod:`hstu.serve.admission`); an empty queue with no batch
+running always admits, so no stale estimate can lock the service out. While 429s for load were
+given in the last ``SHED_WINDOW_S`` seconds, :attr:`MicroBatcher.shedding` is true (``/readyz``
+says "degraded"). A queued request that is not answered within ``request_timeout_s`` gets
 503 and is skipped if its batch has not started. Before each batch the memory guard checks free
 memory (device, or host on CPU): below the threshold it releases caches; if memory is still low
 the whole batch is shed with 503 (reason "memory") and the process keeps running.
@@ -40,11 +45,14 @@ import time
 from collections import deque
 from typing import Any
 
+from hstu.serve.admission import DelayModel, WorkTally
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.runner import Job
 from hstu.serve.worker import BatchOutcome, LocalModel, ModelRestart, ProcessModel
 
 log = logging.getLogger(__name__)
+
+SHED_WINDOW_S = 5.0  # "shedding" (/readyz degraded) for this long after the last 429 for load
 
 
 class Rejected(Exception):
@@ -132,8 +140,15 @@ class MicroBatcher:
         self.draining = False
         self.in_flight = 0  # submitted and not yet answered
         self.executing = 0  # batches on the model thread
-        self.batch_time_s = 0.01  # running mean of a batch's model time (s), for Retry-After / admission
+        self.batch_time_s = 0.01  # running mean of a batch's model time (s), for the memory shed's Retry-After
         self.warmup_error: str | None = None
+        self.delay = DelayModel(self.max_batch, model.cost_model)  # costs measured at warm-up, scales learnt per batch
+        self.tallies: dict[int, WorkTally] = {e: WorkTally() for e in model.buckets}  # queued work per bucket
+        self._executing: dict[int, tuple[float, float]] = {}  # running batch -> (start, predicted s), monotonic clock
+        self.last_shed, self.shed_reason = -math.inf, ""  # the last 429 for load: when, and why
+        metrics.predicted_delay.set_function(self.predicted_delay)
+        metrics.shedding.set_function(lambda: float(self.shedding))
+        metrics.delay_limit.set(self.max_delay)
 
     # ----- lifecycle -----
     def start(self) -> None:
@@ -151,6 +166,8 @@ class MicroBatcher:
                 log.exception("warm-up of bucket %d failed", edge)
                 return
             self.metrics.bucket_warm.labels(bucket=str(edge)).set(1)
+            if edge in self.model.cost_model:
+                self.metrics.set_cost(edge, self.model.cost_model[edge].as_dict())
             log.info("bucket %d warm (%.2f s)", edge, secs)
         self.metrics.ready.set(1)
 
@@ -183,9 +200,22 @@ class MicroBatcher:
         return done
 
     # ----- requests -----
+    def predicted_delay(self) -> float:
+        """Predicted queueing delay (s) of a request arriving now: the corrected cost of every queued
+        job plus what is left of the running batches, over the live model workers; 0 when idle."""
+        now = time.monotonic()
+        running = sum(max(0.0, pred - (now - t0)) for t0, pred in self._executing.values())
+        queued = sum(sum(self.delay.predict(e, t).values()) for e, t in self.tallies.items() if t.groups)
+        return (running + queued) / max(1, self.model.available)
+
+    @property
+    def shedding(self) -> bool:
+        """True while a request was refused (429) for load in the last ``SHED_WINDOW_S`` seconds."""
+        return time.monotonic() - self.last_shed < SHED_WINDOW_S
+
     def retry_after(self) -> int:
         """Seconds until the queues are likely empty (>= 1)."""
-        return max(1, math.ceil((self.depth() / self.max_batch + 1) * self.batch_time_s))
+        return max(1, math.ceil(self.predicted_delay()))
 
     async def submit(self, bucket: int, job: Job) -> Any:
         """Queue ``job`` in ``bucket`` and wait for its result.
@@ -202,16 +232,19 @@ class MicroBatcher:
             self.metrics.reject("model_restart")
             raise Rejected(503, "model_restart", "the model process is restarting; retry in a few seconds", 5)
         q = self.queues[bucket]
-        predicted = (self.depth() / self.max_batch + 1) * self.batch_time_s
+        idle = not self.executing and not self.depth()  # an empty queue with no batch running always admits
+        predicted = 0.0 if idle else self.predicted_delay()
         if len(q) >= self.max_queue or predicted > self.max_delay:
             self.metrics.reject("queue_full")
             why = (f"bucket {bucket} queue is full ({len(q)} waiting)" if len(q) >= self.max_queue
-                   else f"predicted queueing delay {predicted:.2f} s exceeds {self.max_delay:g} s")
-            raise Rejected(429, "queue_full", f"overloaded: {why}; retry later", self.retry_after())
+                   else f"predicted queueing delay {predicted:.3f} s exceeds {self.max_delay:g} s")
+            self.last_shed, self.shed_reason = time.monotonic(), why
+            raise Rejected(429, "queue_full", f"overloaded: {why}; retry later", max(1, math.ceil(predicted)))
         loop = asyncio.get_running_loop()
         job.future = loop.create_future()
         job.enqueued_at = loop.time()
         q.append(job)
+        self.tallies[bucket].add(job)
         self.metrics.queue_depth.labels(bucket=str(bucket)).set(len(q))
         self._arrived.set()
         self.in_flight += 1
@@ -247,7 +280,9 @@ class MicroBatcher:
             edge, take = plan_batch({e: len(q) for e, q in self.queues.items()}, oldest, self.max_batch, self.model.costs)
             batch = []
             for e, n in take.items():
-                batch += [self.queues[e].popleft() for _ in range(n)]
+                for _ in range(n):
+                    batch.append(self.queues[e].popleft())
+                    self.tallies[e].remove(batch[-1])
                 self.metrics.queue_depth.labels(bucket=str(e)).set(len(self.queues[e]))
             live = [j for j in batch if not j.expired and not j.future.done()]
             if not live:
@@ -260,8 +295,11 @@ class MicroBatcher:
             task.add_done_callback(lambda _: self._slots.release())
 
     async def _execute(self, edge: int, batch: list[Job]) -> None:
+        predicted = self.delay.predict(edge, WorkTally(batch))
+        token = id(batch)
+        self._executing[token] = (time.monotonic(), sum(predicted.values()))
         try:
-            results = self._record(edge, batch, await self.model.run(edge, batch))
+            results = self._record(edge, batch, await self.model.run(edge, batch), predicted)
         except ModelRestart as exc:
             for _ in batch:
                 self.metrics.reject("model_restart")
@@ -273,6 +311,7 @@ class MicroBatcher:
             results = [exc] * len(batch)
         finally:
             self.executing -= 1
+            self._executing.pop(token, None)
         for job, res in zip(batch, results):
             if job.expired or job.future.done():
                 continue
@@ -281,8 +320,9 @@ class MicroBatcher:
             else:
                 job.future.set_result(res)
 
-    def _record(self, edge: int, batch: list[Job], out: BatchOutcome) -> list[Any]:
-        """Metrics of a finished batch; raises Rejected (503 "memory") when the guard shed it."""
+    def _record(self, edge: int, batch: list[Job], out: BatchOutcome, predicted: dict[str, float]) -> list[Any]:
+        """Metrics and cost scales of a finished batch (``predicted``: its predicted seconds by
+        kind); raises Rejected (503 "memory") when the guard shed it."""
         if out.memory is not None:
             self.metrics.set_memory(self.metrics.memory_kinds[0], *out.memory)
         if out.triggered:
@@ -292,6 +332,10 @@ class MicroBatcher:
                 self.metrics.reject("memory")
             raise Rejected(503, "memory", out.shed, max(1, math.ceil(self.batch_time_s * 10)))
         self.batch_time_s = 0.8 * self.batch_time_s + 0.2 * out.seconds
+        if self.delay.learn(edge, predicted, out.seconds) is not None:
+            for kind, p in predicted.items():
+                if p > 0:
+                    self.metrics.cost_scale.labels(bucket=str(edge), kind=kind).set(self.delay.scale[(edge, kind)])
         self.metrics.batch_size.labels(bucket=str(edge)).observe(len(batch))
         self.metrics.batch_duration.labels(bucket=str(edge)).observe(out.seconds)
         return out.results

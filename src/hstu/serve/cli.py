@@ -91,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hstu.model.checkpoint import read_json
     from hstu.serve.app import ServePolicy, create_app
     from hstu.serve.popularity import popularity_for_run
+    from hstu.serve.worker import ModelProcessDied
 
     cfg = ServeConfig()
     if args.config:
@@ -126,6 +127,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
         popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
         app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
+    except (ModelProcessDied, TimeoutError) as exc:  # the model process kept dying, or hung, while loading: one line
+        sock.close()
+        print(f"hstu serve: error: {exc}", file=sys.stderr)
+        return 1
     except BaseException:
         sock.close()
         raise

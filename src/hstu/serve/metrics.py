@@ -19,6 +19,15 @@ hstu_serve_memory_total_bytes               gauge     memory            total de
 hstu_serve_memory_guard_triggers_total      counter   (none)            checks that found memory below threshold
 hstu_serve_ready                            gauge     (none)            1 once every bucket is warm
 hstu_serve_bucket_warm                      gauge     bucket            1 once that bucket is warm
+hstu_serve_predicted_queue_delay_seconds    gauge     (none)            admission's predicted queueing delay, now
+hstu_serve_queue_delay_limit_seconds        gauge     (none)            the bound it is held to (429 above it)
+hstu_serve_shedding                         gauge     (none)            1 while 429s for load were given in the last
+                                                                        few seconds (/readyz "degraded")
+hstu_serve_batch_cost_seconds               gauge     bucket, term      warm-up cost line (hstu.serve.admission:
+                                                                        fixed, fixed_step, row, row_step,
+                                                                        score_fixed, score_row)
+hstu_serve_batch_cost_scale                 gauge     bucket, kind      learnt correction of those costs per kind
+                                                                        (generate, score): predicted = cost x scale
 =========================================== ========= ================= ==========================================
 
 The bucket label is the bucket's upper edge in events (``"20"``), or ``"cold_start"`` for the
@@ -63,10 +72,22 @@ class ServeMetrics:
         self.model_info = Info("hstu_serve_model", "The served model: precision and item-table storage", registry=r)
         self.ready = Gauge("hstu_serve_ready", "1 once the model is loaded and every bucket is warm", registry=r)
         self.bucket_warm = Gauge("hstu_serve_bucket_warm", "1 once the bucket is warm", ["bucket"], registry=r)
+        self.predicted_delay = Gauge("hstu_serve_predicted_queue_delay_seconds", "Predicted queueing delay of a request "
+                                     "arriving now (s)", registry=r)
+        self.delay_limit = Gauge("hstu_serve_queue_delay_limit_seconds", "Queueing-delay bound; above it requests get 429 (s)",
+                                 registry=r)
+        self.shedding = Gauge("hstu_serve_shedding", "1 while requests were refused (429) for load in the last few seconds",
+                              registry=r)
+        self.batch_cost = Gauge("hstu_serve_batch_cost_seconds", "Warm-up cost line of a bucket's batches (s), by term",
+                                ["bucket", "term"], registry=r)
+        self.cost_scale = Gauge("hstu_serve_batch_cost_scale", "Learnt correction of the warm-up costs, by kind of job",
+                                ["bucket", "kind"], registry=r)
         for b in buckets:
             self.queue_depth.labels(bucket=str(b)).set(0)
             self.bucket_warm.labels(bucket=str(b)).set(0)
             self.batch_size.labels(bucket=str(b))
+            for kind in ("generate", "score"):
+                self.cost_scale.labels(bucket=str(b), kind=kind).set(1.0)
         for b in [*map(str, buckets), "cold_start"]:
             self.request_duration.labels(endpoint="/v1/generate", bucket=b)
         for b in buckets:
@@ -78,6 +99,11 @@ class ServeMetrics:
     def set_memory(self, kind: str, free_bytes: int, total_bytes: int) -> None:
         self.memory_free.labels(memory=kind).set(free_bytes)
         self.memory_total.labels(memory=kind).set(total_bytes)
+
+    def set_cost(self, bucket: int, terms: dict[str, float]) -> None:
+        """Publish a bucket's warm-up cost line (term -> seconds)."""
+        for term, seconds in terms.items():
+            self.batch_cost.labels(bucket=str(bucket), term=term).set(seconds)
 
     def reject(self, reason: str) -> None:
         if reason not in REASONS:

@@ -40,6 +40,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from hstu.backend.memory_guard import MemoryGuard
+from hstu.serve.admission import BucketCost, measure_bucket_cost
 from hstu.serve.runner import BatchRunner, Job, smallest_bucket
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,9 @@ class LocalModel:
         self.buckets, self.max_k = list(runner.buckets), runner.max_k
         self.has_engine, self.backend_name = runner.engine is not None, runner.backend_name
         self.precision = runner.precision
-        self.warm, self.costs = runner.warm, runner.costs
+        self.costs = runner.costs
+        self.warm: set[int] = set()  # warm and measured (runner.warm is set before the measurement)
+        self.cost_model: dict[int, BucketCost] = {}  # bucket -> admission cost line, measured at warm-up
         self.slots, self.available = 1, 1
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
 
@@ -127,11 +130,21 @@ class LocalModel:
         return await asyncio.get_running_loop().run_in_executor(self.pool, execute, self.runner, self.guard, edge, jobs)
 
     async def warmup(self, edge: int) -> float:
-        """Warm one bucket (seconds taken); raises what the warm-up raised."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self.runner.warmup, edge)
+        """Warm one bucket and measure its admission costs (seconds taken); raises what the warm-up raised."""
+        secs, self.cost_model[edge] = await asyncio.get_running_loop().run_in_executor(self.pool, _warm_and_measure, self.runner, edge)
+        self.warm.add(edge)
+        return secs
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _warm_and_measure(runner: BatchRunner, edge: int) -> tuple[float, BucketCost]:
+    """Warm ``edge``, then measure its admission cost line: (seconds of both, cost)."""
+    t0 = time.perf_counter()
+    runner.warmup(edge)
+    cost = measure_bucket_cost(runner, edge)
+    return time.perf_counter() - t0, cost
 
 
 # ----- the model process -----
@@ -177,9 +190,10 @@ def _worker_execute(edge: int, jobs: list[Job]) -> BatchOutcome:
     return execute(_WORKER["runner"], _WORKER["guard"], edge, jobs)
 
 
-def _worker_warmup(edge: int) -> tuple[float, tuple[float, float]]:
+def _worker_warmup(edge: int) -> tuple[float, tuple[float, float], BucketCost]:
     r = _WORKER["runner"]
-    return r.warmup(edge), r.costs[edge]
+    secs, cost = _warm_and_measure(r, edge)
+    return secs, r.costs[edge], cost
 
 
 _OPS = {"info": _worker_info, "execute": _worker_execute, "warmup": _worker_warmup}
@@ -291,6 +305,19 @@ class _Channel:
             if not fut.done():
                 fut.set_exception(ModelProcessDied(f"the model process ended (exit code {self.proc.exitcode})"))
 
+    def ended(self, timeout: float = 5.0) -> str:
+        """How the (dead) process ended, e.g. "exit code 1" or "killed by SIGKILL"."""
+        self.proc.join(timeout)
+        code = self.proc.exitcode
+        if code is None:
+            return "exit code unknown"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the process (after the call it is running, if any) and close the pipe."""
         if self.loop is not None and not self.loop.is_closed():
@@ -312,19 +339,22 @@ class _Channel:
 class ProcessModel:
     """Batches in ``spec.workers`` model processes of their own (module docstring), one batch
     each at a time. Blocks until every process has loaded the run (raises what loading raised:
-    FileNotFoundError, ValueError, ...; TimeoutError after ``start_timeout_s``)."""
+    FileNotFoundError, ValueError, ...; TimeoutError after ``start_timeout_s``). A process that
+    dies while loading (killed, out of memory) is started again up to ``start_retries`` times;
+    then ModelProcessDied says so in one line."""
 
-    def __init__(self, spec: WorkerSpec, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, spec: WorkerSpec, start_timeout_s: float = 300.0, start_retries: int = 2) -> None:
         if spec.workers < 1:
             raise ValueError(f"WorkerSpec.workers must be >= 1, got {spec.workers}")
-        self.spec, self.start_timeout_s = spec, start_timeout_s
+        self.spec, self.start_timeout_s, self.start_retries = spec, start_timeout_s, max(0, int(start_retries))
         self.slots = spec.workers
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}
+        self.cost_model: dict[int, BucketCost] = {}  # bucket -> admission cost line, measured at warm-up
         self.restarts = 0
         self.channels = [_Channel(spec, ()) for _ in range(spec.workers)]
         try:
-            info = [ch.call_sync("info", timeout=start_timeout_s) for ch in self.channels][0]  # noqa: RUF015 - waits for every process
+            info = [self._load(i) for i in range(spec.workers)][0]  # noqa: RUF015 - waits for every process
         except BaseException:
             self.close()
             raise
@@ -335,6 +365,23 @@ class ProcessModel:
         self.up = set(range(spec.workers))  # loaded and not restarting
         self._free: asyncio.Queue | None = None  # indices of idle live processes, made in the running loop
         self._tasks: set[asyncio.Task] = set()
+
+    def _load(self, i: int) -> dict:
+        """Wait for process ``i`` to load the run (its "info"); start it again when it died meanwhile."""
+        for attempt in range(self.start_retries + 1):
+            try:
+                return self.channels[i].call_sync("info", timeout=self.start_timeout_s)
+            except ModelProcessDied:
+                how = self.channels[i].ended()
+                if attempt == self.start_retries:
+                    raise ModelProcessDied(f"the model process ended while loading the run {attempt + 1} time(s) (last: {how}); "
+                                           f"see the log above for why (memory? a killed process?)") from None
+                log.error("model process %d ended while loading the run (%s); starting it again (%d of %d)", i, how, attempt + 1,
+                          self.start_retries)
+                self.restarts += 1
+                self.channels[i].close(timeout=1.0)
+                self.channels[i] = _Channel(self.spec, ())
+        raise AssertionError("unreachable")
 
     def pid(self, i: int = 0) -> int | None:
         """Process id of model process ``i`` (tests kill it through this)."""
@@ -402,7 +449,7 @@ class ProcessModel:
     async def warmup(self, edge: int) -> float:
         """Warm ``edge`` in every model process (seconds of the slowest); costs from the first.
         A process that dies meanwhile is replaced and warmed again (up to 2 times each)."""
-        async def one(i: int) -> tuple[float, tuple[float, float]]:
+        async def one(i: int) -> tuple[float, tuple[float, float], BucketCost]:
             for attempt in range(3):
                 try:
                     return await self.channels[i].call("warmup", edge)
@@ -415,7 +462,7 @@ class ProcessModel:
             raise AssertionError("unreachable")
 
         res = await asyncio.gather(*(one(i) for i in range(len(self.channels))))
-        self.costs[edge] = res[0][1]
+        self.costs[edge], self.cost_model[edge] = res[0][1], res[0][2]
         self.warm.add(edge)
         return max(r[0] for r in res)
 

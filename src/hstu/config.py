@@ -183,6 +183,10 @@ class ServeConfig:
     max_queue: int = 256
     request_timeout_s: float = 10.0
     memory_threshold: float = 0.10
+    # slow-client limits (seconds): the whole body must arrive within body_timeout_s of the headers,
+    # and a request's headers within header_timeout_s of the connection opening / the previous response
+    body_timeout_s: float = 5.0
+    header_timeout_s: float = 5.0
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -194,6 +198,9 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"ServeConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for name in ("body_timeout_s", "header_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"ServeConfig.{name} must be a finite number of seconds > 0, got {getattr(self, name)}")
         if not 0.0 <= self.memory_threshold <= 1.0:
             raise ValueError(f"ServeConfig.memory_threshold must be in [0, 1], got {self.memory_threshold}")
         if not self.buckets or any(e < 1 for e in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):

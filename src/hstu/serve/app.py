@@ -20,8 +20,10 @@ queue in the smallest bucket that holds the history (:mod:`hstu.serve.batcher`) 
 
 Errors share one body, ``{"error": {"type", "message", "field"}}`` (vLLM's one-error-body habit):
 422 invalid input (the field is named, e.g. ``history[3].timestamp``), 413 body over
-``max_body_bytes``, 429 queue full (Retry-After), 503 timed out / memory shed / draining
-(Retry-After), 500 only for a bug.
+``max_body_bytes``, 415 a Content-Type other than JSON, 408 a body that does not arrive within
+``body_timeout_s`` of the headers (then the connection closes), 429 queue full (Retry-After), 503
+timed out / memory shed / draining (Retry-After), 500 only for a bug. Every other answer, 500
+included, keeps a keep-alive connection open.
 
 Cold start: an empty history (or one left empty after dropping unknown ids) gets the run's most
 popular training items (:mod:`hstu.serve.popularity`), marked ``"cold_start": true``.
@@ -49,6 +51,7 @@ from hstu.backend.cpu import host_memory_info
 from hstu.config import ServeConfig, check_k
 from hstu.generate.recommend import History, HistoryError, Prepared, Recommender
 from hstu.serve.batcher import MicroBatcher, Rejected
+from hstu.serve.http_limits import error_body, is_json_media_type
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.popularity import Popularity
 from hstu.serve.runner import BatchRunner, DecodeOptions, Job
@@ -122,9 +125,19 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, f"request body exceeds the limit of {limit} bytes")
 
 
+class BodyTimeout(StarletteHTTPException):
+    """Raised from the receive channel when the body has not fully arrived ``timeout_s`` after the
+    headers (answered 408, ``Connection: close``: the rest of the body may still come)."""
+
+    def __init__(self, timeout_s: float, received: int, length: int | None) -> None:
+        of = f" of {length}" if length is not None else ""
+        super().__init__(408, f"body: {received}{of} bytes arrived within the body timeout of {timeout_s:g} s",
+                         headers={"Connection": "close"})
+
+
 def _error(status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None,
            errors: list[dict] | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": {"type": type_, "message": message, "field": field}}
+    body = error_body(type_, message, field)
     if errors:
         body["errors"] = errors
     return JSONResponse(body, status_code=status, headers=headers)
@@ -132,10 +145,13 @@ def _error(status: int, type_: str, message: str, field: str | None = None, head
 
 class _EdgeMiddleware:
     """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length, or while a chunked
-    body streams in), and ``hstu_serve_requests_total`` by endpoint and status."""
+    body streams in), 408 for a body not complete ``body_timeout_s`` after the headers (each
+    ``receive()`` waits at most until then), the 500 error body for an unexpected exception (sent
+    here, so the connection stays open: Starlette's ServerErrorMiddleware re-raises into uvicorn,
+    which closes it), and ``hstu_serve_requests_total`` by endpoint and status."""
 
-    def __init__(self, app, *, limit: int, metrics: ServeMetrics) -> None:
-        self.app, self.limit, self.metrics = app, limit, metrics
+    def __init__(self, app, *, limit: int, metrics: ServeMetrics, body_timeout_s: float = 5.0) -> None:
+        self.app, self.limit, self.metrics, self.body_timeout_s = app, limit, metrics, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -158,18 +174,31 @@ class _EdgeMiddleware:
                 self.metrics.reject("body_too_large")
                 resp = _error(413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body")
                 return await resp(scope, receive, send_wrapper)
-            received = 0
+            received, complete = 0, False
+            deadline = scope["hstu_t0"] + self.body_timeout_s
 
             async def receive_wrapper():
-                nonlocal received
-                message = await receive()
+                nonlocal received, complete
+                if complete:  # body read: now only a disconnect can come, which may take any time
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.perf_counter()))
+                except TimeoutError:
+                    raise BodyTimeout(self.body_timeout_s, received, length) from None
+                complete = message["type"] != "http.request" or not message.get("more_body", False)
                 if message["type"] == "http.request":
                     received += len(message.get("body", b""))
                     if received > self.limit:
                         raise BodyTooLarge(self.limit)
                 return message
 
-            await self.app(scope, receive_wrapper, send_wrapper)
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except Exception as exc:
+                if state["started"]:
+                    raise  # part of an answer is out: uvicorn closes the connection
+                log.exception("unhandled error on %s", scope["path"], exc_info=exc)
+                await _error(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")(scope, receive, send_wrapper)
         finally:
             self.metrics.requests.labels(endpoint=endpoint, code=str(state["code"])).inc()
 
@@ -180,7 +209,16 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     per-parameter body handling; bare apps side by side on this project's 2-core box: ~0.57 ms
     of CPU per /v1/generate request against 0.7-1.0). Errors take FastAPI's path:
     RequestValidationError, loc under "body".
+
+    Raises:
+        ApiError: 415 when a Content-Type is given and is not JSON (``application/json`` or
+            ``application/*+json``, UTF-8); a request without one is read as JSON (FastAPI's rule).
+        RequestValidationError: the body is not valid JSON or not a valid ``model``.
     """
+    ctype = request.headers.get("content-type")
+    if ctype is not None and not is_json_media_type(ctype):
+        raise ApiError(415, "unsupported_media_type", f"content-type: expected application/json (UTF-8), got {ctype!r}",
+                       "content-type")
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
@@ -340,8 +378,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     app = FastAPI(title="hstu", version="1", lifespan=lifespan,
                   description="HSTU generative recommender: next-k generation and target-aware scoring with micro-batching per length bucket.")
     app.state.service = svc
-    app.add_middleware(_EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics)
-    errors = {422: {"model": ErrorBody}, 413: {"model": ErrorBody}, 429: {"model": ErrorBody}, 503: {"model": ErrorBody}}
+    app.add_middleware(_EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s)
+    errors = {code: {"model": ErrorBody} for code in (408, 413, 415, 422, 429, 503)}
 
     # ----- error handlers: one body for all -----
     @app.exception_handler(RequestValidationError)
@@ -368,16 +406,13 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     async def _rejected(request: Request, exc: Rejected):
         return _error(exc.status, exc.reason, exc.message, None, {"Retry-After": str(exc.retry_after)})
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return _error(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
-
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 413:
             svc.metrics.reject("body_too_large")
             return _error(413, "body_too_large", str(exc.detail), "body")
+        if isinstance(exc, BodyTimeout):
+            return _error(408, "body_timeout", str(exc.detail), "body", exc.headers)
         return _error(exc.status_code, "http_error", str(exc.detail), None, getattr(exc, "headers", None))
 
     # ----- probes and metrics -----

@@ -2,7 +2,8 @@
 
     hstu serve --run RUN_DIR [--host 127.0.0.1] [--port 8000] [--device cpu] [--max-batch 16]
                [--max-wait-ms 5] [--buckets 20,50,100,200] [--max-queue 256] [--request-timeout-s 10]
-               [--max-queue-delay-ms 1000] [--memory-threshold 0.10] [--unknown-items drop|reject] [--timestamp-order sort|reject]
+               [--max-queue-delay-ms 1000] [--memory-threshold 0.10] [--body-timeout-s 5] [--header-timeout-s 5]
+               [--unknown-items drop|reject] [--timestamp-order sort|reject]
                [--cold-start popular|reject] [--data-dir DIR] [--engine auto|never|require] [--config FILE]
 
 Binds loopback by default. ``--port 0`` picks a free port; the line
@@ -90,13 +91,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hstu.generate.recommend import Recommender
     from hstu.model.checkpoint import read_json
     from hstu.serve.app import ServePolicy, create_app
+    from hstu.serve.http_limits import http_protocol
     from hstu.serve.popularity import popularity_for_run
     from hstu.serve.worker import ModelProcessDied
 
     cfg = ServeConfig()
     if args.config:
         cfg = load_config_file(args.config).get("serve") or cfg
-    for name in ("host", "port", "max_batch", "max_wait_ms", "max_queue", "request_timeout_s", "memory_threshold"):
+    for name in ("host", "port", "max_batch", "max_wait_ms", "max_queue", "request_timeout_s", "memory_threshold",
+                 "body_timeout_s", "header_timeout_s"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)  # flags are range-checked by argparse; a --config file's values here
@@ -136,7 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(), access_log=args.access_log,
-                            timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1, limit_concurrency=args.limit_concurrency)
+                            timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1, limit_concurrency=args.limit_concurrency,
+                            http=http_protocol(cfg.header_timeout_s))
     server = uvicorn.Server(config)
     # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown; with these no-op
     # handlers in place that re-raise does nothing, so a drained shutdown exits 0.
@@ -167,6 +171,11 @@ def add_subcommands(subparsers) -> None:
     s.add_argument("--request-timeout-s", type=number_in(float, 0, lo_open=True), help="per-request timeout before 503 (default 10)")
     s.add_argument("--max-queue-delay-ms", type=number_in(float, 0, lo_open=True), default=1000.0,
                    help="refuse (429) when the predicted queueing delay is longer (default 1000)")
+    s.add_argument("--body-timeout-s", type=number_in(float, 0, lo_open=True),
+                   help="a request body must arrive within this many seconds of its headers, else 408 and close (default 5)")
+    s.add_argument("--header-timeout-s", type=number_in(float, 0, lo_open=True),
+                   help="request headers must arrive within this many seconds of the connection opening or of the "
+                        "previous response, else 408 and close (default 5)")
     s.add_argument("--memory-threshold", type=number_in(float, 0, 1), help="free-memory fraction under which caches are released / load shed (default 0.10)")
     s.add_argument("--unknown-items", default="drop", choices=["drop", "reject"], help="unknown item ids: drop with a warning, or 422")
     s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")

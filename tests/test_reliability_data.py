@@ -114,13 +114,14 @@ def _short_log(tmp_path, counts: list[int]):
 
 TOO_SHORT = [
     # (per-user event counts, protocol, the one line expected)
-    ([1] * 25 + [2] * 15, "clean", "too little data for --protocol clean in csv: of 40 users, 25 have 1 event, 15 have 2 events, "
-     "0 have >= 3 events; a user needs >= 3 (a training, a validation and a test event) to be evaluated, and no user does"),
-    ([1] * 25 + [2] * 15, "paper", "too little data for --protocol paper in csv: 0 training positions (of 40 users, 25 have 1 "
-     "event, 15 have 2 events, 0 have >= 3 events; a training position needs a user with >= 3 events)"),
-    ([1] * 38 + [3] * 2, "clean", "too little data for --protocol clean in csv: 0 training positions (of 40 users, 38 have 1 "
-     "event, 2 have 3 events, 0 have >= 4 events; a training position needs a user with 2 events (too few to evaluate: all "
-     "trained on) or >= 4 events)"),
+    ([1] * 25 + [2] * 15, "clean", ("too little data for --protocol clean in csv: of 40 users, 25 have 1 event, 15 have 2 events, "
+                                    "0 have >= 3 events; a user needs >= 3 (a training, a validation and a test event) to be "
+                                    "evaluated, and no user does")),
+    ([1] * 25 + [2] * 15, "paper", ("too little data for --protocol paper in csv: 0 training positions (of 40 users, 25 have 1 "
+                                    "event, 15 have 2 events, 0 have >= 3 events; a training position needs a user with >= 3 events)")),
+    ([1] * 38 + [3] * 2, "clean", ("too little data for --protocol clean in csv: 0 training positions (of 40 users, 38 have 1 "
+                                   "event, 2 have 3 events, 0 have >= 4 events; a training position needs a user with 2 events "
+                                   "(too few to evaluate: all trained on) or >= 4 events)")),
 ]
 
 

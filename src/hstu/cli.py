@@ -115,7 +115,9 @@ def _resume_defaults(args) -> dict:
     path = Path(args.out) / "config.json"
     if args.resume and not path.exists():
         raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
-    saved = json.loads(path.read_text(encoding="utf-8")) if args.resume else {}
+    from hstu.model.checkpoint import read_json
+
+    saved = read_json(path) if args.resume else {}  # checked field by field: a malformed one is named
     data = saved.get("data", {})
     from hstu.train.loop import check_resume_data
 

@@ -207,12 +207,41 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.buckets must be distinct, ascending and >= 1, got {self.buckets}")
 
 
+PROTOCOLS = ("clean", "paper")
+
+
+@dataclass
+class DataSpec:
+    """What a run trains on (config.json ``data``): a named data set in ``data_dir``, the split
+    protocol, the first ``max_users`` users (None: all), loader ``options`` (e.g. ``columns``)."""
+
+    dataset: str = "ml-1m"
+    data_dir: str = ""
+    protocol: str = "clean"  # leave-one-out split, see hstu.data.sequences.make_split
+    max_users: int | None = None
+    skip_bad_rows: bool = False
+    options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
+
+    def validate(self) -> None:
+        if not self.dataset:
+            raise ValueError("DataSpec.dataset must be a data set name, got ''")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"DataSpec.protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        if self.max_users is not None and self.max_users < 1:
+            raise ValueError(f"DataSpec.max_users must be >= 1 or null, got {self.max_users}")
+        bad = [k for k, v in self.options.items() if not isinstance(k, str) or not isinstance(v, (str, dict))]
+        if bad:
+            raise ValueError(f"DataSpec.options: {bad[0]!r} must be a text or a table, got {self.options[bad[0]]!r}")
+
+
 _TYPE_CHECKS = {  # a field's annotation (a string under `from __future__ import annotations`) -> accepted values
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "bool | None": lambda v: v is None or isinstance(v, bool),
+    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+    "dict": lambda v: isinstance(v, dict),
     "list[int]": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
 }
 

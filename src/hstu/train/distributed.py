@@ -102,9 +102,9 @@ from hstu.model.torchrec_tables import (
     require_torchrec,
     shard_item_collection,
 )
-from hstu.train.checkpoint import load_train_state, save_train_state
+from hstu.train.checkpoint import load_train_state, repair_run_files, save_train_state
 from hstu.train.evaluate import evaluate_ranks
-from hstu.train.loop import DataSpec, idmap, model_config_for, prepare_data, remove_run_files
+from hstu.train.loop import DataSpec, check_trainable, idmap, model_config_for, prepare_data, remove_run_files
 from hstu.train.metrics import DEFAULT_KS, ranking_metrics
 
 log = logging.getLogger(__name__)
@@ -738,6 +738,7 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
         mcfg = ModelConfig(**read_json(run / "config.json")["model"])
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
+    check_trainable(log_, split, mcfg.max_seq_len)
     ctx.backend.manual_seed(tcfg.seed)  # same init on every rank = the single-process init
     model = build_hstu(mcfg)
     if not isinstance(model, HSTUModel) or not isinstance(model.item_emb, nn.Embedding):
@@ -765,7 +766,7 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
     history: list[dict] = []
     if resume and (run / "last.json").exists():
         state.update(_resume(run, model, opt, gen, ctx))
-        history = read_json(run / "history.json") if (run / "history.json").exists() else []
+        history = state.pop("history")  # the manifest's (hstu.train.checkpoint), not a history.json a kill left behind
         log.info("resumed %s at epoch %d (table optimizer state restarts)", run, state["epoch"])
     if ctx.is_main:
         write_json(run / "config.json", cfg_json)
@@ -798,8 +799,7 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
         if ctx.is_main:
             # the dense AdamW holds every parameter but the table, in model order; the table's
             # optimizer state lives inside FBGEMM and is not saved
-            save_train_state(run, plain, opt, gen, {**state, "distributed": dist_info})
-            write_json(run / "history.json", history)
+            save_train_state(run, plain, opt, gen, {**state, "distributed": dist_info}, history)
         if paper:
             best = plain
             if ctx.is_main:
@@ -834,6 +834,8 @@ def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, ctx: DistCon
     """Load last.* into the sharded model (dense weights, table rows), the dense AdamW and the RNGs."""
     plain = build_hstu(ModelConfig(**asdict(model.cfg)))
     info = load_train_state(run, plain, opt, gen)
+    if ctx.is_main:
+        repair_run_files(run, info)
     src = plain.state_dict()
     with torch.no_grad():  # dense weights one by one: the sharded module's own load hooks want its keys
         for name, t in [*model.named_parameters(), *model.named_buffers()]:

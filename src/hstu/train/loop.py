@@ -16,7 +16,7 @@ import logging
 import math
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -25,26 +25,16 @@ from tqdm import tqdm
 
 import hstu
 from hstu import backend
-from hstu.config import RUN_FILES, ModelConfig, TrainConfig
+from hstu.config import RUN_FILES, DataSpec, ModelConfig, TrainConfig  # DataSpec: also hstu.train.loop.DataSpec
 from hstu.data import EventLog, Split, load_dataset, make_split, train_batch
 from hstu.data.batching import length_bucketed_batches
 from hstu.model.hstu import HSTUModel, build_hstu
 from hstu.model.checkpoint import load_run, load_weights, read_json, save_weights, write_json  # noqa: F401 (load_run re-exported)
-from hstu.train.checkpoint import load_train_state, save_train_state
+from hstu.train.checkpoint import has_train_state, load_train_state, repair_run_files, save_train_state
 from hstu.train.evaluate import evaluate
 from hstu.train.losses import next_action_loss, repeat_aware_loss, sampled_softmax_loss
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DataSpec:
-    dataset: str = "ml-1m"
-    data_dir: str = ""
-    protocol: str = "clean"
-    max_users: int | None = None
-    skip_bad_rows: bool = False
-    options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
 
 
 def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
@@ -227,12 +217,25 @@ def _check_resume_items(run: Path, log_: EventLog) -> None:
                          f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)")
 
 
+def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict) -> list[dict]:
+    """Load the last committed epoch into ``model``, ``opt``, ``gen`` and ``state``; returns its
+    history. Files a kill left behind the commit are rewritten: last.json and history.json, and
+    model.safetensors when that epoch was the best (its weights are the ones just loaded)."""
+    info = load_train_state(run, model, opt, gen)
+    state.update({k: v for k, v in info.items() if k not in ("param_groups", "history")})
+    repair_run_files(run, info)
+    if state["epoch"] and state["best_epoch"] == state["epoch"]:
+        save_weights(run / "model.safetensors", model)
+    log.info("resumed %s at epoch %d", run, state["epoch"])
+    return list(info["history"])
+
+
 def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
         resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
     """Train, checkpoint every epoch, evaluate; returns the metrics.json object."""
     tcfg.validate()
     run = Path(run_dir)
-    if (run / "last.json").exists() and not resume and not overwrite:
+    if has_train_state(run) and not resume and not overwrite:
         raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
     dev = backend.select(device)
     if tcfg.num_threads:
@@ -258,10 +261,8 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     cfg_json = {"model": asdict(mcfg), "train": asdict(tcfg), "data": asdict(spec), "hstu_version": hstu.__version__}
     state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
     history: list[dict] = []
-    if resume and (run / "last.json").exists():
-        state.update({k: v for k, v in load_train_state(run, model, opt, gen).items() if k != "param_groups"})
-        history = read_json(run / "history.json") if (run / "history.json").exists() else []
-        log.info("resumed %s at epoch %d", run, state["epoch"])
+    if resume and has_train_state(run):
+        history = _resume(run, model, opt, gen, state)
     run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
     if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
         remove_run_files(run)
@@ -280,15 +281,15 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
             score = entry["valid"]["NDCG@10"]
             if score > state["best"]:
                 state.update(best=score, best_epoch=epoch, bad_epochs=0)
-                save_weights(run / "model.safetensors", model)
             else:
                 state["bad_epochs"] += 1
         log.info("epoch %d: %s", epoch, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k != "valid"}
                  | {"valid": {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")}})
         history.append(entry)
         state["epoch"] = epoch
-        save_train_state(run, model, opt, gen, state)
-        write_json(run / "history.json", history)
+        save_train_state(run, model, opt, gen, state, history)  # the epoch's commit; then its best weights:
+        if state["best_epoch"] == epoch:  # a kill in between is repaired by _resume
+            save_weights(run / "model.safetensors", model)
         if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
             log.info("early stopping at epoch %d (best %d)", epoch, state["best_epoch"])
             break

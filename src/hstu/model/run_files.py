@@ -1,0 +1,137 @@
+"""Checks of the JSON run files as they are read: config.json, idmap.json, last.json, history.json.
+
+Each field's type and range is checked where the file is read (:func:`hstu.model.checkpoint.read_json`
+calls :func:`check_run_json`), so a truncated, corrupt or hand-edited file is one ValueError naming
+the file and the field (``run/config.json data: max_users must be int | None, got '300'``) for
+``hstu train --resume`` and ``hstu eval / generate / serve --run`` alike, instead of a TypeError
+deep inside training or loading. config.json's tables reuse the typed dataclass checks of
+:mod:`hstu.config`. Unknown top-level keys are kept (files written by a newer hstu).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from hstu.config import DataSpec, ModelConfig, TrainConfig, _from_dict
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field(where: str, obj: dict, key: str, ok: Callable[[Any], bool], want: str, *, optional: bool = False) -> Any:
+    """obj[key] if ``ok``; ValueError naming ``where`` and ``key`` if it is missing or not ``want``."""
+    if key not in obj:
+        if optional:
+            return None
+        raise ValueError(f"{where}: {key} is missing")
+    v = obj[key]
+    if not ok(v):
+        raise ValueError(f"{where}: {key} must be {want}, got {_short(v)}")
+    return v
+
+
+def _object(where: str, obj: Any) -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: must be a JSON object, got {_short(obj)}")
+    return obj
+
+
+def check_config(where: str, obj: Any) -> dict:
+    """config.json: ``model`` (ModelConfig), ``train`` (TrainConfig), ``data`` (DataSpec) tables,
+    each field typed and range-checked as a config file's; ``distributed`` a table."""
+    _object(where, obj)
+    for key, cls, optional in (("model", ModelConfig, False), ("train", TrainConfig, True), ("data", DataSpec, True)):
+        table = _field(where, obj, key, lambda v: isinstance(v, dict), "a table of fields", optional=optional)
+        if table is not None:
+            _from_dict(cls, table, f"{where} {key}")
+    _field(where, obj, "distributed", lambda v: isinstance(v, dict), "a table", optional=True)
+    _field(where, obj, "hstu_version", lambda v: isinstance(v, str), "a text", optional=True)
+    return obj
+
+
+def check_idmap(where: str, obj: Any) -> dict:
+    """idmap.json: ``item_raw_ids`` ([0, original id of dense id 1, ...]) and the per-item lists
+    of its length, titles, action names, the exclusion default."""
+    _object(where, obj)
+    raw = _field(where, obj, "item_raw_ids", lambda v: _ints(v) and len(v) >= 1 and v[0] == 0,
+                 "a list of integer ids starting with 0 (padding)")
+    n = len(raw)
+    _field(where, obj, "item_category", lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
+           f"a list of {n} integers >= 0 (one per item_raw_ids entry)", optional=True)
+    _field(where, obj, "item_train_counts", lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
+           f"a list of {n} integers >= 0 (one per item_raw_ids entry)", optional=True)
+    _field(where, obj, "category_raw_ids", lambda v: v is None or _ints(v), "a list of integers or null", optional=True)
+    _field(where, obj, "action_names", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+           "a list of texts", optional=True)
+    _field(where, obj, "titles", lambda v: isinstance(v, dict) and all(isinstance(t, str) for t in v.values()),
+           "an object of id -> title text", optional=True)
+    _field(where, obj, "exclude_history_default", lambda v: isinstance(v, bool), "true or false", optional=True)
+    _field(where, obj, "last_timestamp", _is_int, "an integer (Unix s)", optional=True)
+    _field(where, obj, "dataset", lambda v: isinstance(v, str), "a text", optional=True)
+    _field(where, obj, "data_facts", lambda v: isinstance(v, dict), "an object", optional=True)
+    return obj
+
+
+def check_history(where: str, obj: Any) -> list:
+    """history.json: one object per epoch, ``epoch`` 1, 2, ... (each once, ascending), numbers
+    finite where present."""
+    if not isinstance(obj, list):
+        raise ValueError(f"{where}: must be a list of per-epoch entries, got {_short(obj)}")
+    for i, entry in enumerate(obj):
+        at = f"{where} [{i}]"
+        _object(at, entry)
+        _field(at, entry, "epoch", lambda v, i=i: _is_int(v) and v == i + 1, f"{i + 1} (epochs 1, 2, ... each once)")
+        for key in ("loss", "seconds", "sequences_per_s"):
+            _field(at, entry, key, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number", optional=True)
+        _field(at, entry, "positions", lambda v: _is_int(v) and v >= 0, "an integer >= 0", optional=True)
+        for key in ("valid", "test"):
+            _field(at, entry, key, lambda v: isinstance(v, dict), "an object of metrics", optional=True)
+    return obj
+
+
+def check_last(where: str, obj: Any) -> dict:
+    """last.json (and the manifest in last.safetensors' metadata): the epoch reached, the early
+    stopping state, AdamW's param_groups, and (written since issue 22) the history up to it."""
+    _object(where, obj)
+    epoch = _field(where, obj, "epoch", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    _field(where, obj, "best_epoch", lambda v: _is_int(v) and 0 <= v <= epoch, f"an integer in 0..{epoch} (epoch)")
+    _field(where, obj, "best", _is_num, "a finite number")
+    _field(where, obj, "bad_epochs", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    _field(where, obj, "train_seconds", lambda v: _is_num(v) and v >= 0, "a number >= 0")
+    _field(where, obj, "param_groups", lambda v: isinstance(v, list) and v and all(isinstance(g, dict) for g in v),
+           "a non-empty list of optimizer parameter groups")
+    _field(where, obj, "distributed", lambda v: isinstance(v, dict), "a table", optional=True)
+    history = obj.get("history")
+    if history is not None:
+        check_history(f"{where} history", history)
+        if len(history) != epoch:
+            raise ValueError(f"{where}: history holds {len(history)} epochs but epoch is {epoch}")
+    return obj
+
+
+CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "config.json": check_config, "idmap.json": check_idmap, "last.json": check_last, "history.json": check_history,
+}
+
+
+def check_run_json(path: str | Path, obj: Any) -> Any:
+    """``obj`` as read from ``path``, checked if its name is a run file of :data:`CHECKS`
+    (else returned as it is). Raises ValueError naming ``path`` and the field."""
+    check = CHECKS.get(Path(path).name)
+    return obj if check is None else check(str(path), obj)

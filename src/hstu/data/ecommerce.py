@@ -22,8 +22,7 @@ Formats
                   date-time string (ISO 8601, UTC unless it carries an offset).
 
 Time order: events are sorted on the exact time as given (ms, us, ns, fractional ISO seconds), and
-only then converted to the model's whole seconds (floor): each frame carries ``time`` (s) and
-``subsecond_ns`` (the rest, 0..1e9-1), which :meth:`EventLog.from_frame` sorts on after ``time``.
+only then floored to the model's seconds (:mod:`hstu.data.times`).
 
 Errors: a missing file raises FileNotFoundError; a malformed row raises
 :class:`~hstu.data.errors.DataFormatError` naming the file and 1-based line (Parquet: row index),
@@ -45,6 +44,7 @@ import pandas as pd
 
 from hstu.data.errors import DataFormatError
 from hstu.data.sequences import EventLog
+from hstu.data.times import TIME_UNITS, exact_times, split_time, to_time, unit_of
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +52,8 @@ TAOBAO_ACTIONS = ("pv", "cart", "fav", "buy")
 RETAILROCKET_ACTIONS = ("view", "addtocart", "transaction")
 # Action names that mean a purchase, for the "HR@10 on purchase targets" slice.
 PURCHASE_ACTIONS = frozenset({"buy", "transaction", "purchase", "order"})
-MS_THRESHOLD = 100_000_000_000  # 1e11: as seconds that is year 5138, as ms it is 1973
-TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 MAPPING_KEYS = ("user", "item", "time", "action", "category")
 OUT_NAMES = {"user": "user_id", "item": "item_id", "time": "timestamp", "action": "action", "category": "category"}
-NS_PER_S = 1_000_000_000
-
-
-def split_time(t, unit: int):
-    """Integer times in ``unit`` ticks per second -> (whole seconds, floor; the rest in ns, 0..1e9-1).
-
-    ``t``: an int, an int64 array or Series. Sorting on (seconds, rest) is sorting on ``t``.
-    """
-    secs, rest = t // unit, t % unit
-    return secs, rest * (NS_PER_S // unit)
-
-
 @dataclass(frozen=True)
 class Column:
     """One input column: ``key`` (user | item | time | action | category), its position in a
@@ -100,27 +86,6 @@ def _resolve(data_dir: str | Path, names: tuple[str, ...], what: str, exts: tupl
 # ----------------------------------------------------------------------------- row parsing
 def _to_int(s: str) -> int:
     return int(s.strip())
-
-
-def _to_time(s: str, unit: int) -> tuple[int, int]:
-    """A time field -> (Unix seconds, floor; the sub-second rest in ns), see :func:`split_time`."""
-    s = s.strip()
-    try:
-        return split_time(int(s), unit)
-    except ValueError:
-        pass
-    try:
-        f = float(s)
-    except ValueError:
-        ts = pd.Timestamp(s)  # ValueError if not a date-time
-        if pd.isna(ts):
-            raise ValueError(f"not a time: {s!r}") from None
-        if ts.tzinfo is None:
-            ts = ts.tz_localize("UTC")
-        return split_time((ts - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(1, "ns"), NS_PER_S)
-    if not np.isfinite(f) or f != int(f):
-        raise ValueError(f"not an integer time: {s!r}")
-    return split_time(int(f), unit)
 
 
 def _parse_slow(path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
@@ -185,7 +150,7 @@ def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: d
             vals.append(v)
             continue
         try:
-            vals.append(_to_time(raw, time_unit) if c.key == "time" else _to_int(raw))
+            vals.append(to_time(raw, time_unit) if c.key == "time" else _to_int(raw))
         except (ValueError, OverflowError):
             kind = "a time (integer or ISO 8601)" if c.key == "time" else "an integer"
             raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is not {kind}: {raw[:40]!r}") from None
@@ -434,7 +399,7 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
         problems.append((bad, lambda i: f"action ({mapping['action']!r}) is empty"))
         out["action"] = text
     col = df[mapping["time"]]
-    secs, out["subsecond_ns"], bad = _exact_times(col, unit, path)
+    secs, out["subsecond_ns"], bad = exact_times(col, unit, path)
     problems.append((bad, lambda i: f"time ({mapping['time']!r}) is " + ("missing" if pd.isna(col.iloc[i]) else
                      f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}")))
     out["time"] = secs
@@ -454,40 +419,6 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
     keep = ~any_bad
     frame = pd.DataFrame({k: (v[keep].astype(np.int64) if k != "action" else v[keep]) for k, v in out.items()}).reset_index(drop=True)
     return frame, skipped
-
-
-def _exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series, pd.Series, np.ndarray]:
-    """(Unix seconds, sub-second rest in ns, bad-row mask) of a time column: integer Unix time in
-    ``unit`` (auto: s, or ms when every value is >= 1e11), a datetime column, or ISO 8601 strings.
-    Both parts come from the exact value (:func:`split_time`), so ms / ns / fractional ISO times
-    keep their order; bad rows hold 0."""
-    epoch = pd.Timestamp(0, tz="UTC")
-    if pd.api.types.is_datetime64_any_dtype(col) or not _mostly_numbers(col):
-        t = col if pd.api.types.is_datetime64_any_dtype(col) else pd.to_datetime(
-            col.where(col.notna(), None).astype(str), errors="coerce", utc=True, format="ISO8601")
-        t = t.dt.tz_localize("UTC") if t.dt.tz is None else t
-        bad = t.isna().to_numpy()
-        ns = (t.where(~bad, epoch) - epoch) // pd.Timedelta(1, "ns")  # int64 ns: NaT rows set to 0 first (NaN would make it float)
-        secs, rest = split_time(ns.astype(np.int64), NS_PER_S)
-        return secs, rest, bad
-    num = pd.to_numeric(col, errors="coerce")  # integer Unix time (int64: |t| < 2^63)
-    bad = (num.isna() | (num != np.floor(num)) | (num.abs() >= 2.0**63)).to_numpy()
-    ticks = num.where(~bad, 0).astype(np.int64)
-    secs, rest = split_time(ticks, _unit_of(ticks[~bad], unit, path))
-    return secs, rest, bad
-
-
-def _mostly_numbers(col: pd.Series) -> bool:
-    return pd.to_numeric(col, errors="coerce").notna().sum() * 2 >= col.notna().sum()
-
-
-def _unit_of(t: pd.Series, unit: str | None, path: Path) -> int:
-    if unit is not None:
-        return TIME_UNITS[unit]
-    if len(t) and int(t.min()) >= MS_THRESHOLD:
-        log.info("%s: every timestamp is >= 1e11, reading them as milliseconds (set time_unit= to override)", path)
-        return TIME_UNITS["ms"]
-    return 1
 
 
 def load_csv(data_dir: str | Path, skip_bad_rows: bool = False, *, columns: str | dict | None = None, sep: str = ",",
@@ -556,7 +487,7 @@ def _read_csv_mapped(path: Path, mapping: dict[str, str], unit: str | None, sep:
     cols = [Column(k, mapping[k]) for k in keys]
     df, skipped = _parse_slow(path, cols, header=True, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows)
     if unit is None and len(df):  # integer times were read as seconds; ISO ones are seconds already (auto only
-        auto = _unit_of(df["time"], None, path)  # turns to ms when every value is >= 1e11, far past ISO's range)
+        auto = unit_of(df["time"], None, path)  # turns to ms when every value is >= 1e11, far past ISO's range)
         if auto != 1:
             df["time"], df["subsecond_ns"] = split_time(df["time"], auto)
     return df, skipped

@@ -232,7 +232,9 @@ def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict)
 
 def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
         resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
-    """Train, checkpoint every epoch, evaluate; returns the metrics.json object."""
+    """Train, checkpoint every epoch (one commit per epoch, :mod:`hstu.train.checkpoint`), evaluate;
+    returns the metrics.json object. Raises ValueError for too little data (:func:`check_trainable`)
+    and for malformed run files on ``resume`` (naming file and field), besides the module's."""
     tcfg.validate()
     run = Path(run_dir)
     if has_train_state(run) and not resume and not overwrite:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -435,7 +435,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
                   "restarting" if svc.model.available == 0 else "warming")
         return JSONResponse({"status": status, "reason": b.warmup_error, **body}, status_code=503)
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)  # documented as text/plain
     async def metrics():
         svc.update_memory()
         body, ctype = svc.metrics.exposition()

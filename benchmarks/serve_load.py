@@ -207,6 +207,7 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
     if args.precision:
         cmd += ["--precision", args.precision]
     cmd += ["--model-workers", str(args.model_workers)] if args.model_workers else ["--no-model-process"]
+    cmd += list(getattr(args, "server_args", None) or [])  # further `hstu serve` flags of a caller (benchmarks/soak.py)
     cpus = None
     ncpu = os.cpu_count() or 1
     if args.server_cpus:

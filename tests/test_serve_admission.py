@@ -25,7 +25,7 @@ from test_serve import BUCKETS, REPO, LiveServer, gather, metrics, post, rec, ru
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Prepared
 from hstu.serve import batcher as batcher_mod
-from hstu.serve.admission import ALPHA, SCALE_BOUNDS, BucketCost, DelayModel, WorkTally
+from hstu.serve.admission import ALPHA, RATIO_CLIP, SCALE_BOUNDS, WAIT_ALPHA, WAIT_MIN_S, BucketCost, DelayModel, WorkTally
 from hstu.serve.app import ServePolicy, create_app
 from hstu.serve.batcher import MicroBatcher, Rejected
 from hstu.serve.metrics import ServeMetrics
@@ -86,6 +86,10 @@ def test_delay_model_learns_bounded_ratios() -> None:
         d.learn(20, pred, 100.0)
     assert d.scale[(20, "generate")] == pytest.approx(SCALE_BOUNDS[1])  # and the scale stays bounded
     assert d.learn(20, {"generate": 0.0, "score": 0.0}, 1.0) is None
+    d.learn_wait(0.1, 0.2)  # an admitted request waited twice its predicted delay
+    assert d.wait_scale == pytest.approx(2.0 ** WAIT_ALPHA)
+    d.learn_wait(WAIT_MIN_S / 2, 10.0)  # too short a prediction to teach anything
+    assert d.wait_scale == pytest.approx(2.0 ** WAIT_ALPHA)
 
 
 class _FakeModel:
@@ -119,11 +123,11 @@ def test_predicted_delay_is_the_queued_work_and_the_running_rest() -> None:
         b.delay.scale[(20, "generate")] = 2.0
         want = (2 * GEN20_MS + SCORE20_MS + GEN10_MS) * MS  # 84.05 ms
         assert b.predicted_delay() == pytest.approx(want)
-        b._executing[1] = (time.monotonic() - 10.0, 0.5)  # a batch past its prediction adds nothing
-        assert b.predicted_delay() == pytest.approx(want)
-        b._executing[2] = (time.monotonic() + 1e6, 0.02)  # one that has (as good as) not started: all of it
+        b._executing[1] = (time.monotonic() + 1e6, 0.02)  # a batch that has (as good as) not started: all of it
         assert b.predicted_delay() > want + 1e6
-        del b._executing[2]
+        b._executing[1] = (time.monotonic() - 10.0, 0.5)  # 10 s into a 0.5 s prediction: nothing left, but the
+        assert b.predicted_delay() == pytest.approx(want * RATIO_CLIP[1])  # queued work is priced by its overrun (<= 8x)
+        del b._executing[1]
         model.available = 2
         assert b.predicted_delay() == pytest.approx(want / 2)
         model.available = 1

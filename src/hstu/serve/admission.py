@@ -22,8 +22,13 @@ and S, S_r (score call, score row) are :class:`BucketCost`, measured per bucket 
 of 1 and M). Every finished batch corrects them: per (bucket, kind) a scale, the log-space EWMA of
 measured / predicted time (``ALPHA``; each ratio clipped to ``RATIO_CLIP``, the scale to
 ``SCALE_BOUNDS``), so a busy machine or a mis-modelled decoding path is learnt within a few
-batches, and one freak batch moves the scale by at most ``RATIO_CLIP ** ALPHA``. Because the
-prediction only counts work that exists, an empty queue with no batch running predicts 0 and
+batches, and one freak batch moves the scale by at most ``RATIO_CLIP ** ALPHA``. A batch's time
+is taken from its start to its answer in the serving process (pipe and event loop included).
+What batch times miss (the dispatcher waiting for a busy event loop between batches) is learnt
+from the quantity admission bounds itself: each admitted request's actual queue wait against the
+delay predicted when it was admitted (``wait_scale``, log-EWMA ``WAIT_ALPHA`` over requests whose
+prediction was at least ``WAIT_MIN_S``, within ``WAIT_BOUNDS``), a factor on the whole
+prediction. Because the prediction only counts work that exists, an empty queue with no batch running predicts 0 and
 always admits: the service cannot lock itself out.
 
 Measured on the 2-core dev box (small ML-1M model, engine, one thread), bucket 200: F ~1.3 ms,
@@ -38,9 +43,12 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-ALPHA = 0.2  # EWMA weight of a finished batch's log(measured / predicted)
+ALPHA = 0.3  # EWMA weight of a finished batch's log(measured / predicted)
 RATIO_CLIP = (0.125, 8.0)  # one batch's ratio is clipped to this before it enters the EWMA
 SCALE_BOUNDS = (0.1, 10.0)  # the learnt correction stays within these factors of the warm-up costs
+WAIT_ALPHA = 0.05  # EWMA weight of one admitted request's log(queue wait / delay predicted when it was admitted)
+WAIT_MIN_S = 0.05  # predictions shorter than this teach nothing (the batch window and scheduling noise dominate)
+WAIT_BOUNDS = (0.25, 4.0)  # the queue-wait correction stays within these factors
 KINDS = ("generate", "score")
 
 
@@ -139,6 +147,7 @@ class DelayModel:
         self.max_batch = int(max_batch)
         self.costs = costs if costs is not None else {}
         self.scale: dict[tuple[int, str], float] = {}
+        self.wait_scale = 1.0  # queue wait / predicted delay, learnt from admitted requests
 
     def cost(self, edge: int) -> BucketCost:
         return self.costs.get(edge, DEFAULT_COST)
@@ -160,6 +169,15 @@ class DelayModel:
                 s = self.scale.get((edge, kind), 1.0) * ratio ** ALPHA
                 self.scale[(edge, kind)] = min(max(s, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
         return ratio
+
+
+    def learn_wait(self, predicted_s: float, waited_s: float) -> None:
+        """Fold one admitted request's queue wait into ``wait_scale`` (``predicted_s``: the delay
+        predicted at its admission, ``wait_scale`` included; ignored below ``WAIT_MIN_S``)."""
+        if predicted_s < WAIT_MIN_S or not math.isfinite(waited_s):
+            return
+        ratio = min(max(waited_s / predicted_s, RATIO_CLIP[0]), RATIO_CLIP[1])
+        self.wait_scale = min(max(self.wait_scale * ratio ** WAIT_ALPHA, WAIT_BOUNDS[0]), WAIT_BOUNDS[1])
 
 
 def measure_bucket_cost(runner, edge: int, reps: int = 2) -> BucketCost:
@@ -197,5 +215,5 @@ def measure_bucket_cost(runner, edge: int, reps: int = 2) -> BucketCost:
     return BucketCost(max(0.0, f1 - f_step), f_step, max(0.0, r1 - r_step), r_step, s_fixed, s_row)
 
 
-__all__ = ["ALPHA", "DEFAULT_COST", "KINDS", "RATIO_CLIP", "SCALE_BOUNDS", "BucketCost", "DelayModel", "WorkTally", "group_key",
+__all__ = ["ALPHA", "DEFAULT_COST", "KINDS", "RATIO_CLIP", "SCALE_BOUNDS", "WAIT_ALPHA", "WAIT_BOUNDS", "WAIT_MIN_S", "BucketCost", "DelayModel", "WorkTally", "group_key",
            "measure_bucket_cost"]

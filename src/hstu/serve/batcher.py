@@ -45,7 +45,7 @@ import time
 from collections import deque
 from typing import Any
 
-from hstu.serve.admission import DelayModel, WorkTally
+from hstu.serve.admission import RATIO_CLIP, DelayModel, WorkTally
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.runner import Job
 from hstu.serve.worker import BatchOutcome, LocalModel, ModelRestart, ProcessModel
@@ -145,6 +145,7 @@ class MicroBatcher:
         self.delay = DelayModel(self.max_batch, model.cost_model)  # costs measured at warm-up, scales learnt per batch
         self.tallies: dict[int, WorkTally] = {e: WorkTally() for e in model.buckets}  # queued work per bucket
         self._executing: dict[int, tuple[float, float]] = {}  # running batch -> (start, predicted s), monotonic clock
+        self._admitted: dict[int, float] = {}  # queued job -> the delay predicted when it was admitted (s)
         self.last_shed, self.shed_reason = -math.inf, ""  # the last 429 for load: when, and why
         metrics.predicted_delay.set_function(self.predicted_delay)
         metrics.shedding.set_function(lambda: float(self.shedding))
@@ -206,7 +207,10 @@ class MicroBatcher:
         now = time.monotonic()
         running = sum(max(0.0, pred - (now - t0)) for t0, pred in self._executing.values())
         queued = sum(sum(self.delay.predict(e, t).values()) for e, t in self.tallies.items() if t.groups)
-        return (running + queued) / max(1, self.model.available)
+        # a batch running past its prediction is evidence before it ends: the queued work is priced by its overrun
+        overrun = max([(now - t0) / pred for t0, pred in self._executing.values() if pred > 0] or [1.0])
+        queued *= min(max(1.0, overrun), RATIO_CLIP[1])
+        return self.delay.wait_scale * (running + queued) / max(1, self.model.available)
 
     @property
     def shedding(self) -> bool:
@@ -245,6 +249,7 @@ class MicroBatcher:
         job.enqueued_at = loop.time()
         q.append(job)
         self.tallies[bucket].add(job)
+        self._admitted[id(job)] = predicted
         self.metrics.queue_depth.labels(bucket=str(bucket)).set(len(q))
         self._arrived.set()
         self.in_flight += 1
@@ -278,11 +283,17 @@ class MicroBatcher:
                     break
             oldest = min((e for e, q in self.queues.items() if q), key=lambda e: self.queues[e][0].enqueued_at)
             edge, take = plan_batch({e: len(q) for e, q in self.queues.items()}, oldest, self.max_batch, self.model.costs)
-            batch = []
+            batch, now = [], loop.time()
             for e, n in take.items():
+                wait = self.metrics.queue_wait.labels(bucket=str(e))
                 for _ in range(n):
-                    batch.append(self.queues[e].popleft())
-                    self.tallies[e].remove(batch[-1])
+                    j = self.queues[e].popleft()
+                    batch.append(j)
+                    self.tallies[e].remove(j)
+                    predicted = self._admitted.pop(id(j), 0.0)
+                    if not j.expired:
+                        wait.observe(now - j.enqueued_at)
+                        self.delay.learn_wait(predicted, now - j.enqueued_at)
                 self.metrics.queue_depth.labels(bucket=str(e)).set(len(self.queues[e]))
             live = [j for j in batch if not j.expired and not j.future.done()]
             if not live:
@@ -296,10 +307,11 @@ class MicroBatcher:
 
     async def _execute(self, edge: int, batch: list[Job]) -> None:
         predicted = self.delay.predict(edge, WorkTally(batch))
-        token = id(batch)
-        self._executing[token] = (time.monotonic(), sum(predicted.values()))
+        token, t0 = id(batch), time.monotonic()
+        self._executing[token] = (t0, sum(predicted.values()))
         try:
-            results = self._record(edge, batch, await self.model.run(edge, batch), predicted)
+            out = await self.model.run(edge, batch)
+            results = self._record(edge, batch, out, predicted, time.monotonic() - t0)
         except ModelRestart as exc:
             for _ in batch:
                 self.metrics.reject("model_restart")
@@ -320,9 +332,10 @@ class MicroBatcher:
             else:
                 job.future.set_result(res)
 
-    def _record(self, edge: int, batch: list[Job], out: BatchOutcome, predicted: dict[str, float]) -> list[Any]:
+    def _record(self, edge: int, batch: list[Job], out: BatchOutcome, predicted: dict[str, float], wall_s: float) -> list[Any]:
         """Metrics and cost scales of a finished batch (``predicted``: its predicted seconds by
-        kind); raises Rejected (503 "memory") when the guard shed it."""
+        kind; ``wall_s``: from its start here to its answer, pipe and event loop included: what
+        drains the queue); raises Rejected (503 "memory") when the guard shed it."""
         if out.memory is not None:
             self.metrics.set_memory(self.metrics.memory_kinds[0], *out.memory)
         if out.triggered:
@@ -332,7 +345,7 @@ class MicroBatcher:
                 self.metrics.reject("memory")
             raise Rejected(503, "memory", out.shed, max(1, math.ceil(self.batch_time_s * 10)))
         self.batch_time_s = 0.8 * self.batch_time_s + 0.2 * out.seconds
-        if self.delay.learn(edge, predicted, out.seconds) is not None:
+        if self.delay.learn(edge, predicted, wall_s) is not None:
             for kind, p in predicted.items():
                 if p > 0:
                     self.metrics.cost_scale.labels(bucket=str(edge), kind=kind).set(self.delay.scale[(edge, kind)])

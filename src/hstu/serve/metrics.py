@@ -10,6 +10,8 @@ hstu_serve_request_duration_seconds         histogram endpoint, bucket  server t
 hstu_serve_requests_total                   counter   endpoint, code    every answered request by HTTP status
 hstu_serve_batch_size                       histogram bucket            requests per executed batch
 hstu_serve_batch_duration_seconds           histogram bucket            model time of one batch
+hstu_serve_queue_wait_seconds               histogram bucket            admitted request's wait in its queue until
+                                                                        its batch started (the delay admission bounds)
 hstu_serve_queue_depth                      gauge     bucket            requests waiting in a bucket's queue
 hstu_serve_generated_items_total            counter   (none)            items returned by /v1/generate
 hstu_serve_scored_items_total               counter   (none)            candidates scored by /v1/score
@@ -44,6 +46,8 @@ REASONS = ("queue_full", "timeout", "memory", "draining", "invalid", "body_too_l
 # Latency buckets (s): dense around the 100 ms P99 target.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Queue-wait buckets (s): fine around the default 1 s delay bound.
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 5.0, 10.0)
 
 
 class ServeMetrics:
@@ -62,6 +66,8 @@ class ServeMetrics:
         self.batch_size = Histogram("hstu_serve_batch_size", "Requests per executed batch", ["bucket"], buckets=BATCH_BUCKETS, registry=r)
         self.batch_duration = Histogram("hstu_serve_batch_duration_seconds", "Model time of one batch (s)", ["bucket"],
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("hstu_serve_queue_wait_seconds", "Wait of an admitted request in its queue until its batch "
+                                    "started (s)", ["bucket"], buckets=WAIT_BUCKETS, registry=r)
         self.queue_depth = Gauge("hstu_serve_queue_depth", "Requests waiting in a length bucket's queue", ["bucket"], registry=r)
         self.generated_items = Counter("hstu_serve_generated_items", "Items returned by /v1/generate", registry=r)
         self.scored_items = Counter("hstu_serve_scored_items", "Candidates scored by /v1/score", registry=r)
@@ -86,6 +92,7 @@ class ServeMetrics:
             self.queue_depth.labels(bucket=str(b)).set(0)
             self.bucket_warm.labels(bucket=str(b)).set(0)
             self.batch_size.labels(bucket=str(b))
+            self.queue_wait.labels(bucket=str(b))
             for kind in ("generate", "score"):
                 self.cost_scale.labels(bucket=str(b), kind=kind).set(1.0)
         for b in [*map(str, buckets), "cold_start"]:
@@ -115,4 +122,4 @@ class ServeMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["ServeMetrics", "REASONS", "LATENCY_BUCKETS", "BATCH_BUCKETS"]
+__all__ = ["ServeMetrics", "REASONS", "LATENCY_BUCKETS", "BATCH_BUCKETS", "WAIT_BUCKETS"]

@@ -197,14 +197,18 @@ async def kill_phase(client, bodies, rng, args, qps: float, server: psutil.Proce
         info["killed_pid"] = victims[0].pid
         info["t_kill"] = time.monotonic()
         victims[0].kill()
+        seen_down = False  # /readyz stays 200 until the server notices the death (the pipe's end, at the next batch)
         async with httpx.AsyncClient(base_url=url, timeout=5) as c:
             while time.monotonic() - info["t_kill"] < args.kill_s * 3:
                 try:
-                    if (await c.get("/readyz")).status_code == 200:
-                        info["readyz_back_s"] = round(time.monotonic() - info["t_kill"], 3)
-                        return
+                    up = (await c.get("/readyz")).status_code == 200
                 except httpx.TransportError:
-                    pass
+                    up = False
+                if not up and not seen_down:
+                    seen_down, info["readyz_down_s"] = True, round(time.monotonic() - info["t_kill"], 3)
+                if up and seen_down:
+                    info["readyz_back_s"] = round(time.monotonic() - info["t_kill"], 3)
+                    return
                 await asyncio.sleep(0.05)
 
     task = asyncio.get_running_loop().create_task(killer())
@@ -216,7 +220,7 @@ async def kill_phase(client, bodies, rng, args, qps: float, server: psutil.Proce
     back = next((t for t, c in after if c == "200" and (not failed or t > failed[0])), None)  # first 200 after the first failure
     return {**ph.summary(), "killed_pid": info.get("killed_pid"), "error": info.get("error"), "failed_after_kill": len(failed),
             "failed_codes": {c: sum(1 for _, x in after if x == c) for c in sorted({c for _, c in after if c != "200"})},
-            "readyz_back_s": info.get("readyz_back_s"), "first_200_after_kill_s": round(back - t_kill, 3) if back and t_kill else None}
+            "readyz_down_s": info.get("readyz_down_s"), "readyz_back_s": info.get("readyz_back_s"), "first_200_after_kill_s": round(back - t_kill, 3) if back and t_kill else None}
 
 
 def overload_summary(ph: Phase, bound_s: float, means: dict[str, float]) -> dict:

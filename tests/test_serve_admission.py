@@ -10,6 +10,7 @@ LocalModel whose batches take 0.5 s longer (a busy machine), and model processes
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from test_serve import BUCKETS, REPO, LiveServer, gather, metrics, post, rec, ru
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Prepared
 from hstu.serve import batcher as batcher_mod
-from hstu.serve.admission import ALPHA, RATIO_CLIP, SCALE_BOUNDS, WAIT_ALPHA, WAIT_MIN_S, BucketCost, DelayModel, WorkTally
+from hstu.serve.admission import ALPHA, RATIO_CLIP, SCALE_BOUNDS, WAIT_MIN_S, WAIT_QUANTILE, WAIT_STEP, BucketCost, DelayModel, WorkTally
 from hstu.serve.app import ServePolicy, create_app
 from hstu.serve.batcher import MicroBatcher, Rejected
 from hstu.serve.metrics import ServeMetrics
@@ -86,10 +87,14 @@ def test_delay_model_learns_bounded_ratios() -> None:
         d.learn(20, pred, 100.0)
     assert d.scale[(20, "generate")] == pytest.approx(SCALE_BOUNDS[1])  # and the scale stays bounded
     assert d.learn(20, {"generate": 0.0, "score": 0.0}, 1.0) is None
-    d.learn_wait(0.1, 0.2)  # an admitted request waited twice its predicted delay
-    assert d.wait_scale == pytest.approx(2.0 ** WAIT_ALPHA)
+    d.learn_wait(0.1, 0.2)  # an admitted request waited longer than predicted: up by step x q
+    up = math.exp(WAIT_STEP * WAIT_QUANTILE)
+    assert d.wait_scale == pytest.approx(up)
+    d.learn_wait(0.1, 0.05)  # one waited less: down by step x (1 - q)
+    assert d.wait_scale == pytest.approx(up * math.exp(-WAIT_STEP * (1 - WAIT_QUANTILE)))
+    before = d.wait_scale
     d.learn_wait(WAIT_MIN_S / 2, 10.0)  # too short a prediction to teach anything
-    assert d.wait_scale == pytest.approx(2.0 ** WAIT_ALPHA)
+    assert d.wait_scale == before
 
 
 class _FakeModel:

@@ -26,9 +26,11 @@ batches, and one freak batch moves the scale by at most ``RATIO_CLIP ** ALPHA``.
 is taken from its start to its answer in the serving process (pipe and event loop included).
 What batch times miss (the dispatcher waiting for a busy event loop between batches) is learnt
 from the quantity admission bounds itself: each admitted request's actual queue wait against the
-delay predicted when it was admitted (``wait_scale``, log-EWMA ``WAIT_ALPHA`` over requests whose
-prediction was at least ``WAIT_MIN_S``, within ``WAIT_BOUNDS``), a factor on the whole
-prediction. Because the prediction only counts work that exists, an empty queue with no batch running predicts 0 and
+delay predicted when it was admitted: ``wait_scale``, a factor on the whole prediction, tracks
+the ``WAIT_QUANTILE`` quantile of that ratio (stochastic approximation in log space, ``WAIT_STEP``:
+up by step x q when a request waited longer than predicted, down by step x (1 - q) otherwise; over
+requests whose prediction was at least ``WAIT_MIN_S``, within ``WAIT_BOUNDS``), so that 95 % of the
+requests admitted near the bound wait no longer than it. Because the prediction only counts work that exists, an empty queue with no batch running predicts 0 and
 always admits: the service cannot lock itself out.
 
 Measured on the 2-core dev box (small ML-1M model, engine, one thread), bucket 200: F ~1.3 ms,
@@ -46,7 +48,8 @@ from dataclasses import asdict, dataclass
 ALPHA = 0.3  # EWMA weight of a finished batch's log(measured / predicted)
 RATIO_CLIP = (0.125, 8.0)  # one batch's ratio is clipped to this before it enters the EWMA
 SCALE_BOUNDS = (0.1, 10.0)  # the learnt correction stays within these factors of the warm-up costs
-WAIT_ALPHA = 0.05  # EWMA weight of one admitted request's log(queue wait / delay predicted when it was admitted)
+WAIT_QUANTILE = 0.95  # wait_scale tracks this quantile of (queue wait / delay predicted at admission)
+WAIT_STEP = 0.02  # log-space step of that tracking per admitted request
 WAIT_MIN_S = 0.05  # predictions shorter than this teach nothing (the batch window and scheduling noise dominate)
 WAIT_BOUNDS = (0.25, 4.0)  # the queue-wait correction stays within these factors
 KINDS = ("generate", "score")
@@ -176,8 +179,8 @@ class DelayModel:
         predicted at its admission, ``wait_scale`` included; ignored below ``WAIT_MIN_S``)."""
         if predicted_s < WAIT_MIN_S or not math.isfinite(waited_s):
             return
-        ratio = min(max(waited_s / predicted_s, RATIO_CLIP[0]), RATIO_CLIP[1])
-        self.wait_scale = min(max(self.wait_scale * ratio ** WAIT_ALPHA, WAIT_BOUNDS[0]), WAIT_BOUNDS[1])
+        step = WAIT_STEP * WAIT_QUANTILE if waited_s > predicted_s else -WAIT_STEP * (1.0 - WAIT_QUANTILE)
+        self.wait_scale = min(max(self.wait_scale * math.exp(step), WAIT_BOUNDS[0]), WAIT_BOUNDS[1])
 
 
 def measure_bucket_cost(runner, edge: int, reps: int = 2) -> BucketCost:
@@ -215,5 +218,5 @@ def measure_bucket_cost(runner, edge: int, reps: int = 2) -> BucketCost:
     return BucketCost(max(0.0, f1 - f_step), f_step, max(0.0, r1 - r_step), r_step, s_fixed, s_row)
 
 
-__all__ = ["ALPHA", "DEFAULT_COST", "KINDS", "RATIO_CLIP", "SCALE_BOUNDS", "WAIT_ALPHA", "WAIT_BOUNDS", "WAIT_MIN_S", "BucketCost", "DelayModel", "WorkTally", "group_key",
+__all__ = ["ALPHA", "DEFAULT_COST", "KINDS", "RATIO_CLIP", "SCALE_BOUNDS", "WAIT_BOUNDS", "WAIT_MIN_S", "WAIT_QUANTILE", "WAIT_STEP", "BucketCost", "DelayModel", "WorkTally", "group_key",
            "measure_bucket_cost"]

@@ -281,7 +281,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model-workers", type=int, default=1, help="model processes (>= 1: the kill phase needs one)")
     p.add_argument("--server-cpus", help="CPU ids for the server (default: 0,1 when the machine has more than 2 cores)")
-    p.add_argument("--connections", type=int, default=256)
+    p.add_argument("--connections", type=int, default=2000,
+                   help="client connection pool: above the requests in flight at 2x overload (~C x bound), else requests "
+                        "wait for a connection in the client and that wait counts as latency")
     p.add_argument("--max-in-flight", type=int, default=2000)
     p.add_argument("--client-timeout-s", type=float, default=30.0)
     p.add_argument("--bodies", type=int, default=2000)

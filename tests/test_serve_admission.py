@@ -107,8 +107,8 @@ class _FakeModel:
         self.cost_model = {10: COST10, 20: COST20}
 
 
-async def _queue(b: MicroBatcher, bucket: int, job: Job) -> asyncio.Task:
-    task = asyncio.get_running_loop().create_task(b.submit(bucket, job))
+async def _queue(b: MicroBatcher, bucket: int, job: Job, waited_s: float = 0.0) -> asyncio.Task:
+    task = asyncio.get_running_loop().create_task(b.submit(bucket, job, waited_s))
     await asyncio.sleep(0)  # runs submit up to its wait
     return task
 
@@ -147,6 +147,64 @@ def test_predicted_delay_is_the_queued_work_and_the_running_rest() -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_time_already_spent_counts_against_the_bound() -> None:
+    """A request that spent 50 ms in the server before submit (reading, validating: the HTTP side is
+    the bottleneck under overload) is refused when 50 ms + its predicted 84.05 ms of queueing exceed a
+    100 ms bound, and admitted without that time; an idle server admits whatever was spent; the early
+    check (no body read) refuses by the same prediction and nothing when idle."""
+
+    async def main() -> None:
+        model = _FakeModel()
+        b = MicroBatcher(model, ServeMetrics(model.buckets), max_batch=4, max_wait_ms=0, max_queue=64, request_timeout_s=30,
+                         max_queue_delay_s=0.1)
+        idle_task = await _queue(b, 20, _gen(1), waited_s=5.0)  # idle: admitted although 5 s > the bound
+        assert not idle_task.done() and b.reject_early() is None
+        idle_task.cancel()
+        b.queues[20].clear()
+        b.tallies[20] = WorkTally()
+        tasks = [await _queue(b, 20, j) for j in _jobs20()] + [await _queue(b, 10, _gen(1))]
+        b.delay.scale[(20, "generate")] = 2.0  # queued: 84.05 ms (the test above)
+        assert all(not t.done() for t in tasks) and b.reject_early() is None  # 84 ms <= 100 ms
+        with pytest.raises(Rejected) as exc:
+            await b.submit(20, _gen(1), waited_s=0.050)
+        assert exc.value.status == 429 and "0.084 s after 0.050 s already spent in the server exceeds 0.1 s" in exc.value.message
+        ok = await _queue(b, 20, _gen(1), waited_s=0.010)  # 10 + 84.05 <= 100: admitted
+        assert not ok.done()
+        b.tallies[20].remove(b.queues[20].pop())  # that one is dropped again: 84.05 ms queued
+        b.loop_lag_s = 0.004  # twice 4 ms of event-loop lag reserved: 10 + 84.05 + 8 > 100
+        with pytest.raises(Rejected) as exc:
+            await b.submit(20, _gen(1), waited_s=0.010)
+        assert "(+ 0.008 s of event-loop lag)" in exc.value.message
+        b.loop_lag_s = 0.0
+        b.max_delay = 0.080
+        early = b.reject_early()
+        assert isinstance(early, Rejected) and early.status == 429 and "predicted queueing delay" in early.message
+        for t in tasks + [ok]:
+            t.cancel()
+        await asyncio.gather(*tasks, ok, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_edge_refuses_before_reading_the_body(rec) -> None:  # noqa: F811
+    """While admission refuses every request, the HTTP edge answers 429 before the body is read: a
+    body that is not even JSON gets 429 (Retry-After) instead of 422; GET and the probes are untouched,
+    and once the prediction admits again the same body gets its 422."""
+    app = _app(rec, delay_ms=100)
+    with LiveServer(app) as s:
+        b = s.app.state.service.batcher
+        b.executing += 1  # a batch running, predicted to take 10 s more: nothing is admitted
+        b._executing[1] = (time.monotonic(), 10.0)
+        with httpx.Client(base_url=s.url) as c:
+            r = c.post("/v1/generate", content=b"{not json", headers={"content-type": "application/json"})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "queue_full" and int(r.headers["retry-after"]) >= 1
+            assert c.post("/v1/score", content=b"[]").status_code == 429
+            assert c.get("/v1/generate").status_code == 405 and c.get("/healthz").status_code == 200
+            del b._executing[1]
+            b.executing -= 1
+            assert c.post("/v1/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
 
 
 def _app(rec, *, delay_ms: float, **cfg):  # noqa: F811 - rec is the fixture's value

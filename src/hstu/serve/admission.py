@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 ALPHA = 0.3  # EWMA weight of a finished batch's log(measured / predicted)
 RATIO_CLIP = (0.125, 8.0)  # one batch's ratio is clipped to this before it enters the EWMA
 SCALE_BOUNDS = (0.1, 10.0)  # the learnt correction stays within these factors of the warm-up costs
-WAIT_QUANTILE = 0.95  # wait_scale tracks this quantile of (queue wait / delay predicted at admission)
+WAIT_QUANTILE = 0.99  # wait_scale tracks this quantile of (queue wait / delay predicted at admission)
 WAIT_STEP = 0.02  # log-space step of that tracking per admitted request
 WAIT_MIN_S = 0.05  # predictions shorter than this teach nothing (the batch window and scheduling noise dominate)
 WAIT_BOUNDS = (0.25, 4.0)  # the queue-wait correction stays within these factors

@@ -61,6 +61,7 @@ from hstu.serve.worker import LocalModel, ProcessModel, WorkerSpec, batch_guard
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics")
+MODEL_ENDPOINTS = ("/v1/generate", "/v1/score")  # the ones admission may refuse
 
 
 @dataclass
@@ -148,10 +149,13 @@ class _EdgeMiddleware:
     body streams in), 408 for a body not complete ``body_timeout_s`` after the headers (each
     ``receive()`` waits at most until then), the 500 error body for an unexpected exception (sent
     here, so the connection stays open: Starlette's ServerErrorMiddleware re-raises into uvicorn,
-    which closes it), and ``hstu_serve_requests_total`` by endpoint and status."""
+    which closes it), and ``hstu_serve_requests_total`` by endpoint and status. ``reject_early``
+    (no argument; a :class:`Rejected` or None) is asked before a model endpoint's body is read:
+    under overload a refused request then costs no JSON parsing or validation."""
 
-    def __init__(self, app, *, limit: int, metrics: ServeMetrics, body_timeout_s: float = 5.0) -> None:
+    def __init__(self, app, *, limit: int, metrics: ServeMetrics, body_timeout_s: float = 5.0, reject_early=None) -> None:
         self.app, self.limit, self.metrics, self.body_timeout_s = app, limit, metrics, body_timeout_s
+        self.reject_early = reject_early
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -173,6 +177,11 @@ class _EdgeMiddleware:
             if length is not None and length > self.limit:
                 self.metrics.reject("body_too_large")
                 resp = _error(413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body")
+                return await resp(scope, receive, send_wrapper)
+            early = self.reject_early is not None and endpoint in MODEL_ENDPOINTS and scope["method"] == "POST"
+            refused = self.reject_early() if early else None
+            if refused is not None:
+                resp = _error(refused.status, refused.reason, refused.message, None, {"Retry-After": str(refused.retry_after)})
                 return await resp(scope, receive, send_wrapper)
             received, complete = 0, False
             deadline = scope["hstu_t0"] + self.body_timeout_s
@@ -378,7 +387,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     app = FastAPI(title="hstu", version="1", lifespan=lifespan,
                   description="HSTU generative recommender: next-k generation and target-aware scoring with micro-batching per length bucket.")
     app.state.service = svc
-    app.add_middleware(_EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s)
+    app.add_middleware(_EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s,
+                       reject_early=lambda: svc.batcher.reject_early() if svc.batcher is not None else None)
     errors = {code: {"model": ErrorBody} for code in (408, 413, 415, 422, 429, 503)}
 
     # ----- error handlers: one body for all -----
@@ -471,7 +481,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
             svc.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone
             bucket = svc.model.bucket_for(len(prep.ids))
             items = await svc.batcher.submit(bucket, Job("generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history,
-                                                         allow_untrained=req.allow_untrained_items))
+                                                         allow_untrained=req.allow_untrained_items), since(request))
             n, cold = len(prep.ids), False
         dt = since(request)
         svc.metrics.request_duration.labels(endpoint="/v1/generate", bucket="cold_start" if cold else str(bucket)).observe(dt)
@@ -504,7 +514,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
         if missing:
             warnings.append(f"unknown candidate id(s) at {missing[:20]}{'...' if len(missing) > 20 else ''}: score null")
         bucket = svc.model.bucket_for(len(prep.ids))
-        result = await svc.batcher.submit(bucket, Job("score", prep, candidates=dense))
+        result = await svc.batcher.submit(bucket, Job("score", prep, candidates=dense), since(request))
         dt = since(request)
         svc.metrics.request_duration.labels(endpoint="/v1/score", bucket=str(bucket)).observe(dt)
         svc.metrics.scored_items.inc(len(req.candidates) - len(missing))

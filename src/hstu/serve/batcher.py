@@ -20,8 +20,10 @@ batch at a time since one process drives one device:
    own batch.
 
 Backpressure: a request is refused at once, never queued, when its bucket already holds
-``max_queue`` waiting requests, or when its predicted queueing delay exceeds ``max_queue_delay_s``
-(default: the request timeout): :class:`Rejected` 429 with a Retry-After in seconds. The delay is
+``max_queue`` waiting requests, or when its predicted queueing delay, plus the time it already spent
+in the server (reading, validating) and twice the event loop's recent lag (in and out), exceeds
+``max_queue_delay_s`` (default: the request timeout): :class:`Rejected` 429 with a Retry-After in
+seconds; :meth:`MicroBatcher.reject_early` lets the HTTP edge refuse before the body is read. The delay is
 predicted from the work actually queued, per bucket and per runner group (a beam-16 job costs ~16
 rows), plus what is left of the running batches, with per-bucket costs measured at warm-up and
 corrected by every finished batch (:mod:`hstu.serve.admission`); an empty queue with no batch
@@ -53,6 +55,8 @@ from hstu.serve.worker import BatchOutcome, LocalModel, ModelRestart, ProcessMod
 log = logging.getLogger(__name__)
 
 SHED_WINDOW_S = 5.0  # "shedding" (/readyz degraded) for this long after the last 429 for load
+LAG_PERIOD_S = 0.02  # the event-loop lag probe sleeps this long and measures its oversleep
+LAG_DECAY = 0.99  # per probe: the lag estimate is a peak that halves in ~1.4 s of a lag-free loop
 
 
 class Rejected(Exception):
@@ -150,12 +154,24 @@ class MicroBatcher:
         metrics.predicted_delay.set_function(self.predicted_delay)
         metrics.shedding.set_function(lambda: float(self.shedding))
         metrics.delay_limit.set(self.max_delay)
+        self.loop_lag_s = 0.0  # decaying peak of the event loop's lag (s): what a request loses getting in and out
+        metrics.loop_lag.set_function(lambda: self.loop_lag_s)
 
     # ----- lifecycle -----
     def start(self) -> None:
         self._slots = asyncio.Semaphore(self.model.slots)  # batches in flight: one per model worker
         self._running: set[asyncio.Task] = set()
         self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="hstu-batcher")
+        self._lag_task = asyncio.get_running_loop().create_task(self._probe_lag(), name="hstu-loop-lag")
+
+    async def _probe_lag(self) -> None:
+        """Track the event loop's lag: a request's bytes wait that long before the app sees them and
+        its answer that long before it is written, time the queue prediction does not see."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.loop_lag_s = max(loop.time() - t - LAG_PERIOD_S, self.loop_lag_s * LAG_DECAY)
 
     async def warmup(self) -> None:
         """Warm every bucket on the model executor (smallest first); sets the readiness metrics."""
@@ -189,6 +205,8 @@ class MicroBatcher:
         while (self.in_flight or self.executing) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         done = not (self.in_flight or self.executing)
+        if getattr(self, "_lag_task", None) is not None:
+            self._lag_task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -221,8 +239,36 @@ class MicroBatcher:
         """Seconds until the queues are likely empty (>= 1)."""
         return max(1, math.ceil(self.predicted_delay()))
 
-    async def submit(self, bucket: int, job: Job) -> Any:
+    def _overloaded(self, predicted: float, waited_s: float, full: str | None = None) -> Rejected | None:
+        """The 429 for a request predicted to wait ``predicted`` s more after ``waited_s`` s already
+        spent in this server (``full``: why its bucket's queue is full), recorded as shedding; None
+        to admit."""
+        reserve = 2 * self.loop_lag_s  # getting in (already spent, unseen) and getting out through a busy event loop
+        if full is None and waited_s + predicted + reserve <= self.max_delay:
+            return None
+        self.metrics.reject("queue_full")
+        spent = f" after {waited_s:.3f} s already spent in the server" if waited_s >= 0.001 else ""
+        lag = f" (+ {reserve:.3f} s of event-loop lag)" if reserve >= 0.001 else ""
+        why = full or f"predicted queueing delay {predicted:.3f} s{spent}{lag} exceeds {self.max_delay:g} s"
+        self.last_shed, self.shed_reason = time.monotonic(), why
+        return Rejected(429, "queue_full", f"overloaded: {why}; retry later", max(1, math.ceil(predicted)))
+
+    def reject_early(self) -> Rejected | None:
+        """The 429 every request would get now, whatever its bucket (the predicted delay counts all
+        queued work), so that the HTTP edge can refuse it before reading and validating its body (the
+        CPU a refused request costs is what an overloaded 2-core box lacks); None when it may be
+        admitted. An empty queue with no batch running never refuses."""
+        if self.draining or self.model.available == 0 or (not self.executing and not self.depth()):
+            return None
+        return self._overloaded(self.predicted_delay(), 0.0)
+
+    async def submit(self, bucket: int, job: Job, waited_s: float = 0.0) -> Any:
         """Queue ``job`` in ``bucket`` and wait for its result.
+
+        ``waited_s``: seconds the request already spent in this server (arrival to now: reading,
+        validating); it counts against the delay bound, so that an admitted request's time in the
+        server before its batch starts stays within ``max_queue_delay_s`` also when the HTTP side is
+        the bottleneck.
 
         Raises:
             Rejected: 429 queue full / predicted wait over ``max_queue_delay_s``; 503 draining, timed out,
@@ -236,14 +282,14 @@ class MicroBatcher:
             self.metrics.reject("model_restart")
             raise Rejected(503, "model_restart", "the model process is restarting; retry in a few seconds", 5)
         q = self.queues[bucket]
-        idle = not self.executing and not self.depth()  # an empty queue with no batch running always admits
-        predicted = 0.0 if idle else self.predicted_delay()
-        if len(q) >= self.max_queue or predicted > self.max_delay:
-            self.metrics.reject("queue_full")
-            why = (f"bucket {bucket} queue is full ({len(q)} waiting)" if len(q) >= self.max_queue
-                   else f"predicted queueing delay {predicted:.3f} s exceeds {self.max_delay:g} s")
-            self.last_shed, self.shed_reason = time.monotonic(), why
-            raise Rejected(429, "queue_full", f"overloaded: {why}; retry later", max(1, math.ceil(predicted)))
+        if not self.executing and not self.depth():  # an empty queue with no batch running always admits
+            predicted = 0.0
+        else:
+            predicted = self.predicted_delay()
+            full = f"bucket {bucket} queue is full ({len(q)} waiting)" if len(q) >= self.max_queue else None
+            refused = self._overloaded(predicted, max(0.0, waited_s), full)
+            if refused is not None:
+                raise refused
         loop = asyncio.get_running_loop()
         job.future = loop.create_future()
         job.enqueued_at = loop.time()

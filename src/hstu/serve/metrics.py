@@ -23,6 +23,8 @@ hstu_serve_ready                            gauge     (none)            1 once e
 hstu_serve_bucket_warm                      gauge     bucket            1 once that bucket is warm
 hstu_serve_predicted_queue_delay_seconds    gauge     (none)            admission's predicted queueing delay, now
 hstu_serve_queue_delay_limit_seconds        gauge     (none)            the bound it is held to (429 above it)
+hstu_serve_event_loop_lag_seconds           gauge     (none)            decaying peak of the HTTP event loop's lag;
+                                                                        admission reserves twice it (in and out)
 hstu_serve_shedding                         gauge     (none)            1 while 429s for load were given in the last
                                                                         few seconds (/readyz "degraded")
 hstu_serve_batch_cost_seconds               gauge     bucket, term      warm-up cost line (hstu.serve.admission:
@@ -82,6 +84,8 @@ class ServeMetrics:
                                      "arriving now (s)", registry=r)
         self.delay_limit = Gauge("hstu_serve_queue_delay_limit_seconds", "Queueing-delay bound; above it requests get 429 (s)",
                                  registry=r)
+        self.loop_lag = Gauge("hstu_serve_event_loop_lag_seconds", "Decaying peak of the HTTP event loop's lag, reserved twice "
+                              "in admission (s)", registry=r)
         self.shedding = Gauge("hstu_serve_shedding", "1 while requests were refused (429) for load in the last few seconds",
                               registry=r)
         self.batch_cost = Gauge("hstu_serve_batch_cost_seconds", "Warm-up cost line of a bucket's batches (s), by term",

@@ -174,6 +174,16 @@ async def run_phase(client: aiohttp.ClientSession, bodies: list[bytes], phase: P
     return phase
 
 
+def stop_server(proc: subprocess.Popen) -> int | str:
+    """SIGTERM (graceful drain), then the exit code; killed after 60 s (then that is the answer)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "killed after 60 s"
+
+
 def scrape(url: str) -> dict:
     """Server-side view from /metrics: batches, mean batch size and model time, mean server
     latency of answered requests, rejections by reason."""
@@ -367,14 +377,7 @@ def main(argv=None) -> int:
             res = asyncio.run(main_async(args, url, bodies, server))
         res["server_metrics"] = scrape(url)
     finally:
-        rc = None
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "killed after 60 s"
+        rc = stop_server(proc) if proc is not None else None
     run_info = None
     if args.run:
         cfg = json.loads((Path(args.run) / "config.json").read_text())

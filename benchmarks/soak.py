@@ -33,8 +33,6 @@ import json
 import os
 import platform
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +40,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 import psutil
-from serve_load import REPO, Phase, default_data_dir, load_histories, run_phase, scrape, start_server
+from hstu.ops._common import model_processes
+from serve_load import REPO, Phase, default_data_dir, load_histories, run_phase, scrape, start_server, stop_server
 
 HEADERS = {"content-type": "application/json"}
 
@@ -130,17 +129,6 @@ async def recovery_check(url: str, body: bytes, timeout_s: float = 30.0) -> dict
     took = time.monotonic() - empty
     return {"status": r.status_code, "seconds_after_queue_empty": round(took, 3), "ok": r.status_code == 200 and took <= 1.0,
             "waited_for_empty_s": round(empty - t0, 3)}
-
-
-def model_processes(server: psutil.Process) -> list[psutil.Process]:
-    out = []
-    for c in server.children(recursive=True):
-        try:
-            if any("spawn_main" in a for a in c.cmdline()):
-                out.append(c)
-        except psutil.Error:
-            pass
-    return out
 
 
 def rss_mb(server: psutil.Process) -> dict:
@@ -324,12 +312,7 @@ def main(argv=None) -> int:
         res["server_metrics"] = scrape(url)
         res["readyz_at_end"] = httpx.get(url + "/readyz", timeout=10).json().get("status")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "killed after 60 s"
+        rc = stop_server(proc)
     from _quality import git_commit  # after the run: the client never imports torch while it measures
 
     res.update({

@@ -25,12 +25,10 @@ import torch
 from hstu.config import ModelConfig, TrainConfig, model_config_from_preset
 from hstu.generate import exclusion_mask, generate
 from hstu.generate.engine import Engine
-from hstu.generate.recommend import History, Recommender
+from hstu.generate.recommend import History
 from hstu.model import build_hstu
 
-REPO = Path(__file__).resolve().parents[1]
-ML1M = REPO.parent / "shared" / "data" / "ml-1m"
-USERS = 200
+from conftest import ML1M, REPO  # noqa: F401 - the tiny run (run_dir, rec, ratings) is conftest's: 200 ML-1M users
 TINY = (1e-38, 1e-300, 5e-324)
 
 
@@ -125,30 +123,6 @@ def test_batch_group_with_one_faulty_job_fails_only_that_job(rec) -> None:
 # ----------------------------------------------------------------------------------------------
 # fault 11: items without training events, on a --max-users run of ML-1M
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    if not (ML1M / "ratings.dat").exists():
-        pytest.skip(f"{ML1M}/ratings.dat is absent (shared data is provided beside the repo in CI and dev sessions)")
-    from hstu.train.loop import DataSpec, fit
-
-    out = tmp_path_factory.mktemp("safety") / "run"
-    fit(out, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1), DataSpec("ml-1m", str(ML1M), max_users=USERS),
-        progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def rec(run_dir) -> Recommender:
-    return Recommender.from_run(run_dir)
-
-
-@pytest.fixture(scope="module")
-def ratings(run_dir) -> pd.DataFrame:
-    df = pd.read_csv(ML1M / "ratings.dat", sep=":", header=None, usecols=[0, 2, 6], names=["user", "item", "ts"], encoding="latin-1")
-    df = df[df.user.isin(np.sort(df.user.unique())[:USERS])]
-    return df.sort_values(["user", "ts"], kind="stable").reset_index(drop=True)
-
-
 def untrained_items(ratings: pd.DataFrame) -> set[int]:
     """Original ids of the ML-1M catalogue that no training event of the users in ``ratings``
     (per user in time order) names: clean protocol, each user's last two events held out."""

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -29,59 +28,20 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from hstu.config import ServeConfig, TrainConfig, model_config_from_preset
+from hstu.config import ServeConfig
 from hstu.generate.recommend import History, Recommender
 from hstu.model.checkpoint import read_json
 from hstu.serve.app import ServePolicy, create_app
 from hstu.serve.cli import bind, fit_buckets, parse_buckets
 from hstu.serve.popularity import popularity_for_run
 
-REPO = Path(__file__).resolve().parents[1]
-ML1M = REPO.parent / "shared" / "data" / "ml-1m"
-USERS = 200
+from conftest import ML1M, REPO, USERS  # noqa: F401 - the tiny run's data and size (its fixtures are conftest's)
 BUCKETS = [10, 20, 50]
 
 
 # ----------------------------------------------------------------------------------------------
-# fixtures: a tiny trained run, its ratings, live servers
+# live servers (the tiny trained run and its ratings are conftest.py's session fixtures)
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def run_dir(tmp_path_factory) -> Path:
-    if not (ML1M / "ratings.dat").exists():
-        pytest.skip(f"{ML1M}/ratings.dat is absent (shared data is provided beside the repo in CI and dev sessions)")
-    from hstu.train.loop import DataSpec, fit
-
-    out = tmp_path_factory.mktemp("serve") / "run"
-    fit(out, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1), DataSpec("ml-1m", str(ML1M), max_users=USERS),
-        progress=False)
-    return out
-
-
-@pytest.fixture(scope="session")
-def ratings(run_dir) -> pd.DataFrame:
-    """ratings.dat of the first USERS users, per user in time order (stable: file order on ties)."""
-    df = pd.read_csv(ML1M / "ratings.dat", sep=":", header=None, usecols=[0, 2, 6], names=["user", "item", "ts"], encoding="latin-1")
-    users = np.sort(df.user.unique())[:USERS]
-    df = df[df.user.isin(users)]
-    return df.sort_values(["user", "ts"], kind="stable").reset_index(drop=True)
-
-
-@pytest.fixture(scope="session")
-def rec(run_dir) -> Recommender:
-    return Recommender.from_run(run_dir)
-
-
-@pytest.fixture(scope="session")
-def ref(run_dir) -> Recommender:
-    """A second, independent instance for the expected results."""
-    return Recommender.from_run(run_dir)
-
-
-@pytest.fixture(scope="session")
-def popularity(run_dir, rec):
-    return popularity_for_run(read_json(run_dir / "config.json"), rec.idmap)
-
-
 class LiveServer:
     """uvicorn in a thread on a pre-bound loopback socket; waits for /readyz (or /healthz)."""
 

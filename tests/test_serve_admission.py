@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from test_serve import BUCKETS, REPO, LiveServer, gather, metrics, post, rec, run_dir  # noqa: F401 - the tiny trained run's fixtures
+from test_serve import BUCKETS, REPO, LiveServer, gather, metrics, post
 
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Prepared
@@ -31,6 +31,7 @@ from hstu.serve.app import ServePolicy, create_app
 from hstu.serve.batcher import MicroBatcher, Rejected
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.runner import DecodeOptions, Job
+from hstu.ops._common import model_processes
 from hstu.serve.worker import LocalModel, ModelProcessDied, ProcessModel, WorkerSpec
 
 BODY = {"history": [{"item_id": 1, "timestamp": 978300760}, {"item_id": 48, "timestamp": 978300761}], "k": 3}
@@ -328,18 +329,6 @@ def test_model_restart_then_a_normal_request_succeeds(run_dir, rec) -> None:  # 
         assert httpx.get(s.url + "/readyz").json()["status"] == "ready"
 
 
-def _spawned(parent: psutil.Process) -> list[psutil.Process]:
-    """The model processes (multiprocessing spawn children) of ``parent``."""
-    out = []
-    for c in parent.children(recursive=True):
-        try:
-            if any("spawn_main" in a for a in c.cmdline()):
-                out.append(c)
-        except psutil.Error:
-            pass
-    return out
-
-
 class _Killer(threading.Thread):
     """Kills the first ``n`` model processes ``parent`` spawns, each as soon as it appears (while it loads)."""
 
@@ -351,7 +340,7 @@ class _Killer(threading.Thread):
     def run(self) -> None:
         while len(self.killed) < self.n and not self.stop.is_set():
             try:
-                for c in _spawned(self.parent):
+                for c in model_processes(self.parent):
                     if c.pid not in self.killed and len(self.killed) < self.n:
                         c.kill()
                         self.killed.append(c.pid)

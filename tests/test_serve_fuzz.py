@@ -19,7 +19,6 @@ from collections import Counter
 
 import hypothesis
 import pytest
-from test_serve import popularity, rec, run_dir  # noqa: F401 - the tiny trained run's fixtures
 from test_serve_http import make_server
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the test extra: pip install -e '.[test]'")

@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from test_serve import REPO, LiveServer, popularity, rec, run_dir  # noqa: F401 - the tiny trained run's fixtures
+from test_serve import REPO, LiveServer
 
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app

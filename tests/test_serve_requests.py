@@ -18,7 +18,7 @@ import pytest
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app
 from test_decoding_safety import untrained_items
-from test_serve import BUCKETS, LiveServer, direct, events, gather, post, ratings, rec, ref, run_dir  # noqa: F401 - fixtures
+from test_serve import BUCKETS, LiveServer, direct, events, gather, post
 
 TINY = (1e-38, 1e-300, 5e-324)
 

@@ -213,3 +213,18 @@ def version_tuple(version: str) -> tuple[int, ...]:
             break
         out.append(int(part))
     return tuple(out)
+
+
+def model_processes(parent) -> list:
+    """The model processes of a serving process, seen from outside (soak, tests, operators; no torch import):
+    ``parent``'s descendants started by multiprocessing's spawn (``psutil.Process`` objects)."""
+    import psutil  # the [ops] / [test] / [bench] extras; not needed to serve
+
+    out = []
+    for c in parent.children(recursive=True):
+        try:
+            if any("spawn_main" in a for a in c.cmdline()):
+                out.append(c)
+        except psutil.Error:  # ended between the listing and the look
+            pass
+    return out

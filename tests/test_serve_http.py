@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from test_serve import REPO, LiveServer
+from test_serve import REPO, LiveServer, metrics
 
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app
@@ -114,6 +114,7 @@ def test_body_shorter_than_content_length_gets_408_and_close_and_blocks_nobody(r
             err = json.loads(body)["error"]
             assert err["type"] == "body_timeout" and err["field"] == "body"
             assert err["message"] == f"body: {len(PARTIAL)} of 1000 bytes arrived within the body timeout of 1 s"
+        assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "body_timeout"),))] == 3
 
 
 @pytest.mark.parametrize("impl", ["httptools", "h11"])
@@ -165,6 +166,7 @@ def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> No
                 headers = {"content-type": ctype} if ctype else {}
                 r = httpx.post(s.url + path, content=data, headers=headers, timeout=60)
                 assert r.status_code == 200, (path, ctype, r.text)
+        assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "unsupported_media_type"),))] == 6
         spec = httpx.get(s.url + "/openapi.json", timeout=10).json()
         assert "415" in spec["paths"]["/v1/generate"]["post"]["responses"]
 

@@ -410,6 +410,8 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     async def _api(request: Request, exc: ApiError):
         if exc.status == 422:
             svc.metrics.reject("invalid")
+        elif exc.status == 415:
+            svc.metrics.reject("unsupported_media_type")
         return _error(exc.status, exc.type, exc.message, exc.field, exc.headers)
 
     @app.exception_handler(Rejected)
@@ -422,6 +424,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
             svc.metrics.reject("body_too_large")
             return _error(413, "body_too_large", str(exc.detail), "body")
         if isinstance(exc, BodyTimeout):
+            svc.metrics.reject("body_timeout")
             return _error(408, "body_timeout", str(exc.detail), "body", exc.headers)
         return _error(exc.status_code, "http_error", str(exc.detail), None, getattr(exc, "headers", None))
 

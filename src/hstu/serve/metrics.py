@@ -43,7 +43,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-REASONS = ("queue_full", "timeout", "memory", "draining", "invalid", "body_too_large", "model_restart")
+REASONS = ("queue_full", "timeout", "memory", "draining", "invalid", "body_too_large", "body_timeout", "unsupported_media_type",
+           "model_restart")
 
 # Latency buckets (s): dense around the 100 ms P99 target.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -133,11 +133,31 @@ def test_generate_uses_the_bias_and_equals_recompute():
     assert first.tolist() == [7, 4]
 
 
-def test_engine_refuses_repeat_models_clearly():
+@pytest.mark.parametrize("num_actions", [0, 2])
+def test_engine_generates_with_the_repeat_bias_as_the_oracle(num_actions):
+    """The engine takes repeat heads (it refused them): greedy, seeded top-k and (without an action
+    head, where decode.py's beam feeds no actions) beam equal hstu.generate.decode's loop, in a
+    bucket wider than the histories; a huge bias on the last event's item makes it the first pick."""
     from hstu.generate.engine import Engine
 
-    with pytest.raises(ValueError, match="no repeat-aware scoring"):
-        Engine(_tiny(), buckets=(8,), max_batch=2, k_max=3)
+    m = _tiny(num_actions=num_actions)
+    ids = torch.tensor([[3, 5, 9, 7, 0], [2, 6, 4, 0, 0], [11, 11, 2, 8, 1]])
+    lengths = torch.tensor([4, 3, 5])
+    ts = torch.arange(5).repeat(3, 1) * 100
+    acts = torch.tensor([[1, 2, 1, 2, 0], [2, 2, 1, 0, 0], [1, 1, 2, 2, 1]]) if num_actions else None
+    rt = torch.tensor([400, 300, 500])
+    excl = exclusion_mask(12, 3, None, lengths)
+    eng = Engine(m, buckets=(6, 8), max_batch=8, k_max=3)
+    runs = [dict(strategy="greedy"), dict(strategy="topk", top_k=5, temperature=2.0, seed=3)]
+    runs += [dict(strategy="beam", beam_width=3)] if not num_actions else []
+    for kw in runs:
+        want = generate(m, ids, ts, lengths, 3, request_time=rt, exclude=excl.clone(), actions=acts, **kw)
+        got = eng.generate(ids, ts, lengths, 3, request_time=rt, exclude=excl.clone(), actions=acts, **kw)
+        assert torch.equal(got.items, want.items), kw
+        torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m.repeat.table[0].fill_(1e4)
+    assert eng.generate(ids, ts, lengths, 1, request_time=rt, exclude=excl.clone(), actions=acts).items[:, 0].tolist() == [7, 4, 1]
 
 
 def test_repeat_head_learns_revisits_on_taobao(tmp_path):

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, RUN_FILES, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
 
 log = logging.getLogger("hstu")
 
@@ -82,6 +82,8 @@ def _check_out_dir(args) -> None:
     """FileExistsError when --out already holds a run and neither --resume nor --overwrite is given;
     with --overwrite, ``fit`` deletes the old run's files once the data and device are good (so
     nothing of it can be resumed or reported, and a failed start loses nothing)."""
+    from hstu.runs import RUN_FILES
+
     out = Path(args.out)
     found = [f for f in RUN_FILES if (out / f).exists()]
     if not found or args.resume:

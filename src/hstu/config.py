@@ -1,4 +1,4 @@
-"""Typed configuration: ModelConfig, TrainConfig, GenerateConfig, ServeConfig.
+"""Typed configuration: ModelConfig, TrainConfig, DecodeOptions / GenerateConfig, ServeConfig.
 
 Loaded from TOML or JSON; unknown keys are rejected with a ValueError naming the field.
 Defaults follow the HSTU ML-1M recipe (Zhai et al. 2024, §4.1; reference repository's
@@ -23,7 +23,6 @@ else:  # pragma: no cover
 
 ATTENTION_NORMS = ("fixed", "causal")
 INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
-RUN_FILES = ("model.safetensors", "last.json", "last.safetensors", "history.json", "metrics.json")  # what training writes per epoch / at the end
 MAX_WIDTH = 65_536  # max_seq_len + max_output_len: the position table and attention width N
 
 
@@ -163,14 +162,56 @@ def check_k(k: int, max_output_len: int, name: str = "k") -> None:
 
 
 @dataclass
-class GenerateConfig:
-    k: int = 5
+class DecodeOptions:
+    """How next-k items are chosen (:mod:`hstu.generate.sampler`): the one decoding-options type
+    of ``hstu generate``, the Python API (``Recommender.recommend(decoding=...)``) and the HTTP
+    service (``hstu.serve.schemas.Decoding`` maps onto it, with the same ranges).
+
+    strategy: "greedy" | "topk" (seeded sampling among the ``top_k`` best at softmax
+    ``temperature``) | "beam" (``beam_width`` beams, sum of log-probabilities). top_k in
+    1..TOP_K_MAX; temperature in (0, TEMPERATURE_MAX], the sampling temperature (not the model's
+    similarity temperature); beam_width in 1..BEAM_WIDTH_MAX; seed in 0..SEED_MAX. Fields other
+    than the strategy's are carried and ignored. Raises ValueError naming the field (at construction).
+    """
+
     strategy: str = "greedy"  # greedy | topk | beam
     top_k: int = 50
     temperature: float = 1.0
     beam_width: int = 4
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.strategy not in ("greedy", "topk", "beam"):
+            raise ValueError(f"{type(self).__name__}.strategy must be greedy, topk or beam, got {self.strategy!r}")
+        for name, hi in (("top_k", TOP_K_MAX), ("beam_width", BEAM_WIDTH_MAX), ("seed", SEED_MAX)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not (0 if name == "seed" else 1) <= v <= hi:
+                raise ValueError(f"{type(self).__name__}.{name} must be an integer in {0 if name == 'seed' else 1}..{hi}, got {v!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and 0 < t <= TEMPERATURE_MAX):
+            raise ValueError(f"{type(self).__name__}.temperature must be a number in (0, {TEMPERATURE_MAX}], got {t!r}")
+
+    def options(self) -> "DecodeOptions":
+        """The decoding fields alone (a GenerateConfig without k and exclude_history)."""
+        return DecodeOptions(self.strategy, self.top_k, self.temperature, self.beam_width, self.seed)
+
+
+@dataclass
+class GenerateConfig(DecodeOptions):
+    """The [generate] table: :class:`DecodeOptions` plus k (items, >= 1; <= the model's
+    max_output_len, checked against the run by :func:`check_k`) and exclude_history (None: the
+    data set's default)."""
+
+    k: int = 5
     exclude_history: bool | None = None  # None: the data set's default
+
+    def validate(self) -> None:
+        super().validate()
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"GenerateConfig.k must be an integer >= 1, got {self.k!r}")
 
 
 @dataclass
@@ -207,31 +248,17 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.buckets must be distinct, ascending and >= 1, got {self.buckets}")
 
 
-PROTOCOLS = ("clean", "paper")
+# Moved (issue 18): DataSpec and PROTOCOLS to hstu.data.prepare, RUN_FILES to hstu.runs; the old
+# names stay importable from here, resolved on first use (PEP 562) since both modules sit above config.
+_MOVED = {"DataSpec": "hstu.data.prepare", "PROTOCOLS": "hstu.data.prepare", "RUN_FILES": "hstu.runs"}
 
 
-@dataclass
-class DataSpec:
-    """What a run trains on (config.json ``data``): a named data set in ``data_dir``, the split
-    protocol, the first ``max_users`` users (None: all), loader ``options`` (e.g. ``columns``)."""
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
 
-    dataset: str = "ml-1m"
-    data_dir: str = ""
-    protocol: str = "clean"  # leave-one-out split, see hstu.data.sequences.make_split
-    max_users: int | None = None
-    skip_bad_rows: bool = False
-    options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
-
-    def validate(self) -> None:
-        if not self.dataset:
-            raise ValueError("DataSpec.dataset must be a data set name, got ''")
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"DataSpec.protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
-        if self.max_users is not None and self.max_users < 1:
-            raise ValueError(f"DataSpec.max_users must be >= 1 or null, got {self.max_users}")
-        bad = [k for k, v in self.options.items() if not isinstance(k, str) or not isinstance(v, (str, dict))]
-        if bad:
-            raise ValueError(f"DataSpec.options: {bad[0]!r} must be a text or a table, got {self.options[bad[0]]!r}")
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _TYPE_CHECKS = {  # a field's annotation (a string under `from __future__ import annotations`) -> accepted values

@@ -1,4 +1,13 @@
-"""Next-k generation: greedy, top-k / temperature sampling, beam search, with a KV cache.
+"""Next-k generation with a KV cache, model-level: the **test oracle** of the engine.
+
+No user path runs this loop: ``hstu generate``, the Python API
+(:meth:`hstu.generate.recommend.Recommender.recommend`) and ``hstu serve`` generate through
+:class:`hstu.generate.engine.Engine`; tests compare the engine against :func:`generate` and
+:func:`generate_recompute`. Its beam search feeds no predicted actions to the next step (the
+engine does), so the two differ in beam search for models with a next-action head only.
+The sampler (scores, exclusion, top-k) is shared: :mod:`hstu.generate.sampler`, re-exported here.
+
+Greedy, top-k / temperature sampling, beam search.
 
 Each of the k steps scores every item with the current user vector (cosine / temperature,
 DESIGN.md), picks an item, appends it as a token at the next position with timestamp = the
@@ -15,94 +24,12 @@ Symbols: B users, W padded history width, I items (dense ids 1..I), k steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hstu.generate.kv_cache import KVCache
+from hstu.generate.sampler import (TEMPERATURE_FLOOR, GenerationResult, check_candidates, exclusion_mask, next_scores, pick,
+                                   sample_topk)
 from hstu.model.hstu import HSTUModel
-
-
-@dataclass
-class GenerationResult:
-    """items (B, k) int64 dense ids; scores (B, k) float model scores (cosine / temperature);
-    actions (B, k) int64 predicted action ids or None; beam_logprob (B,) or None."""
-
-    items: torch.Tensor
-    scores: torch.Tensor
-    actions: torch.Tensor | None = None
-    beam_logprob: torch.Tensor | None = None
-
-
-def exclusion_mask(num_items: int, batch: int, ids: torch.Tensor | None, lengths: torch.Tensor | None,
-                   block: list[list[int]] | None = None, device: torch.device | str = "cpu",
-                   never: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, I+1) bool, True = never generate: padding 0, the history ids (if given), block lists
-    and ``never``: an optional (I+1,) bool row excluded for every user (e.g. the items without
-    training events, :attr:`hstu.generate.recommend.Recommender.untrained`)."""
-    mask = torch.zeros(batch, num_items + 1, dtype=torch.bool, device=device)
-    if never is not None:
-        if never.shape != (num_items + 1,):
-            raise ValueError(f"exclusion_mask: never must be (I+1,) = ({num_items + 1},), got {tuple(never.shape)}")
-        mask |= never.to(device=device, dtype=torch.bool).view(1, -1)
-    mask[:, 0] = True
-    if ids is not None:
-        live = torch.arange(ids.shape[1], device=ids.device).view(1, -1) < lengths.view(-1, 1)
-        rows = torch.arange(batch, device=ids.device).view(-1, 1).expand_as(ids)
-        mask[rows[live], ids[live]] = True
-    for b, items in enumerate(block or []):
-        ok = [i for i in items if 0 < i <= num_items]
-        if ok:
-            mask[b, torch.tensor(ok, device=device)] = True
-    return mask
-
-
-def check_candidates(exclude: torch.Tensor, need: int, detail: str) -> None:
-    """Raise ValueError when a row of ``exclude`` ((B, I+1) bool, True = never generate, column
-    0 padding) leaves fewer than ``need`` items: that row would otherwise generate excluded
-    items with score -inf. ``detail`` ends the message (e.g. "k=10, beam width 1")."""
-    left = (~exclude[:, 1:]).sum(dim=1)  # (B,)
-    short = (left < need).nonzero().view(-1).tolist()
-    if short:
-        raise ValueError(f"row(s) {short[:10]}: fewer than {need} items left after exclusion ({detail})")
-
-
-# the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
-TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
-
-
-def sample_topk(scores: torch.Tensor, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    """Seeded sampling among the ``top_k`` best of each row at softmax ``temperature``; the one
-    top-k sampler of every generation path (``generate``, the engine).
-
-    Args:
-        scores: (R, I+1) float scores, -inf where excluded; every row needs >= 1 finite entry.
-        top_k: candidates per row (>= 1; more than I+1 means all).
-        temperature: > 0. Computed in a way that cannot overflow: in float32 (at least), the
-            row's best score subtracted first, then divided by max(temperature,
-            ``TEMPERATURE_FLOOR`` = 1.18e-38), so the logits lie in [-inf, 0] with 0 at the best
-            item and the softmax is finite for any temperature. A tiny temperature (1e-38,
-            1e-300, 5e-324) is the greedy limit: the best item, or one of exactly tied ones
-            uniformly.
-        gen: the generator drawn from (seeded by the caller).
-    Returns:
-        (R,) int64 column ids of the picks.
-    """
-    vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)  # (R, k') descending
-    z = vals.float() if vals.dtype in (torch.float16, torch.bfloat16) else vals
-    z = (z - z[:, :1]).div_(max(float(temperature), TEMPERATURE_FLOOR))  # (R, k') in [-inf, 0]
-    probs = torch.softmax(z, dim=1)
-    return idx.gather(1, torch.multinomial(probs, 1, generator=gen)).squeeze(1)
-
-
-def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
-    """(R,) int64 next item per row of ``scores`` (R, I+1): argmax ("greedy") or
-    :func:`sample_topk` ("topk"). Raises ValueError for another strategy."""
-    if strategy == "greedy":
-        return scores.argmax(dim=1)
-    if strategy == "topk":
-        return sample_topk(scores, top_k, temperature, gen)
-    raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
 
 
 def _check(model: HSTUModel, ids: torch.Tensor, lengths: torch.Tensor, k: int) -> None:
@@ -134,6 +61,11 @@ def _prefill(model: HSTUModel, ids, timestamps, lengths, request_time, k, cache:
     pad = lambda t: None if t is None else _fit(t, Wp)  # noqa: E731
     seq = model.encode(_fit(ids, Wp), tbuf[:, :Wp].clone(), lengths, actions=pad(actions), categories=pad(categories), kv_cache=kv)
     return model.last_rows(seq, lengths), kv, tbuf
+
+
+def _repeat(model: HSTUModel, parts: tuple | None) -> tuple | None:
+    """The ``repeat`` argument of :func:`next_scores`: (model.repeat, static, in_window) or None."""
+    return None if parts is None else (model.repeat, *parts)
 
 
 def _fit(t: torch.Tensor, W: int) -> torch.Tensor:
@@ -177,17 +109,14 @@ def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, leng
     gen = torch.Generator(device=ids.device).manual_seed(seed) if strategy == "topk" else None
     user, kv, tbuf = _prefill(model, ids, timestamps, lengths, request_time, k, cache, actions, categories)
     index = model.item_index()  # (I+1) rows, the table's storage
-    bias_parts = model.repeat_parts(ids, actions, lengths)  # repeat-aware bias, fixed while generating
+    rep = _repeat(model, model.repeat_parts(ids, actions, lengths))  # repeat-aware bias, fixed while generating
     out_items = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
     out_scores = torch.zeros(B, k, dtype=user.dtype, device=ids.device)
     out_actions = torch.zeros(B, k, dtype=torch.int64, device=ids.device) if model.action_head is not None else None
     bidx = torch.arange(B, device=ids.device)
     pos = lengths.clone()
     for step in range(k):
-        scores = index.cosine(user).div_(model.cfg.temperature)  # (B, I+1)
-        if bias_parts is not None:
-            model.repeat.add_to(scores, user, *bias_parts)
-        scores = scores.masked_fill(exclude, float("-inf"))
+        scores = next_scores(index, user, model.cfg.temperature, exclude, repeat=rep)  # (B, I+1)
         choice = pick(scores, strategy, top_k, temperature, gen)
         out_items[:, step] = choice
         out_scores[:, step] = scores[bidx, choice]
@@ -212,18 +141,15 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
     user, kv, tbuf = _prefill(model, ids_r, ts_r, len_r, rt_r, k, cache, rep(actions), rep(categories))
     index = model.item_index()
     I1 = index.num_rows
-    bias_parts = model.repeat_parts(ids, actions, lengths)
-    bias_parts = None if bias_parts is None else tuple(rep(t) for t in bias_parts)  # the same for every beam
+    parts = model.repeat_parts(ids, actions, lengths)
+    bias = _repeat(model, None if parts is None else tuple(rep(t) for t in parts))  # the same for every beam
     excl = exclude.repeat_interleave(W, dim=0)  # (B*W, I+1)
     seq_items = torch.zeros(B * W, k, dtype=torch.int64, device=ids.device)
     seq_scores = torch.zeros(B * W, k, dtype=user.dtype, device=ids.device)
     beam_lp = torch.zeros(B, W, dtype=user.dtype, device=ids.device)
     pos = len_r.clone()
     for step in range(k):
-        scores = index.cosine(user).div_(model.cfg.temperature)  # (B*W, I+1)
-        if bias_parts is not None:
-            model.repeat.add_to(scores, user, *bias_parts)
-        scores = scores.masked_fill(excl, float("-inf"))
+        scores = next_scores(index, user, model.cfg.temperature, excl, repeat=bias)  # (B*W, I+1)
         logp = torch.log_softmax(scores, dim=1).view(B, W, I1)
         if step == 0:  # all beams are identical: expand from beam 0 only
             cand = logp[:, 0]  # (B, I+1)
@@ -273,7 +199,7 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
     cur_len = lengths.clone()
     bidx = torch.arange(B, device=ids.device)
     index = model.item_index()
-    bias_parts = model.repeat_parts(ids, None, lengths)
+    rep = _repeat(model, model.repeat_parts(ids, None, lengths))
     items = torch.zeros(B, k, dtype=torch.int64, device=ids.device)
     scores_out = torch.zeros(B, k, device=ids.device)
     for step in range(k):
@@ -281,13 +207,14 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
         w = int(cur_len.max()) + 1
         seq = model.encode(cur_ids[:, :w], cur_ts[:, :w], cur_len)
         user = model.last_rows(seq, cur_len)
-        scores = index.cosine(user).div_(model.cfg.temperature)
-        if bias_parts is not None:
-            model.repeat.add_to(scores, user, *bias_parts)
-        scores = scores.masked_fill(exclude, float("-inf"))
+        scores = next_scores(index, user, model.cfg.temperature, exclude, repeat=rep)
         choice = scores.argmax(dim=1)
         items[:, step], scores_out[:, step] = choice, scores[bidx, choice]
         exclude[bidx, choice] = True
         cur_ids[bidx, cur_len] = choice
         cur_len = cur_len + 1
     return GenerationResult(items, scores_out)
+
+
+__all__ = ["GenerationResult", "TEMPERATURE_FLOOR", "check_candidates", "exclusion_mask", "generate", "generate_recompute", "pick",
+           "sample_topk"]

@@ -99,7 +99,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from hstu.generate.decode import GenerationResult, check_candidates, pick
+from hstu.generate.sampler import GenerationResult, check_candidates, next_scores, pick
 from hstu.generate.hardening import check_inputs_on, harden
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.model.hstu import HSTUModel, l2_normalize
@@ -247,9 +247,6 @@ class Engine:
                  device: torch.device | str | None = None, kernels: str = "auto", graphs: str = "auto",
                  batch_sizes: Sequence[int] | None = None, prefix_cache_bytes: int = 0, compile_backend: str = "inductor") -> None:
         cfg = model.cfg
-        if getattr(model, "repeat", None) is not None:
-            raise ValueError("the engine has no repeat-aware scoring (ModelConfig.repeat_window > 0); generate with "
-                             "hstu.generate.generate (the service falls back to it by itself)")
         edges = tuple(int(b) for b in buckets)
         if not edges or any(b <= 0 for b in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
             raise ValueError(f"buckets must be increasing positive edges, got {list(buckets)}")
@@ -825,10 +822,10 @@ class Engine:
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
             step = self._runner(b, ("step", Bp, W), lambda: self._step_fn(b, Bp, W), W == 1 or self.graphs != "compile")
-            res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic)
+            res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W))
         else:
             prefill = self._runner(b, ("prefill", Bp), lambda: self._prefill_fn(b, Bp), True)
-            res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic)
+            res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1))
         items, scores, acts, blp, final_excl = res
         out.items[ri] = items[:Bu]
         out.scores[ri] = scores[:Bu]
@@ -848,6 +845,19 @@ class Engine:
                             v=[hv[j, :, :n - 1].clone() for hv in b.hv])
             self.prefix.put(user_ids[i], e)
 
+    def _repeat(self, req: dict, ri: torch.Tensor, Bp: int, W: int) -> tuple | None:
+        """The repeat head's bias of a group (rows ``ri`` of the request, padded to Bp users, each
+        repeated for its W beams): (model.repeat, static (Bp*W, I+1), in_window (Bp*W, I+1) bool),
+        as :func:`hstu.generate.sampler.next_scores` takes it; None without a repeat head. Fixed
+        while generating (the history's window; generated items add none, as decode.py)."""
+        m = self.model
+        if m.repeat is None:
+            return None
+        parts = m.repeat_parts(req["ids"][ri], req["actions"][ri], req["lengths"][ri])  # (Bu, I+1) each
+        pad = Bp - len(ri)
+        static, inwin = (torch.nn.functional.pad(t, (0, 0, 0, pad)).repeat_interleave(W, dim=0) for t in parts)  # (Bp*W, I+1)
+        return m.repeat, static, inwin
+
     def _pick(self, scores: torch.Tensor, strategy: str, top_k: int, temperature: float) -> torch.Tensor:
         return pick(scores, strategy, top_k, temperature, self._gen)  # the shared, underflow-safe sampler
 
@@ -857,7 +867,7 @@ class Engine:
         return self.model.action_head(user)[:, 1:].argmax(dim=1) + 1
 
     def _decode(self, b: _Bucket, Bp: int, W: int, k: int, user: torch.Tensor, step: Callable[[], torch.Tensor], strategy: str,
-                top_k: int, temperature: float, item_category: torch.Tensor | None):
+                top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
         """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers."""
         R = Bp * W
         I1 = self._scores.shape[1]
@@ -868,8 +878,7 @@ class Engine:
         beam = strategy == "beam"
         temp = self.model.cfg.temperature
         for s in range(k):
-            self._index.cosine(user, out=scores)
-            scores.div_(temp).masked_fill_(excl, float("-inf"))  # (R, I+1)
+            next_scores(self._index, user, temp, excl, repeat=repeat, out=scores)  # (R, I+1)
             act = self._next_action(user)
             if not beam:
                 choice = self._pick(scores, strategy, top_k, temperature)  # (R,)
@@ -923,7 +932,7 @@ class Engine:
         return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, excl[rows]
 
     def _decode_recompute(self, b: _Bucket, Bp: int, k: int, user: torch.Tensor, prefill: Callable[[], torch.Tensor], strategy: str,
-                          top_k: int, temperature: float, item_category: torch.Tensor | None):
+                          top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
         """No KV cache: append each pick to the padded inputs and rerun the bucket's prefill."""
         R = Bp
         scores, excl = self._scores[:R], self._excl[:R]
@@ -931,8 +940,7 @@ class Engine:
         bidx = self._bidx[:R]
         temp = self.model.cfg.temperature
         for s in range(k):
-            self._index.cosine(user, out=scores)
-            scores.div_(temp).masked_fill_(excl, float("-inf"))
+            next_scores(self._index, user, temp, excl, repeat=repeat, out=scores)
             act = self._next_action(user)
             choice = self._pick(scores, strategy, top_k, temperature)
             items[:, s] = choice

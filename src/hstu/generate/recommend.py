@@ -1,6 +1,12 @@
 """Recommender: a run directory's model + id map, turning raw histories into next-k items.
 
-Used by ``hstu generate`` and the HTTP service. Input is validated here (the edge): unknown
+Used by ``hstu generate``, the Python API and the HTTP service, which all generate through one
+:class:`hstu.generate.engine.Engine` call, :meth:`Recommender.recommend`: the histories padded
+into tensors (to a bucket's edge for the server's static shapes), the never-generate mask
+(:meth:`Recommender.exclusion`), the engine, the items described in original ids. The
+Recommender owns a default engine (:attr:`Recommender.engine`, built on first use with
+:func:`default_buckets`); the server builds one per served bucket layout
+(:meth:`Recommender.build_engine`) and passes it. Input is validated here (the edge): unknown
 item ids (policy "drop" with a warning, or "reject"), empty histories, over-long histories
 (the most recent ``max_seq_len`` events are kept and the response says how many were cut),
 non-monotonic timestamps (policy "sort", stable, or "reject").
@@ -22,11 +28,24 @@ import numpy as np
 import torch
 
 from hstu import backend
-from hstu.generate.decode import exclusion_mask, generate
+from hstu.config import DecodeOptions
+from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.hardening import harden
+from hstu.generate.sampler import exclusion_mask
 from hstu.model.hstu import HSTUModel
 
 log = logging.getLogger(__name__)
+
+
+# pool rows of the Recommender's own engine: a beam of the widest width (hstu.config.BEAM_WIDTH_MAX) fits
+ENGINE_MAX_BATCH = 16
+
+
+def default_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """Bucket edges of the Recommender's own engine: the engine's default edges (20, 50, 100, 200)
+    below ``max_seq_len``, then ``max_seq_len`` itself, so every prepared history fits (e.g.
+    max_seq_len 50 -> (20, 50); 300 -> (20, 50, 100, 200, 300))."""
+    return tuple(b for b in DEFAULT_BUCKETS if b < max_seq_len) + (int(max_seq_len),)
 
 
 class HistoryError(ValueError):
@@ -75,6 +94,25 @@ class Recommender:
         self.untrained = None if self.untrained_np is None else torch.from_numpy(self.untrained_np).to(self.device)
         self.num_untrained = 0 if self.untrained_np is None else int(self.untrained_np.sum())
         self.allow_untrained_default = float(getattr(model.cfg, "cold_item_dropout", 0.0)) > 0
+        self._engine: Engine | None = None
+
+    def build_engine(self, buckets=None, max_batch: int = ENGINE_MAX_BATCH, **engine_kwargs) -> Engine:
+        """A new :class:`hstu.generate.engine.Engine` for this run's model on its device, k_max =
+        the model's max_output_len; ``buckets`` default :func:`default_buckets`; other keywords
+        (graphs, kernels, prefix_cache_bytes, ...) go to the engine. Raises ValueError as the
+        engine (buckets past max_seq_len, max_batch < 1, ...)."""
+        cfg = self.model.cfg
+        return Engine(self.model, buckets=tuple(buckets or default_buckets(cfg.max_seq_len)), max_batch=max_batch,
+                      k_max=cfg.max_output_len, device=self.device, **engine_kwargs)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine :meth:`recommend` uses by default, built on first use: default buckets,
+        ENGINE_MAX_BATCH rows, eager (a one-shot ``hstu generate`` pays no graph capture; build
+        one with graphs="auto" for many calls on CUDA)."""
+        if self._engine is None:
+            self._engine = self.build_engine(graphs="eager")
+        return self._engine
 
     @classmethod
     def from_run(cls, run_dir, device: str = "cpu", precision: str | None = None) -> "Recommender":
@@ -274,16 +312,35 @@ class Recommender:
         return item
 
     @torch.inference_mode()
-    def recommend(self, preps: list[Prepared], k: int = 5, *, exclude_history: bool | None = None, strategy: str = "greedy",
-                  allow_untrained: bool | None = None, **decode_kwargs) -> list[list[dict]]:
-        """Next-k items for each prepared history; one list of item dicts per history.
-        ``allow_untrained``: see :meth:`allows_untrained`. Raises ValueError as ``generate``
-        (e.g. a history whose exclusions leave fewer than k items: check :meth:`check_room` first)."""
-        b = self.batch(preps)
-        mask = self.exclusion(b, preps, exclude_history, allow_untrained)
-        res = generate(self.model, b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
-                       strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=self.item_category,
-                       **decode_kwargs)
+    def recommend(self, preps: list[Prepared], k: int = 5, *, decoding: DecodeOptions | None = None, exclude_history: bool | None = None,
+                  allow_untrained: bool | None = None, engine: Engine | None = None, bucket: int | None = None,
+                  **decode_kwargs) -> list[list[dict]]:
+        """Next-k items for each prepared history, through the engine; one list of k item dicts
+        (:meth:`describe`) per history, in order.
+
+        Args:
+            preps: histories from :meth:`prepare` (1..max_seq_len known events each).
+            k: 1..the model's max_output_len.
+            decoding: the decoding options; or give their fields as keywords (``strategy``,
+                ``top_k``, ``temperature``, ``beam_width``, ``seed``; not both). Top-k draws
+                from one generator seeded with ``seed`` over the whole batch (the server runs
+                each top-k request alone, so there a seed gives the same items in any batch).
+            exclude_history: None = the data set's default; allow_untrained: see :meth:`allows_untrained`.
+            engine: the engine to run (default :attr:`engine`); bucket: one of its edges to pad
+                every history to (static (B, E) inputs; the server's), default each row's smallest.
+        Raises:
+            ValueError: bad decoding options or k; a history whose exclusions leave fewer than
+                max(k, beam width) items (check :meth:`check_room` first); as the engine.
+        """
+        if decoding is not None and decode_kwargs:
+            raise ValueError(f"give decoding or its fields {sorted(decode_kwargs)}, not both")
+        d = decoding if decoding is not None else DecodeOptions(**decode_kwargs)
+        eng = engine if engine is not None else self.engine
+        b = self.batch(preps, width=bucket)  # (B, E) or (B, longest)
+        mask = self.exclusion(b, preps, exclude_history, allow_untrained)  # (B, I+1)
+        res = eng.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
+                           actions=b["actions"], categories=b["categories"], item_category=self.item_category, bucket=bucket,
+                           strategy=d.strategy, top_k=d.top_k, temperature=d.temperature, beam_width=d.beam_width, seed=d.seed)
         return self.results(res.items, res.scores, res.actions, k)
 
 

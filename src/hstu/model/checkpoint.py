@@ -1,18 +1,10 @@
-"""Run-directory I/O shared by every job: JSON files, safetensors weights, loading a run.
+"""Run-file primitives: atomic JSON and safetensors writes, checked reads, loading weights.
 
-RUN_DIR/
-  config.json             model, train and data settings, hstu version
-  model.safetensors       best weights (by valid NDCG@10; last epoch under --protocol paper)
-  idmap.json              dense id -> original item id, titles, categories, action names
-  metrics.json            {"valid": {...}, "test": {...}, "epochs": n, "train_seconds": s}
-  history.json            per-epoch loss, throughput and metrics
-  last.safetensors/.json  last epoch's weights, optimizer and RNG state (for --resume); the
-                          manifest (epoch, early-stopping state, history) is in last.safetensors'
-                          metadata, written in one rename: last.json and history.json are copies
-                          of it, repaired on resume (hstu.train.checkpoint)
-No pickle anywhere: tensors in safetensors, everything else in JSON. Every file is written to
-NAME.tmp and renamed into place; JSON run files are checked field by field as they are read
-(hstu.model.run_files).
+The run directory's layout (which files, what they hold) and every job's use of it are
+:mod:`hstu.runs`; this module only reads and writes one file at a time, for it and for the
+quantized weights format (:mod:`hstu.quant.checkpoint`), which sits below runs. No pickle anywhere:
+tensors in safetensors, everything else in JSON. Every file is written to NAME.tmp and renamed
+into place; JSON run files are checked field by field as they are read (hstu.model.run_files).
 """
 
 from __future__ import annotations
@@ -27,8 +19,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from hstu import backend
-from hstu.config import model_config_from_dict
 from hstu.model.run_files import check_run_json
 
 KILL_AT_ENV = "HSTU_TEST_KILL_AT"  # test seam, see crash_point
@@ -113,28 +103,14 @@ def load_weights(path: Path, module: torch.nn.Module, device: torch.device | str
     load_state(path, module, read_safetensors(path, device))
 
 
-def load_run(run_dir: str | Path, device: str = "cpu"):
-    """(model in eval mode on ``device``, config.json dict, idmap.json dict) of a run.
-
-    Raises FileNotFoundError (no run), ValueError naming the run file and field that is
-    malformed, or an id map whose item count is not the model's."""
-    from hstu.model.hstu import build_hstu
-
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: run directory not found")
-    cfg = read_json(run / "config.json")
-    ids = read_json(run / "idmap.json")
-    check_items_match(run, cfg, ids)
-    dev = backend.select(device)
-    model = build_hstu(model_config_from_dict(cfg["model"])).to(dev.device)
-    load_weights(run / "model.safetensors", model, dev.device)
-    return model.eval(), cfg, ids
+_MOVED = {"load_run": "load_float_run", "check_items_match": "check_items_match"}  # issue 18: now in hstu.runs
 
 
-def check_items_match(run: Path, cfg: dict, ids: dict) -> None:
-    """ValueError when idmap.json's item count is not config.json's model.num_items (every dense
-    id indexes the item table)."""
-    n, m = len(ids["item_raw_ids"]) - 1, cfg["model"].get("num_items", 0)
-    if n != m:
-        raise ValueError(f"{run / 'idmap.json'}: item_raw_ids holds {n} items but {run / 'config.json'} model.num_items is {m}")
+def __getattr__(name: str) -> Any:
+    """The run loaders moved to :mod:`hstu.runs` (above model in the import order); their old
+    names here are resolved on first use (PEP 562): ``load_run`` is :func:`hstu.runs.load_float_run`."""
+    if name in _MOVED:
+        import hstu.runs
+
+        return getattr(hstu.runs, _MOVED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

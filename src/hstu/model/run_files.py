@@ -5,7 +5,8 @@ calls :func:`check_run_json`), so a truncated, corrupt or hand-edited file is on
 the file and the field (``run/config.json data: max_users must be int | None, got '300'``) for
 ``hstu train --resume`` and ``hstu eval / generate / serve --run`` alike, instead of a TypeError
 deep inside training or loading. config.json's tables reuse the typed dataclass checks of
-:mod:`hstu.config`. Unknown top-level keys are kept (files written by a newer hstu).
+:mod:`hstu.config` and :class:`hstu.data.prepare.DataSpec`. Unknown top-level keys are kept (files
+written by a newer hstu). The directory's layout is :mod:`hstu.runs`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from hstu.config import DataSpec, ModelConfig, TrainConfig, _from_dict
+from hstu.config import ModelConfig, TrainConfig, _from_dict
+from hstu.data.prepare import DataSpec
 
 
 def _is_int(v: Any) -> bool:

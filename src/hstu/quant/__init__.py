@@ -4,7 +4,7 @@ FP16 / BF16, a per-layer calibration report, and quantized checkpoints.
 Entry points:
     apply_precision(model, "fp32" | "bf16" | "fp16" | "int8", ...) -> the same model, converted in place
     load_quantized_run(run_dir, device, scheme=None) -> (model, config dict, idmap dict)
-    load_for_inference(run_dir, device, precision=None) -> (model, config dict, idmap dict)  # --precision
+    load_for_inference(run_dir, device, precision=None)  # moved: hstu.runs.load_run (old name kept)
     save_quantized_run(model, src_run, out, calibration=...)
     layer_report(float_model, quant_model, batch)                                           # calibration
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from torch import nn
 
 from hstu.quant.calibrate import calibration_batch, layer_report
-from hstu.quant.checkpoint import (PRECISIONS, SCHEMES, QuantCheckpointError, load_for_inference, load_quantized_run,
-                                   read_quant_meta, save_quantized_run, tensor_bytes)
+from hstu.quant.checkpoint import (PRECISIONS, SCHEMES, QuantCheckpointError, load_quantized_run, read_quant_meta,
+                                   save_quantized_run, tensor_bytes)
 from hstu.quant.int8 import (Int8Embedding, Int8Kernel, Int8Linear, dequantize_per_channel, quantize_model_int8,
                              quantize_per_channel, select_int8_kernel)
 from hstu.quant.lowp import LowPrecisionHSTUModel, to_low_precision
@@ -26,6 +26,16 @@ __all__ = [
     "load_quantized_run", "quantize_model_int8", "quantize_per_channel", "read_quant_meta", "save_quantized_run",
     "select_int8_kernel", "tensor_bytes", "to_low_precision",
 ]
+
+
+def __getattr__(name: str):
+    """``load_for_inference``: moved to :func:`hstu.runs.load_run` (above quant in the import order),
+    resolved on first use so the old name keeps working."""
+    if name == "load_for_inference":
+        from hstu.quant import checkpoint
+
+        return checkpoint.load_for_inference
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def apply_precision(model: nn.Module, precision: str, *, embeddings: str | None = None, keep_float=(),

@@ -14,8 +14,9 @@ RUN_DIR_Q/
                               python}, "source_run", "source_weights_sha256", "bytes": {...}, "calibration": {...}}
 
 The float run's ``model.safetensors`` is deliberately absent, so the float loader
-(:func:`hstu.model.checkpoint.load_run`) cannot silently read a quantized run; use
-:func:`load_quantized_run` or :func:`load_for_inference`. Loading refuses, with a ValueError naming
+(:func:`hstu.runs.load_float_run`) cannot silently read a quantized run; use
+:func:`load_quantized_run` or :func:`hstu.runs.load_run` (any run, at a precision). The rest of
+the run directory's layout is :mod:`hstu.runs`. Loading refuses, with a ValueError naming
 the file and both schemes, a checkpoint whose scheme differs from the one asked for, whose
 safetensors metadata disagrees with quant.json, or whose tensors have the wrong dtype or shape.
 """
@@ -36,7 +37,7 @@ from safetensors.torch import save_file
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import load_run, read_json, read_safetensors, write_json
+from hstu.model.checkpoint import read_json, read_safetensors, write_json
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
 from hstu.quant.lowp import LOWP, to_low_precision
 
@@ -244,12 +245,12 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
     model = model.to(dev.device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    _prepare(model)
+    prepare_kernels(model)
     cfg["quant"] = meta
     return model, cfg, ids
 
 
-def _prepare(model: torch.nn.Module) -> None:
+def prepare_kernels(model: torch.nn.Module) -> None:
     """Select kernels and prepack every Int8Linear now, logging the kernel once."""
     kernels = set()
     for m in model.modules():
@@ -259,28 +260,11 @@ def _prepare(model: torch.nn.Module) -> None:
         (log.info if k.integer else log.warning)("INT8 Linear kernel: %s (%s)", k.name, k.reason)
 
 
-def load_for_inference(run_dir: str | Path, device: str = "cpu", precision: str | None = None):
-    """Load any run for eval / generate / serve at ``precision``; the one call behind ``--precision``.
+# Moved (issue 18): load_for_inference is hstu.runs.load_run, which owns loading a run at a precision;
+# the old name stays importable from here, resolved on first use (PEP 562): hstu.runs sits above quant.
+def __getattr__(name: str) -> Any:
+    if name == "load_for_inference":
+        from hstu.runs import load_run
 
-    - a quantized run (has quant.json): loaded with :func:`load_quantized_run`; ``precision`` None
-      means "as saved", otherwise it must equal the saved scheme (QuantCheckpointError if not;
-      "fp32" on a quantized run is refused, the float weights are not in it);
-    - a float run: :func:`hstu.model.checkpoint.load_run`, then converted in memory with
-      :func:`hstu.quant.apply_precision` when ``precision`` is not None / "fp32".
-    Returns the same tuple as ``load_run``: (model, config dict, idmap dict).
-    Raises ValueError for an unknown precision, plus what the loaders raise.
-    """
-    from hstu.quant import apply_precision
-
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"--precision: unknown value {precision!r}; valid: {list(PRECISIONS)}")
-    if read_quant_meta(run_dir) is not None:
-        if precision == "fp32":
-            raise QuantCheckpointError(f"{run_dir}: quantized run (scheme {read_quant_meta(run_dir)['scheme']!r}); "
-                                       f"--precision fp32 needs the float run it was made from")
-        return load_quantized_run(run_dir, device, scheme=precision)
-    model, cfg, ids = load_run(run_dir, device)
-    if precision not in (None, "fp32"):
-        apply_precision(model, precision)
-        _prepare(model)
-    return model, cfg, ids
+        return load_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 
 
 def cmd_quantize(args) -> int:
-    from hstu.model.checkpoint import load_run
     from hstu.quant import apply_precision, read_quant_meta, save_quantized_run
     from hstu.quant.calibrate import calibration_batch, format_report, layer_report
     from hstu.quant.int8 import Int8Linear
+    from hstu.runs import load_run
 
     if read_quant_meta(args.run) is not None:
         raise ValueError(f"{args.run} is already quantized; quantize the float run it was made from")
@@ -48,8 +48,8 @@ def cmd_quantize(args) -> int:
 
     report = None
     if not args.no_calibrate:
+        from hstu.data.prepare import DataSpec, prepare_data
         from hstu.data.sequences import make_split
-        from hstu.train.loop import DataSpec, prepare_data
 
         spec = DataSpec(**cfg["data"])
         if args.data_dir:

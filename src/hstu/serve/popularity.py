@@ -78,7 +78,7 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
         data_dir: overrides ``data.data_dir`` (e.g. the data moved since training); None: the
             counts stored in ``idmap.json``, else $HSTU_DATA_DIR, else ``data.data_dir``.
     """
-    from hstu.train.loop import DataSpec, prepare_data
+    from hstu.data.prepare import DataSpec, prepare_data
 
     stored = idmap.get("item_train_counts")
     if stored is not None and data_dir is None:

@@ -16,11 +16,13 @@ what to do with it) and returns one result per job. Two kinds of job share a bat
   ``user · normalised candidate embedding / temperature`` (``HSTUModel.score_items``). No
   candidate is appended to the sequence, so no candidate sees another one.
 
-Backends for ``generate``: ``hstu.generate.engine.Engine`` (static shapes per bucket, KV-cache
-pool, warm-up; issue "Generative inference engine") when that module can be imported and
-accepts the run, else :meth:`hstu.generate.recommend.Recommender.recommend` (which pads each
-batch to its longest history; results are identical since the attention divisor is the fixed
-width N, but the shapes are not static). ``BatchRunner.backend_name`` says which one runs.
+``generate`` runs :meth:`hstu.generate.recommend.Recommender.recommend`, the one generation call
+of the CLI, the Python API and the service, through :class:`hstu.generate.engine.Engine`: by
+default an engine of the service's own buckets and max_batch (static (B, E) inputs padded to the
+bucket's edge, KV-cache pools, graph capture at warm-up); with ``use_engine="never"`` the
+Recommender's default engine (:func:`hstu.generate.recommend.default_buckets`, eager, each batch
+in the smallest bucket of its rows). Results are the same either way (the attention divisor is the
+fixed width N, so padding never changes a live row). ``BatchRunner.backend_name`` says which runs.
 
 A group that raises (one bad job, e.g. exclusions that leave fewer than k items when the app's
 check was bypassed) is run again job by job, so that only the faulty job gets the exception and
@@ -42,20 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hstu.config import DecodeOptions  # re-exported: the one decoding-options type (hstu.serve.schemas.Decoding maps onto it)
 from hstu.generate.recommend import Prepared, Recommender
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DecodeOptions:
-    """Decoding choice of one generate job (see :class:`hstu.serve.schemas.Decoding`)."""
-
-    strategy: str = "greedy"
-    top_k: int = 50
-    temperature: float = 1.0
-    beam_width: int = 4
-    seed: int = 0
 
 
 @dataclass
@@ -98,11 +90,12 @@ class BatchRunner:
         recommender: the loaded run (model, id map).
         buckets: ascending bucket edges (events), each <= the model's max_seq_len.
         max_batch: the largest batch the batcher forms (used for warm-up and the engine's pools).
-        use_engine: "auto" (the engine when importable), "never", or "require" (raise if missing).
+        use_engine: "auto" / "require" (an engine of these buckets and max_batch; equal, kept for
+            callers of the time the engine was optional) or "never" (the Recommender's default engine).
 
     Raises:
         ValueError: bad buckets (not ascending, < 1 or > max_seq_len) or max_batch < 1.
-        ImportError: ``use_engine="require"`` and ``hstu.generate.engine`` is missing.
+        ValueError: as :class:`hstu.generate.engine.Engine` for these buckets and max_batch.
 
     Thread safety: ``run_batch`` / ``warmup`` are called from the service's single model thread;
     a lock makes concurrent calls safe but serial.
@@ -126,28 +119,16 @@ class BatchRunner:
         self.num_items = cfg.num_items
         self._lock = threading.Lock()
         self.engine = self._make_engine(use_engine)
-        self.backend_name = "engine" if self.engine is not None else "recommender"
+        self.backend_name = "engine" if self.engine is not None else "engine (the recommender's default buckets)"
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}  # bucket -> (fixed s, s per request), from warm-up
 
     # ----- backend choice -----
     def _make_engine(self, use_engine: str):
+        """The service's engine (its buckets and max_batch), or None for the Recommender's default."""
         if use_engine == "never":
             return None
-        try:
-            from hstu.generate.engine import Engine  # issue 4; optional until it lands
-        except ImportError as exc:
-            if use_engine == "require":
-                raise ImportError(f"hstu.generate.engine is required (--engine require) but cannot be imported: {exc}") from exc
-            log.info("hstu.generate.engine not available (%s); generating through Recommender.recommend", exc)
-            return None
-        try:
-            return _engine_adapter(Engine, self)
-        except Exception as exc:  # an engine that cannot take this run must not take the service down
-            if use_engine == "require":
-                raise
-            log.warning("hstu.generate.engine.Engine could not be built for this run (%s); using Recommender.recommend", exc)
-            return None
+        return self.rec.build_engine(self.buckets, self.max_batch)
 
     @property
     def precision(self) -> dict[str, str]:
@@ -231,16 +212,9 @@ class BatchRunner:
     def _generate(self, bucket: int, group: list[Job], excl: bool, allow: bool) -> list[list[dict]]:
         d = group[0].decoding
         kmax = max(j.k for j in group)
-        kw: dict[str, Any] = {}
-        if d.strategy == "topk":
-            kw = dict(top_k=d.top_k, temperature=d.temperature, seed=d.seed)
-        elif d.strategy == "beam":
-            kw = dict(beam_width=d.beam_width)
         preps = [j.prepared for j in group]
-        if self.engine is not None:
-            lists = self.engine.recommend(bucket, preps, kmax, exclude_history=excl, allow_untrained=allow, strategy=d.strategy, **kw)
-        else:
-            lists = self.rec.recommend(preps, kmax, exclude_history=excl, allow_untrained=allow, strategy=d.strategy, **kw)
+        lists = self.rec.recommend(preps, kmax, decoding=d, exclude_history=excl, allow_untrained=allow, engine=self.engine,
+                                   bucket=bucket if self.engine is not None else None)
         return [items[: j.k] for items, j in zip(lists, group)]
 
     def _score(self, bucket: int, jobs: list[Job]) -> list[np.ndarray]:
@@ -312,45 +286,9 @@ class BatchRunner:
         """Drop what can be rebuilt (the engine's user-prefix cache, Python garbage; the engine's
         KV-cache pools are preallocated once and kept); called by the memory guard before the
         backend's ``empty_cache``."""
-        if self.engine is not None and hasattr(self.engine, "release_caches"):
+        if self.engine is not None:
             self.engine.release_caches()
         gc.collect()
-
-
-class _EngineAdapter:
-    """``hstu.generate.engine.Engine`` behind the ``Recommender.recommend`` call shape, with each
-    batch padded to the bucket's upper edge (static (B, E) inputs; the engine pads B to its
-    batch-size ladder)."""
-
-    def __init__(self, engine_cls, runner: BatchRunner) -> None:
-        rec = runner.rec
-        self.rec = rec
-        self.engine = engine_cls(rec.model, buckets=tuple(runner.buckets), max_batch=runner.max_batch, k_max=runner.max_k,
-                                 device=rec.device)
-        self.batch_sizes = tuple(getattr(self.engine, "batch_sizes", (runner.max_batch, 1)))
-        self.graphs = str(getattr(self.engine, "graphs", "eager"))
-
-    def recommend(self, bucket: int, preps: list[Prepared], k: int, *, exclude_history: bool, allow_untrained: bool | None = None,
-                  strategy: str, **kw) -> list[list[dict]]:
-        rec = self.rec
-        b = rec.batch(preps, width=bucket)  # (B, E) static per bucket
-        mask = rec.exclusion(b, preps, exclude_history, allow_untrained)  # (B, I+1)
-        res = self.engine.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
-                                   strategy=strategy, actions=b["actions"], categories=b["categories"], item_category=rec.item_category,
-                                   bucket=bucket, **kw)
-        return rec.results(res.items, res.scores, res.actions, k)
-
-    def release_caches(self) -> None:
-        prefix = getattr(self.engine, "prefix", None)
-        if prefix is not None:
-            prefix.clear()
-
-
-def _engine_adapter(engine_cls, runner: BatchRunner) -> _EngineAdapter:
-    """Build the issue-4 engine for ``runner``'s run (buckets, max_batch, k_max = the model's
-    max_output_len, the recommender's device). Raises whatever the engine raises when it cannot
-    serve the run (the caller falls back to the Recommender)."""
-    return _EngineAdapter(engine_cls, runner)
 
 
 __all__ = ["BatchRunner", "DecodeOptions", "Job", "smallest_bucket"]

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions
 
 
 class _Strict(BaseModel):
@@ -55,7 +55,7 @@ class Event(_Strict):
 
 
 class Decoding(_Strict):
-    """How the k items are chosen (see ``hstu.generate.decode``).
+    """How the k items are chosen (:class:`hstu.config.DecodeOptions`, :mod:`hstu.generate.sampler`).
 
     - ``greedy``: the best remaining item at every step; deterministic and independent of the
       batch a request lands in.
@@ -69,6 +69,10 @@ class Decoding(_Strict):
     temperature: float = Field(default=1.0, gt=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)
     beam_width: int = Field(default=4, ge=1, le=BEAM_WIDTH_MAX)
     seed: int = Field(default=0, ge=0, le=SEED_MAX)
+
+    def options(self) -> DecodeOptions:
+        """The same choice as the one decoding-options type of every generation path."""
+        return DecodeOptions(self.strategy, self.top_k, self.temperature, self.beam_width, self.seed)
 
 
 UnknownPolicy = Literal["drop", "reject"]

@@ -23,95 +23,26 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import hstu
 from hstu import backend
-from hstu.config import RUN_FILES, DataSpec, ModelConfig, TrainConfig  # DataSpec: also hstu.train.loop.DataSpec
-from hstu.data import EventLog, Split, load_dataset, make_split, train_batch
+from hstu.config import ModelConfig, TrainConfig
+from hstu.data import EventLog, Split, train_batch
 from hstu.data.batching import length_bucketed_batches
+from hstu.data.prepare import (PROTOCOL_NEEDS, DataSpec, check_trainable, model_config_for, prepare_data,  # noqa: F401
+                               subset_users, train_item_counts)
+from hstu.model.checkpoint import read_json  # noqa: F401 (re-exported)
 from hstu.model.hstu import HSTUModel, build_hstu
-from hstu.model.checkpoint import load_run, load_weights, read_json, save_weights, write_json  # noqa: F401 (load_run re-exported)
-from hstu.train.checkpoint import has_train_state, load_train_state, repair_run_files, save_train_state
+from hstu.runs import (CONFIG, RESUME_DATA_FIELDS, RUN_FILES, check_resume_data, check_resume_items,  # noqa: F401
+                       config_json, has_train_state, load_best_weights, load_train_state, read_config, remove_run_files,
+                       repair_run_files, save_best_weights, save_train_state, write_config, write_idmap, write_metrics)
+from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.train.loop.load_run)
+from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate
 from hstu.train.losses import next_action_loss, repeat_aware_loss, sampled_softmax_loss
 
+# Re-exported for the old import paths (issue 18): data options and preparation live in
+# hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
+
 log = logging.getLogger(__name__)
-
-
-def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
-    log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
-    if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
-        log_ = subset_users(log_, spec.max_users)
-    return log_, make_split(log_, spec.protocol)
-
-
-def subset_users(log_: EventLog, n: int) -> EventLog:
-    """The first ``n`` users (ascending original id); the item vocabulary is kept whole."""
-    if n <= 0:
-        raise ValueError(f"max_users must be > 0, got {n}")
-    n = min(n, log_.num_users)
-    e = int(log_.offsets[n])
-    cut = {k: getattr(log_, k)[:e] for k in ("items", "timestamps", "actions", "categories", "values")}
-    return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[:n + 1]})
-
-
-PROTOCOL_NEEDS = {"clean": (3, "a training, a validation and a test event"), "paper": (2, "a training and a test event")}
-
-
-def _users_by_length(lengths: np.ndarray, need: int) -> str:
-    """'80 users have 1 event, 40 have 2, 0 have >= 3' for per-user event counts ``lengths``."""
-    parts = [f"{int((lengths == n).sum())} have {n} event{'s' if n > 1 else ''}" for n in range(1, need) if (lengths == n).any()]
-    parts.append(f"{int((lengths >= need).sum())} have >= {need}")
-    return f"of {len(lengths)} users, " + ", ".join(parts)
-
-
-def check_trainable(log_: EventLog, split: Split, max_seq_len: int) -> None:
-    """ValueError (one line) when the data cannot train and evaluate a model under the split's
-    protocol: no user has enough events to be evaluated (clean: >= 3, paper: >= 2), or there is
-    no training position (a user needs >= 2 training events, within ``max_seq_len``, for one).
-    ``fit`` calls it before anything is written to the run directory."""
-    need, what = PROTOCOL_NEEDS[split.protocol]
-    lengths = np.diff(log_.offsets)
-    if not (lengths >= need).any():
-        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: {_users_by_length(lengths, need)} events; "
-                         f"a user needs >= {need} ({what}) to be evaluated, and no user does")
-    train_len = np.minimum(split.train_end - log_.offsets[:-1], max_seq_len)
-    positions = int(np.clip(train_len - 1, 0, None).sum())
-    if positions == 0:
-        who = "a user with 2 events (too few to evaluate: all trained on) or >= 4" if split.protocol == "clean" else "a user with >= 3"
-        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: 0 training positions "
-                         f"({_users_by_length(lengths, need + 1)} events; a training position needs {who} events)")
-
-
-def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:
-    """(I+1,) int64 number of training events per dense item (popularity, cold-start serving)."""
-    keep = np.zeros(log_.num_events, dtype=bool)
-    for s, e in zip(log_.offsets[:-1], split.train_end):
-        keep[s:e] = True
-    return np.bincount(log_.items[keep], minlength=log_.num_items + 1).astype(np.int64)
-
-
-def idmap(log_: EventLog, split: Split | None = None) -> dict:
-    raw = log_.item_raw_ids.tolist()
-    return {
-        "dataset": log_.name,
-        "item_raw_ids": raw,
-        "item_category": log_.item_category.tolist(),
-        "category_raw_ids": None if log_.category_raw_ids is None else log_.category_raw_ids.tolist(),
-        "action_names": log_.action_names,
-        "titles": {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
-        "exclude_history_default": log_.exclude_history_default,
-        "last_timestamp": int(log_.timestamps.max()),
-        "data_facts": {"events": log_.num_events, "users": log_.num_users, "skipped_rows": log_.skipped_rows, **log_.facts},
-        **({"item_train_counts": train_item_counts(log_, split).tolist()} if split is not None else {}),
-    }
-
-
-def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> ModelConfig:
-    cfg.num_items = log_.num_items
-    if use_features:
-        cfg.num_actions = log_.num_actions if log_.num_actions > 1 else 0
-        cfg.num_categories = log_.num_categories
-    return cfg
 
 
 def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) -> float:
@@ -182,41 +113,6 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
     return {"loss": total / max(n_seq, 1), "seconds": secs, "sequences_per_s": n_seq / secs, "positions": n_pos}
 
 
-RESUME_DATA_FIELDS = ("dataset", "protocol", "max_users", "skip_bad_rows", "options")  # data_dir may move
-_FLAGS = {"options": "--columns", "skip_bad_rows": "--skip-bad-rows"}
-
-
-def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
-    """ValueError naming the first data option in ``given`` (name -> value, only the options to
-    compare) that differs from the run's (config.json ``data``): the run's item ids and splits
-    come from its own data. ``hstu train`` calls it with the flags given, before any data is
-    read; fit with its whole spec."""
-    for name in RESUME_DATA_FIELDS:
-        value = given.get(name)
-        if name in given and name in saved and saved[name] != value:
-            flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise ValueError(f"--resume: {flag} is {value!r} here but {saved[name]!r} in the run "
-                             f"({config_path} data.{name}); resume with the run's data options or train a new --out")
-
-
-def remove_run_files(run: Path) -> None:
-    """Delete an old run's files from ``run`` (a fresh run replaces it: nothing of it can be resumed or reported)."""
-    for f in RUN_FILES:
-        (run / f).unlink(missing_ok=True)
-
-
-def _check_resume_items(run: Path, log_: EventLog) -> None:
-    """ValueError when the data's item ids are not the run's (idmap.json): its embeddings are
-    indexed by them, so training on (or rewriting the id map from) other data breaks the run."""
-    path = run / "idmap.json"
-    if not path.exists():
-        return
-    saved = read_json(path).get("item_raw_ids")
-    if saved is not None and saved != log_.item_raw_ids.tolist():
-        raise ValueError(f"--resume: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
-                         f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)")
-
-
 def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict) -> list[dict]:
     """Load the last committed epoch into ``model``, ``opt``, ``gen`` and ``state``; returns its
     history. Files a kill left behind the commit are rewritten: last.json and history.json, and
@@ -225,14 +121,14 @@ def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict)
     state.update({k: v for k, v in info.items() if k not in ("param_groups", "history")})
     repair_run_files(run, info)
     if state["epoch"] and state["best_epoch"] == state["epoch"]:
-        save_weights(run / "model.safetensors", model)
+        save_best_weights(run, model)
     log.info("resumed %s at epoch %d", run, state["epoch"])
     return list(info["history"])
 
 
 def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
         resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
-    """Train, checkpoint every epoch (one commit per epoch, :mod:`hstu.train.checkpoint`), evaluate;
+    """Train, checkpoint every epoch (one commit per epoch, :func:`hstu.runs.save_train_state`), evaluate;
     returns the metrics.json object. Raises ValueError for too little data (:func:`check_trainable`)
     and for malformed run files on ``resume`` (naming file and field), besides the module's."""
     tcfg.validate()
@@ -245,10 +141,10 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     dev.manual_seed(tcfg.seed)
     log_, split = prepare_data(spec)
     if resume:
-        saved = read_json(run / "config.json")
+        saved = read_config(run)
         mcfg = ModelConfig(**saved["model"])
-        check_resume_data(run / "config.json", saved.get("data", {}), asdict(spec))
-        _check_resume_items(run, log_)
+        check_resume_data(run / CONFIG, saved.get("data", {}), asdict(spec))
+        check_resume_items(run, log_)
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
@@ -260,7 +156,7 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     opt = torch.optim.AdamW(model.parameters(), lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     gen = torch.Generator(device=dev.device)
     gen.manual_seed(tcfg.seed)
-    cfg_json = {"model": asdict(mcfg), "train": asdict(tcfg), "data": asdict(spec), "hstu_version": hstu.__version__}
+    cfg_json = config_json(mcfg, tcfg, spec)
     state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
     history: list[dict] = []
     if resume and has_train_state(run):
@@ -268,8 +164,8 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
     if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
         remove_run_files(run)
-    write_json(run / "config.json", cfg_json)
-    write_json(run / "idmap.json", idmap(log_, split))
+    write_config(run, cfg_json)
+    write_idmap(run, log_, split)
     paper = spec.protocol == "paper"
     while state["epoch"] < tcfg.epochs:
         epoch = state["epoch"] + 1
@@ -291,17 +187,17 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         state["epoch"] = epoch
         save_train_state(run, model, opt, gen, state, history)  # the epoch's commit; then its best weights:
         if state["best_epoch"] == epoch:  # a kill in between is repaired by _resume
-            save_weights(run / "model.safetensors", model)
+            save_best_weights(run, model)
         if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
             log.info("early stopping at epoch %d (best %d)", epoch, state["best_epoch"])
             break
     if paper:  # report the last epoch, as the published protocol does
-        save_weights(run / "model.safetensors", model)
-    load_weights(run / "model.safetensors", model, dev.device)
+        save_best_weights(run, model)
+    load_best_weights(run, model, dev.device)
     calibration = valid = None
     if model.repeat is not None and not paper:
         calibration, valid = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=dev.device)
-        save_weights(run / "model.safetensors", model)
+        save_best_weights(run, model)
     metrics = {
         "valid": valid or evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device),
         "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=dev.device),
@@ -314,5 +210,5 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
     }
     if calibration is not None:
         metrics["repeat_scale"] = calibration
-    write_json(run / "metrics.json", metrics)
+    write_metrics(run, metrics)
     return metrics

@@ -1,0 +1,110 @@
+"""Data options and preparation: what a run trains on (:class:`DataSpec`, config.json ``data``)
+and how it is read (:func:`prepare_data`: load → first ``max_users`` users → leave-one-out split).
+
+Also the data facts every job derives from a prepared log: training-item counts (popularity,
+cold start), the model sizes the data fixes (:func:`model_config_for`) and the protocol's
+minimum (:func:`check_trainable`). Symbols: U users, E events, I items (dense ids 1..I, 0 is
+padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hstu.config import ModelConfig
+from hstu.data import EventLog, Split, load_dataset, make_split
+
+PROTOCOLS = ("clean", "paper")
+
+
+@dataclass
+class DataSpec:
+    """What a run trains on (config.json ``data``): a named data set in ``data_dir``, the split
+    protocol, the first ``max_users`` users (None: all), loader ``options`` (e.g. ``columns``)."""
+
+    dataset: str = "ml-1m"
+    data_dir: str = ""
+    protocol: str = "clean"  # leave-one-out split, see hstu.data.sequences.make_split
+    max_users: int | None = None
+    skip_bad_rows: bool = False
+    options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
+
+    def validate(self) -> None:
+        if not self.dataset:
+            raise ValueError("DataSpec.dataset must be a data set name, got ''")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"DataSpec.protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        if self.max_users is not None and self.max_users < 1:
+            raise ValueError(f"DataSpec.max_users must be >= 1 or null, got {self.max_users}")
+        bad = [k for k, v in self.options.items() if not isinstance(k, str) or not isinstance(v, (str, dict))]
+        if bad:
+            raise ValueError(f"DataSpec.options: {bad[0]!r} must be a text or a table, got {self.options[bad[0]]!r}")
+
+
+def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
+    """The event log named by ``spec`` (its first ``max_users`` users) and its split under
+    ``spec.protocol``. Raises FileNotFoundError / DataFormatError from the loaders, ValueError
+    for an unknown data set or ``max_users`` <= 0."""
+    log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
+    if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
+        log_ = subset_users(log_, spec.max_users)
+    return log_, make_split(log_, spec.protocol)
+
+
+def subset_users(log_: EventLog, n: int) -> EventLog:
+    """The first ``n`` users (ascending original id); the item vocabulary is kept whole.
+    Raises ValueError for ``n`` <= 0."""
+    if n <= 0:
+        raise ValueError(f"max_users must be > 0, got {n}")
+    n = min(n, log_.num_users)
+    e = int(log_.offsets[n])
+    cut = {k: getattr(log_, k)[:e] for k in ("items", "timestamps", "actions", "categories", "values")}
+    return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[:n + 1]})
+
+
+PROTOCOL_NEEDS = {"clean": (3, "a training, a validation and a test event"), "paper": (2, "a training and a test event")}
+
+
+def _users_by_length(lengths: np.ndarray, need: int) -> str:
+    """'80 users have 1 event, 40 have 2, 0 have >= 3' for per-user event counts ``lengths``."""
+    parts = [f"{int((lengths == n).sum())} have {n} event{'s' if n > 1 else ''}" for n in range(1, need) if (lengths == n).any()]
+    parts.append(f"{int((lengths >= need).sum())} have >= {need}")
+    return f"of {len(lengths)} users, " + ", ".join(parts)
+
+
+def check_trainable(log_: EventLog, split: Split, max_seq_len: int) -> None:
+    """ValueError (one line) when the data cannot train and evaluate a model under the split's
+    protocol: no user has enough events to be evaluated (clean: >= 3, paper: >= 2), or there is
+    no training position (a user needs >= 2 training events, within ``max_seq_len``, for one).
+    ``fit`` calls it before anything is written to the run directory."""
+    need, what = PROTOCOL_NEEDS[split.protocol]
+    lengths = np.diff(log_.offsets)
+    if not (lengths >= need).any():
+        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: {_users_by_length(lengths, need)} events; "
+                         f"a user needs >= {need} ({what}) to be evaluated, and no user does")
+    train_len = np.minimum(split.train_end - log_.offsets[:-1], max_seq_len)
+    positions = int(np.clip(train_len - 1, 0, None).sum())
+    if positions == 0:
+        who = "a user with 2 events (too few to evaluate: all trained on) or >= 4" if split.protocol == "clean" else "a user with >= 3"
+        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: 0 training positions "
+                         f"({_users_by_length(lengths, need + 1)} events; a training position needs {who} events)")
+
+
+def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:
+    """(I+1,) int64 number of training events per dense item (popularity, cold-start serving)."""
+    keep = np.zeros(log_.num_events, dtype=bool)
+    for s, e in zip(log_.offsets[:-1], split.train_end):
+        keep[s:e] = True
+    return np.bincount(log_.items[keep], minlength=log_.num_items + 1).astype(np.int64)
+
+
+def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> ModelConfig:
+    """``cfg`` with the sizes the data fixes (in place): num_items and, with ``use_features``,
+    num_actions (0 for a single action type) and num_categories."""
+    cfg.num_items = log_.num_items
+    if use_features:
+        cfg.num_actions = log_.num_actions if log_.num_actions > 1 else 0
+        cfg.num_categories = log_.num_categories
+    return cfg

@@ -1,0 +1,127 @@
+"""The sampler of every generation path: next-item scores, exclusion, greedy / top-k picks.
+
+One decode step scores every item with the current user vector (cosine / temperature, DESIGN.md
+"The model"; plus the repeat bias of a repeat head, :mod:`hstu.model.repeat`), sets the items
+that must never be generated to -inf, and picks: the best ("greedy") or a seeded draw among the
+``top_k`` best at a softmax temperature ("topk"). Beam search ranks by the log-softmax of the
+same scores. :func:`next_scores` is the one place the step's scores are formed (the engine, and
+the oracle in :mod:`hstu.generate.decode`); :func:`pick` the one sampler.
+
+Symbols: R rows (users, or users x beams), I items (dense ids 1..I, column 0 padding), d width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
+TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
+
+
+@dataclass
+class GenerationResult:
+    """items (B, k) int64 dense ids; scores (B, k) float model scores (cosine / temperature);
+    actions (B, k) int64 predicted action ids or None; beam_logprob (B,) or None."""
+
+    items: torch.Tensor
+    scores: torch.Tensor
+    actions: torch.Tensor | None = None
+    beam_logprob: torch.Tensor | None = None
+
+
+def next_scores(index, user: torch.Tensor, temperature: float, exclude: torch.Tensor, *,
+                repeat: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores of one decode step: cosine(user, every item) / ``temperature`` (+ the repeat bias),
+    -inf where ``exclude``.
+
+    Args:
+        index: the model's item index (:meth:`hstu.model.hstu.HSTUModel.item_index`), I+1 rows.
+        user: (R, d) L2-normalised user vectors.
+        temperature: the model's similarity temperature (``ModelConfig.temperature``, > 0).
+        exclude: (R, I+1) bool, True = never generate (:func:`exclusion_mask`).
+        repeat: (RepeatBias, static (R, I+1), in_window (R, I+1) bool) from
+            ``model.repeat`` and ``model.repeat_parts`` when the model has a repeat head, else None.
+        out: optional (R, I+1) buffer written in place (the engine's preallocated scores).
+    Returns:
+        (R, I+1) float scores (``out`` when given), -inf at excluded items.
+    """
+    scores = index.cosine(user) if out is None else index.cosine(user, out=out)  # (R, I+1), a fresh tensor or out
+    scores.div_(temperature)
+    if repeat is not None:
+        module, static, inwin = repeat
+        module.add_to(scores, user, static, inwin)
+    return scores.masked_fill_(exclude, float("-inf"))
+
+
+def exclusion_mask(num_items: int, batch: int, ids: torch.Tensor | None, lengths: torch.Tensor | None,
+                   block: list[list[int]] | None = None, device: torch.device | str = "cpu",
+                   never: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, I+1) bool, True = never generate: padding 0, the history ids (if given; (B, W) int64
+    with (B,) ``lengths``), block lists (dense ids; others ignored) and ``never``: an optional
+    (I+1,) bool row excluded for every user (e.g. the items without training events,
+    :attr:`hstu.generate.recommend.Recommender.untrained`). Raises ValueError for a ``never`` of
+    another shape."""
+    mask = torch.zeros(batch, num_items + 1, dtype=torch.bool, device=device)
+    if never is not None:
+        if never.shape != (num_items + 1,):
+            raise ValueError(f"exclusion_mask: never must be (I+1,) = ({num_items + 1},), got {tuple(never.shape)}")
+        mask |= never.to(device=device, dtype=torch.bool).view(1, -1)
+    mask[:, 0] = True
+    if ids is not None:
+        live = torch.arange(ids.shape[1], device=ids.device).view(1, -1) < lengths.view(-1, 1)
+        rows = torch.arange(batch, device=ids.device).view(-1, 1).expand_as(ids)
+        mask[rows[live], ids[live]] = True
+    for b, items in enumerate(block or []):
+        ok = [i for i in items if 0 < i <= num_items]
+        if ok:
+            mask[b, torch.tensor(ok, device=device)] = True
+    return mask
+
+
+def check_candidates(exclude: torch.Tensor, need: int, detail: str) -> None:
+    """Raise ValueError when a row of ``exclude`` ((B, I+1) bool, True = never generate, column
+    0 padding) leaves fewer than ``need`` items: that row would otherwise generate excluded
+    items with score -inf. ``detail`` ends the message (e.g. "k=10, beam width 1")."""
+    left = (~exclude[:, 1:]).sum(dim=1)  # (B,)
+    short = (left < need).nonzero().view(-1).tolist()
+    if short:
+        raise ValueError(f"row(s) {short[:10]}: fewer than {need} items left after exclusion ({detail})")
+
+
+def sample_topk(scores: torch.Tensor, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """Seeded sampling among the ``top_k`` best of each row at softmax ``temperature``; the one
+    top-k sampler of every generation path.
+
+    Args:
+        scores: (R, I+1) float scores, -inf where excluded; every row needs >= 1 finite entry.
+        top_k: candidates per row (>= 1; more than I+1 means all).
+        temperature: > 0. Computed in a way that cannot overflow: in float32 (at least), the
+            row's best score subtracted first, then divided by max(temperature,
+            ``TEMPERATURE_FLOOR`` = 1.18e-38), so the logits lie in [-inf, 0] with 0 at the best
+            item and the softmax is finite for any temperature. A tiny temperature (1e-38,
+            1e-300, 5e-324) is the greedy limit: the best item, or one of exactly tied ones
+            uniformly.
+        gen: the generator drawn from (seeded by the caller).
+    Returns:
+        (R,) int64 column ids of the picks.
+    """
+    vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)  # (R, k') descending
+    z = vals.float() if vals.dtype in (torch.float16, torch.bfloat16) else vals
+    z = (z - z[:, :1]).div_(max(float(temperature), TEMPERATURE_FLOOR))  # (R, k') in [-inf, 0]
+    probs = torch.softmax(z, dim=1)
+    return idx.gather(1, torch.multinomial(probs, 1, generator=gen)).squeeze(1)
+
+
+def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """(R,) int64 next item per row of ``scores`` (R, I+1): argmax ("greedy") or
+    :func:`sample_topk` ("topk"). Raises ValueError for another strategy."""
+    if strategy == "greedy":
+        return scores.argmax(dim=1)
+    if strategy == "topk":
+        return sample_topk(scores, top_k, temperature, gen)
+    raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
+
+
+__all__ = ["GenerationResult", "TEMPERATURE_FLOOR", "check_candidates", "exclusion_mask", "next_scores", "pick", "sample_topk"]

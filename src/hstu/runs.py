@@ -1,0 +1,332 @@
+"""The run directory: its layout and every read and write of it, for train, eval, generate,
+quantize and serve alike.
+
+RUN_DIR/ (``hstu train``)
+  config.json             model, train and data settings (+ ``distributed``), hstu version
+  idmap.json              dense id -> original item id, titles, categories, action names, the history
+                          exclusion default, training-item counts, data facts
+  model.safetensors       best weights (by valid NDCG@10; last epoch under --protocol paper)
+  metrics.json            {"valid": {...}, "test": {...}, "epochs": n, "train_seconds": s, ...}
+  history.json            per-epoch loss, throughput and metrics
+  last.safetensors/.json  last epoch's weights, AdamW moments and RNG state (for --resume); the
+                          manifest (epoch, early-stopping state, param_groups, history) is in
+                          last.safetensors' metadata, written in one rename: last.json and
+                          history.json are copies of it, repaired on resume (:func:`repair_run_files`)
+RUN_DIR_Q/ (``hstu quantize``): config.json and idmap.json copied, model.quant.safetensors and
+  quant.json instead of model.safetensors (format: :mod:`hstu.quant.checkpoint`).
+
+No pickle: tensors in safetensors, everything else in JSON. Every file is written to NAME.tmp and
+renamed into place; JSON run files are checked field by field as they are read
+(:mod:`hstu.model.run_files`), so a malformed file is one ValueError naming file and field.
+
+Place in the import order: config → backend → data → model → quant → **runs** → generate → train
+→ serve/ops/bench → cli. Loading a run at a precision builds the model (model/) and loads or
+converts quantized weights (quant/); generate, train, serve and the CLI use runs through this
+module. The file primitives it uses (atomic JSON and safetensors I/O, the field checks) stay in
+:mod:`hstu.model.checkpoint` and :mod:`hstu.model.run_files`, below quant, because the quantized
+weights format (:mod:`hstu.quant.checkpoint`) reads and writes files too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+import hstu
+from hstu import backend
+from hstu.config import ModelConfig, TrainConfig, model_config_from_dict, to_dict
+from hstu.data import EventLog, Split
+from hstu.data.prepare import DataSpec, train_item_counts
+from hstu.model.checkpoint import (crash_point, load_state, load_weights, read_json, read_safetensors,
+                                   read_safetensors_metadata, save_weights, write_json)
+from hstu.model.run_files import check_history, check_last
+from hstu.quant.checkpoint import META as QUANT_META
+from hstu.quant.checkpoint import (PRECISIONS, QuantCheckpointError, check_quantized_out, load_quantized_run,  # noqa: F401
+                                   prepare_kernels, read_quant_meta, save_quantized_run)  # the quantized variant, re-exported
+from hstu.quant.checkpoint import WEIGHTS as QUANT_WEIGHTS
+
+log = logging.getLogger(__name__)
+
+CONFIG, IDMAP, WEIGHTS, METRICS, HISTORY = "config.json", "idmap.json", "model.safetensors", "metrics.json", "history.json"
+LAST_WEIGHTS, LAST_JSON = "last.safetensors", "last.json"
+RUN_FILES = (WEIGHTS, LAST_JSON, LAST_WEIGHTS, HISTORY, METRICS)  # what training writes per epoch / at the end
+MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifest
+__all__ = ["CONFIG", "HISTORY", "IDMAP", "LAST_JSON", "LAST_WEIGHTS", "METRICS", "QUANT_META", "QUANT_WEIGHTS", "RUN_FILES",
+           "WEIGHTS", "check_items_match", "check_quantized_out", "check_resume_data", "check_resume_items", "config_json",
+           "has_train_state", "is_quantized", "load_best_weights", "load_float_run", "load_run", "load_train_state",
+           "make_idmap", "read_config", "read_history", "read_idmap", "read_run", "remove_run_files", "repair_run_files",
+           "save_best_weights", "save_quantized_run", "save_train_state", "write_config", "write_idmap", "write_metrics"]
+
+
+# -- config.json, idmap.json, history.json, metrics.json, model.safetensors ----------------------------------------
+
+def config_json(mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, **extra: Any) -> dict:
+    """config.json's object: the model, train and data tables, ``extra`` tables (e.g.
+    ``distributed``) and the hstu version."""
+    return {"model": to_dict(mcfg), "train": to_dict(tcfg), "data": to_dict(spec), **extra, "hstu_version": hstu.__version__}
+
+
+def write_config(run: Path, obj: dict) -> None:
+    """Write config.json (atomically; ``obj`` from :func:`config_json`)."""
+    write_json(Path(run) / CONFIG, obj)
+
+
+def read_config(run: str | Path) -> dict:
+    """config.json, checked field by field. Raises FileNotFoundError / ValueError naming file and field."""
+    return read_json(Path(run) / CONFIG)
+
+
+def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
+    """idmap.json's object for ``log_``: ``item_raw_ids`` (I+1 original ids, 0 for padding),
+    ``item_category`` (I+1), titles, action names, the exclusion default, the last timestamp
+    (Unix s), data facts, and with ``split`` ``item_train_counts`` (I+1 training events per item)."""
+    raw = log_.item_raw_ids.tolist()
+    return {
+        "dataset": log_.name,
+        "item_raw_ids": raw,
+        "item_category": log_.item_category.tolist(),
+        "category_raw_ids": None if log_.category_raw_ids is None else log_.category_raw_ids.tolist(),
+        "action_names": log_.action_names,
+        "titles": {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
+        "exclude_history_default": log_.exclude_history_default,
+        "last_timestamp": int(log_.timestamps.max()),
+        "data_facts": {"events": log_.num_events, "users": log_.num_users, "skipped_rows": log_.skipped_rows, **log_.facts},
+        **({"item_train_counts": train_item_counts(log_, split).tolist()} if split is not None else {}),
+    }
+
+
+def write_idmap(run: Path, log_: EventLog, split: Split | None = None) -> None:
+    """Write idmap.json (:func:`make_idmap`) atomically."""
+    write_json(Path(run) / IDMAP, make_idmap(log_, split))
+
+
+def read_idmap(run: str | Path) -> dict:
+    """idmap.json, checked field by field. Raises FileNotFoundError / ValueError naming file and field."""
+    return read_json(Path(run) / IDMAP)
+
+
+def read_history(run: str | Path) -> list[dict]:
+    """history.json: one entry per epoch 1, 2, ...; ValueError naming file and entry if malformed."""
+    return read_json(Path(run) / HISTORY)
+
+
+def write_metrics(run: Path, metrics: dict) -> None:
+    """Write metrics.json atomically."""
+    write_json(Path(run) / METRICS, metrics)
+
+
+def save_best_weights(run: Path, model: torch.nn.Module) -> None:
+    """Write model.safetensors (the weights eval / generate / serve load) atomically."""
+    save_weights(Path(run) / WEIGHTS, model)
+
+
+def load_best_weights(run: Path, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
+    """Load model.safetensors into ``model``; FileNotFoundError / ValueError naming the file."""
+    load_weights(Path(run) / WEIGHTS, model, device)
+
+
+def check_items_match(run: Path, cfg: dict, ids: dict) -> None:
+    """ValueError when idmap.json's item count is not config.json's model.num_items (every dense
+    id indexes the item table)."""
+    run = Path(run)
+    n, m = len(ids["item_raw_ids"]) - 1, cfg["model"].get("num_items", 0)
+    if n != m:
+        raise ValueError(f"{run / IDMAP}: item_raw_ids holds {n} items but {run / CONFIG} model.num_items is {m}")
+
+
+# -- starting and resuming a run ----------------------------------------------------------------------------------
+
+RESUME_DATA_FIELDS = ("dataset", "protocol", "max_users", "skip_bad_rows", "options")  # data_dir may move
+_FLAGS = {"options": "--columns", "skip_bad_rows": "--skip-bad-rows"}
+
+
+def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
+    """ValueError naming the first data option in ``given`` (name -> value, only the options to
+    compare) that differs from the run's (config.json ``data``): the run's item ids and splits
+    come from its own data. ``hstu train`` calls it with the flags given, before any data is
+    read; fit with its whole spec."""
+    for name in RESUME_DATA_FIELDS:
+        value = given.get(name)
+        if name in given and name in saved and saved[name] != value:
+            flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+            raise ValueError(f"--resume: {flag} is {value!r} here but {saved[name]!r} in the run "
+                             f"({config_path} data.{name}); resume with the run's data options or train a new --out")
+
+
+def check_resume_items(run: Path, log_: EventLog) -> None:
+    """ValueError when the data's item ids are not the run's (idmap.json): its embeddings are
+    indexed by them, so training on (or rewriting the id map from) other data breaks the run."""
+    path = Path(run) / IDMAP
+    if not path.exists():
+        return
+    saved = read_json(path).get("item_raw_ids")
+    if saved is not None and saved != log_.item_raw_ids.tolist():
+        raise ValueError(f"--resume: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
+                         f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)")
+
+
+def remove_run_files(run: Path) -> None:
+    """Delete an old run's files (:data:`RUN_FILES`) from ``run`` (a fresh run replaces it: nothing of
+    it can be resumed or reported). config.json and idmap.json are rewritten by the new run."""
+    for f in RUN_FILES:
+        (Path(run) / f).unlink(missing_ok=True)
+
+
+# -- the last checkpoint (last.safetensors + its manifest, last.json, history.json) ---------------------------------
+
+def has_train_state(run: Path) -> bool:
+    """Whether ``run`` holds a resumable state (last.safetensors, or last.json of an older run)."""
+    return (Path(run) / LAST_WEIGHTS).exists() or (Path(run) / LAST_JSON).exists()
+
+
+def save_train_state(run: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, info: dict,
+                     history: list[dict]) -> None:
+    """Commit one epoch: weights, AdamW moments and RNG states as tensors, and the manifest
+    ``{**info, "param_groups", "history"}`` in the same file's metadata (one rename), then its
+    copies last.json and history.json. ``info``: epoch, best, best_epoch, bad_epochs,
+    train_seconds (+ optional distributed); ``history``: one entry per epoch 1..epoch."""
+    run = Path(run)
+    tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    sd = opt.state_dict()
+    for pid, st in sd["state"].items():
+        for name, val in st.items():
+            tensors[f"optim.{pid}.{name}"] = torch.as_tensor(val).detach().contiguous().cpu()
+    tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.negatives"] = gen.get_state()
+    manifest = {**info, "param_groups": sd["param_groups"], "history": history}
+    tmp = run / (LAST_WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
+    crash_point(tmp)
+    os.replace(tmp, run / LAST_WEIGHTS)  # the commit
+    write_json(run / LAST_JSON, manifest)
+    write_json(run / HISTORY, history)
+
+
+def _read_manifest(run: Path) -> dict:
+    """The last commit's manifest: last.safetensors' metadata, or for a run written before the
+    manifest existed last.json with history.json cut at its epoch (it may hold one epoch more)."""
+    path = run / LAST_WEIGHTS
+    text = read_safetensors_metadata(path).get(MANIFEST_KEY)
+    if text is not None:
+        where = f"{path} (metadata {MANIFEST_KEY})"
+        try:
+            return check_last(where, json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+    info = read_json(run / LAST_JSON)
+    old = read_json(run / HISTORY) if (run / HISTORY).exists() else []
+    info["history"] = check_history(str(run / HISTORY), [h for h in old if h["epoch"] <= info["epoch"]])
+    return info
+
+
+def load_train_state(run: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> dict:
+    """Restore the last committed epoch into ``model``, ``opt`` and ``gen``; returns its manifest
+    (epoch, best, best_epoch, bad_epochs, train_seconds, param_groups, history: a list of entries
+    1..epoch, ...). Raises FileNotFoundError without last.safetensors, ValueError naming the file
+    (and field) that is corrupt or does not match the model / optimizer."""
+    run = Path(run)
+    path = run / LAST_WEIGHTS
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found; the run has no training state to resume")
+    tensors = read_safetensors(path)
+    info = _read_manifest(run)
+    load_state(path, model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("optim."):
+            _, pid, name = k.split(".", 2)
+            state.setdefault(int(pid), {})[name] = v
+    for key in ("rng.torch", "rng.negatives"):
+        if key not in tensors:
+            raise ValueError(f"{path}: tensor {key!r} is missing")
+    try:
+        opt.load_state_dict({"state": state, "param_groups": info["param_groups"]})
+        torch.set_rng_state(tensors["rng.torch"])
+        gen.set_state(tensors["rng.negatives"])
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: optimizer or RNG state does not match this model ({' '.join(str(exc).split())[:200]})") from None
+    return info
+
+
+def repair_run_files(run: Path, info: dict) -> None:
+    """Rewrite last.json and history.json from a loaded manifest (:func:`load_train_state`) where
+    a kill left them behind it (call from one process only: the temp-file names are fixed)."""
+    run = Path(run)
+    for name, want in ((LAST_JSON, info), (HISTORY, info["history"])):
+        path = run / name
+        try:
+            same = path.exists() and json.loads(path.read_text(encoding="utf-8")) == json.loads(json.dumps(want))
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            log.warning("%s did not match the last committed epoch (%d, in %s): rewritten from it", path, info["epoch"],
+                        run / LAST_WEIGHTS)
+            write_json(path, want)
+
+
+# -- loading a run for eval / generate / serve ----------------------------------------------------------------------
+
+def read_run(run_dir: str | Path) -> tuple[dict, dict]:
+    """(config.json dict, idmap.json dict) of a run, without its weights; both checked field by
+    field and against each other (:func:`check_items_match`). Raises FileNotFoundError (no
+    directory or file), ValueError naming file and field."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: run directory not found")
+    cfg, ids = read_config(run), read_idmap(run)
+    check_items_match(run, cfg, ids)
+    return cfg, ids
+
+
+def is_quantized(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` is a quantized run (holds quant.json)."""
+    return (Path(run_dir) / QUANT_META).exists()
+
+
+def load_float_run(run_dir: str | Path, device: str = "cpu"):
+    """(model in eval mode on ``device``, config.json dict, idmap.json dict) of a float run
+    (model.safetensors; a quantized run has none, so it is never read as float by mistake).
+
+    Raises FileNotFoundError (no run, no weights), ValueError naming the run file and field that is
+    malformed, an id map whose item count is not the model's, or weights that do not fit."""
+    from hstu.model.hstu import build_hstu
+
+    run = Path(run_dir)
+    cfg, ids = read_run(run)
+    dev = backend.select(device)
+    model = build_hstu(model_config_from_dict(cfg["model"])).to(dev.device)
+    load_best_weights(run, model, dev.device)
+    return model.eval(), cfg, ids
+
+
+def load_run(run_dir: str | Path, device: str = "cpu", precision: str | None = None):
+    """Load any run for eval / generate / serve at ``precision`` (the one call behind ``--precision``);
+    returns (model in eval mode on ``device``, config.json dict, idmap.json dict).
+
+    - a quantized run (has quant.json): :func:`hstu.quant.load_quantized_run`; ``precision`` None
+      means "as saved", otherwise it must equal the saved scheme (QuantCheckpointError if not;
+      "fp32" is refused: the float weights are not in it); config gets ``"quant"``: quant.json;
+    - a float run: :func:`load_float_run`, converted in memory with :func:`hstu.quant.apply_precision`
+      when ``precision`` is not None / "fp32".
+    Raises ValueError for an unknown precision, plus what the loaders raise."""
+    from hstu.quant import apply_precision
+
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"--precision: unknown value {precision!r}; valid: {list(PRECISIONS)}")
+    meta = read_quant_meta(run_dir)
+    if meta is not None:
+        if precision == "fp32":
+            raise QuantCheckpointError(f"{run_dir}: quantized run (scheme {meta['scheme']!r}); "
+                                       f"--precision fp32 needs the float run it was made from")
+        return load_quantized_run(run_dir, device, scheme=precision)
+    model, cfg, ids = load_float_run(run_dir, device)
+    if precision not in (None, "fp32"):
+        apply_precision(model, precision)
+        prepare_kernels(model)
+    return model, cfg, ids

@@ -31,7 +31,13 @@ def host_memory_info() -> MemoryInfo:
 
 
 class CPUBackend(Backend):
+    """The host: one device shared by every rank, no graphs, FBGEMM / QNNPACK integer GEMMs."""
+
     name = "cpu"
+    is_host = True
+    dist_backend = "gloo"
+    torchrec_kernels = True  # fbgemm-gpu-cpu
+    int8_gemms = ("fbgemm", "qnnpack")  # torch.ops.quantized engines: x86, ARM
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -43,3 +49,6 @@ class CPUBackend(Backend):
 
     def memory_info(self) -> MemoryInfo:
         return host_memory_info()
+
+    def set_current(self) -> None:
+        """No-op: the host has no current device."""

@@ -232,51 +232,17 @@ class MemoryGuard:
         return {"checks": self.checks, "triggers": self.triggers}
 
 
-# ---------------------------------------------------------------------------------------------
-# Page-locking a host tensor in place
-# ---------------------------------------------------------------------------------------------
-# ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which rounds
-# every allocation up to the next power of two (ATen/core/CachingHostAllocator.h: ``roundSize =
-# PowerOf2Ceil(size)``): a 2.1 GiB embedding shard would pin 4 GiB. Large host tables are therefore
-# allocated as ordinary CPU tensors and page-locked where they lie (CUDA: cudaHostRegister, see the
-# CUDA Runtime API, "Memory Management"). Backends without such a call keep the table pageable and
-# pin only the small staging buffers used for each transfer.
-# TODO(lead): move to a Backend method (``pin_in_place``) when backend/ is next edited.
-
-_REGISTERED: set[int] = set()
-_REG_LOCK = threading.Lock()
-
-
 def pin_in_place(tensor: torch.Tensor, backend: Backend) -> bool:
-    """Page-lock the CPU ``tensor``'s memory without copying it; True when it is now pinned.
-
-    Only CUDA has an in-place call (``cudaHostRegister``); on other backends, on failure, or for a
-    non-CPU / empty tensor this returns False and logs why. Undo with :func:`unpin` before the memory
-    is freed.
-    """
-    if tensor.device.type != "cpu" or tensor.numel() == 0 or not backend.supports_pinned_memory():
-        return False
-    if backend.name != "cuda":
-        log.info("%s: no in-place page-locking; host table stays pageable (transfers use pinned staging)", backend.device)
-        return False
-    ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    code = int(getattr(rc, "value", rc))
-    if code != 0:
-        log.warning("cudaHostRegister of %s failed (cudaError %d); host table stays pageable", format_bytes(nbytes), code)
-        return False
-    with _REG_LOCK:
-        _REGISTERED.add(ptr)
-    return True
+    """Page-lock the CPU ``tensor``'s memory without copying it: ``backend.pin_in_place(tensor)``
+    (kept for callers of the old name)."""
+    return backend.pin_in_place(tensor)
 
 
 def unpin(ptr: int) -> None:
-    """Undo :func:`pin_in_place` for the memory starting at ``ptr`` (no-op if it was not pinned here)."""
-    with _REG_LOCK:
-        if ptr not in _REGISTERED:
-            return
-        _REGISTERED.discard(ptr)
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    """Undo :func:`pin_in_place` for the memory starting at ``ptr`` (no-op if it was not pinned)."""
+    from hstu.backend.cuda import CUDABackend  # the only backend that pins in place
+
+    CUDABackend.unpin(ptr)
 
 
 __all__ = [

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
 from hstu.backend.base import Backend, MemoryInfo
+from hstu.backend.graphs import GraphRunner
 
 _probe: tuple[object | None, str | None] | None = None
 
@@ -39,15 +41,29 @@ def probe_torch_npu() -> tuple[object | None, str | None]:
 
 
 class NPUBackend(Backend):
+    """An Ascend NPU: hccl, NPU graphs where torch_npu has them, the "npu" kernel set; TorchRec's
+    kernels do not exist here (the item table stays on the CPU) and there is no integer GEMM."""
+
     name = "npu"
+    dist_backend = "hccl"  # comes with torch_npu
+    graph_mode = "npu_graph"
+    default_kernels = "npu"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return probe_torch_npu()[1]
 
+    @classmethod
+    def current_index(cls) -> int:
+        npu = getattr(torch, "npu", None)
+        return int(npu.current_device()) if npu is not None and npu.is_available() else 0
+
     def memory_info(self) -> MemoryInfo:
         free, total = torch.npu.mem_get_info(self.index)  # type: ignore[attr-defined]
         return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
+
+    def peak_memory_bytes(self) -> int | None:
+        return int(torch.npu.max_memory_allocated(self.index))  # type: ignore[attr-defined]
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
@@ -61,3 +77,15 @@ class NPUBackend(Backend):
 
     def supports_pinned_memory(self) -> bool:
         return True
+
+    @property
+    def supports_graphs(self) -> bool:
+        return hasattr(getattr(torch, "npu", None), "NPUGraph")
+
+    def graphs_unavailable_reason(self) -> str:
+        return "needs torch_npu with torch.npu.NPUGraph (torch_npu >= 2.5)"
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        if not self.supports_graphs:
+            return super().capture_graph(fn)
+        return GraphRunner(fn, torch.npu, torch.npu.NPUGraph)  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ each shard's dtype. So a table with S=1 and one with
 S=8 and the same seed hold the same values.
 
 Placement: ``"device"`` = the compute device; ``"host"`` = CPU memory, page-locked in place where the
-backend supports pinning (see :func:`hstu.backend.memory_guard.pin_in_place`); on a CPU backend
+backend supports pinning (see :meth:`hstu.backend.Backend.pin_in_place`); on a CPU backend
 both are plain CPU memory. Placement and per-shard dtype survive ``module.to(...)``, ``.cuda()``,
 ``.half()``: those change only the compute device and compute dtype (a host shard is never moved
 to the device; an fp16 shard is never widened).
@@ -57,7 +57,7 @@ from torch import nn
 
 from hstu.backend import Backend, select
 from hstu.backend.cpu import host_memory_info
-from hstu.backend.memory_guard import format_bytes, parse_bytes, pin_in_place, unpin
+from hstu.backend.memory_guard import format_bytes, parse_bytes, unpin
 
 log = logging.getLogger(__name__)
 
@@ -591,9 +591,7 @@ class HotRowCache:
     def _fetch(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         idx = rows.to(weight.device)
         if self.pin_staging:
-            staging = torch.empty(idx.numel(), self.dim, dtype=weight.dtype, pin_memory=True)
-            torch.index_select(weight.detach(), 0, idx, out=staging)
-            return staging.to(self.device, non_blocking=True)
+            return _gather_staged(weight, idx, self.device)
         return weight.detach().index_select(0, idx).to(self.device)
 
     @torch.no_grad()
@@ -787,7 +785,7 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"ShardedEmbedding: cache_policy {cache_policy!r} unknown; valid: {', '.join(CACHE_POLICIES)}")
         T = V + O
         cache_total = parse_bytes(cache_bytes, field="cache_bytes")
-        device_is_host = self.compute_device.type == "cpu"
+        device_is_host = self.backend.is_host
 
         # 1. plan and check memory before any allocation
         self.plan = plan_memory(
@@ -843,7 +841,7 @@ class ShardedEmbedding(nn.Module):
 
     def _pin_shard(self, s: int) -> None:
         p = self.shards[s]
-        if pin_in_place(p.data, self.backend):
+        if self.backend.pin_in_place(p.data):
             self._pinned[s] = p.data_ptr()
 
     @torch.no_grad()
@@ -888,7 +886,7 @@ class ShardedEmbedding(nn.Module):
                 c = pos.numel()
                 if c:
                     dst = self.shards[s].data[filled[s] : filled[s] + c]
-                    if dst.device.type == "cpu":
+                    if dst.device == by_dtype[self.dtypes[s]].device:  # a host shard: gather in place
                         torch.index_select(by_dtype[self.dtypes[s]], 0, pos, out=dst)
                     else:  # a device shard: gather on the host, one copy over
                         dst.copy_(by_dtype[self.dtypes[s]].index_select(0, pos))
@@ -931,12 +929,8 @@ class ShardedEmbedding(nn.Module):
         training = torch.is_grad_enabled() and w.requires_grad
         if cache is not None and not training:
             return cache.lookup(local, w)
-        if not training and self._pin and self.compute_device.type != "cpu":
-            # gather into a pinned staging buffer so the copy to the device is asynchronous
-            idx = local.to(w.device)
-            staging = torch.empty(idx.numel(), self.embedding_dim, dtype=w.dtype, pin_memory=True)
-            torch.index_select(w.detach(), 0, idx, out=staging)
-            return staging.to(self.compute_device, non_blocking=True)
+        if not training and self._pin and self.backend.supports_pinned_memory():
+            return _gather_staged(w, local.to(w.device), self.compute_device)
         rows = F.embedding(local.to(w.device), w, sparse=self.sparse)
         return rows.to(self.compute_device)
 
@@ -1088,6 +1082,14 @@ class ShardedEmbedding(nn.Module):
                     if self.placements[s] == "host":
                         self._pin_shard(s)
         return self
+
+
+def _gather_staged(weight: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host rows ``weight[idx]`` (n, d) gathered into a pinned staging buffer, then copied to ``device``
+    asynchronously (non_blocking); no autograd."""
+    staging = torch.empty(idx.numel(), weight.shape[1], dtype=weight.dtype, pin_memory=True)
+    torch.index_select(weight.detach(), 0, idx, out=staging)
+    return staging.to(device, non_blocking=True)
 
 
 def _unpin_all(pinned: dict[int, int]) -> None:

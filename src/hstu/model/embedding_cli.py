@@ -86,7 +86,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
         except (ValueError, BackendUnavailableError) as exc:
             print(f"hstu plan-memory: error: {exc}", file=sys.stderr)
             return 2
-        if backend.device.type == "cpu":
+        if backend.is_host:
             device_is_host = True
         else:
             device_mem = backend.memory_info().free_bytes

@@ -165,7 +165,7 @@ def _collect_memory(npu_info, skip_npu: bool = False) -> tuple[list[DeviceMemory
         b = _select_backend(skip_npu)
         backend_name = b.name
         mi = b.memory_info()
-        label = "cpu (host)" if b.name == "cpu" else str(b.device)
+        label = f"{b.name} (host)" if b.is_host else str(b.device)
         mems.append(DeviceMemory(label, mi.free_bytes, mi.total_bytes, f"hstu.backend {b.name}.memory_info()"))
     except Exception as exc:  # BackendUnavailableError, driver errors  # noqa: BLE001
         reason = f"{type(exc).__name__}: {exc}"

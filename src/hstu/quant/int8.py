@@ -40,11 +40,13 @@ import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hstu import backend
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,7 @@ def _prepack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, en
         return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().cpu().to(torch.float32))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _probe_engine(engine: str) -> str | None:
     """None if ``engine`` prepacks and runs a tiny per-channel dynamic Linear correctly, else why not."""
     if engine not in torch.backends.quantized.supported_engines:
@@ -142,9 +144,30 @@ def _probe_engine(engine: str) -> str | None:
     return None
 
 
+def _int8_gemms(dev: torch.device) -> tuple[str, ...]:
+    """The integer GEMMs the backend of ``dev`` offers, in order of preference (none for an unknown kind)."""
+    try:
+        return backend.for_device(dev).int8_gemms
+    except ValueError:  # a device kind without a backend ("meta"): float fallback
+        return ()
+
+
+def _auto_kernel(engine: str) -> Int8Kernel | str:
+    """The Int8Kernel "auto" gives for ``engine``, or the reason it cannot run in this torch build."""
+    if engine == "int_mm":
+        if not hasattr(torch, "_int_mm"):
+            return f"torch._int_mm is absent in torch {torch.__version__}"
+        return Int8Kernel("int_mm", True, "torch._int_mm (cuBLASLt s8 x s8 -> s32) with per-row int8 activations")
+    why = _probe_engine(engine)
+    if why is not None:
+        return why
+    return Int8Kernel(engine, True, f"torch.ops.quantized.linear_dynamic ({engine}, per-channel qint8 weights, "
+                                    f"{'7' if _reduce_range(engine) else '8'}-bit dynamic activations)")
+
+
 def select_int8_kernel(device: torch.device | str = "cpu", kernel: str = "auto") -> Int8Kernel:
-    """The INT8 GEMM for ``device``: "auto" picks FBGEMM (x86) or QNNPACK (ARM) on CPU, ``_int_mm``
-    on CUDA, else the visible float fallback.
+    """The INT8 GEMM for ``device``: "auto" tries the backend's ``int8_gemms`` in order (FBGEMM (x86)
+    then QNNPACK (ARM) on CPU, ``_int_mm`` on CUDA), else the visible float fallback.
 
     Raises:
         ValueError: unknown ``kernel`` name, or a forced kernel that cannot run here (says why).
@@ -158,25 +181,21 @@ def select_int8_kernel(device: torch.device | str = "cpu", kernel: str = "auto")
         if not hasattr(torch, "_int_mm"):
             raise ValueError(f"INT8 kernel 'int_mm' needs torch._int_mm, absent in torch {torch.__version__}")
         return Int8Kernel("int_mm", True, f"torch._int_mm (s8 x s8 -> s32) on {dev.type}")
+    gemms = _int8_gemms(dev)
     if kernel in ("fbgemm", "qnnpack"):
-        if dev.type != "cpu":
+        if kernel not in gemms:
             raise ValueError(f"INT8 kernel {kernel!r} runs on CPU only, not on {dev}")
         why = _probe_engine(kernel)
         if why:
             raise ValueError(f"INT8 kernel {kernel!r} cannot run: {why}")
         return Int8Kernel(kernel, True, f"torch.ops.quantized.linear_dynamic ({kernel}, per-channel qint8 weights)")
-    # auto
-    reasons = []
-    if dev.type == "cpu":
-        for engine in ("fbgemm", "qnnpack"):
-            why = _probe_engine(engine)
-            if why is None:
-                return Int8Kernel(engine, True, f"torch.ops.quantized.linear_dynamic ({engine}, per-channel qint8 weights, "
-                                                f"{'7' if _reduce_range(engine) else '8'}-bit dynamic activations)")
-            reasons.append(why)
-    elif dev.type == "cuda" and hasattr(torch, "_int_mm"):
-        return Int8Kernel("int_mm", True, "torch._int_mm (cuBLASLt s8 x s8 -> s32) with per-row int8 activations")
-    else:
+    reasons = []  # auto
+    for engine in gemms:
+        found = _auto_kernel(engine)
+        if isinstance(found, Int8Kernel):
+            return found
+        reasons.append(found)
+    if not gemms:
         reasons.append(f"no integer GEMM kernel known for device type {dev.type!r} in torch {torch.__version__}")
     return Int8Kernel("dequant", False, "; ".join(reasons) + ": INT8 weights are dequantized to float at each call "
                                         "(memory saving only, no speed-up)")
@@ -220,7 +239,7 @@ class Int8Linear(nn.Module):
         self._packed = None
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, *, kernel: str = "auto") -> "Int8Linear":
+    def from_float(cls, linear: nn.Linear, *, kernel: str = "auto") -> Int8Linear:
         """Quantize an ``nn.Linear`` (weights per output channel; bias kept in float32)."""
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, kernel=kernel)
         q, s = quantize_per_channel(linear.weight)
@@ -258,7 +277,7 @@ class Int8Linear(nn.Module):
         self._kernel, self._packed = None, None
         return super()._load_from_state_dict(*args, **kwargs)
 
-    def prepare(self) -> "Int8Linear":
+    def prepare(self) -> Int8Linear:
         """Select the kernel and prepack now (otherwise done at the first call)."""
         k = self.kernel
         if k.name in ("fbgemm", "qnnpack") and self._packed is None:
@@ -314,7 +333,7 @@ class Int8Embedding(nn.Module):
         self.register_buffer("weight_scale", torch.ones(num_embeddings, dtype=torch.float32))
 
     @classmethod
-    def from_float(cls, emb: nn.Embedding) -> "Int8Embedding":
+    def from_float(cls, emb: nn.Embedding) -> Int8Embedding:
         m = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx)
         q, s = quantize_per_channel(emb.weight)
         m.weight_int8.copy_(q)

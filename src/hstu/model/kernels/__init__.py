@@ -14,16 +14,18 @@ vLLM's attention-backend registry (unknown names raise ValueError listing the va
     npu      reference   same as cpu (float64 time buckets: may fall back to the host)
     npu      npu         float32-exact time buckets, ops with torch_npu kernels only (npu.py)
 
-``default_kernels(backend)`` is "npu" on NPU and "reference" elsewhere: the Triton set is used
+``default_kernels(backend)`` is that backend's ``Backend.default_kernels`` ("npu" on NPU, "reference"
+elsewhere, :mod:`hstu.backend`): the Triton set is used
 only when asked for by name. Each set also registers its square-attention variant in
 :mod:`hstu.model.attention` (the model's own registry) under the same name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
+from hstu.backend import BACKENDS
 from hstu.model import attention as _model_attention
 from hstu.model.kernels import npu as _npu
 from hstu.model.kernels import reference as _ref
@@ -52,7 +54,7 @@ class KernelSet:
     available: Callable[[], str | None] = lambda: None
 
 
-_KERNELS: dict[str, dict[str, KernelSet]] = {"cpu": {}, "cuda": {}, "npu": {}}
+_KERNELS: dict[str, dict[str, KernelSet]] = {name: {} for name in BACKENDS}
 
 
 def register_kernels(backend: str, kset: KernelSet, square_attention: Callable | None = None) -> None:
@@ -90,8 +92,11 @@ def available_kernels(backend: str) -> list[str]:
 
 
 def default_kernels(backend: str) -> str:
-    """"npu" on NPU, else "reference" (the Triton set is opt-in while unverified)."""
-    return "npu" if backend == "npu" else "reference"
+    """The backend's ``default_kernels``: "npu" on NPU, else "reference" (the Triton set is opt-in while
+    unverified). ValueError for an unknown backend."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {sorted(BACKENDS)}")
+    return BACKENDS[backend].default_kernels
 
 
 REFERENCE = KernelSet("reference", _ref.uvqk, _ref.time_buckets, _ref.attention, _ref.ln_mul,
@@ -105,7 +110,7 @@ TRITON = KernelSet("triton", _ref.uvqk, _npu.time_buckets, _triton.attention, _r
                    "Triton attention kernel, checked with the Triton CPU interpreter only; unverified on a GPU",
                    available=lambda: _triton.available("cuda"))
 
-for _b in ("cpu", "cuda", "npu"):
+for _b in BACKENDS:
     register_kernels(_b, REFERENCE)
 register_kernels("npu", NPU, square_attention=_npu.square_attention)
 register_kernels("cuda", TRITON, square_attention=_triton.square_attention)

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from hstu.config import ModelConfig, TrainConfig
+from hstu.data.prepare import DataSpec
 from hstu.model.checkpoint import read_json
-from hstu.train.loop import DataSpec, fit
+from hstu.train.loop import fit
 
 log = logging.getLogger("benchmarks")
 REPO = Path(__file__).resolve().parents[1]
@@ -106,9 +107,9 @@ def interim_metrics(run_dir: Path, spec: DataSpec, *, device: str = "cpu") -> tu
     valid and test, marked in progress (a resumed run continues it). None without a history."""
     import numpy as np
 
-    from hstu.model.checkpoint import load_run
+    from hstu.data.prepare import prepare_data
+    from hstu.runs import load_run
     from hstu.train.evaluate import evaluate
-    from hstu.train.loop import prepare_data
 
     run_dir = Path(run_dir)
     if not (run_dir / "history.json").exists() or not (run_dir / "model.safetensors").exists():

@@ -42,8 +42,9 @@ from _quality import command, git_commit, machine, run_spec, train_or_resume, wr
 from reproduce_ml1m import CHUNK_DEFAULT, DEFAULT_DATA, POOL_DEFAULT, RECIPE
 
 from hstu.config import TrainConfig, model_config_from_preset
-from hstu.model.checkpoint import load_run, read_json
-from hstu.train.loop import DataSpec, prepare_data
+from hstu.data.prepare import DataSpec, prepare_data
+from hstu.model.checkpoint import read_json
+from hstu.runs import load_run
 from hstu.train.slices import ModelScorer, collect, hits, ndcgs
 
 log = logging.getLogger("benchmarks.ablate")

@@ -43,15 +43,16 @@ import torch
 
 from hstu.config import model_config_from_preset
 from hstu.data.batching import eval_batch
+from hstu.data.prepare import DataSpec, prepare_data
 from hstu.data.sequences import make_split
 from hstu.generate import KVCache, generate
 from hstu.generate.decode import exclusion_mask
-from hstu.model.checkpoint import load_run, save_weights, write_json
+from hstu.model.checkpoint import save_weights, write_json
 from hstu.model.hstu import build_hstu
 from hstu.quant import apply_precision, load_quantized_run, save_quantized_run, select_int8_kernel, tensor_bytes
 from hstu.quant.checkpoint import quantized_state
+from hstu.runs import load_run
 from hstu.train.evaluate import evaluate
-from hstu.train.loop import DataSpec, prepare_data
 from hstu.train.metrics import auc
 
 log = logging.getLogger("bench.quant")

@@ -40,8 +40,9 @@ import torch
 
 from _quality import command, git_commit, interim_metrics, machine, plot_curves, run_spec, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
-from hstu.model.checkpoint import load_run, read_json
-from hstu.train.loop import DataSpec, prepare_data
+from hstu.data.prepare import DataSpec, prepare_data
+from hstu.model.checkpoint import read_json
+from hstu.runs import load_run
 from hstu.train.slices import COLD_START_LENGTHS, ModelScorer, collect, slice_report
 
 log = logging.getLogger("benchmarks.ml1m")

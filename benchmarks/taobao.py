@@ -34,10 +34,10 @@ import torch
 
 from _quality import command, git_commit, machine, plot_curves, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
-from hstu.model.checkpoint import load_run
+from hstu.data.prepare import DataSpec, prepare_data
+from hstu.runs import load_run
 from hstu.train.baselines import BASELINES, evaluate_baseline, make_baseline, training_counts
 from hstu.train.evaluate import evaluate
-from hstu.train.loop import DataSpec, prepare_data
 from hstu.train.slices import (COLD_START_LENGTHS, BaselineScorer, ModelScorer, bootstrap_weights, collect, hits,
                                paired_comparison, slice_report)
 

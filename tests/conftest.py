@@ -53,7 +53,8 @@ def oracle_path() -> Path:
 def run_dir(tmp_path_factory) -> Path:
     if not (ML1M / "ratings.dat").exists():
         pytest.skip(f"{ML1M}/ratings.dat is absent (shared data is provided beside the repo in CI and dev sessions)")
-    from hstu.train.loop import DataSpec, fit
+    from hstu.data.prepare import DataSpec
+    from hstu.train.loop import fit
 
     out = tmp_path_factory.mktemp("tiny") / "run"
     fit(out, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1), DataSpec("ml-1m", str(ML1M), max_users=USERS),

@@ -213,7 +213,8 @@ def test_cli_topk_at_a_tiny_temperature_equals_greedy(run_dir, tmp_path, capsys,
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def three_item_run(tmp_path_factory) -> Path:
-    from hstu.train.loop import DataSpec, fit
+    from hstu.data.prepare import DataSpec
+    from hstu.train.loop import fit
 
     d = tmp_path_factory.mktemp("three")
     rows = [(u, 1 + (u + j) % 3, 1_700_000_000 + 60 * j) for u in range(1, 13) for j in range(6)]

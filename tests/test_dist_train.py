@@ -53,8 +53,8 @@ WEIGHT_ATOL = 2e-5
 
 def _configs(data_dir: str):
     from hstu.config import TrainConfig, model_config_from_preset
+    from hstu.data.prepare import DataSpec
     from hstu.train.distributed import DistConfig
-    from hstu.train.loop import DataSpec
 
     mcfg = model_config_from_preset("small", max_seq_len=20, embedding_dim=16, d_qk=16, d_v=16, dropout=0.0)
     tcfg = TrainConfig(epochs=1, batch_size=21, num_negatives=16, negatives_chunk=4, seed=3, eval_batch_size=64, learning_rate=1e-3)
@@ -71,8 +71,8 @@ def _free_port() -> int:
 def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
     import torch.distributed as dist
 
+    from hstu.data.prepare import prepare_data
     from hstu.train.distributed import fit_distributed
-    from hstu.train.loop import prepare_data
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
@@ -102,7 +102,7 @@ def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
 @functools.lru_cache(maxsize=1)
 def _load(data_dir: str):
     """The test's data (64 users), loaded once per process."""
-    from hstu.train.loop import prepare_data
+    from hstu.data.prepare import prepare_data
 
     return prepare_data(_configs(data_dir)[2])
 
@@ -112,8 +112,8 @@ def _reference(data_dir: str, chunk: int) -> tuple[list[float], torch.nn.Module,
     AdamW on the dense weights and SGD on the table. Returns (per-step losses, model, initial table)."""
     from hstu.data import train_batch
     from hstu.data.batching import length_bucketed_batches
+    from hstu.data.prepare import model_config_for
     from hstu.model.hstu import build_hstu
-    from hstu.train.loop import model_config_for
     from hstu.train.losses import sampled_softmax_loss
 
     mcfg, tcfg, spec, _ = _configs(data_dir)
@@ -165,7 +165,7 @@ def dist_runs(tmp_path_factory) -> Path:
 
 
 def test_losses_and_weights_match_single_process(dist_runs, ml1m_dir) -> None:
-    from hstu.model.checkpoint import load_run
+    from hstu.runs import load_run
 
     r0 = json.loads((dist_runs / "rank0.json").read_text())
     r1 = json.loads((dist_runs / "rank1.json").read_text())
@@ -200,9 +200,10 @@ def test_resume_continues_exactly(dist_runs) -> None:
 
 def test_distributed_eval_equals_single_process_eval(dist_runs, ml1m_dir) -> None:
     """metrics.json (users split over 2 ranks, ranks gathered) = single-process evaluate of the saved run."""
-    from hstu.model.checkpoint import load_run, read_json
+    from hstu.data.prepare import DataSpec
+    from hstu.model.checkpoint import read_json
+    from hstu.runs import load_run
     from hstu.train.evaluate import evaluate
-    from hstu.train.loop import DataSpec
 
     run = dist_runs / "row_wise"
     model, cfg, _ = load_run(run)
@@ -231,9 +232,9 @@ def test_shard_batch_partitions_the_global_batch() -> None:
 def test_cli_under_torchrun(ml1m_dir, tmp_path) -> None:
     """``torchrun --nproc-per-node 2 -m hstu.train`` (small preset, d = 50: column_wise stores the table
     56 wide, FBGEMM needing a multiple of 4 per shard) writes a run that ``load_run`` / ``hstu eval`` read."""
-    from hstu.model.checkpoint import load_run
+    from hstu.data.prepare import DataSpec, prepare_data
+    from hstu.runs import load_run
     from hstu.train.evaluate import evaluate
-    from hstu.train.loop import DataSpec, prepare_data
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "run"

@@ -13,7 +13,7 @@ import pytest
 
 from hstu.data import DataFormatError, load_dataset
 from hstu.data.ecommerce import LOADERS, load_csv, load_retailrocket, load_taobao, parse_columns
-from hstu.train.loop import DataSpec, prepare_data
+from hstu.data.prepare import DataSpec, prepare_data
 
 
 # ----------------------------------------------------------------------------- Taobao

@@ -12,8 +12,9 @@ import torch
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data import make_split, train_batch
 from hstu.data.ecommerce import load_taobao
+from hstu.data.prepare import DataSpec, model_config_for, subset_users
 from hstu.model.hstu import build_hstu
-from hstu.train.loop import DataSpec, fit, model_config_for, subset_users
+from hstu.train.loop import fit
 from hstu.train.losses import next_action_loss, sampled_softmax_loss
 
 

@@ -12,11 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hstu.quant import (QuantCheckpointError, apply_precision, load_for_inference, load_quantized_run, save_quantized_run,
-                        select_int8_kernel, tensor_bytes)
+from hstu.quant import (QuantCheckpointError, apply_precision, load_quantized_run, save_quantized_run, select_int8_kernel,
+                        tensor_bytes)
 from hstu.quant.calibrate import calibration_batch, format_report, layer_report
 from hstu.quant.checkpoint import quantized_state
 from hstu.quant.int8 import Int8Embedding, Int8Linear, dequantize_per_channel, quantize_per_channel
+from hstu.runs import load_run
 
 ML1M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ml-1m"
 HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
@@ -145,7 +146,8 @@ def tiny_run(tmp_path_factory):
     if not (ML1M / "ratings.dat").exists():
         pytest.skip(f"{ML1M} is absent (shared data is provided beside the repo in CI and dev sessions)")
     from hstu.config import TrainConfig, model_config_from_preset
-    from hstu.train.loop import DataSpec, fit
+    from hstu.data.prepare import DataSpec
+    from hstu.train.loop import fit
 
     run = tmp_path_factory.mktemp("quant") / "run"
     fit(run, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1, seed=0),
@@ -155,9 +157,9 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def calib(tiny_run):
+    from hstu.data.prepare import DataSpec, prepare_data
     from hstu.data.sequences import make_split
     from hstu.model.checkpoint import read_json
-    from hstu.train.loop import DataSpec, prepare_data
 
     spec = DataSpec(**read_json(tiny_run / "config.json")["data"])
     log_, _ = prepare_data(spec)
@@ -165,8 +167,6 @@ def calib(tiny_run):
 
 
 def _float(run):
-    from hstu.model.checkpoint import load_run
-
     return load_run(run, "cpu")[0]
 
 
@@ -262,7 +262,7 @@ def test_checkpoint_round_trip_and_sizes(tiny_run, calib, tmp_path):
     fb, qb = tensor_bytes(fm.state_dict()), tensor_bytes(quantized_state(qm))
     assert qb["dense"] <= 0.3 * fb["dense"]
     assert meta["bytes"]["file"] < 0.6 * meta["bytes"]["float_file"]
-    assert load_for_inference(out, "cpu")[0].quant_meta["scheme"] == "int8"
+    assert load_run(out, "cpu")[0].quant_meta["scheme"] == "int8"
 
 
 def test_wrong_scheme_refused(tiny_run, tmp_path):
@@ -273,9 +273,9 @@ def test_wrong_scheme_refused(tiny_run, tmp_path):
     with pytest.raises(QuantCheckpointError, match="quantized with scheme 'int8' but 'bf16' was requested"):
         load_quantized_run(q8, scheme="bf16")
     with pytest.raises(QuantCheckpointError, match="quantized with scheme 'bf16' but 'int8' was requested"):
-        load_for_inference(qb, precision="int8")
+        load_run(qb, precision="int8")
     with pytest.raises(QuantCheckpointError, match="needs the float run"):
-        load_for_inference(q8, precision="fp32")
+        load_run(q8, precision="fp32")
     with pytest.raises(FileNotFoundError, match="not a quantized run"):
         load_quantized_run(tiny_run)
     assert load_quantized_run(qb, scheme="bf16")[0].pos_emb.weight.dtype == torch.bfloat16
@@ -293,8 +293,6 @@ def test_corrupt_run_files_name_the_file(tiny_run, tmp_path):
     """Truncated weights and broken JSON give a ValueError naming the file (a fresh user's report:
     raw SafetensorError / JSONDecodeError tracebacks before)."""
     import shutil
-
-    from hstu.model.checkpoint import load_run
 
     fm = _float(tiny_run)
     q8 = tmp_path / "q8"
@@ -314,10 +312,10 @@ def test_corrupt_run_files_name_the_file(tiny_run, tmp_path):
 
 
 def test_float_run_converted_on_load(tiny_run):
-    m, cfg, _ = load_for_inference(tiny_run, "cpu", "int8")
+    m, cfg, _ = load_run(tiny_run, "cpu", "int8")
     assert isinstance(m.layers[1].o, Int8Linear) and "quant" not in cfg
     with pytest.raises(ValueError, match="valid"):
-        load_for_inference(tiny_run, "cpu", "int4")
+        load_run(tiny_run, "cpu", "int4")
 
 
 def test_cli_quantize(tiny_run, tmp_path, capsys):

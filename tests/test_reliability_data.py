@@ -13,7 +13,8 @@ from hstu.cli import main
 from hstu.config import TrainConfig, model_config_from_preset
 from hstu.data.ecommerce import load_csv, load_retailrocket
 from hstu.data.movielens import load_movielens
-from hstu.train.loop import DataSpec, fit
+from hstu.data.prepare import DataSpec
+from hstu.train.loop import fit
 
 T_MS = 1_700_000_000_000  # 2023-11-14T22:13:20Z
 # (item, exact time in ms) in file order: newest first, two events at the same ms (file order kept)

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hstu.cli import main
-from hstu.model.checkpoint import KILL_AT_ENV, load_run
+from hstu.model.checkpoint import KILL_AT_ENV
+from hstu.runs import load_run
 
 TINY = """[model]
 max_seq_len = 8

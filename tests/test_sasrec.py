@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hstu.config import ModelConfig, TrainConfig, model_config_from_preset
 from hstu.generate.decode import exclusion_mask, generate, generate_recompute
 from hstu.generate.kv_cache import KVCache
-from hstu.model.checkpoint import load_run
 from hstu.model.hstu import build_hstu
 from hstu.model.sasrec import SASRecModel, sasrec_attention
+from hstu.runs import load_run
 
 
 def tiny(**kw) -> ModelConfig:
@@ -144,9 +144,10 @@ def test_step_equals_full_pass_row():
 def test_fit_evaluate_and_load_run(tmp_path):
     """SASRec through the shared loop (sampled softmax, next-action head), evaluation and run dir,
     on a small synthetic event log read by the generic CSV loader."""
+    from hstu.data.prepare import DataSpec, prepare_data
     from hstu.generate.recommend import History, Recommender
     from hstu.train.evaluate import evaluate
-    from hstu.train.loop import DataSpec, fit, prepare_data
+    from hstu.train.loop import fit
 
     rng = np.random.default_rng(0)
     rows = ["user,item,ts,event"]

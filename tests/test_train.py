@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from hstu.config import TrainConfig, model_config_from_preset
-from hstu.model.checkpoint import load_run
+from hstu.data.prepare import DataSpec, prepare_data
+from hstu.runs import load_run
 from hstu.train.evaluate import evaluate
-from hstu.train.loop import DataSpec, fit, prepare_data
+from hstu.train.loop import fit
 
 
 def tiny():

@@ -109,10 +109,10 @@ from hstu.train.metrics import DEFAULT_KS, ranking_metrics
 
 log = logging.getLogger(__name__)
 
-# torch.distributed backend per device type (PyTorch docs, "Backends"; hccl comes with torch_npu)
-DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-# device types FBGEMM / TorchRec have embedding kernels for; elsewhere the table stays on the CPU
-TORCHREC_DEVICE_TYPES = ("cpu", "cuda")
+# torch.distributed backend per device type (PyTorch docs, "Backends"): Backend.dist_backend (old name kept)
+DIST_BACKENDS = {name: cls.dist_backend for name, cls in backend.BACKENDS.items()}
+# device types FBGEMM / TorchRec have embedding kernels for (Backend.torchrec_kernels); elsewhere the table stays on the CPU
+TORCHREC_DEVICE_TYPES = tuple(name for name, cls in backend.BACKENDS.items() if cls.torchrec_kernels)
 # table optimizer name -> FBGEMM EmbOptimType member
 TABLE_OPTIMIZERS = {
     "sgd": "EXACT_SGD",
@@ -229,14 +229,10 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
         ValueError: malformed torchrun variables, unknown device.
         BackendUnavailableError: the device is not usable.
     """
-    kind = backend.select(device).name if device.strip().lower() == "auto" else device.strip().lower().partition(":")[0]
     local_rank = _env_int("LOCAL_RANK", 0)
-    dev = backend.select(kind if kind == "cpu" else f"{kind}:{local_rank}")
-    if dev.device.type != "cpu":
-        torch.accelerator.set_device_index(dev.device.index)  # nccl / hccl bind to the current device
-    dist_backend = DIST_BACKENDS.get(dev.device.type)
-    if dist_backend is None:
-        raise ValueError(f"no torch.distributed backend known for device {dev.device.type!r}; known: {DIST_BACKENDS}")
+    dev = backend.select_local(device, local_rank)
+    dev.set_current()  # nccl / hccl bind to the current device
+    dist_backend = dev.dist_backend
     owns = not dist.is_initialized()
     if owns:
         world = _env_int("WORLD_SIZE", 1)
@@ -250,10 +246,11 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
     else:
         dist_backend = str(dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
-    table_on_device = dev.device.type in TORCHREC_DEVICE_TYPES
-    table_device = dev.device if table_on_device else torch.device("cpu")
-    # a group of its own for TorchRec's all-to-alls (gloo when the table stays on the CPU)
-    table_pg = dist.new_group(backend=dist_backend if table_on_device else "gloo", timeout=timedelta(seconds=timeout_s))
+    host = backend.select("cpu")
+    table_device = dev.device if dev.torchrec_kernels else host.device
+    # a group of its own for TorchRec's all-to-alls (the host's, gloo, when the table stays on the CPU)
+    table_pg = dist.new_group(backend=dist_backend if dev.torchrec_kernels else host.dist_backend,
+                              timeout=timedelta(seconds=timeout_s))
     log.info("rank %d/%d on %s (%s); item table on %s", rank, world, dev.device, dist_backend, table_device)
     return DistContext(rank, world, local_rank, dev, dist_backend, table_device, dist.group.WORLD, table_pg, owns)
 
@@ -409,7 +406,7 @@ def table_fused_params(dcfg: DistConfig, tcfg: TrainConfig, table_device: torch.
     """
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    if table_device.type == "cpu" and dcfg.table_optimizer not in CPU_TABLE_OPTIMIZERS:
+    if backend.for_device(table_device).is_host and dcfg.table_optimizer not in CPU_TABLE_OPTIMIZERS:
         raise ValueError(f"table optimizer {dcfg.table_optimizer!r} has no CPU kernel in FBGEMM; "
                          f"with the table on the CPU use one of {', '.join(CPU_TABLE_OPTIMIZERS)}")
     fp: dict[str, Any] = {"optimizer": getattr(EmbOptimType, TABLE_OPTIMIZERS[dcfg.table_optimizer]),
@@ -752,7 +749,7 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
     ignore = [f"model.item_emb.{n}" for n, _ in model.item_emb.named_parameters()]
     ignore += [f"model.item_emb.{n}" for n, _ in model.item_emb.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(step, ignore)  # as TorchRec's DistributedModelParallel does
-    ddp = DDP(step, device_ids=None if ctx.device.type == "cpu" else [ctx.device.index], process_group=ctx.dense_pg)
+    ddp = DDP(step, device_ids=ctx.backend.ddp_device_ids(), process_group=ctx.dense_pg)
     dense_params = [p for n, p in model.named_parameters() if not n.startswith("item_emb.")]
     opt = torch.optim.AdamW(dense_params, lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
     gen = torch.Generator(device=ctx.device)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hstu.config import ModelConfig
 from hstu.generate import exclusion_mask, generate, generate_recompute
 from hstu.generate.engine import Engine
+from hstu.generate.runners import row_blocks
 from hstu.model import build_hstu
 
 I = 300  # items
@@ -401,7 +402,7 @@ def test_prefill_in_causal_row_blocks_equals_one_square(blocks, chunk):
     one.prefill_blocks = 1
     split = Engine(m, buckets=(80,), max_batch=8, k_max=4)
     split.prefill_blocks, split.tb_chunk_elements = blocks, chunk
-    assert len(split._row_blocks(80)) == (blocks or 2) and len(split._row_blocks(200)) == (blocks or 4)
+    assert len(row_blocks(split, 80)) == (blocks or 2) and len(row_blocks(split, 200)) == (blocks or 4)
     a, b = one.generate(ids, ts, L, 4, request_time=rt), split.generate(ids, ts, L, 4, request_time=rt)
     assert torch.equal(a.items, b.items)
     close(a.scores, b.scores)

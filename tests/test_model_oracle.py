@@ -53,10 +53,10 @@ def test_encoder_matches_reference_outputs(oracle_path):
         pos = torch.arange(W)
         valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).float()
         x = m.embed(ids, pos.expand(B, W)) * valid
-        buckets = m.buckets(ts)
+        meta = m.attention_meta(ts, valid)
         live = valid.squeeze(-1).bool()
         for i, layer in enumerate(m.layers):
-            x = layer(x, buckets, valid)
+            x = layer(x, meta)
             np.testing.assert_allclose(x[live].numpy(), z[f"output/layer{i}_jagged"], atol=1e-5, rtol=1e-5)
         seq = m.encode(ids, ts, lengths)
         np.testing.assert_allclose(seq.numpy(), z["output/seq_embeddings"], atol=1e-5)

@@ -102,7 +102,10 @@ import torch
 from hstu.generate.sampler import GenerationResult, check_candidates, next_scores, pick
 from hstu.generate.hardening import check_inputs_on, harden
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
-from hstu.model.hstu import HSTUModel, l2_normalize
+from hstu.backend import for_device
+from hstu.generate import runners
+from hstu.generate.pool import BucketPool, ladder
+from hstu.model.hstu import HSTUModel
 from hstu.model.kernels import KernelSet, get_kernels
 
 log = logging.getLogger(__name__)
@@ -120,106 +123,6 @@ class EngineResult(GenerationResult):
     truncated: torch.Tensor | None = None
     prefix_rows: torch.Tensor | None = None
     warnings: list[str] = field(default_factory=list)
-
-
-def _ladder(max_batch: int) -> tuple[int, ...]:
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    out.append(max_batch)
-    return tuple(out)
-
-
-class _Bucket:
-    """Pool and static input buffers of one bucket (edge E); see the module docstring."""
-
-    def __init__(self, eng: "Engine", E: int) -> None:
-        m, c = eng.model, eng.model.cfg
-        R, K, H, dev = eng.max_batch, eng.k_max, c.num_heads, eng.device
-        dt = eng.dtype
-        self.E, self.C = E, E + 1
-        C = self.C
-        z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)  # noqa: E731
-        # KV-cache pool per layer: history slots 0 .. C-1, then K slots for generated rows. One-beam
-        # decoding (greedy, top-k) writes user b's generated row s to [b, :, C + s], so a decode step
-        # attends to history and generated keys in one call; beam search keeps each beam's generated
-        # rows in gk / gv = the same K slots viewed per beam row (beam r = user * W + w; the history of
-        # user b stays in [b, :, :C]), so both share one allocation
-        self.hk = [z(R, H, C + K, c.d_qk) for _ in range(c.num_blocks)]
-        self.hv = [z(R, H, C + K, c.d_v) for _ in range(c.num_blocks)]
-        self.gk = [t[:, :, C:] for t in self.hk]  # (R, H, K, d_qk) views
-        self.gv = [t[:, :, C:] for t in self.hv]
-        self.gk_scratch, self.gv_scratch = z(R, H, K, c.d_qk), z(R, H, K, c.d_v)  # beam reorder
-        # static inputs (prefill / extend)
-        i64 = torch.int64
-        self.ids = z(R, E, d=i64)
-        self.t = z(R, E + 2, d=i64)  # event times, request time at L and after
-        self.lengths = torch.ones(R, dtype=i64, device=dev)
-        self.actions = z(R, E, d=i64)
-        self.categories = z(R, E, d=i64)
-        # keys of a one-beam decode step over hk / hv's C + K slots: positions, validity, time buckets;
-        # the history parts are what the prefill, extend and beam paths use (kvalid, tb_hist: views)
-        self.kpos_j = z(R, C + K, d=i64)
-        self.kpos_j[:, :C] = torch.arange(C, dtype=i64, device=dev)  # history slot j holds position j
-        self.kvalid_j = z(R, C + K, d=torch.bool)
-        self.kvalid_j[:, C:] = True  # a generated row later than the query is masked by position
-        self.tb_j = z(R, 1, C + K, d=i64)  # generated rows keep bucket(|rt - rt|) = 0
-        # per layer, the bias of the one-beam decode step s (query at position L + s) against the C + K
-        # keys, mask folded in: formed once per request group when the kernel set can take it
-        self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None else None
-        self.kvalid = self.kvalid_j[:, :C]  # (R, C) set per request
-        self.start = z(R, d=i64)
-        # static inputs (decode step)
-        self.item = z(R, d=i64)
-        self.pos = z(R, d=i64)
-        self.s_idx = z(1, d=i64)
-        self.rt = z(R, d=i64)
-        self.act = z(R, d=i64)
-        self.cat = z(R, d=i64)
-        self.len_r = torch.ones(R, dtype=i64, device=dev)
-        self.gpos = z(R, K, d=i64)
-        self.tb_hist = self.tb_j[:, :, :C]  # |request time - t_j| buckets: fixed for a request, set before the loop
-        self.s_idx_j = z(1, d=i64)  # C + s: the slot of generated row s
-        self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
-        self.has_features = (m.action_emb is not None, m.category_emb is not None)
-
-    def pool_tensors(self) -> list[torch.Tensor]:
-        return [*self.hk, *self.hv, self.gk_scratch, self.gv_scratch]  # gk / gv are views into hk / hv
-
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pool_tensors())
-
-    def total_bytes(self) -> int:
-        io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.start, self.item, self.pos,
-              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.kpos_j, self.kvalid_j, self.tb_j, self.s_idx_j,
-              *(self.bias_j or [])]
-        return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
-
-
-class _GraphRunner:
-    """Capture ``fn`` (reads only static buffers) into a device graph; calls replay it.
-
-    Device-generic over ``torch.cuda`` / ``torch.npu`` (CUDAGraph / NPUGraph, graph, Stream):
-    PyTorch docs, "CUDA Graphs" (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs);
-    torch_npu mirrors the API as torch.npu.NPUGraph. Two warm-up runs on a side stream first,
-    as the docs require; ``fn`` must be idempotent (ours rewrite the same cache rows).
-    """
-
-    def __init__(self, fn: Callable[[], torch.Tensor], api, graph_cls) -> None:
-        side = api.Stream()
-        side.wait_stream(api.current_stream())
-        with api.stream(side):
-            for _ in range(2):
-                fn()
-        api.current_stream().wait_stream(side)
-        self.graph = graph_cls()
-        with api.graph(self.graph):
-            self.out = fn()
-
-    def __call__(self) -> torch.Tensor:
-        self.graph.replay()
-        return self.out
 
 
 class Engine:
@@ -257,8 +160,8 @@ class Engine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        self.platform = for_device(dev)  # graph capture, host or device memory (hstu.backend)
+        dev = dev if self.platform.is_host else self.platform.device  # "cuda" -> the current cuda:N
         self.device = dev
         self.model = harden(model.to(dev), dev)
         self.dtype = model.pos_emb.weight.dtype  # activations and KV cache
@@ -266,22 +169,23 @@ class Engine:
             self.score_dtype = self.model.item_vectors(0, 1).dtype
         self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
         self.kernels: KernelSet = get_kernels(dev.type, kernels)
-        self.graphs = self._graph_mode(graphs)
+        self.graphs = self.platform.resolve_graph_mode(graphs)
         # causal row blocks of a prefill's attention from 64 rows (1: one square; None: 2, or 4 from 150 rows).
         # Measured (small ML-1M model, one thread, next-5 of 16 histories at bucket 200): 4 blocks with
         # per-block time buckets 1.6x the one square's call, 2 blocks 1.4x; 1.1x at bucket 100
         self.prefill_blocks: int | None = None
-        self.tb_chunk_elements = TB_CHUNK_ELEMENTS  # CPU: time buckets in groups of batch rows (see _tb); 0: one call
+        self.tb_chunk_elements = TB_CHUNK_ELEMENTS  # time buckets in groups of batch rows (runners.time_buckets); 0: one call
+        self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
         if batch_sizes is None:  # static batch shapes only where something is captured
             batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(self.graphs,
-                                                                                                         _ladder(self.max_batch))
+                                                                                                         ladder(self.max_batch))
         self.batch_sizes = tuple(sorted(int(b) for b in batch_sizes))
         if self.batch_sizes[-1] != self.max_batch or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")
         self.compile_backend = compile_backend
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._buckets = {E: _Bucket(self, E) for E in edges}
-        self._recompute: dict[int, _Bucket] = {}  # use_cache=False buckets (width E + K), made on first use
+        self._buckets = {E: BucketPool(self, E) for E in edges}
+        self._recompute: dict[int, BucketPool] = {}  # use_cache=False buckets (width E + K), made on first use
         self._arange = torch.arange(cfg.width + k_max + 2, device=dev)
         R = self.max_batch
         self._bidx = self._arange[:R]
@@ -304,24 +208,6 @@ class Engine:
                  f"{prefix_cache_bytes / 2**20:.1f} MiB" if self.prefix else "off")
 
     # ----- setup -----
-    def _graph_mode(self, graphs: str) -> str:
-        valid = ("auto", "eager", "compile", "cuda_graph", "npu_graph")
-        if graphs not in valid:
-            raise ValueError(f"graphs must be one of {valid}, got {graphs!r}")
-        kind = self.device.type
-        if graphs == "auto":
-            if kind == "cuda":
-                return "cuda_graph"
-            if kind == "npu" and hasattr(getattr(torch, "npu", None), "NPUGraph"):
-                return "npu_graph"
-            return "eager"
-        need = {"cuda_graph": "cuda", "npu_graph": "npu"}.get(graphs)
-        if need is not None and kind != need:
-            raise ValueError(f"graphs={graphs!r} needs a {need} device, the engine is on {self.device}")
-        if graphs == "npu_graph" and not hasattr(getattr(torch, "npu", None), "NPUGraph"):
-            raise ValueError("graphs='npu_graph' needs torch_npu with torch.npu.NPUGraph (torch_npu >= 2.5)")
-        return graphs
-
     def refresh(self) -> None:
         """Rebuild the similarity index (:mod:`hstu.model.item_index`) after the model's weights change."""
         with torch.inference_mode():
@@ -375,7 +261,7 @@ class Engine:
         return out
 
     # ----- compiled / captured pieces -----
-    def _runner(self, b: _Bucket, key: tuple, make: Callable[[], Callable[[], torch.Tensor]], graphable: bool) -> Callable[[], torch.Tensor]:
+    def _runner(self, b: BucketPool, key: tuple, make: Callable[[], Callable[[], torch.Tensor]], graphable: bool) -> Callable[[], torch.Tensor]:
         """The cached runner of ``key``; ``make()`` builds its function on the first call only."""
         r = b.runners.get(key)
         if r is not None:
@@ -385,214 +271,11 @@ class Engine:
         if mode == "compile":
             r = torch.compile(fn, dynamic=False, backend=self.compile_backend)
         elif mode in ("cuda_graph", "npu_graph"):
-            api = getattr(torch, self.device.type)
-            r = _GraphRunner(fn, api, api.CUDAGraph if mode == "cuda_graph" else api.NPUGraph)
+            r = self.platform.capture_graph(fn)
         else:
             r = fn
         b.runners[key] = r
         return r
-
-    def _bias_tables(self, layer):
-        rb = layer.rel_bias
-        return (rb.pos_w if rb.use_position else None), (rb.ts_w if rb.use_time else None)
-
-    def _tb(self, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor | None:
-        """Time buckets (B, T, S) int64 of t_q (B, T) against t_k (B, S), or None without a time
-        bias. On CPU in groups of batch rows of at most TB_CHUNK_ELEMENTS pairs: the bucket
-        formula is ~10 elementwise passes over (B, T, S) int64 / float64, memory-bound once the
-        tensors outgrow the L2 cache (a (16, 200, 200) prefill: ~10-25 ms at one thread, as
-        much as the rest of a small model's generate call)."""
-        c = self.model.cfg
-        if not c.use_time_bias:
-            return None
-        B, T, S = t_q.shape[0], t_q.shape[1], t_k.shape[1]
-        step = max(1, self.tb_chunk_elements // max(1, T * S)) if self.device.type == "cpu" and self.tb_chunk_elements > 0 else B
-        parts = [self.kernels.time_buckets(t_q[a:a + step], t_k[a:a + step], num_buckets=c.num_time_buckets,
-                                           log_base=c.time_bucket_log_base) for a in range(0, B, step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _row_blocks(self, E: int) -> list[tuple[int, int]]:
-        """Causal row blocks (a, b) of a prefill's square attention (see _causal_attention)."""
-        n = (4 if E >= 150 else 2) if self.prefill_blocks is None else self.prefill_blocks
-        n = n if E >= 64 else 1
-        return [(E * j // n, E * (j + 1) // n) for j in range(max(1, n))]
-
-    def _layer(self, layer, x: torch.Tensor):
-        c = self.model.cfg
-        if type(layer.uvqk) is torch.nn.Linear:  # float weight: the backend's (possibly fused) kernel
-            return self.kernels.uvqk(x, layer.uvqk.weight, num_heads=c.num_heads, d_qk=c.d_qk, d_v=c.d_v, eps=layer.eps)
-        return layer.project(x)  # quantized projection (Int8Linear, ...): the module runs its own GEMM
-
-    def _attention(self, q, k, v, *, q_pos, bias=None, **kw) -> torch.Tensor:
-        """The backend's attention kernel with the model's divisor n (ModelConfig.attention_norm):
-        N for every row, or q_pos + 1 per query row ("causal": every position 0..q_pos it attends
-        is live here), applied to the (B, T, H*d_v) output. Shapes: kernels.attention. ``bias``:
-        a (B, T, S) bias from kernels.decode_bias (then ``kw`` is ignored: the bias holds it all)."""
-        c = self.model.cfg
-        n = c.width if c.attention_norm == "fixed" else 1
-        if bias is not None:
-            av = self.kernels.attention_bias(q, k, v, bias=bias, n=n)
-        else:
-            av = self.kernels.attention(q, k, v, q_pos=q_pos, n=n, **kw)  # (B, T, H*d_v)
-        if c.attention_norm == "fixed":
-            return av
-        return av.div_((q_pos + 1).to(av.dtype).expand(av.shape[:2]).unsqueeze(-1))
-
-    def _causal_attention(self, q, k, v, pos, tbs, pw, tw) -> torch.Tensor:
-        """Square causal attention of a prefill, (Bp, H, E, ·) -> (Bp, E, H*d_v). From 64 rows,
-        in ``prefill_blocks`` row blocks (:meth:`_row_blocks`): block (a, b)'s queries against
-        keys 0 .. b - 1 only (the later keys are masked for them), which skips (n - 1) / 2n of
-        the (Bp, H, E, E) scores for n blocks. Same result: keys beyond a query row contribute
-        exactly 0 either way. ``tbs``: each block's time buckets (Bp, b - a, b), or None."""
-        blocks = self._row_blocks(q.shape[2])
-        parts = [self._attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=pos[a:b], k_pos=pos[:b], k_valid=None,
-                              tb=None if tbs is None else tbs[j], pos_w=pw, ts_w=tw)  # (Bp, b - a, H*d_v)
-                 for j, (a, b) in enumerate(blocks)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (Bp, E, H*d_v)
-
-    def _feat(self, b: _Bucket, a: torch.Tensor, cat: torch.Tensor):
-        return (a if b.has_features[0] else None), (cat if b.has_features[1] else None)
-
-    def _prefill_fn(self, b: _Bucket, Bp: int) -> Callable[[], torch.Tensor]:
-        m, c, ks = self.model, self.model.cfg, self.kernels
-        E = b.E
-        ids, t, lengths, acts, cats = b.ids[:Bp], b.t[:Bp], b.lengths[:Bp], b.actions[:Bp], b.categories[:Bp]
-        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
-        pos = self._arange[:E]
-        bidx = self._arange[:Bp]
-
-        def prefill() -> torch.Tensor:
-            valid = (pos.view(1, E) < lengths.view(Bp, 1)).unsqueeze(-1).to(self.dtype)  # (Bp, E, 1)
-            x = m.embed(ids, pos, *self._feat(b, acts, cats)) * valid  # (Bp, E, d)
-            t_q, t_k = t[:, 1:E + 1], t[:, :E]  # row i's query time t[i+1]; key times
-            last = lengths - 1  # (Bp,) the row whose output is the user vector
-            tb_last = self._tb(t_q[bidx, last].view(Bp, 1), t_k)  # (Bp, 1, E): the last row's buckets
-            # each causal row block's buckets (Bp, b - a, b): |t[i+1] - t[j]| for the pairs it computes
-            tbs = None if tb_last is None or len(m.layers) == 1 else [self._tb(t_q[:, a:b], t_k[:, :b]) for a, b in self._row_blocks(E)]
-            for li, layer in enumerate(m.layers):
-                u, v, q, k = self._layer(layer, x)  # (Bp, E, ·)
-                q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, E, ·)
-                hk[li][:, :, :E].copy_(k)
-                hv[li][:, :, :E].copy_(v)
-                k, v = hk[li][:, :, :E], hv[li][:, :, :E]  # the cache rows: strided GEMM operands, no second copy
-                pw, tw = self._bias_tables(layer)
-                if li == len(m.layers) - 1:  # only the last row's output is read: its query alone
-                    av = self._attention(q[bidx, :, last].unsqueeze(2), k, v, q_pos=last.view(Bp, 1), k_pos=pos, k_valid=None,
-                                      tb=tb_last, pos_w=pw, ts_w=tw)  # (Bp, 1, H*d_v)
-                    x = x[bidx, last] + layer.o(ks.ln_mul(av.squeeze(1), u[bidx, last], eps=layer.eps))  # (Bp, d)
-                    return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
-                av = self._causal_attention(q, k, v, pos, tbs, pw, tw)  # (Bp, E, H*d_v)
-                x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, E, d)
-            raise AssertionError("a model without layers")  # HSTUModel always has >= 1 (config validation)
-
-        return prefill
-
-    def _extend_fn(self, b: _Bucket, Bp: int, T: int) -> Callable[[], torch.Tensor]:
-        """Rows start[b] .. start[b] + T - 1 against cached rows (prefix-cache hit)."""
-        m, c, ks = self.model, self.model.cfg, self.kernels
-        E, C, H = b.E, b.C, c.num_heads
-        ids, t, lengths, acts, cats = b.ids[:Bp], b.t[:Bp], b.lengths[:Bp], b.actions[:Bp], b.categories[:Bp]
-        start, kvalid = b.start[:Bp], b.kvalid[:Bp]
-        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
-        ar_T, kpos = self._arange[:T], self._arange[:C]
-        bidx = self._arange[:Bp]
-
-        def extend() -> torch.Tensor:
-            raw = start.view(Bp, 1) + ar_T.view(1, T)  # (Bp, T) positions
-            live = raw < lengths.view(Bp, 1)  # (Bp, T)
-            p = torch.where(live, raw, torch.full_like(raw, E))  # padding rows -> scratch row E
-            g = p.clamp(max=E - 1)
-            valid = live.unsqueeze(-1).to(self.dtype)  # (Bp, T, 1)
-            x = m.embed(ids.gather(1, g), p, *self._feat(b, acts.gather(1, g), cats.gather(1, g))) * valid  # (Bp, T, d)
-            tb = self._tb(t.gather(1, p + 1), t[:, :C])  # (Bp, T, C)
-            for li, layer in enumerate(m.layers):
-                u, v, q, k = self._layer(layer, x)  # (Bp, T, ·)
-                q, k, v = layer.heads(q, c.d_qk), layer.heads(k, c.d_qk), layer.heads(v, c.d_v)  # (Bp, H, T, ·)
-                hk[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_qk), k)
-                hv[li].scatter_(2, p.view(Bp, 1, T, 1).expand(Bp, H, T, c.d_v), v)
-                pw, tw = self._bias_tables(layer)
-                av = self._attention(q, hk[li][:, :, :C], hv[li][:, :, :C], q_pos=p, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw)
-                x = (x + layer.o(ks.ln_mul(av, u, eps=layer.eps))) * valid  # (Bp, T, d)
-            return l2_normalize(x[bidx, lengths - 1 - start].to(self.score_dtype))  # (Bp, d)
-
-        return extend
-
-    def _step_fn(self, b: _Bucket, Bp: int, W: int) -> Callable[[], torch.Tensor]:
-        """One decode step for Bp users x W beams: R = Bp * W new rows at positions ``pos``."""
-        if W == 1:
-            return self._step_fn_one_beam(b, Bp)
-        m, c, ks = self.model, self.model.cfg, self.kernels
-        C, H, R = b.C, c.num_heads, Bp * W
-        item, pos, s_idx, act, cat = b.item[:R], b.pos[:R], b.s_idx, b.act[:R], b.cat[:R]
-        kvalid, gpos = b.kvalid[:Bp], b.gpos[:R]
-        tb_h = b.tb_hist[:Bp].expand(Bp, W, C) if c.use_time_bias else None  # (Bp, W, C), the same for every beam
-        hk, hv = [k[:Bp, :, :C] for k in b.hk], [v[:Bp, :, :C] for v in b.hv]  # history slots
-        gk, gv = [k[:R] for k in b.gk], [v[:R] for v in b.gv]
-        kpos = self._arange[:C]
-        zero_tb = self._zero_tb[:R]
-
-        def step() -> torch.Tensor:
-            x = m.embed(item, pos, *self._feat(b, act, cat))  # (R, d)
-            qpos_h, qpos_g = pos.view(Bp, W), pos.view(R, 1)
-            for li, layer in enumerate(m.layers):
-                u, v, q, k = self._layer(layer, x)  # (R, ·)
-                gk[li].index_copy_(2, s_idx, k.view(R, H, 1, c.d_qk))
-                gv[li].index_copy_(2, s_idx, v.view(R, H, 1, c.d_v))
-                pw, tw = self._bias_tables(layer)
-                qh = q.view(Bp, W, H, c.d_qk).transpose(1, 2)  # (Bp, H, W, d_qk)
-                av_h = self._attention(qh, hk[li], hv[li], q_pos=qpos_h, k_pos=kpos, k_valid=kvalid, tb=tb_h, pos_w=pw,
-                                       ts_w=tw)  # (Bp, W, H*d_v): history rows
-                av_g = self._attention(q.view(R, H, 1, c.d_qk), gk[li], gv[li], q_pos=qpos_g, k_pos=gpos, k_valid=None,
-                                    tb=zero_tb if tw is not None else None, pos_w=pw, ts_w=tw)  # (R, 1, H*d_v)
-                av = av_h.reshape(R, H * c.d_v) + av_g.view(R, H * c.d_v)  # (R, H*d_v)
-                x = x + layer.o(ks.ln_mul(av, u, eps=layer.eps))  # (R, d)
-            return l2_normalize(x.to(self.score_dtype))  # (R, d)
-
-        return step
-
-    def _decode_biases(self, b: _Bucket, Bp: int, steps: int) -> None:
-        """Fill b.bias_j[layer][:Bp, :steps]: decode step s's query (position L + s, slot C + s)
-        against the C + K keys, for every layer: the relative-bias gathers and the mask, formed
-        once per request group instead of once per step and layer."""
-        C = b.C
-        q_pos = b.kpos_j[:Bp, C:C + steps]  # (Bp, steps): generated row s sits at position L + s
-        tb = b.tb_j[:Bp] if self.model.cfg.use_time_bias else None
-        for li, layer in enumerate(self.model.layers):
-            pw, tw = self._bias_tables(layer)
-            b.bias_j[li][:Bp, :steps] = self.kernels.decode_bias(q_pos, b.kpos_j[:Bp], b.kvalid_j[:Bp], tb, pw, tw, self.dtype)
-
-    def _step_fn_one_beam(self, b: _Bucket, Bp: int) -> Callable[[], torch.Tensor]:
-        """A decode step with one beam per user (greedy, top-k): generated row s is written to slot
-        C + s of the history cache, so each layer attends to history and generated keys in one
-        call (key positions kpos_j, validity kvalid_j, time buckets tb_j: set per request in
-        _run_group). With pointwise SiLU and no softmax, A·V over the joint keys equals the sum
-        of the two segments the beam path computes separately."""
-        m, c, ks = self.model, self.model.cfg, self.kernels
-        H = c.num_heads
-        item, pos, s_idx, act, cat = b.item[:Bp], b.pos[:Bp], b.s_idx_j, b.act[:Bp], b.cat[:Bp]
-        kpos, kvalid = b.kpos_j[:Bp], b.kvalid_j[:Bp]
-        tb = b.tb_j[:Bp] if c.use_time_bias else None  # (Bp, 1, C + K)
-        hk, hv = [k[:Bp] for k in b.hk], [v[:Bp] for v in b.hv]
-        biases = [t[:Bp] for t in b.bias_j] if b.bias_j is not None else None  # (Bp, K, C + K) per layer, step s at [:, s]
-        step_no = b.s_idx  # (1,) s
-
-        def step() -> torch.Tensor:
-            x = m.embed(item, pos, *self._feat(b, act, cat))  # (Bp, d)
-            qpos = pos.view(Bp, 1)
-            for li, layer in enumerate(m.layers):
-                u, v, q, k = self._layer(layer, x)  # (Bp, ·)
-                hk[li].index_copy_(2, s_idx, k.view(Bp, H, 1, c.d_qk))
-                hv[li].index_copy_(2, s_idx, v.view(Bp, H, 1, c.d_v))
-                qh = q.view(Bp, H, 1, c.d_qk)
-                if biases is not None:  # formed once per request group (_decode_biases)
-                    av = self._attention(qh, hk[li], hv[li], q_pos=qpos, bias=biases[li].index_select(1, step_no))  # (Bp, 1, H*d_v)
-                else:
-                    pw, tw = self._bias_tables(layer)
-                    av = self._attention(qh, hk[li], hv[li], q_pos=qpos, k_pos=kpos, k_valid=kvalid, tb=tb, pos_w=pw, ts_w=tw)
-                x = x + layer.o(ks.ln_mul(av.view(Bp, H * c.d_v), u, eps=layer.eps))  # (Bp, d)
-            return l2_normalize(x.to(self.score_dtype))  # (Bp, d)
-
-        return step
 
     # ----- the call -----
     @torch.inference_mode()
@@ -737,11 +420,11 @@ class Engine:
             raise ValueError(f"ids[{r}, {p}]={int(ids[r, p])}: unknown item id (valid dense ids 1..{c.num_items}; 0 is padding)")
         return B
 
-    def _bucket(self, E: int, use_cache: bool) -> _Bucket:
+    def _bucket(self, E: int, use_cache: bool) -> BucketPool:
         if use_cache:
             return self._buckets[E]
         if E not in self._recompute:
-            self._recompute[E] = _Bucket(self, E + self.k_max)
+            self._recompute[E] = BucketPool(self, E + self.k_max)
         return self._recompute[E]
 
     def _pad_users(self, n: int, W: int) -> int:
@@ -780,11 +463,11 @@ class Engine:
         b.t[:Bu, :w] = torch.where(live, req["timestamps"][ri, :w], rt.view(Bu, 1))
         b.kvalid[:Bp] = self._arange[:b.C].view(1, b.C) < b.lengths[:Bp].view(Bp, 1)
         if c.use_time_bias:
-            b.tb_hist[:Bp] = self._tb(b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
+            b.tb_hist[:Bp] = runners.time_buckets(self, b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
         if W == 1:  # one-beam decode: generated rows at positions L, L + 1, ... (kvalid, tb_hist are views of the rest)
             b.kpos_j[:Bp, b.C:] = b.lengths[:Bp].view(Bp, 1) + self._arange[:self.k_max].view(1, self.k_max)
             if b.bias_j is not None and use_cache and k > 1:
-                self._decode_biases(b, Bp, k - 1)
+                runners.decode_biases(self, b, Bp, k - 1)
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
@@ -797,10 +480,10 @@ class Engine:
                     b.hv[li][j, :, :e.rows].copy_(e.v[li])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
-            user = self._runner(b, ("extend", Bp, T), lambda: self._extend_fn(b, Bp, T), self.graphs != "compile")()
+            user = self._runner(b, ("extend", Bp, T), lambda: runners.extend_fn(self, b, Bp, T), self.graphs != "compile")()
             out.prefix_rows[ri] = P
         else:
-            user = self._runner(b, ("prefill", Bp), lambda: self._prefill_fn(b, Bp), True)()
+            user = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp), True)()
         if self.prefix is not None and user_ids is not None and use_cache:
             self._store_prefix(b, rows, L, user_ids, req)
         # ---- decode ----
@@ -821,10 +504,10 @@ class Engine:
         b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[:self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
-            step = self._runner(b, ("step", Bp, W), lambda: self._step_fn(b, Bp, W), W == 1 or self.graphs != "compile")
+            step = self._runner(b, ("step", Bp, W), lambda: runners.step_fn(self, b, Bp, W), W == 1 or self.graphs != "compile")
             res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W))
         else:
-            prefill = self._runner(b, ("prefill", Bp), lambda: self._prefill_fn(b, Bp), True)
+            prefill = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp), True)
             res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1))
         items, scores, acts, blp, final_excl = res
         out.items[ri] = items[:Bu]
@@ -835,7 +518,7 @@ class Engine:
             out.beam_logprob[ri] = blp[:Bu]
         req["exclude"][ri] = final_excl[:Bu]
 
-    def _store_prefix(self, b: _Bucket, rows, L: torch.Tensor, user_ids, req) -> None:
+    def _store_prefix(self, b: BucketPool, rows, L: torch.Tensor, user_ids, req) -> None:
         for j, i in enumerate(rows):
             n = int(L[j])
             if n < 2:
@@ -866,7 +549,7 @@ class Engine:
             return None
         return self.model.action_head(user)[:, 1:].argmax(dim=1) + 1
 
-    def _decode(self, b: _Bucket, Bp: int, W: int, k: int, user: torch.Tensor, step: Callable[[], torch.Tensor], strategy: str,
+    def _decode(self, b: BucketPool, Bp: int, W: int, k: int, user: torch.Tensor, step: Callable[[], torch.Tensor], strategy: str,
                 top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
         """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers."""
         R = Bp * W
@@ -931,7 +614,7 @@ class Engine:
         rows = bidx[:Bp] * W + best
         return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, excl[rows]
 
-    def _decode_recompute(self, b: _Bucket, Bp: int, k: int, user: torch.Tensor, prefill: Callable[[], torch.Tensor], strategy: str,
+    def _decode_recompute(self, b: BucketPool, Bp: int, k: int, user: torch.Tensor, prefill: Callable[[], torch.Tensor], strategy: str,
                           top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
         """No KV cache: append each pick to the padded inputs and rerun the bucket's prefill."""
         R = Bp

@@ -14,31 +14,33 @@ Input: item_emb · √d + pos_emb (+ action and category embeddings); output row
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hstu.config import ATTENTION_NORMS, ModelConfig
-from hstu.model.attention import AttentionFn, hstu_attention_reference
 from hstu.model.base import SequentialRecommender, l2_normalize
-from hstu.model.repeat import RepeatBias
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
+from hstu.model.kernels import REFERENCE, KernelSet
+from hstu.model.kernels import reference as reference_kernels
+from hstu.model.meta import AttentionMeta, KVView, hstu_attention
+from hstu.model.repeat import RepeatBias
 
 
 class HSTULayer(nn.Module):
-    """One HSTU block. Keyword-only sizes, checked at construction."""
+    """One HSTU block. Keyword-only sizes, checked at construction; ``index`` is the block's
+    place in the encoder (which per-layer precomputed bias of an AttentionMeta it reads)."""
 
     def __init__(self, *, dim: int, num_heads: int, d_qk: int, d_v: int, width: int, num_buckets: int,
                  dropout: float = 0.0, eps: float = 1e-6, use_position_bias: bool = True, use_time_bias: bool = True,
-                 attention_norm: str = "fixed") -> None:
+                 attention_norm: str = "fixed", index: int = 0) -> None:
         super().__init__()
         if min(dim, num_heads, d_qk, d_v, width) <= 0:
             raise ValueError(f"HSTULayer sizes must be > 0: dim={dim} heads={num_heads} d_qk={d_qk} d_v={d_v} width={width}")
         if attention_norm not in ATTENTION_NORMS:
             raise ValueError(f"HSTULayer attention_norm must be one of {ATTENTION_NORMS}, got {attention_norm!r}")
         self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
-        self.attention_norm = attention_norm
+        self.attention_norm, self.index = attention_norm, index
         self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + d_qk), bias=False)
         self.o = nn.Linear(num_heads * d_v, dim)
         self.rel_bias = RelativeBias(width=width, num_buckets=num_buckets, use_position=use_position_bias, use_time=use_time_bias)
@@ -47,73 +49,59 @@ class HSTULayer(nn.Module):
         nn.init.normal_(self.uvqk.weight, std=0.02)
         nn.init.xavier_uniform_(self.o.weight)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(B, W, d) -> u (B, W, H*d_v), v (B, W, H*d_v), q (B, W, H*d_qk), k (B, W, H*d_qk)."""
-        h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, W, 2H(d_v+d_qk))
+    def project(self, x: torch.Tensor, kernels: KernelSet = REFERENCE) -> tuple[torch.Tensor, ...]:
+        """U, V, Q, K = Split(SiLU(LN(X) · W_uvqk)) (eq. 1): (B, T, d) -> u, v (B, T, H*d_v), q, k (B, T, H*d_qk).
+
+        A backend's fused ``kernels.uvqk`` (one that is not the reference's) runs on the weight of
+        a float ``nn.Linear``; otherwise the ``uvqk`` module runs itself, so a quantized projection
+        (quant/int8.Int8Linear keeps no float weight) and forward hooks (quant.calibrate's layer
+        report) see every call."""
+        if kernels.uvqk is not reference_kernels.uvqk and type(self.uvqk) is nn.Linear:
+            return kernels.uvqk(x, self.uvqk.weight, num_heads=self.num_heads, d_qk=self.d_qk, d_v=self.d_v, eps=self.eps)
+        h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, T, 2H(d_v+d_qk))
         h = F.silu(h, inplace=not h.requires_grad)  # in place at inference (no grad)
         hv, hq = self.num_heads * self.d_v, self.num_heads * self.d_qk
         return torch.split(h, [hv, hv, hq, hq], dim=-1)
 
-    def output(self, x: torch.Tensor, u: torch.Tensor, av: torch.Tensor) -> torch.Tensor:
-        """Y = X + W_o · Dropout(U ⊙ LN(A·V)); all (B, W, ·)."""
-        return x + self.o(self.dropout(u * F.layer_norm(av, (av.shape[-1],), eps=self.eps)))
-
     def heads(self, t: torch.Tensor, d: int) -> torch.Tensor:
-        B, W, _ = t.shape
-        return t.view(B, W, self.num_heads, d).transpose(1, 2)  # (B, H, W, d)
+        B, T, _ = t.shape
+        return t.view(B, T, self.num_heads, d).transpose(1, 2)  # (B, H, T, d)
 
-    def forward(self, x: torch.Tensor, buckets: torch.Tensor, valid: torch.Tensor, attn: AttentionFn = hstu_attention_reference,
-                kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Full (prefill) pass.
+    def relative_bias(self, meta: AttentionMeta, dtype: torch.dtype) -> torch.Tensor:
+        """rab of meta's (query, key) pairs with the mask folded in (kernels.decode_bias): the
+        (B, T, S) ``dtype`` bias an AttentionMeta.bias holds, formed once for a decode loop."""
+        rb = self.rel_bias
+        return meta.kernels.decode_bias(meta.q_pos, meta.k_pos, meta.k_valid, meta.tb, rb.pos_w if rb.use_position else None,
+                                        rb.ts_w if rb.use_time and meta.tb is not None else None, dtype)
 
-        Args:
-            x: (B, W, d) float, padding rows 0.
-            buckets: (B, W, W) int64 time buckets.
-            valid: (B, W, 1) float, 1 at live rows.
-            attn: HSTU attention implementation (reference by default).
-            kv_out: optional cache views (B, H, S, d_qk) and (B, H, S, d_v), S >= W; keys and
-                values of rows 0..W-1 are written into them in place.
-        Returns:
-            (B, W, d), padding rows 0.
-        """
-        u, v, q, k = self.project(x)
-        q, k, v = self.heads(q, self.d_qk), self.heads(k, self.d_qk), self.heads(v, self.d_v)  # (B, H, W, ·)
-        if kv_out is not None:
-            W = x.shape[1]
-            kv_out[0][:, :, :W].copy_(k)
-            kv_out[1][:, :, :W].copy_(v)
-        rab = self.rel_bias(buckets)  # (B, W, W)
-        if self.attention_norm == "fixed":
-            av = attn(q, k, v, rab, n=self.width)  # (B, W, H*d_v)
-        else:  # row i attends keys 0..i: n_i = i + 1, a per-row scale applied to A·V (any kernel, n = 1)
-            W = x.shape[1]
-            av = attn(q, k, v, rab, n=1) / torch.arange(1, W + 1, device=x.device, dtype=x.dtype).view(1, W, 1)
-        return self.output(x, u, av) * valid  # (B, W, d)
-
-    def step(self, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets_row: torch.Tensor) -> torch.Tensor:
-        """One decode step: the row at position ``pos`` attends to cached rows 0..pos.
+    def forward(self, x: torch.Tensor, meta: AttentionMeta, kv: KVView | None = None) -> torch.Tensor:
+        """The layer, for every path: T query rows against S keys (prefill and training T = S,
+        extend T new rows after a cached prefix, decode T = 1); §3, eqs. 1-3.
 
         Args:
-            x: (B, d) the new row's input.
-            pos: (B,) int64 its position (< S).
-            k_cache, v_cache: (B, H, S, d_qk), (B, H, S, d_v); row ``pos`` is written in place.
-            buckets_row: (B, S) int64 time buckets of this row against keys 0..S-1.
+            x: (B, T, d) float input rows, padding rows 0.
+            meta: positions, mask, time buckets, kernels (:class:`hstu.model.meta.AttentionMeta`).
+            kv: the cache view this layer attends to, S rows; the T new keys / values are written
+                into it in place where ``meta`` says. None: the keys are the T rows (training).
         Returns:
-            (B, d) the row's output.
+            (B, T, d), padding rows 0; (B, 1, d) when ``meta.rows`` picks one row per sequence.
         """
-        B, S = buckets_row.shape
-        u, v, q, k = self.project(x.unsqueeze(1))  # (B, 1, ·)
-        bidx = torch.arange(B, device=x.device)
-        k_cache[bidx, :, pos] = k.view(B, self.num_heads, self.d_qk)
-        v_cache[bidx, :, pos] = v.view(B, self.num_heads, self.d_v)
-        q = q.view(B, self.num_heads, 1, self.d_qk)
-        s = torch.matmul(q, k_cache.transpose(-1, -2)).squeeze(2)  # (B, H, S)
-        s = s + self.rel_bias.row(pos, buckets_row).unsqueeze(1)  # (B, H, S)
-        keep = torch.arange(S, device=x.device).view(1, S) <= pos.view(B, 1)  # (B, S)
-        n = self.width if self.attention_norm == "fixed" else (pos + 1).to(s.dtype).view(B, 1, 1)
-        a = F.silu(s) / n * keep.unsqueeze(1)  # (B, H, S)
-        av = torch.matmul(a.unsqueeze(2), v_cache).reshape(B, 1, self.num_heads * self.d_v)  # (B, 1, H*d_v)
-        return self.output(x.unsqueeze(1), u, av).squeeze(1)  # (B, d)
+        u, v, q, k = self.project(x, meta.kernels)  # (B, T, H*d_v) x 2, (B, T, H*d_qk) x 2
+        q, k, v = self.heads(q, self.d_qk), self.heads(k, self.d_qk), self.heads(v, self.d_v)  # (B, H, T, ·)
+        if kv is None:
+            kv = KVView(k, v)  # S = T: this pass's rows
+        else:
+            kv.append(k, v, meta)  # the T new rows into the cache; attend to its S rows
+        if meta.rows is not None:  # only one row per sequence is read: its query alone
+            B, H, _, _ = q.shape
+            r = meta.rows.view(B, 1, 1)
+            q = q.gather(2, r.unsqueeze(1).expand(B, H, 1, self.d_qk))  # (B, H, 1, d_qk)
+            u, x = u.gather(1, r.expand(B, 1, u.shape[-1])), x.gather(1, r.expand(B, 1, self.dim))  # (B, 1, ·)
+        rb = self.rel_bias
+        av = hstu_attention(q, kv, meta, pos_w=rb.pos_w if rb.use_position else None, ts_w=rb.ts_w if rb.use_time else None,
+                            width=self.width, fixed_norm=self.attention_norm == "fixed", layer_index=self.index)  # (B, T, H*d_v)
+        y = x + self.o(self.dropout(meta.kernels.ln_mul(av, u, eps=self.eps)))  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
+        return y if meta.valid is None or meta.rows is not None else y * meta.valid  # (B, T, d)
 
 
 class HSTUModel(SequentialRecommender):
@@ -130,10 +118,10 @@ class HSTUModel(SequentialRecommender):
         self.layers = nn.ModuleList(
             HSTULayer(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, width=N, num_buckets=cfg.num_time_buckets,
                       dropout=cfg.dropout, eps=cfg.layer_norm_eps, use_position_bias=cfg.use_position_bias, use_time_bias=cfg.use_time_bias,
-                      attention_norm=cfg.attention_norm)
-            for _ in range(cfg.num_blocks)
+                      attention_norm=cfg.attention_norm, index=i)
+            for i in range(cfg.num_blocks)
         )
-        self.attention: AttentionFn = hstu_attention_reference
+        self.kernels: KernelSet = REFERENCE  # the attention backend of encode / step (kernel registry)
 
     def _init_extra_heads(self) -> None:
         c = self.cfg
@@ -142,6 +130,14 @@ class HSTUModel(SequentialRecommender):
     # ----- input -----
     def buckets(self, timestamps: torch.Tensor) -> torch.Tensor:
         return time_buckets(timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base)
+
+    def attention_meta(self, timestamps: torch.Tensor, valid: torch.Tensor) -> AttentionMeta:
+        """The metadata of a full padded pass (training, evaluation, a plain prefill): row i at
+        position i attends rows 0..i. timestamps (B, W) int64 seconds as :meth:`encode`;
+        valid (B, W, 1) float, 1 at live rows."""
+        pos = torch.arange(timestamps.shape[1], device=timestamps.device)  # (W,)
+        tb = self.buckets(timestamps) if self.cfg.use_time_bias else None  # (B, W, W)
+        return AttentionMeta(q_pos=pos, k_pos=pos, tb=tb, valid=valid, kernels=self.kernels)
 
     # ----- encoder -----
     def encode(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, *, actions: torch.Tensor | None = None,
@@ -163,10 +159,22 @@ class HSTUModel(SequentialRecommender):
             TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
         """
         x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
-        buckets = self.buckets(timestamps)  # (B, W, W)
-        for li, layer in enumerate(self.layers):
-            x = layer(x, buckets, valid, self.attention, None if kv_cache is None else kv_cache[li])
+        meta = self.attention_meta(timestamps, valid)
+        W = x.shape[1]
+        kv = None if kv_cache is None else [KVView(k[:, :, :W], v[:, :, :W]) for k, v in kv_cache]
+        x = self.forward_layers(x, meta, kv)  # (B, W, d)
         return l2_normalize(x) if normalize else x
+
+    def forward_layers(self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None,
+                       last: AttentionMeta | None = None) -> torch.Tensor:
+        """Every block's :meth:`HSTULayer.forward` in order: (B, T, d) -> (B, T, d).
+
+        ``kv``: one view per layer (or None); ``last``: the last layer's meta when it differs
+        (a prefill computes only the user-vector row there, ``last.rows``: then (B, 1, d))."""
+        n = len(self.layers)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, last if last is not None and li == n - 1 else meta, None if kv is None else kv[li])
+        return x
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
              kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
@@ -182,10 +190,14 @@ class HSTUModel(SequentialRecommender):
             (B, d) L2-normalised output row of the new token.
         """
         x = self.embed(ids, pos, actions, categories)  # (B, d)
-        brow = time_buckets_row(t_query, timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base)  # (B, S)
-        for li, layer in enumerate(self.layers):
-            x = layer.step(x, pos, kv_cache[li][0], kv_cache[li][1], brow)
-        return l2_normalize(x)
+        S = timestamps.shape[1]
+        tb = None
+        if self.cfg.use_time_bias:
+            tb = time_buckets_row(t_query, timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base).unsqueeze(1)  # (B, 1, S)
+        meta = AttentionMeta(q_pos=pos.view(-1, 1), k_pos=torch.arange(S, device=x.device), tb=tb, write_rows=pos.view(-1, 1),
+                             kernels=self.kernels)
+        x = self.forward_layers(x.unsqueeze(1), meta, [KVView(k, v) for k, v in kv_cache])  # (B, 1, d)
+        return l2_normalize(x.squeeze(1))  # (B, d)
 
 
 def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:

@@ -1,0 +1,97 @@
+"""The per-bucket KV-cache pool and static input buffers of the generation engine.
+
+Symbols (as hstu.generate.engine): E a bucket's upper edge, C = E + 1 history capacity (row E
+is a scratch row for padding writes), K = k_max generated slots, R = max_batch pool rows, Ly
+layers, H heads, d_qk / d_v per-head widths.
+
+Everything is allocated once at engine construction and written in place afterwards (the
+torchtune KVCache habit): no growth, no factory call in a decode loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hstu.generate.engine import Engine
+
+
+def ladder(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes 1, 2, 4, ... up to and including max_batch (the graph-capture shapes)."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return tuple(out)
+
+
+class BucketPool:
+    """Pool and static input buffers of one bucket (edge E); see the module docstring."""
+
+    def __init__(self, eng: Engine, E: int) -> None:
+        m, c = eng.model, eng.model.cfg
+        R, K, H, dev = eng.max_batch, eng.k_max, c.num_heads, eng.device
+        dt = eng.dtype
+        self.E, self.C = E, E + 1
+        C = self.C
+        z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)
+        # KV-cache pool per layer: history slots 0 .. C-1, then K slots for generated rows. One-beam
+        # decoding (greedy, top-k) writes user b's generated row s to [b, :, C + s], so a decode step
+        # attends to history and generated keys in one call; beam search keeps each beam's generated
+        # rows in gk / gv = the same K slots viewed per beam row (beam r = user * W + w; the history of
+        # user b stays in [b, :, :C]), so both share one allocation
+        self.hk = [z(R, H, C + K, c.d_qk) for _ in range(c.num_blocks)]
+        self.hv = [z(R, H, C + K, c.d_v) for _ in range(c.num_blocks)]
+        self.gk = [t[:, :, C:] for t in self.hk]  # (R, H, K, d_qk) views
+        self.gv = [t[:, :, C:] for t in self.hv]
+        self.gk_scratch, self.gv_scratch = z(R, H, K, c.d_qk), z(R, H, K, c.d_v)  # beam reorder
+        # static inputs (prefill / extend)
+        i64 = torch.int64
+        self.ids = z(R, E, d=i64)
+        self.t = z(R, E + 2, d=i64)  # event times, request time at L and after
+        self.lengths = torch.ones(R, dtype=i64, device=dev)
+        self.actions = z(R, E, d=i64)
+        self.categories = z(R, E, d=i64)
+        # keys of a one-beam decode step over hk / hv's C + K slots: positions, validity, time buckets;
+        # the history parts are what the prefill, extend and beam paths use (kvalid, tb_hist: views)
+        self.kpos_j = z(R, C + K, d=i64)
+        self.kpos_j[:, :C] = torch.arange(C, dtype=i64, device=dev)  # history slot j holds position j
+        self.kvalid_j = z(R, C + K, d=torch.bool)
+        self.kvalid_j[:, C:] = True  # a generated row later than the query is masked by position
+        self.tb_j = z(R, 1, C + K, d=i64)  # generated rows keep bucket(|rt - rt|) = 0
+        # per layer, the bias of the one-beam decode step s (query at position L + s) against the C + K
+        # keys, mask folded in: formed once per request group when the kernel set can take it
+        self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None else None
+        self.kvalid = self.kvalid_j[:, :C]  # (R, C) set per request
+        self.start = z(R, d=i64)
+        # static inputs (decode step)
+        self.item = z(R, d=i64)
+        self.pos = z(R, d=i64)
+        self.s_idx = z(1, d=i64)
+        self.rt = z(R, d=i64)
+        self.act = z(R, d=i64)
+        self.cat = z(R, d=i64)
+        self.len_r = torch.ones(R, dtype=i64, device=dev)
+        self.gpos = z(R, K, d=i64)
+        self.tb_hist = self.tb_j[:, :, :C]  # |request time - t_j| buckets: fixed for a request, set before the loop
+        self.s_idx_j = z(1, d=i64)  # C + s: the slot of generated row s
+        self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
+        self.has_features = (m.action_emb is not None, m.category_emb is not None)
+
+    def pool_tensors(self) -> list[torch.Tensor]:
+        return [*self.hk, *self.hv, self.gk_scratch, self.gv_scratch]  # gk / gv are views into hk / hv
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pool_tensors())
+
+    def total_bytes(self) -> int:
+        io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.start, self.item, self.pos,
+              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.kpos_j, self.kvalid_j, self.tb_j, self.s_idx_j,
+              *(self.bias_j or [])]
+        return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
+
+

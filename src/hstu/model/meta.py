@@ -1,0 +1,150 @@
+"""Per-batch attention metadata and KV-cache views: what one HSTU layer forward needs besides X.
+
+Every path runs the same :meth:`hstu.model.hstu.HSTULayer.forward` (x, meta, kv): T query rows
+against S key rows. The caller (the model's encoder, the generation engine) builds one
+:class:`AttentionMeta` per batch or per decode step, and passes each layer a :class:`KVView` of
+its slice of a KV-cache pool (or nothing: the keys are the rows of this pass, training):
+
+    path      T                  S                           writes into the cache
+    train     W (padded width)   W (this pass's rows)        nothing (kv None)
+    prefill   W                  W                           rows 0..W-1            (write None)
+    extend    new rows           the cached history C        rows at write_rows (B, T)
+    decode    1                  history + generated slots   slot write_slot (1,)
+
+:func:`hstu_attention` is the one contract under which a backend's kernels run
+(:class:`hstu.model.kernels.KernelSet`: reference, Triton, NPU), as vLLM's model code calls
+``self.attn(q, k, v)`` with per-step metadata and leaves the implementation to the platform.
+
+Symbols: B batch, T query rows, S key rows, H heads, d_qk / d_v per-head widths, Ly layers,
+N the model's fixed width (the divisor n of "fixed" attention_norm and the position table 2N - 1).
+Source: Zhai et al. 2024, §3, eq. 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hstu.model.kernels import REFERENCE, KernelSet
+
+
+@dataclass
+class AttentionMeta:
+    """What every layer's attention needs for one batch or one decode step (built once, shared by
+    the layers; the tensors may be static buffers rewritten in place between steps).
+
+    Fields:
+        q_pos: (B, T) or (T,) int64 absolute positions of the query rows.
+        k_pos: (B, S) or (S,) int64 absolute positions of the key rows.
+        k_valid: (B, S) bool, False masks key j (a cache's padding rows); None: all valid.
+        tb: (B, T, S) or (B, 1, S) int64 time buckets of (query, key) pairs
+            (:func:`hstu.model.kernels.reference.time_buckets`), None without a time bias.
+        valid: (B, T, 1) float, 1 at live query rows: the layer output is multiplied by it so
+            padding rows stay 0; None: every row is live.
+        kernels: the backend's kernel set (projection, attention, LN·U).
+        rows: (B,) int64: only this query row of each sequence is computed (a prefill's last
+            layer, whose one read row is the user vector); output (B, 1, d), and q_pos, tb
+            describe that row: (B, 1), (B, 1, S). None: all T rows.
+        write_rows: (B, T) int64 cache rows the T new keys go to (extend); write_slot: (1,)
+            int64 the one slot a decode step's keys go to; both None: rows 0..T-1 (prefill).
+        bias: per layer (B, K, S) bias with the mask folded in (kernels.decode_bias), formed
+            once per request group; row ``bias_row`` (1,) int64 is this step's. None: the bias
+            is formed inside the attention from positions and time buckets.
+        blocks: causal row blocks (a, b) of a square prefill: block queries a..b-1 against keys
+            0..b-1 only, each with its own time buckets ``block_tb[j]`` (B, b - a, b).
+        shared: beam search: the history segment shared by groups of G query rows (the beams of
+            a user), attended with this meta's q_pos viewed (B / G, G) against ``kv.shared``.
+    """
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    k_valid: torch.Tensor | None = None
+    tb: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    kernels: KernelSet = REFERENCE
+    rows: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
+    write_slot: torch.Tensor | None = None
+    bias: Sequence[torch.Tensor] | None = None
+    bias_row: torch.Tensor | None = None
+    blocks: Sequence[tuple[int, int]] | None = None
+    block_tb: Sequence[torch.Tensor] | None = None
+    shared: AttentionMeta | None = None
+
+
+@dataclass
+class KVView:
+    """One layer's keys and values to attend: (B, H, S, d_qk) and (B, H, S, d_v) views of a pool
+    (never copied; :meth:`append` writes the new rows in place). ``shared``: beam search's
+    history view (B / G, H, S_h, ·) attended by groups of G query rows, read only."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    shared: KVView | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> None:
+        """Write a pass's new keys k (B, H, T, d_qk) and values v (B, H, T, d_v) where ``meta``
+        says (rows 0..T-1, ``write_rows`` or ``write_slot``); in place, no allocation."""
+        B, H, T, _ = k.shape
+        if meta.write_slot is not None:
+            self.k.index_copy_(2, meta.write_slot, k)
+            self.v.index_copy_(2, meta.write_slot, v)
+        elif meta.write_rows is not None:
+            idx = meta.write_rows.view(B, 1, T, 1)
+            self.k.scatter_(2, idx.expand(B, H, T, k.shape[-1]), k)
+            self.v.scatter_(2, idx.expand(B, H, T, v.shape[-1]), v)
+        else:
+            self.k[:, :, :T].copy_(k)
+            self.v[:, :, :T].copy_(v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, pos_w, ts_w, layer_index: int,
+            n: int) -> torch.Tensor:
+    """One key segment: (B, H, T, d_qk), (B, H, S, ·) -> (B, T, H*d_v) through meta.kernels."""
+    ks = meta.kernels
+    if meta.bias is not None and ks.attention_bias is not None:  # formed once per request group
+        return ks.attention_bias(q, k, v, bias=meta.bias[layer_index].index_select(1, meta.bias_row), n=n)
+    if meta.blocks is None:
+        return ks.attention(q, k, v, q_pos=meta.q_pos, k_pos=meta.k_pos, k_valid=meta.k_valid, tb=meta.tb, pos_w=pos_w,
+                            ts_w=ts_w, n=n)  # (B, T, H*d_v)
+    # causal row blocks: keys past a block's last row contribute exactly 0 to it, so they are skipped
+    parts = [ks.attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=meta.q_pos[a:b], k_pos=meta.k_pos[:b], k_valid=None,
+                          tb=None if meta.block_tb is None else meta.block_tb[j], pos_w=pos_w, ts_w=ts_w, n=n)
+             for j, (a, b) in enumerate(meta.blocks)]  # (B, b - a, H*d_v) each
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T, H*d_v)
+
+
+def hstu_attention(q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
+                   width: int, fixed_norm: bool, layer_index: int = 0) -> torch.Tensor:
+    """A = SiLU(Q Kᵀ + rab) / n ⊙ mask, out = A · V  (Zhai et al. 2024, §3, eq. 2), the one call
+    every layer forward makes, dispatched to ``meta.kernels``.
+
+    Args:
+        q: (B, H, T, d_qk) float queries; kv: the keys / values to attend (S rows, plus a
+            shared history segment for beams); meta: positions, mask, time buckets.
+        pos_w: (2N - 1,) position bias table or None; ts_w: (nb + 1,) time table or None.
+        width: N. fixed_norm: n = N for every row (ModelConfig.attention_norm "fixed"), else
+            n = q_pos + 1 per row ("causal": every position it attends is live).
+        layer_index: which of meta.bias to read.
+    Returns:
+        (B, T, H * d_v) float, heads concatenated. Segments add: SiLU is pointwise, no softmax.
+    """
+    n = width if fixed_norm else 1
+    ts_w = ts_w if meta.tb is not None or meta.block_tb is not None else None
+    av = _attend(q, kv.k, kv.v, meta, pos_w, ts_w, layer_index, n)  # (B, T, H*d_v)
+    if meta.shared is not None:  # beams: the history keys of each group of G query rows
+        B, H, _, d = q.shape
+        sh = meta.shared
+        G = sh.q_pos.shape[-1]
+        qh = q.transpose(1, 2).reshape(B // G, G, H, d).transpose(1, 2)  # (B / G, H, G, d_qk)
+        av_h = _attend(qh, kv.shared.k, kv.shared.v, sh, pos_w, ts_w if sh.tb is not None else None, layer_index, n)
+        av = av + av_h.reshape(av.shape)  # (B, T, H*d_v)
+    if fixed_norm:
+        return av
+    div = (meta.q_pos + 1).to(av.dtype).expand(av.shape[:2]).unsqueeze(-1)  # (B, T, 1)
+    return av / div if av.requires_grad else av.div_(div)
+
+
+__all__ = ["AttentionMeta", "KVView", "hstu_attention"]

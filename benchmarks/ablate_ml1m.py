@@ -38,14 +38,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _quality import command, git_commit, machine, run_spec, train_or_resume, write_json
-from reproduce_ml1m import CHUNK_DEFAULT, DEFAULT_DATA, POOL_DEFAULT, RECIPE
 
+from _quality import command, git_commit, machine, run_spec, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
 from hstu.data.prepare import DataSpec, prepare_data
 from hstu.model.checkpoint import read_json
 from hstu.runs import load_run
 from hstu.train.slices import ModelScorer, collect, hits, ndcgs
+from reproduce_ml1m import CHUNK_DEFAULT, DEFAULT_DATA, POOL_DEFAULT, RECIPE
 
 log = logging.getLogger("benchmarks.ablate")
 

@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_build:
         b = measure_build(rows, args.dim, args.dtype, args.shards, args.threads)
-        results.update({k: b[k] for k in ("build_peak_rss_ratio", "build_net_rss_ratio", "peak_rss", "rss_before", "table_bytes", "build_s")})
+        keys = ("build_peak_rss_ratio", "build_net_rss_ratio", "peak_rss", "rss_before", "table_bytes", "build_s")
+        results.update({k: b[k] for k in keys})
     passes = [zipf_batches(rows, args.batch, n_batches, args.zipf, seed=i) for i in range(args.repeats + 1)]
     table_bytes = rows * args.dim * torch.tensor([], dtype=parse_dtype(args.dtype)).element_size()
     cache_bytes = int(table_bytes * args.cache_fraction)

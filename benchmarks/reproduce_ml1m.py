@@ -5,11 +5,13 @@ full-ranking evaluation), side by side with the published numbers and the refere
     python benchmarks/reproduce_ml1m.py                                  # all three, both protocols (hours on 2 cores)
     python benchmarks/reproduce_ml1m.py --models hstu-small --protocols paper --paper-epochs 50
     python benchmarks/reproduce_ml1m.py --report-only                     # rewrite results from finished runs
-    python benchmarks/reproduce_ml1m.py --report-only --run hstu-large-clean=runs/ml1m/hstu-large-clean-chunk1-pool1  # the committed results
+    # the committed results:
+    python benchmarks/reproduce_ml1m.py --report-only --run hstu-large-clean=runs/ml1m/hstu-large-clean-chunk1-pool1
     python benchmarks/reproduce_ml1m.py --epochs 2 --paper-epochs 2 --max-users 200 --runs /tmp/m --out /tmp/m_out  # smoke
 
 Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
-batch 128, 128 uniform negatives per position (paper protocol; clean shares a set per 16), temperature 0.05, L2-normalised embeddings, dropout 0.2,
+batch 128, 128 uniform negatives per position (paper protocol; clean shares a set per 16), temperature 0.05,
+L2-normalised embeddings, dropout 0.2,
 max_seq_len 200, up to 101 epochs.
 
 Protocols: "clean" trains on all but the last two events per user, stops early on validation

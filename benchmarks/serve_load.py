@@ -325,7 +325,8 @@ def parse_args(argv=None):
     p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
     p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
     p.add_argument("--connections", type=int, default=256, help="client connection pool size")
-    p.add_argument("--max-in-flight", type=int, default=2000, help="client cap on outstanding requests (beyond it, arrivals are counted as dropped)")
+    p.add_argument("--max-in-flight", type=int, default=2000,
+                   help="client cap on outstanding requests (beyond it, arrivals are counted as dropped)")
     p.add_argument("--client-timeout-s", type=float, default=30.0)
     p.add_argument("--bodies", type=int, default=3000, help="distinct pre-encoded request bodies")
     p.add_argument("--seed", type=int, default=0)
@@ -392,7 +393,8 @@ def main(argv=None) -> int:
         "server_exit_code_after_sigterm": rc,
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
         "settings": {"k": args.k, "history": args.history, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
-                     "server_threads": args.threads, "model_workers": args.model_workers, "server_cpus": cpus, "step_s": args.step_s, "overload_s": args.overload_s},
+                     "server_threads": args.threads, "model_workers": args.model_workers, "server_cpus": cpus,
+                     "step_s": args.step_s, "overload_s": args.overload_s},
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "wall_s": round(time.monotonic() - t0, 1),

@@ -40,6 +40,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import psutil
+
 from hstu.ops._common import model_processes
 from serve_load import REPO, Phase, default_data_dir, load_histories, run_phase, scrape, start_server, stop_server
 
@@ -208,7 +209,8 @@ async def kill_phase(client, bodies, rng, args, qps: float, server: psutil.Proce
     back = next((t for t, c in after if c == "200" and (not failed or t > failed[0])), None)  # first 200 after the first failure
     return {**ph.summary(), "killed_pid": info.get("killed_pid"), "error": info.get("error"), "failed_after_kill": len(failed),
             "failed_codes": {c: sum(1 for _, x in after if x == c) for c in sorted({c for _, c in after if c != "200"})},
-            "readyz_down_s": info.get("readyz_down_s"), "readyz_back_s": info.get("readyz_back_s"), "first_200_after_kill_s": round(back - t_kill, 3) if back and t_kill else None}
+            "readyz_down_s": info.get("readyz_down_s"), "readyz_back_s": info.get("readyz_back_s"),
+            "first_200_after_kill_s": round(back - t_kill, 3) if back and t_kill else None}
 
 
 def overload_summary(ph: Phase, bound_s: float, means: dict[str, float]) -> dict:
@@ -236,7 +238,8 @@ async def main_async(args, url: str, bodies: list[bytes], normal: bytes, server:
         over = await run_phase(client, bodies, Phase(f"overload {2 * c:g}", 2 * c, args.overload_s), rng, args.max_in_flight, server)
         after = await asyncio.to_thread(samples, url)
         res["overload"] = overload_summary(over, args.max_queue_delay_ms / 1e3, batch_means(before, after))
-        for key, name in (("server_p99_s_le", "hstu_serve_request_duration_seconds"), ("queue_wait_p99_s_le", "hstu_serve_queue_wait_seconds")):
+        for key, name in (("server_p99_s_le", "hstu_serve_request_duration_seconds"),
+                          ("queue_wait_p99_s_le", "hstu_serve_queue_wait_seconds")):
             res["overload"][key] = hist_quantile(before, after, name, 0.99)  # from the server's histograms: a bucket bound
         print(json.dumps({"overload": res["overload"]}), flush=True)
         res["recovery_after_overload"] = await recovery_check(url, normal)
@@ -329,7 +332,8 @@ def main(argv=None) -> int:
         "note": "client (one asyncio/aiohttp process) and server share this machine; latency from scheduled send times (open loop)",
     })
     summary = {"capacity_qps": res["capacity"]["qps"], "overload_codes": res["overload"]["codes"],
-               "overload_p99_ms": res["overload"]["p99_ms"], "bound_plus_one_batch_ms": res["overload"]["bound_ms"] + res["overload"]["one_batch_ms"],
+               "overload_p99_ms": res["overload"]["p99_ms"],
+               "bound_plus_one_batch_ms": res["overload"]["bound_ms"] + res["overload"]["one_batch_ms"],
                "recovery_after_overload": res["recovery_after_overload"]["ok"], "steady_rss_growth_mb": res["steady"]["rss_growth_mb"],
                "kill_failed": res["kill"]["failed_after_kill"], "kill_readyz_back_s": res["kill"]["readyz_back_s"],
                "recovery_after_kill": res["recovery_after_kill"]["ok"], "wall_s": res["wall_s"]}

@@ -38,8 +38,16 @@ from hstu.data.prepare import DataSpec, prepare_data
 from hstu.runs import load_run
 from hstu.train.baselines import BASELINES, evaluate_baseline, make_baseline, training_counts
 from hstu.train.evaluate import evaluate
-from hstu.train.slices import (COLD_START_LENGTHS, BaselineScorer, ModelScorer, bootstrap_weights, collect, hits,
-                               paired_comparison, slice_report)
+from hstu.train.slices import (
+    COLD_START_LENGTHS,
+    BaselineScorer,
+    ModelScorer,
+    bootstrap_weights,
+    collect,
+    hits,
+    paired_comparison,
+    slice_report,
+)
 
 log = logging.getLogger("benchmarks.taobao")
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "taobao-userbehavior-head"

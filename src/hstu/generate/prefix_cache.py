@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 

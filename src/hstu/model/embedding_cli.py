@@ -45,7 +45,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, required=True, help="embedding width d")
     p.add_argument("--dtype", default="fp32", help="storage dtype: fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--shards", type=int, default=None, help="number of shards (default: table bytes / --max-shard-bytes)")
-    p.add_argument("--max-shard-bytes", type=_size, default=parse_bytes("1GiB"), help="largest shard when --shards is not given (default 1GiB)")
+    p.add_argument("--max-shard-bytes", type=_size, default=parse_bytes("1GiB"),
+                   help="largest shard when --shards is not given (default 1GiB)")
     p.add_argument("--overflow-rows", type=int, default=1024, help="hashed rows for out-of-vocabulary ids (default 1024)")
     p.add_argument(
         "--placement",

@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 
@@ -79,7 +79,7 @@ class Sample:
         return Sample(metric, tuple(sorted((k, str(v)) for k, v in labels.items())), float(value))
 
 
-SampleInput = Union[Iterable[Sample], Mapping[str, float]]
+SampleInput = Iterable[Sample] | Mapping[str, float]
 Series = dict[str, dict[Labels, float]]  # metric name -> {labels: value}
 
 
@@ -170,7 +170,7 @@ class BinaryOp:
         return self.left.metrics() | self.right.metrics()
 
 
-Expr = Union[Condition, BinaryOp]
+Expr = Condition | BinaryOp
 
 # ------------------------------------------------------------------------------------------ parser
 

@@ -258,7 +258,8 @@ def check_torch(env: Environment, table: CompatTable) -> Check:
             "torch",
             "warn",
             f"torch {t.version} built with CUDA {t.cuda}, not a listed build ({', '.join(row['cuda'])})",
-            fix=f"pip install torch=={base_version(t.version)} --index-url https://download.pytorch.org/whl/cu{row['cuda'][0].replace('.', '')}",
+            fix=f"pip install torch=={base_version(t.version)} "
+                f"--index-url https://download.pytorch.org/whl/cu{row['cuda'][0].replace('.', '')}",
             source=row["source"],
         )
     return Check("torch", "pass", f"torch {t.version} ({build})", source=row["source"])
@@ -374,7 +375,8 @@ def check_cann(env: Environment, table: CompatTable) -> Check:
         "fail",
         f"{where} does not support torch_npu {env.torch_npu_version} (release notes list: {pairs})",
         detail="a CANN/torch_npu mismatch often surfaces only as 'Install failed' or an opaque EZ/EE error",
-        fix=f'pip install "torch=={rows[0]["torch"]}" "torch-npu=={rows[0]["torch_npu"]}"  # or install the CANN release for your torch_npu',
+        fix=f'pip install "torch=={rows[0]["torch"]}" "torch-npu=={rows[0]["torch_npu"]}"'
+        "  # or install the CANN release for your torch_npu",
         source=rows[0]["source"],
     )
 
@@ -421,7 +423,8 @@ def check_npu_driver(env: Environment, table: CompatTable) -> Check:
         "fail",
         summary + f" is older than Ascend HDK {row['min_hdk']} required by CANN {a.cann_version}",
         detail="an old driver under a new CANN fails at aclInit / device setup (ACL_ERROR_RT_DEV_SETUP_ERROR 507033)",
-        fix=f"upgrade driver+firmware to Ascend HDK {row['min_hdk']} or newer (firmware first, then driver, then reboot); check: npu-smi info",
+        fix=f"upgrade driver+firmware to Ascend HDK {row['min_hdk']} or newer (firmware first, then driver, then reboot); "
+        "check: npu-smi info",
         source=row["source"],
     )
 

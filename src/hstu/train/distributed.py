@@ -937,7 +937,8 @@ def cmd_train_distributed(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m hstu.train``: errors a user can fix print one line to stderr and exit 2 (as ``hstu``)."""
     p = argparse.ArgumentParser(prog="python -m hstu.train",
-                                description="Distributed HSTU training (run under torchrun; TorchRec-sharded item table, DDP dense layers).")
+                                description="Distributed HSTU training (run under torchrun; TorchRec-sharded item table, "
+                                            "DDP dense layers).")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_train_arguments(p)
     add_distributed_arguments(p)

@@ -29,7 +29,8 @@ def exclude_history(scores: torch.Tensor, log_: EventLog, users: np.ndarray, end
 
 @torch.inference_mode()
 def evaluate_ranks(model: HSTUModel, log_: EventLog, split: Split, which: str, *, batch_size: int = 256,
-                   exclude: bool | None = None, device: torch.device | str = "cpu", users: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   exclude: bool | None = None, device: torch.device | str = "cpu",
+                   users: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rank every evaluated user's target among all items.
 
     Returns (users (U',) int64 rows of the EventLog, ranks (U',) int64, 1-based).

@@ -1,0 +1,290 @@
+"""Memory planning for the sharded item table: per-shard bytes and placement, checked before allocation.
+
+Symbols as in :mod:`hstu.model.embedding`. :func:`plan_memory` is also the ``hstu plan-memory`` command's
+core (:mod:`hstu.model.embedding_cli`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hstu.backend.memory_guard import format_bytes, parse_bytes
+from hstu.model.embedding_rows import PLACEMENTS, _per_shard, dtype_name, parse_dtype, shard_row_counts
+
+# ---------------------------------------------------------------------------------------------
+# Memory planning
+# ---------------------------------------------------------------------------------------------
+
+
+class MemoryPlanError(ValueError):
+    """A table does not fit the memory it would be placed in; raised before anything is allocated."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard: ``rows`` (R_s), ``dtype`` name, ``bytes`` (R_s * d * itemsize), ``placement``."""
+
+    index: int
+    rows: int
+    dtype: str
+    bytes: int
+    placement: str
+
+
+@dataclass
+class MemoryPlan:
+    """Per-shard bytes and placement of a table, and whether it fits its memory budgets.
+
+    ``device_bytes`` covers device shards + the row index (4 or 8 bytes per global row, on the compute
+    device) + the hot-row cache; ``host_bytes`` covers host shards. Budgets are the given memory
+    times ``1 - reserve_ratio`` (the rest is left for activations, the optimizer, the OS).
+    When ``device_is_host`` (a CPU compute device) both draw from the host budget.
+    """
+
+    num_embeddings: int
+    num_overflow_rows: int
+    embedding_dim: int
+    shards: list[ShardPlan]
+    index_bytes: int
+    cache_bytes: int
+    device_bytes: int
+    host_bytes: int
+    device_budget: int | None
+    host_budget: int | None
+    device_is_host: bool
+    reserve_ratio: float
+    problems: list[str] = field(default_factory=list)
+    rows_exact: bool = True  # False: rows per shard estimated (the table was refused before counting)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def table_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def require(self) -> MemoryPlan:
+        """Return self if it fits, else raise :class:`MemoryPlanError` listing every problem."""
+        if self.problems:
+            raise MemoryPlanError("embedding table does not fit: " + "; ".join(self.problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["fits"] = self.fits
+        d["table_bytes"] = self.table_bytes
+        return d
+
+    def format(self) -> str:
+        """The plan as an aligned text table (one line per shard) with totals and a verdict."""
+        T = self.num_embeddings + self.num_overflow_rows
+        lines = [
+            f"table: {self.num_embeddings:,} rows (+{self.num_overflow_rows:,} overflow) x {self.embedding_dim} "
+            f"= {format_bytes(self.table_bytes)} in {len(self.shards)} shard(s)",
+            f"{'shard':>5}  {'rows':>13}  {'dtype':>5}  {'bytes':>15}  {'size':>10}  placement",
+        ]
+        shown = self.shards if len(self.shards) <= FORMAT_MAX_SHARDS else self.shards[:FORMAT_MAX_SHARDS - 4] + self.shards[-4:]
+        for j, s in enumerate(shown):
+            if j == FORMAT_MAX_SHARDS - 4 and len(shown) < len(self.shards):
+                lines.append(f"{'...':>5}  ({len(self.shards) - len(shown):,} more shards; --json lists them all)")
+            lines.append(
+                f"{s.index:>5}  {s.rows:>13,}  {s.dtype:>5}  {s.bytes:>15,}  {format_bytes(s.bytes):>10}  {s.placement}"
+            )
+        lines.append(f"row index ({T:,} rows) on device: {format_bytes(self.index_bytes)}")
+        if self.cache_bytes:
+            lines.append(f"hot-row cache on device: {format_bytes(self.cache_bytes)}")
+
+        def budget(b: int | None) -> str:
+            return "unknown" if b is None else format_bytes(b)
+
+        if self.device_is_host:
+            lines.append(
+                f"host (= compute device): {format_bytes(self.device_bytes + self.host_bytes)} "
+                f"of {budget(self.host_budget)} budget (reserve {self.reserve_ratio:.0%})"
+            )
+        else:
+            lines.append(
+                f"device: {format_bytes(self.device_bytes)} of {budget(self.device_budget)} budget; "
+                f"host: {format_bytes(self.host_bytes)} of {budget(self.host_budget)} budget "
+                f"(reserve {self.reserve_ratio:.0%} each)"
+            )
+        lines.append("fits: yes" if self.fits else "fits: NO - " + "; ".join(self.problems))
+        return "\n".join(lines)
+
+
+def _index_itemsize(shard_rows: Sequence[int], num_shards: int) -> int:
+    if num_shards == 1:
+        return 0  # S = 1 needs no index: local row = global row
+    return 4 if max(shard_rows) < 2**31 else 8
+
+
+FORMAT_MAX_SHARDS = 24  # MemoryPlan.format lists at most this many shard lines (first and last ones)
+
+
+def index_ranges(idx: list[int]) -> str:
+    """Ascending shard indices as compact ranges: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    parts, start = [], None
+    for j, v in enumerate(idx):
+        if start is None:
+            start = v
+        if j + 1 == len(idx) or idx[j + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(parts) or "none"
+
+
+def plan_memory(
+    num_embeddings: int,
+    embedding_dim: int,
+    *,
+    dtype: str | torch.dtype | Sequence[str | torch.dtype] = "fp32",
+    num_shards: int | None = None,
+    num_overflow_rows: int = 1024,
+    placement: str | Sequence[str] = "auto",
+    device_mem: int | str | None = None,
+    host_mem: int | str | None = None,
+    device_is_host: bool = False,
+    reserve_ratio: float = 0.1,
+    cache_bytes: int | str = 0,
+    max_shard_bytes: int | str = "1GiB",
+    shard_rows: Sequence[int] | None = None,
+) -> MemoryPlan:
+    """Plan per-shard rows, bytes and placement of a V x d table; allocates nothing (O(chunk) scratch).
+
+    Args:
+        num_embeddings: V (includes the padding row 0), >= 1.
+        embedding_dim: d, >= 1.
+        dtype: storage dtype, one for all shards or one per shard ("fp32", "fp16", "bf16").
+        num_shards: S; None chooses ceil(table bytes / max_shard_bytes) (at least 1).
+        num_overflow_rows: O, >= 1.
+        placement: "device", "host", one per shard, or "auto": device shards first while they fit the
+            device budget, the rest on host (on a CPU compute device, "auto" means all "device").
+        device_mem / host_mem: memory in bytes (or "32GiB"-style strings); None means unknown (not checked).
+        device_is_host: the compute device is the CPU, so device and host shards share ``host_mem``.
+        reserve_ratio: fraction of each memory kept free, in [0, 1).
+        cache_bytes: bytes of the hot-row cache on the device (counted when any shard is on host).
+        max_shard_bytes: upper size of one shard when S is chosen automatically.
+        shard_rows: exact [R_s] if already known (else counted by :func:`shard_row_counts`, unless the
+            whole table exceeds all the memory given: then refused at once with an even-split estimate).
+    Returns:
+        :class:`MemoryPlan`; check ``.fits`` or call ``.require()``.
+    Raises:
+        ValueError: a field out of range (the message names it).
+    """
+    V, d, O = int(num_embeddings), int(embedding_dim), int(num_overflow_rows)
+    if V < 1:
+        raise ValueError(f"num_embeddings must be >= 1, got {num_embeddings!r}")
+    if d < 1:
+        raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim!r}")
+    if O < 1:
+        raise ValueError(f"num_overflow_rows must be >= 1, got {num_overflow_rows!r}")
+    if not 0.0 <= reserve_ratio < 1.0:
+        raise ValueError(f"reserve_ratio must be in [0, 1), got {reserve_ratio!r}")
+    T = V + O
+    max_shard = parse_bytes(max_shard_bytes, field="max_shard_bytes")
+    cache = parse_bytes(cache_bytes, field="cache_bytes")
+    if num_shards is None:
+        given = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
+        widest = max(torch.tensor([], dtype=parse_dtype(x)).element_size() for x in given)
+        num_shards = max(1, math.ceil(T * d * widest / max(1, max_shard)))
+    S = int(num_shards)
+    if S < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards!r}")
+    dtypes = [parse_dtype(x, field=f"dtype[{i}]") for i, x in enumerate(_per_shard(dtype, S, "dtype"))]
+    itemsizes = [torch.tensor([], dtype=dt).element_size() for dt in dtypes]
+    rows_exact = True
+    if shard_rows is not None:
+        rows = list(shard_rows)
+    elif S == 1:
+        rows = [T]
+    else:
+        # refuse at once (without hashing T rows) when even the whole table cannot fit anywhere
+        total_budget = None
+        if device_is_host and host_mem is not None:
+            total_budget = parse_bytes(host_mem, field="host_mem")
+        elif not device_is_host and device_mem is not None and host_mem is not None:
+            total_budget = parse_bytes(device_mem, field="device_mem") + parse_bytes(host_mem, field="host_mem")
+        if total_budget is not None and T * d * min(itemsizes) > total_budget:
+            rows = [T // S + (1 if i < T % S else 0) for i in range(S)]  # even split: an estimate
+            rows_exact = False
+        else:
+            rows = shard_row_counts(T, S)
+    if len(rows) != S or sum(rows) != T:
+        raise ValueError(f"shard_rows must be {S} counts summing to {T}, got {len(rows)} summing to {sum(rows)}")
+    sizes = [r * d * it for r, it in zip(rows, itemsizes)]
+    index_bytes = T * _index_itemsize(rows, S)
+    dev_budget = None if device_mem is None else int(parse_bytes(device_mem, field="device_mem") * (1 - reserve_ratio))
+    host_budget = None if host_mem is None else int(parse_bytes(host_mem, field="host_mem") * (1 - reserve_ratio))
+
+    if isinstance(placement, str) and placement == "auto":
+        if device_is_host:
+            places = ["device"] * S
+        else:
+            places, used = [], index_bytes
+            room = dev_budget
+            for b in sizes:
+                # keep room for the cache as soon as a shard goes to host
+                if room is None or used + b + (cache if "host" in places else 0) <= room:
+                    places.append("device")
+                    used += b
+                else:
+                    places.append("host")
+            if "host" in places and room is not None and used + cache > room:
+                # the cache pushes the last device shard(s) out
+                while places.count("device") and used + cache > room:
+                    k = max(i for i, p in enumerate(places) if p == "device")
+                    places[k] = "host"
+                    used -= sizes[k]
+    else:
+        places = _per_shard(placement, S, "placement")
+        for i, p in enumerate(places):
+            if p not in PLACEMENTS:
+                raise ValueError(f"placement[{i}]: unknown placement {p!r}; valid: device, host (or auto for all)")
+
+    any_host = "host" in places
+    cache_used = cache if any_host else 0
+    shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
+    device_bytes = index_bytes + cache_used + sum(s.bytes for s in shards if s.placement == "device")
+    host_bytes = sum(s.bytes for s in shards if s.placement == "host")
+    problems: list[str] = []
+    if device_is_host:
+        need = device_bytes + host_bytes
+        if host_budget is not None and need > host_budget:
+            problems.append(
+                f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
+                f"{format_bytes(host_budget)} ({format_bytes(parse_bytes(host_mem or 0))} less {reserve_ratio:.0%} reserve)"
+            )
+    else:
+        if dev_budget is not None and device_bytes > dev_budget:
+            on_dev = index_ranges([s.index for s in shards if s.placement == "device"])
+            problems.append(
+                f"device needs {format_bytes(device_bytes)} (shards {on_dev}, index {format_bytes(index_bytes)}, "
+                f"cache {format_bytes(cache_used)}), budget is {format_bytes(dev_budget)}"
+            )
+        if host_budget is not None and host_bytes > host_budget:
+            on_host = index_ranges([s.index for s in shards if s.placement == "host"])
+            problems.append(
+                f"host needs {format_bytes(host_bytes)} (shards {on_host}), budget is {format_bytes(host_budget)}"
+            )
+    return MemoryPlan(
+        num_embeddings=V,
+        num_overflow_rows=O,
+        embedding_dim=d,
+        shards=shards,
+        index_bytes=index_bytes,
+        cache_bytes=cache_used,
+        device_bytes=device_bytes,
+        host_bytes=host_bytes,
+        device_budget=dev_budget,
+        host_budget=host_budget,
+        device_is_host=device_is_host,
+        reserve_ratio=reserve_ratio,
+        problems=problems,
+        rows_exact=rows_exact,
+    )

@@ -135,7 +135,8 @@ def test_generate_decoding_options_take_the_http_ranges(tmp_path, capsys, flag, 
 def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
     """`hstu train --out EXISTING_RUN` silently trained over it: now refused unless --resume or
     --overwrite (which deletes the old run's files first); checked before any data is read."""
-    from hstu.cli import RUN_FILES, main
+    from hstu.cli import main
+    from hstu.runs import RUN_FILES
 
     for name, files in (("finished", ["model.safetensors", "metrics.json"]), ("interrupted", ["last.json", "last.safetensors"])):
         out = tmp_path / name

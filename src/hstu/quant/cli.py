@@ -23,7 +23,7 @@ def cmd_quantize(args) -> int:
     from hstu.quant import apply_precision, read_quant_meta, save_quantized_run
     from hstu.quant.calibrate import calibration_batch, format_report, layer_report
     from hstu.quant.int8 import Int8Linear
-    from hstu.runs import load_run
+    from hstu.runs import load_float_run
 
     if read_quant_meta(args.run) is not None:
         raise ValueError(f"{args.run} is already quantized; quantize the float run it was made from")
@@ -35,7 +35,7 @@ def cmd_quantize(args) -> int:
         from hstu.quant.checkpoint import check_quantized_out
 
         check_quantized_out(args.run, args.out)  # before the run and its data are read
-    float_model, cfg, _ = load_run(args.run, "cpu")
+    float_model, cfg, _ = load_float_run(args.run, "cpu")
     kw = {}
     if args.scheme == "int8":
         kw = dict(embeddings=args.embeddings or "fp16", keep_float=args.keep_float or (), kernel=args.kernel)

@@ -68,6 +68,7 @@ def test_accelerator_class_attributes_need_no_device():
     assert {n: c.default_kernels for n, c in backend.BACKENDS.items()} == {"cpu": "reference", "cuda": "reference", "npu": "npu"}
     assert CUDABackend.int8_gemms == ("int_mm",) and NPUBackend.int8_gemms == ()
     assert [n for n, c in backend.BACKENDS.items() if c.is_host] == ["cpu"]
+    assert [n for n, c in backend.BACKENDS.items() if c.triton_kernels] == ["cuda"]
 
 
 def test_resolve_graph_mode_on_cpu():

@@ -52,6 +52,7 @@ class Backend:
         dist_backend: the ``torch.distributed`` backend for this device (PyTorch docs, "Backends").
         torchrec_kernels: FBGEMM / TorchRec have embedding kernels here (else the table stays on the CPU).
         graph_mode: the engine graph mode that captures on this device ("cuda_graph", ...), or None.
+        triton_kernels: Triton compiles kernels for this device (outside the CPU interpreter).
         default_kernels: the HSTU kernel set "auto" picks here (``hstu.model.kernels``).
         int8_gemms: integer GEMMs ``hstu.quant`` tries for "auto", in order (empty: float fallback).
     """
@@ -61,6 +62,7 @@ class Backend:
     dist_backend: str = "gloo"
     torchrec_kernels: bool = False
     graph_mode: str | None = None
+    triton_kernels: bool = False
     default_kernels: str = "reference"
     int8_gemms: tuple[str, ...] = ()
 

@@ -33,6 +33,7 @@ class CUDABackend(Backend):
     dist_backend = "nccl"
     torchrec_kernels = True
     graph_mode = "cuda_graph"
+    triton_kernels = True
     int8_gemms = ("int_mm",)
 
     @classmethod

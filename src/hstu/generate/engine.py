@@ -50,6 +50,9 @@ model's fixed width, I items.
   by all the beams of a user, stays in row b's history slots; beam search reorders only the
   small generated part). No cache growth, no torch.cat, no factory call (empty / zeros /
   arange ...) in the decode loop (tests/test_engine_alloc.py).
+- One forward. Every pass below runs the model's own HSTUModel.forward_layers (HSTULayer.forward
+  with an AttentionMeta and per-layer KVView pool slices, hstu.model.meta); runners.py builds them
+  per bucket, pool.py holds the buffers, decode_loop.py the loops, requests.py the checks.
 - Prefill: every row through every layer (their K/V fill the cache), except that in the last
   layer only the last live row, whose output is the user vector, is attended and projected
   (as an LLM prefill computes only the last token's logits). Square causal attention runs in
@@ -99,11 +102,12 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from hstu.generate.sampler import GenerationResult, check_candidates, next_scores, pick
+from hstu.generate.sampler import GenerationResult, check_candidates, pick
 from hstu.generate.hardening import check_inputs_on, harden
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.backend import for_device
-from hstu.generate import runners
+from hstu.generate import decode_loop, runners
+from hstu.generate.requests import truncate, validate_request
 from hstu.generate.pool import BucketPool, ladder
 from hstu.model.hstu import HSTUModel
 from hstu.model.kernels import KernelSet, get_kernels
@@ -311,7 +315,7 @@ class Engine:
             ValueError: see the module docstring. StrayTensorError: an input on another device.
         """
         c = self.model.cfg
-        B = self._validate(ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids)
+        B = validate_request(self, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids)
         dev = self.device
         warnings: list[str] = []
         lengths = lengths.clone()
@@ -321,18 +325,8 @@ class Engine:
         if request_time is None:
             request_time = timestamps.gather(1, (lengths - 1).clamp(min=0).view(B, 1)).view(B)
         check_inputs_on(dev, request_time=request_time, item_category=item_category)
-        # truncate over-long histories to their most recent events
-        Emax = self.edges[-1]
-        truncated = (lengths - Emax).clamp(min=0)
-        if bool((truncated > 0).any()):
-            shift = truncated.view(B, 1) + self._arange[:Emax].view(1, Emax)  # (B, Emax)
-            ids, timestamps = ids.gather(1, shift), timestamps.gather(1, shift)
-            actions, categories = actions.gather(1, shift), categories.gather(1, shift)
-            lengths = lengths.clamp(max=Emax)
-            n_cut = int((truncated > 0).sum())
-            msg = f"{n_cut} history(ies) longer than the largest bucket {Emax}: kept the most recent {Emax} events"
-            warnings.append(msg)
-            log.warning(msg)
+        ids, timestamps, actions, categories, lengths, truncated = truncate(self.edges[-1], ids, timestamps, actions, categories,
+                                                                            lengths, warnings)
         if exclude is None:
             exclude = torch.zeros(B, c.num_items + 1, dtype=torch.bool, device=dev)
         exclude[:, 0] = True
@@ -355,16 +349,22 @@ class Engine:
         out.bucket = torch.tensor(bucket_of, dtype=torch.int64, device=dev)
         req = dict(ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
                    request_time=request_time, exclude=exclude, item_category=item_category)
+        self._run_buckets(bucket_of, L_host, W, k, strategy, top_k, temperature, req, out, user_ids, use_cache)
+        return out
+
+    def _run_buckets(self, bucket_of: list[int], L_host: list[int], W, k, strategy, top_k, temperature, req: dict,
+                     out: EngineResult, user_ids, use_cache) -> None:
+        """Every bucket's rows, prefix-cache hits apart from misses, in chunks of max_batch // W users."""
         per_group = max(1, self.max_batch // W)
         for E in self.edges:
-            rows = [i for i in range(B) if bucket_of[i] == E]
+            rows = [i for i in range(len(bucket_of)) if bucket_of[i] == E]
             if not rows:
                 continue
             hits: dict[int, PrefixEntry] = {}
             if self.prefix is not None and user_ids is not None and use_cache:
                 for i in rows:
                     L = L_host[i]
-                    e = self.prefix.lookup(user_ids[i], ids[i, :L], timestamps[i, :L], actions[i, :L], categories[i, :L])
+                    e = self.prefix.lookup(user_ids[i], *(req[n][i, :L] for n in ("ids", "timestamps", "actions", "categories")))
                     if e is not None:
                         hits[i] = e
             groups = [[i for i in rows if i not in hits], [i for i in rows if i in hits]]
@@ -373,52 +373,6 @@ class Engine:
                     chunk = g[j:j + per_group]
                     self._run_group(E, chunk, W, k, strategy, top_k, temperature, req, out, {i: hits[i] for i in chunk if i in hits},
                                     user_ids, use_cache)
-        return out
-
-    def _validate(self, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids) -> int:
-        c = self.model.cfg
-        check_inputs_on(self.device, ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
-                        exclude=exclude)
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        if k > self.k_max:
-            raise ValueError(f"k={k} exceeds the engine's k_max={self.k_max}")
-        if strategy not in ("greedy", "topk", "beam"):
-            raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
-        if strategy == "beam" and beam_width < 1:
-            raise ValueError(f"beam_width must be >= 1, got {beam_width}")
-        if strategy == "beam" and not use_cache:
-            raise ValueError("use_cache=False supports greedy and topk only")
-        for name, t in (("ids", ids), ("timestamps", timestamps), ("lengths", lengths), ("actions", actions), ("categories", categories)):
-            if t is not None and t.dtype != torch.int64:
-                raise TypeError(f"{name} must be int64, got {t.dtype}")
-        if ids.dim() != 2 or ids.shape != timestamps.shape:
-            raise ValueError(f"ids and timestamps must both be (B, W), got {tuple(ids.shape)} and {tuple(timestamps.shape)}")
-        B, Wd = ids.shape
-        if B == 0:
-            raise ValueError("empty batch")
-        if lengths.shape != (B,):
-            raise ValueError(f"lengths must be (B,) = ({B},), got {tuple(lengths.shape)}")
-        for name, t in (("actions", actions), ("categories", categories)):
-            if t is not None and t.shape != ids.shape:
-                raise ValueError(f"{name} must have the shape of ids {tuple(ids.shape)}, got {tuple(t.shape)}")
-        if exclude is not None and (exclude.shape != (B, c.num_items + 1) or exclude.dtype != torch.bool):
-            raise ValueError(f"exclude must be (B, I+1) = ({B}, {c.num_items + 1}) bool, got {tuple(exclude.shape)} {exclude.dtype}")
-        if user_ids is not None and len(user_ids) != B:
-            raise ValueError(f"user_ids has {len(user_ids)} entries for a batch of {B}")
-        empty = (lengths < 1).nonzero().view(-1).tolist()
-        if empty:
-            raise ValueError(f"empty history at row(s) {empty[:10]}: HSTU needs at least one event (no cold-start path in the "
-                             "model; serve a popularity list upstream)")
-        if int(lengths.max()) > Wd:
-            bad = int((lengths > Wd).nonzero()[0])
-            raise ValueError(f"lengths[{bad}]={int(lengths[bad])} exceeds the padded width {Wd}")
-        live = self._arange[:Wd].view(1, Wd) < lengths.view(B, 1)
-        bad = live & ((ids < 1) | (ids > c.num_items))
-        if bool(bad.any()):
-            r, p = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"ids[{r}, {p}]={int(ids[r, p])}: unknown item id (valid dense ids 1..{c.num_items}; 0 is padding)")
-        return B
 
     def _bucket(self, E: int, use_cache: bool) -> BucketPool:
         if use_cache:
@@ -444,24 +398,8 @@ class Engine:
         ri = torch.tensor(rows, dtype=torch.int64, device=dev)
         L = req["lengths"][ri]  # (Bu,)
         rt = req["request_time"][ri]
-        # ---- static inputs: real rows then padding users (length 1, item 1) ----
         Eb = b.E
-        w = min(req["ids"].shape[1], Eb)
-        live = (self._arange[:w].view(1, w) < L.view(Bu, 1))
-        b.ids[:Bp].zero_()
-        b.ids[Bu:Bp, 0] = 1
-        b.ids[:Bu, :w] = req["ids"][ri, :w] * live
-        b.actions[:Bp].zero_()
-        b.actions[:Bu, :w] = req["actions"][ri, :w] * live
-        b.categories[:Bp].zero_()
-        b.categories[:Bu, :w] = req["categories"][ri, :w] * live
-        b.lengths[:Bp].fill_(1)
-        b.lengths[:Bu] = L
-        b.rt[:Bp].zero_()
-        b.rt[:Bu] = rt
-        b.t[:Bp].copy_(b.rt[:Bp].view(Bp, 1).expand(Bp, Eb + 2))  # request time at L and after
-        b.t[:Bu, :w] = torch.where(live, req["timestamps"][ri, :w], rt.view(Bu, 1))
-        b.kvalid[:Bp] = self._arange[:b.C].view(1, b.C) < b.lengths[:Bp].view(Bp, 1)
+        b.load(req, ri, L, rt, Bp, self._arange)  # static inputs: real rows then padding users (length 1, item 1)
         if c.use_time_bias:
             b.tb_hist[:Bp] = runners.time_buckets(self, b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
         if W == 1:  # one-beam decode: generated rows at positions L, L + 1, ... (kvalid, tb_hist are views of the rest)
@@ -520,13 +458,8 @@ class Engine:
 
     def _store_prefix(self, b: BucketPool, rows, L: torch.Tensor, user_ids, req) -> None:
         for j, i in enumerate(rows):
-            n = int(L[j])
-            if n < 2:
-                continue
-            e = PrefixEntry(ids=b.ids[j, :n].clone(), timestamps=b.t[j, :n].clone(), actions=b.actions[j, :n].clone(),
-                            categories=b.categories[j, :n].clone(), k=[hk[j, :, :n - 1].clone() for hk in b.hk],
-                            v=[hv[j, :, :n - 1].clone() for hv in b.hv])
-            self.prefix.put(user_ids[i], e)
+            if int(L[j]) >= 2:
+                self.prefix.put(user_ids[i], b.prefix_entry(j, int(L[j])))
 
     def _repeat(self, req: dict, ri: torch.Tensor, Bp: int, W: int) -> tuple | None:
         """The repeat head's bias of a group (rows ``ri`` of the request, padded to Bp users, each
@@ -548,100 +481,8 @@ class Engine:
         if self.model.action_head is None:
             return None
         return self.model.action_head(user)[:, 1:].argmax(dim=1) + 1
-
-    def _decode(self, b: BucketPool, Bp: int, W: int, k: int, user: torch.Tensor, step: Callable[[], torch.Tensor], strategy: str,
-                top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
-        """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers."""
-        R = Bp * W
-        I1 = self._scores.shape[1]
-        scores, excl = self._scores[:R], self._excl[:R]
-        items, sc, acts = self._out_items[:R], self._out_scores[:R], self._out_actions[:R]
-        bidx = self._bidx[:R]
-        beam_lp = None
-        beam = strategy == "beam"
-        temp = self.model.cfg.temperature
-        for s in range(k):
-            next_scores(self._index, user, temp, excl, repeat=repeat, out=scores)  # (R, I+1)
-            act = self._next_action(user)
-            if not beam:
-                choice = self._pick(scores, strategy, top_k, temperature)  # (R,)
-                items[:, s] = choice
-                sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
-            else:
-                logp = torch.log_softmax(scores, dim=1).view(Bp, W, I1)
-                if s == 0:  # every beam is the same sequence: expand beam 0 only
-                    top_lp, choice2 = logp[:, 0].topk(W, dim=1)  # (Bp, W)
-                    parent = choice2.mul(0)
-                else:
-                    top_lp, flat = (beam_lp.unsqueeze(-1) + logp).view(Bp, W * I1).topk(W, dim=1)
-                    parent, choice2 = flat.div(I1, rounding_mode="floor"), flat.remainder(I1)
-                src = (bidx[:Bp].view(Bp, 1) * W + parent).view(R)  # parent row of each new beam
-                choice = choice2.view(R)
-                step_score = scores[src, choice]  # (R,)
-                for buf, scratch in ((items, self._items_scratch[:R]), (sc, self._scores_scratch[:R]), (excl, self._excl_scratch[:R])):
-                    torch.index_select(buf, 0, src, out=scratch)
-                    buf.copy_(scratch)
-                items[:, s] = choice
-                sc[:, s] = step_score
-                if act is not None:
-                    act = act.index_select(0, src)
-                if s > 0:
-                    torch.index_select(acts, 0, src, out=self._items_scratch[:R])
-                    acts.copy_(self._items_scratch[:R])
-                beam_lp = top_lp
-            excl.scatter_(1, choice.view(R, 1), True)
-            if act is not None:
-                acts[:, s] = act
-            if s == k - 1:
-                break
-            if beam and W > 1 and s > 0:
-                for g, scratch in ((b.gk, b.gk_scratch), (b.gv, b.gv_scratch)):
-                    for t in g:
-                        torch.index_select(t[:R], 0, src, out=scratch[:R])
-                        t[:R].copy_(scratch[:R])
-            b.item[:R].copy_(choice)
-            b.s_idx.fill_(s)
-            b.s_idx_j.fill_(b.C + s)
-            if act is not None:
-                b.act[:R].copy_(act)
-            if item_category is not None:
-                torch.index_select(item_category, 0, choice, out=b.cat[:R])
-            user = step()  # (R, d)
-            b.pos[:R].add_(1)
-        if not beam:
-            return items[:, :k], sc[:, :k], acts[:, :k], None, excl
-        best = beam_lp.argmax(dim=1)  # (Bp,)
-        rows = bidx[:Bp] * W + best
-        return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, excl[rows]
-
-    def _decode_recompute(self, b: BucketPool, Bp: int, k: int, user: torch.Tensor, prefill: Callable[[], torch.Tensor], strategy: str,
-                          top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
-        """No KV cache: append each pick to the padded inputs and rerun the bucket's prefill."""
-        R = Bp
-        scores, excl = self._scores[:R], self._excl[:R]
-        items, sc, acts = self._out_items[:R], self._out_scores[:R], self._out_actions[:R]
-        bidx = self._bidx[:R]
-        temp = self.model.cfg.temperature
-        for s in range(k):
-            next_scores(self._index, user, temp, excl, repeat=repeat, out=scores)
-            act = self._next_action(user)
-            choice = self._pick(scores, strategy, top_k, temperature)
-            items[:, s] = choice
-            sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
-            excl.scatter_(1, choice.view(R, 1), True)
-            if act is not None:
-                acts[:, s] = act
-            if s == k - 1:
-                break
-            p = b.lengths[:R]
-            b.ids[bidx, p] = choice
-            if act is not None and b.has_features[0]:
-                b.actions[bidx, p] = act
-            if item_category is not None:
-                b.categories[bidx, p] = item_category[choice]
-            b.lengths[:R].add_(1)  # times at L.. already hold the request time
-            user = prefill()
-        return items[:, :k], sc[:, :k], acts[:, :k], None, excl
+    _decode = decode_loop.decode  # methods of the engine, kept in their own module (tests wrap Engine._decode)
+    _decode_recompute = decode_loop.decode_recompute
 
 
 def engine_from_config(model: HSTUModel, serve_cfg, device: str | None = None, **kwargs) -> Engine:

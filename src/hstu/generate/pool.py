@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hstu.generate.prefix_cache import PrefixEntry
+
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
 
@@ -94,4 +96,31 @@ class BucketPool:
               *(self.bias_j or [])]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
+    def prefix_entry(self, j: int, n: int) -> PrefixEntry:
+        """Row j's first n events and the K/V of their first n - 1 rows, copied out for the user-prefix
+        cache (the last row is recomputed on a hit: its time bias used this request's time)."""
+        return PrefixEntry(ids=self.ids[j, :n].clone(), timestamps=self.t[j, :n].clone(), actions=self.actions[j, :n].clone(),
+                           categories=self.categories[j, :n].clone(), k=[hk[j, :, :n - 1].clone() for hk in self.hk],
+                           v=[hv[j, :, :n - 1].clone() for hv in self.hv])
 
+    def load(self, req: dict, ri: torch.Tensor, L: torch.Tensor, rt: torch.Tensor, Bp: int, arange: torch.Tensor) -> None:
+        """Copy request rows ``ri`` (Bu,) into the static inputs, then Bp - Bu padding users (length 1,
+        item 1): ids / actions / categories (Bp, E) int64 zero past each length, times (Bp, E + 2) with
+        the request time rt (Bu,) at L and after, lengths, request times and history key validity."""
+        Bu, E = len(ri), self.E
+        w = min(req["ids"].shape[1], E)
+        live = arange[:w].view(1, w) < L.view(Bu, 1)
+        self.ids[:Bp].zero_()
+        self.ids[Bu:Bp, 0] = 1
+        self.ids[:Bu, :w] = req["ids"][ri, :w] * live
+        self.actions[:Bp].zero_()
+        self.actions[:Bu, :w] = req["actions"][ri, :w] * live
+        self.categories[:Bp].zero_()
+        self.categories[:Bu, :w] = req["categories"][ri, :w] * live
+        self.lengths[:Bp].fill_(1)
+        self.lengths[:Bu] = L
+        self.rt[:Bp].zero_()
+        self.rt[:Bu] = rt
+        self.t[:Bp].copy_(self.rt[:Bp].view(Bp, 1).expand(Bp, E + 2))  # request time at L and after
+        self.t[:Bu, :w] = torch.where(live, req["timestamps"][ri, :w], rt.view(Bu, 1))
+        self.kvalid[:Bp] = arange[:self.C].view(1, self.C) < self.lengths[:Bp].view(Bp, 1)

@@ -10,6 +10,12 @@ Per layer, for input X (B, W, d)                                        (§3, eq
     Y = X + W_o · Dropout(U ⊙ LN(A · V))
 Rows at positions >= length are zero after every layer, so padding never changes live rows.
 Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
+
+``HSTULayer.forward(x, meta, kv)`` is the only implementation of these equations, for every
+path: training and evaluation (T = S = W), a prefill, an extension of a cached prefix (T new
+rows against S cached ones) and a decode step (T = 1). ``meta`` (hstu.model.meta.AttentionMeta)
+holds the batch's positions, mask, time buckets and kernel set; ``kv`` (KVView) the layer's slice
+of a KV-cache pool. The attention itself runs through the kernel registry (model/kernels/).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Kernel registry per backend for HSTU attention and the fused pieces of a layer.
 
-A :class:`KernelSet` bundles the four pieces the inference engine calls (see
-``kernels/reference.py`` for their contracts): ``uvqk`` (LN + projection + SiLU + split),
+A :class:`KernelSet` bundles the pieces every HSTULayer.forward calls, through
+:func:`hstu.model.meta.hstu_attention` for the attention (see ``kernels/reference.py`` for their
+contracts; the set travels in the batch's AttentionMeta): ``uvqk`` (LN + projection + SiLU + split),
 ``time_buckets`` (log time buckets), ``attention`` (HSTU attention with the relative bias
 formed inside) and ``ln_mul`` (U ⊙ LN(A·V)). Sets are registered per backend by name, after
 vLLM's attention-backend registry (unknown names raise ValueError listing the valid ones):

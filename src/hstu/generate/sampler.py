@@ -5,7 +5,8 @@ One decode step scores every item with the current user vector (cosine / tempera
 that must never be generated to -inf, and picks: the best ("greedy") or a seeded draw among the
 ``top_k`` best at a softmax temperature ("topk"). Beam search ranks by the log-softmax of the
 same scores. :func:`next_scores` is the one place the step's scores are formed (the engine, and
-the oracle in :mod:`hstu.generate.decode`); :func:`pick` the one sampler.
+the oracle in :mod:`hstu.generate.decode`), on :func:`hstu.model.item_index.item_scores` (which
+evaluation's full ranking uses too); :func:`pick` the one sampler.
 
 Symbols: R rows (users, or users x beams), I items (dense ids 1..I, column 0 padding), d width.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hstu.model.item_index import item_scores
 
 # the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
 TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
@@ -47,12 +50,7 @@ def next_scores(index, user: torch.Tensor, temperature: float, exclude: torch.Te
     Returns:
         (R, I+1) float scores (``out`` when given), -inf at excluded items.
     """
-    scores = index.cosine(user) if out is None else index.cosine(user, out=out)  # (R, I+1), a fresh tensor or out
-    scores.div_(temperature)
-    if repeat is not None:
-        module, static, inwin = repeat
-        module.add_to(scores, user, static, inwin)
-    return scores.masked_fill_(exclude, float("-inf"))
+    return item_scores(index, user, temperature, repeat=repeat, out=out).masked_fill_(exclude, float("-inf"))  # (R, I+1)
 
 
 def exclusion_mask(num_items: int, batch: int, ids: torch.Tensor | None, lengths: torch.Tensor | None,

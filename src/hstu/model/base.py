@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hstu.config import ModelConfig
+from hstu.model.item_index import item_scores
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -132,7 +133,7 @@ class SequentialRecommender(nn.Module):
 
         Column 0 (padding) is set to -inf.
         """
-        s = self.item_index().cosine(user_vecs).div_(self.cfg.temperature)  # (B, I+1)
+        s = item_scores(self.item_index(), user_vecs, self.cfg.temperature)  # (B, I+1)
         s[:, 0] = float("-inf")
         return s
 
@@ -153,10 +154,8 @@ class SequentialRecommender(nn.Module):
         batches) plus the repeat bias when the model has a repeat head: (B, I+1), column 0
         (padding) -inf."""
         index = self.item_index() if index is None else index
-        scores = index.cosine(user_vecs).div_(self.cfg.temperature)  # (B, I+1)
         parts = self.repeat_parts(ids, actions, lengths)
-        if parts is not None:
-            self.repeat.add_to(scores, user_vecs, *parts)
+        scores = item_scores(index, user_vecs, self.cfg.temperature, repeat=None if parts is None else (self.repeat, *parts))  # (B, I+1)
         scores[:, 0] = float("-inf")
         return scores
 

@@ -104,6 +104,31 @@ class Int8Index(ItemIndex):
         return y if out is None else out.copy_(y)
 
 
+def item_scores(index: ItemIndex, user: torch.Tensor, temperature: float, *, repeat: tuple | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Retrieval scores of every item: cosine(user, item) / ``temperature`` (Zhai et al. 2024,
+    §4.1.1), plus the repeat head's bias (:mod:`hstu.model.repeat`) when given; the one place
+    these are formed for evaluation (``history_scores``, ``score_all``) and generation
+    (:func:`hstu.generate.sampler.next_scores`).
+
+    Args:
+        index: an :class:`ItemIndex` of V = I + 1 rows.
+        user: (B, d) L2-normalised user vectors.
+        temperature: the model's similarity temperature (> 0).
+        repeat: (RepeatBias, static (B, V), in_window (B, V) bool) from ``model.repeat`` and
+            ``model.repeat_parts``, or None.
+        out: optional (B, V) float32 buffer written in place.
+    Returns:
+        (B, V) float scores (``out`` when given); row 0 is padding (callers set it to -inf).
+    """
+    scores = index.cosine(user) if out is None else index.cosine(user, out=out)  # (B, V): a fresh tensor or out
+    scores.div_(temperature)
+    if repeat is not None:
+        module, static, inwin = repeat
+        module.add_to(scores, user, static, inwin)
+    return scores
+
+
 def build_item_index(model) -> ItemIndex:
     """The index for ``model``'s item table (``model.item_emb``): see the module docstring."""
     emb = model.item_emb

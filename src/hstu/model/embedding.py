@@ -177,15 +177,7 @@ class ShardedEmbedding(nn.Module):
         # 2. allocate shard by shard (untouched pages cost no RSS until filled)
         self._pin = self.backend.supports_pinned_memory()
         self._pinned: dict[int, int] = {}
-        self.shards = nn.ParameterList()
-        for s in range(S):
-            dev = self.compute_device if self.placements[s] == "device" else torch.device("cpu")
-            t = torch.empty(self.shard_rows[s], d, dtype=self.dtypes[s], device=dev)
-            self.shards.append(nn.Parameter(t, requires_grad=True))
-        idx_size = _index_itemsize(self.shard_rows, S)
-        self._index_dtype = torch.int32 if idx_size == 4 else torch.int64
-        index = torch.empty(T if S > 1 else 0, dtype=self._index_dtype)
-        self.register_buffer("_local_row", index, persistent=False)
+        self._allocate(T)
 
         # 3. one pass over global rows in blocks: build the row index and fill the shards
         self._fill(Path(init_from) if init_from is not None else None)
@@ -196,23 +188,35 @@ class ShardedEmbedding(nn.Module):
         self._finalizer = weakref.finalize(self, _unpin_all, self._pinned)
 
         # 4. hot-row caches for host shards, budget split by rows
-        self.caches: dict[int, HotRowCache] = {}
         self.cache_policy, self.cache_ways = cache_policy, int(cache_ways)
-        host_ids = [s for s in range(S) if self.placements[s] == "host"]
-        if cache_total and host_ids:
-            if device_is_host:
-                log.info("hot-row cache on a CPU compute device: host and device are one memory, so it adds only bookkeeping")
-            host_rows = sum(self.shard_rows[s] for s in host_ids)
-            for s in host_ids:
-                share = cache_total * self.shard_rows[s] // host_rows
-                self.caches[s] = HotRowCache(
-                    d, self.dtypes[s], self.compute_device, share, ways=cache_ways, policy=cache_policy,
-                    pin_staging=self._pin,
-                )  # fmt: skip
-        elif cache_total:
-            log.info("cache_bytes=%d ignored: no host-placed shard", cache_total)
+        self.caches: dict[int, HotRowCache] = self._build_caches(cache_total)
 
     # -- construction helpers ------------------------------------------------------------------
+
+    def _allocate(self, total_rows: int) -> None:
+        """Empty shards (R_s, d) in their dtype and place, and the (T,) row index buffer (empty when S = 1)."""
+        S = self.num_shards
+        self.shards = nn.ParameterList()
+        for s in range(S):
+            dev = self.compute_device if self.placements[s] == "device" else torch.device("cpu")
+            t = torch.empty(self.shard_rows[s], self.embedding_dim, dtype=self.dtypes[s], device=dev)
+            self.shards.append(nn.Parameter(t, requires_grad=True))
+        self._index_dtype = torch.int32 if _index_itemsize(self.shard_rows, S) == 4 else torch.int64
+        self.register_buffer("_local_row", torch.empty(total_rows if S > 1 else 0, dtype=self._index_dtype), persistent=False)
+
+    def _build_caches(self, cache_total: int) -> dict[int, HotRowCache]:
+        """One hot-row cache per host shard on the compute device, ``cache_total`` bytes split by rows."""
+        host_ids = [s for s in range(self.num_shards) if self.placements[s] == "host"]
+        if not cache_total or not host_ids:
+            if cache_total:
+                log.info("cache_bytes=%d ignored: no host-placed shard", cache_total)
+            return {}
+        if self.backend.is_host:
+            log.info("hot-row cache on a CPU compute device: host and device are one memory, so it adds only bookkeeping")
+        host_rows = sum(self.shard_rows[s] for s in host_ids)
+        return {s: HotRowCache(self.embedding_dim, self.dtypes[s], self.compute_device, cache_total * self.shard_rows[s] // host_rows,
+                               ways=self.cache_ways, policy=self.cache_policy, pin_staging=self._pin)
+                for s in host_ids}
 
     def _pin_shard(self, s: int) -> None:
         p = self.shards[s]

@@ -284,12 +284,12 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
         check = _TYPE_CHECKS.get(str(fields[name].type))
         if check is not None and not check(value):
             raise ValueError(f"{where}: {name} must be {fields[name].type}, got {value!r}")
-    obj = cls(**data)
-    if hasattr(obj, "validate"):
-        try:
+    try:
+        obj = cls(**data)  # DecodeOptions / GenerateConfig validate on construction
+        if hasattr(obj, "validate"):
             obj.validate()
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     return obj
 
 

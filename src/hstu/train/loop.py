@@ -126,6 +126,35 @@ def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict)
     return list(info["history"])
 
 
+def _report(run: Path, model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, spec: DataSpec, state: dict,
+            history: list[dict], device: torch.device) -> dict:
+    """After the epochs: the reported weights (best, or the last epoch under --protocol paper) with
+    the repeat scale calibrated on validation, evaluated on valid and test; writes and returns
+    metrics.json's object."""
+    paper = spec.protocol == "paper"
+    if paper:  # report the last epoch, as the published protocol does
+        save_best_weights(run, model)
+    load_best_weights(run, model, device)
+    calibration = valid = None
+    if model.repeat is not None and not paper:
+        calibration, valid = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=device)
+        save_best_weights(run, model)
+    metrics = {
+        "valid": valid or evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=device),
+        "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=device),
+        "epochs": state["epoch"],
+        "best_epoch": state["epoch"] if paper else state["best_epoch"],
+        "train_seconds": round(state["train_seconds"], 2),
+        "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
+        "protocol": spec.protocol,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {device}",
+    }
+    if calibration is not None:
+        metrics["repeat_scale"] = calibration
+    write_metrics(run, metrics)
+    return metrics
+
+
 def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
         resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
     """Train, checkpoint every epoch (one commit per epoch, :func:`hstu.runs.save_train_state`), evaluate;
@@ -191,24 +220,4 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
         if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
             log.info("early stopping at epoch %d (best %d)", epoch, state["best_epoch"])
             break
-    if paper:  # report the last epoch, as the published protocol does
-        save_best_weights(run, model)
-    load_best_weights(run, model, dev.device)
-    calibration = valid = None
-    if model.repeat is not None and not paper:
-        calibration, valid = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=dev.device)
-        save_best_weights(run, model)
-    metrics = {
-        "valid": valid or evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device),
-        "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=dev.device),
-        "epochs": state["epoch"],
-        "best_epoch": state["epoch"] if paper else state["best_epoch"],
-        "train_seconds": round(state["train_seconds"], 2),
-        "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
-        "protocol": spec.protocol,
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {dev.device}",
-    }
-    if calibration is not None:
-        metrics["repeat_scale"] = calibration
-    write_metrics(run, metrics)
-    return metrics
+    return _report(run, model, log_, split, tcfg, spec, state, history, dev.device)

@@ -28,7 +28,6 @@ from hstu.config import ATTENTION_NORMS, ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
 from hstu.model.kernels import REFERENCE, KernelSet
-from hstu.model.kernels import reference as reference_kernels
 from hstu.model.meta import AttentionMeta, KVView, hstu_attention
 from hstu.model.repeat import RepeatBias
 
@@ -58,11 +57,11 @@ class HSTULayer(nn.Module):
     def project(self, x: torch.Tensor, kernels: KernelSet = REFERENCE) -> tuple[torch.Tensor, ...]:
         """U, V, Q, K = Split(SiLU(LN(X) · W_uvqk)) (eq. 1): (B, T, d) -> u, v (B, T, H*d_v), q, k (B, T, H*d_qk).
 
-        A backend's fused ``kernels.uvqk`` (one that is not the reference's) runs on the weight of
-        a float ``nn.Linear``; otherwise the ``uvqk`` module runs itself, so a quantized projection
-        (quant/int8.Int8Linear keeps no float weight) and forward hooks (quant.calibrate's layer
-        report) see every call."""
-        if kernels.uvqk is not reference_kernels.uvqk and type(self.uvqk) is nn.Linear:
+        A plain float ``nn.Linear`` runs the backend's (possibly fused) ``kernels.uvqk`` on its weight;
+        any other projection module runs itself (quant/int8.Int8Linear keeps no float weight), and so
+        does a Linear with forward hooks (quant.calibrate's layer report), which then see every call."""
+        lin = self.uvqk
+        if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
             return kernels.uvqk(x, self.uvqk.weight, num_heads=self.num_heads, d_qk=self.d_qk, d_v=self.d_v, eps=self.eps)
         h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, T, 2H(d_v+d_qk))
         h = F.silu(h, inplace=not h.requires_grad)  # in place at inference (no grad)
@@ -106,7 +105,8 @@ class HSTULayer(nn.Module):
         rb = self.rel_bias
         av = hstu_attention(q, kv, meta, pos_w=rb.pos_w if rb.use_position else None, ts_w=rb.ts_w if rb.use_time else None,
                             width=self.width, fixed_norm=self.attention_norm == "fixed", layer_index=self.index)  # (B, T, H*d_v)
-        y = x + self.o(self.dropout(meta.kernels.ln_mul(av, u, eps=self.eps)))  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
+        h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, H*d_v)
+        y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         return y if meta.valid is None or meta.rows is not None else y * meta.valid  # (B, T, d)
 
 

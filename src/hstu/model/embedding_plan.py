@@ -139,6 +139,85 @@ def index_ranges(idx: list[int]) -> str:
     return ", ".join(parts) or "none"
 
 
+def _shard_count(num_shards: int | None, dtype: Any, values: int, max_shard: int) -> int:
+    """S: ``num_shards``, or (None) ceil(table bytes at the widest dtype / ``max_shard``), at least 1.
+
+    Raises:
+        ValueError: S < 1.
+    """
+    if num_shards is None:
+        given = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
+        widest = max(torch.tensor([], dtype=parse_dtype(x)).element_size() for x in given)
+        num_shards = max(1, math.ceil(values * widest / max(1, max_shard)))
+    if int(num_shards) < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards!r}")
+    return int(num_shards)
+
+
+def _plan_rows(T: int, S: int, d: int, itemsize: int, shard_rows: Sequence[int] | None, device_mem: int | str | None,
+               host_mem: int | str | None, device_is_host: bool) -> tuple[list[int], bool]:
+    """[R_s] and whether they are exact: given, counted by hashing, or (when even the whole table at
+    ``itemsize`` bytes per value fits no budget given) an even-split estimate, without hashing T rows."""
+    if shard_rows is not None:
+        return list(shard_rows), True
+    if S == 1:
+        return [T], True
+    total_budget = None
+    if device_is_host and host_mem is not None:
+        total_budget = parse_bytes(host_mem, field="host_mem")
+    elif not device_is_host and device_mem is not None and host_mem is not None:
+        total_budget = parse_bytes(device_mem, field="device_mem") + parse_bytes(host_mem, field="host_mem")
+    if total_budget is not None and T * d * itemsize > total_budget:
+        return [T // S + (1 if i < T % S else 0) for i in range(S)], False  # even split: an estimate
+    return shard_row_counts(T, S), True
+
+
+def _auto_placement(sizes: Sequence[int], index_bytes: int, cache: int, room: int | None) -> list[str]:
+    """"device" for shards in order while they fit ``room`` bytes (with the index, and the cache once a
+    shard goes to host), "host" for the rest; ``room`` None = unknown (all on the device)."""
+    places: list[str] = []
+    used = index_bytes
+    for b in sizes:
+        # keep room for the cache as soon as a shard goes to host
+        if room is None or used + b + (cache if "host" in places else 0) <= room:
+            places.append("device")
+            used += b
+        else:
+            places.append("host")
+    if "host" in places and room is not None and used + cache > room:
+        # the cache pushes the last device shard(s) out
+        while places.count("device") and used + cache > room:
+            k = max(i for i, p in enumerate(places) if p == "device")
+            places[k] = "host"
+            used -= sizes[k]
+    return places
+
+
+def _given_placement(placement: str | Sequence[str], S: int) -> list[str]:
+    """One placement per shard from one name or a list. ValueError names an unknown one."""
+    places = _per_shard(placement, S, "placement")
+    for i, p in enumerate(places):
+        if p not in PLACEMENTS:
+            raise ValueError(f"placement[{i}]: unknown placement {p!r}; valid: device, host (or auto for all)")
+    return places
+
+
+def _budget_problems(shards: Sequence[ShardPlan], index_bytes: int, cache_used: int, device_bytes: int, host_bytes: int,
+                     dev_budget: int | None, host_budget: int | None) -> list[str]:
+    """Why a table on a separate device does not fit: one line per exceeded budget (none: it fits)."""
+    problems: list[str] = []
+    if dev_budget is not None and device_bytes > dev_budget:
+        on_dev = index_ranges([s.index for s in shards if s.placement == "device"])
+        problems.append(
+            f"device needs {format_bytes(device_bytes)} (shards {on_dev}, index {format_bytes(index_bytes)}, "
+            f"cache {format_bytes(cache_used)}), budget is {format_bytes(dev_budget)}"
+        )
+    if host_budget is not None and host_bytes > host_budget:
+        on_host = index_ranges([s.index for s in shards if s.placement == "host"])
+        problems.append(f"host needs {format_bytes(host_bytes)} (shards {on_host}), budget is {format_bytes(host_budget)}")
+    return problems
+
+
 def plan_memory(
     num_embeddings: int,
     embedding_dim: int,
@@ -178,43 +257,18 @@ def plan_memory(
         ValueError: a field out of range (the message names it).
     """
     V, d, O = int(num_embeddings), int(embedding_dim), int(num_overflow_rows)
-    if V < 1:
-        raise ValueError(f"num_embeddings must be >= 1, got {num_embeddings!r}")
-    if d < 1:
-        raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim!r}")
-    if O < 1:
-        raise ValueError(f"num_overflow_rows must be >= 1, got {num_overflow_rows!r}")
+    for name, value, ok in (("num_embeddings", num_embeddings, V >= 1), ("embedding_dim", embedding_dim, d >= 1),
+                            ("num_overflow_rows", num_overflow_rows, O >= 1)):
+        if not ok:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
     if not 0.0 <= reserve_ratio < 1.0:
         raise ValueError(f"reserve_ratio must be in [0, 1), got {reserve_ratio!r}")
     T = V + O
-    max_shard = parse_bytes(max_shard_bytes, field="max_shard_bytes")
     cache = parse_bytes(cache_bytes, field="cache_bytes")
-    if num_shards is None:
-        given = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
-        widest = max(torch.tensor([], dtype=parse_dtype(x)).element_size() for x in given)
-        num_shards = max(1, math.ceil(T * d * widest / max(1, max_shard)))
-    S = int(num_shards)
-    if S < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards!r}")
+    S = _shard_count(num_shards, dtype, T * d, parse_bytes(max_shard_bytes, field="max_shard_bytes"))
     dtypes = [parse_dtype(x, field=f"dtype[{i}]") for i, x in enumerate(_per_shard(dtype, S, "dtype"))]
     itemsizes = [torch.tensor([], dtype=dt).element_size() for dt in dtypes]
-    rows_exact = True
-    if shard_rows is not None:
-        rows = list(shard_rows)
-    elif S == 1:
-        rows = [T]
-    else:
-        # refuse at once (without hashing T rows) when even the whole table cannot fit anywhere
-        total_budget = None
-        if device_is_host and host_mem is not None:
-            total_budget = parse_bytes(host_mem, field="host_mem")
-        elif not device_is_host and device_mem is not None and host_mem is not None:
-            total_budget = parse_bytes(device_mem, field="device_mem") + parse_bytes(host_mem, field="host_mem")
-        if total_budget is not None and T * d * min(itemsizes) > total_budget:
-            rows = [T // S + (1 if i < T % S else 0) for i in range(S)]  # even split: an estimate
-            rows_exact = False
-        else:
-            rows = shard_row_counts(T, S)
+    rows, rows_exact = _plan_rows(T, S, d, min(itemsizes), shard_rows, device_mem, host_mem, device_is_host)
     if len(rows) != S or sum(rows) != T:
         raise ValueError(f"shard_rows must be {S} counts summing to {T}, got {len(rows)} summing to {sum(rows)}")
     sizes = [r * d * it for r, it in zip(rows, itemsizes)]
@@ -223,68 +277,24 @@ def plan_memory(
     host_budget = None if host_mem is None else int(parse_bytes(host_mem, field="host_mem") * (1 - reserve_ratio))
 
     if isinstance(placement, str) and placement == "auto":
-        if device_is_host:
-            places = ["device"] * S
-        else:
-            places, used = [], index_bytes
-            room = dev_budget
-            for b in sizes:
-                # keep room for the cache as soon as a shard goes to host
-                if room is None or used + b + (cache if "host" in places else 0) <= room:
-                    places.append("device")
-                    used += b
-                else:
-                    places.append("host")
-            if "host" in places and room is not None and used + cache > room:
-                # the cache pushes the last device shard(s) out
-                while places.count("device") and used + cache > room:
-                    k = max(i for i, p in enumerate(places) if p == "device")
-                    places[k] = "host"
-                    used -= sizes[k]
+        places = ["device"] * S if device_is_host else _auto_placement(sizes, index_bytes, cache, dev_budget)
     else:
-        places = _per_shard(placement, S, "placement")
-        for i, p in enumerate(places):
-            if p not in PLACEMENTS:
-                raise ValueError(f"placement[{i}]: unknown placement {p!r}; valid: device, host (or auto for all)")
+        places = _given_placement(placement, S)
 
     any_host = "host" in places
     cache_used = cache if any_host else 0
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
     device_bytes = index_bytes + cache_used + sum(s.bytes for s in shards if s.placement == "device")
     host_bytes = sum(s.bytes for s in shards if s.placement == "host")
-    problems: list[str] = []
     if device_is_host:
-        need = device_bytes + host_bytes
-        if host_budget is not None and need > host_budget:
-            problems.append(
-                f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
-                f"{format_bytes(host_budget)} ({format_bytes(parse_bytes(host_mem or 0))} less {reserve_ratio:.0%} reserve)"
-            )
+        need, mem = device_bytes + host_bytes, format_bytes(parse_bytes(host_mem or 0))
+        problems = [] if host_budget is None or need <= host_budget else [
+            f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
+            f"{format_bytes(host_budget)} ({mem} less {reserve_ratio:.0%} reserve)"]
     else:
-        if dev_budget is not None and device_bytes > dev_budget:
-            on_dev = index_ranges([s.index for s in shards if s.placement == "device"])
-            problems.append(
-                f"device needs {format_bytes(device_bytes)} (shards {on_dev}, index {format_bytes(index_bytes)}, "
-                f"cache {format_bytes(cache_used)}), budget is {format_bytes(dev_budget)}"
-            )
-        if host_budget is not None and host_bytes > host_budget:
-            on_host = index_ranges([s.index for s in shards if s.placement == "host"])
-            problems.append(
-                f"host needs {format_bytes(host_bytes)} (shards {on_host}), budget is {format_bytes(host_budget)}"
-            )
+        problems = _budget_problems(shards, index_bytes, cache_used, device_bytes, host_bytes, dev_budget, host_budget)
     return MemoryPlan(
-        num_embeddings=V,
-        num_overflow_rows=O,
-        embedding_dim=d,
-        shards=shards,
-        index_bytes=index_bytes,
-        cache_bytes=cache_used,
-        device_bytes=device_bytes,
-        host_bytes=host_bytes,
-        device_budget=dev_budget,
-        host_budget=host_budget,
-        device_is_host=device_is_host,
-        reserve_ratio=reserve_ratio,
-        problems=problems,
-        rows_exact=rows_exact,
-    )
+        num_embeddings=V, num_overflow_rows=O, embedding_dim=d, shards=shards, index_bytes=index_bytes, cache_bytes=cache_used,
+        device_bytes=device_bytes, host_bytes=host_bytes, device_budget=dev_budget, host_budget=host_budget,
+        device_is_host=device_is_host, reserve_ratio=reserve_ratio, problems=problems, rows_exact=rows_exact,
+    )  # fmt: skip

@@ -89,6 +89,21 @@ def test_prefill_and_decode_equal_full_recompute(model, strategy):
     close(res.scores, want)
 
 
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_sasrec_runs_the_same_engine(strategy):
+    """SASRec blocks keep the layer contract too (softmax attention: one softmax over the beams'
+    history and generated keys), so the engine's paths equal its full recompute."""
+    torch.manual_seed(1)
+    cfg = ModelConfig(architecture="sasrec", num_items=I, max_seq_len=40, max_output_len=5, embedding_dim=16, num_blocks=2,
+                      num_heads=2, d_qk=8, d_v=8, dropout=0.0, num_actions=3, num_categories=4)
+    m = build_hstu(cfg).eval()
+    ids, ts, acts, item_cat, L, rt = histories([1, 9, 20, 40], width=40, seed=8)
+    res = Engine(copy.deepcopy(m), buckets=(20, 40), max_batch=8, k_max=5).generate(
+        ids, ts, L, 5, request_time=rt, actions=acts, categories=item_cat[ids] * (ids > 0), item_category=item_cat,
+        strategy=strategy, beam_width=2)
+    close(res.scores, recompute_scores(copy.deepcopy(m).double(), ids, ts, acts, item_cat, L, rt, res.items, res.actions))
+
+
 def test_prefix_extension_equals_full_recompute(model):
     """A returning user (cached prefix, two new events) runs the extend path; its generation equals
     a full recompute of the whole history and a cold engine's answer."""

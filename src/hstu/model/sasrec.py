@@ -28,6 +28,7 @@ from torch import nn
 
 from hstu.config import ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize
+from hstu.model.meta import AttentionMeta, KVView
 
 
 def sasrec_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0) -> torch.Tensor:
@@ -73,34 +74,56 @@ class SASRecBlock(nn.Module):
         """S + Dropout(FFN(LN(S))); (…, d) -> (…, d)."""
         return s + self.dropout(self.ffn2(self.dropout(F.relu(self.ffn1(self.ffn_norm(s))))))
 
-    def forward(self, x: torch.Tensor, valid: torch.Tensor, kv_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Full pass. x (B, W, d), valid (B, W, 1) float; kv_out: optional cache views
-        (B, H, S, d_qk), (B, H, S, d_v), S >= W, rows 0..W-1 written in place. Returns (B, W, d)."""
-        h = self.attn_norm(x)  # (B, W, d)
-        q, k, v = self.heads(self.q(h), self.d_qk), self.heads(self.k(h), self.d_qk), self.heads(self.v(h), self.d_v)  # (B, H, W, ·)
-        if kv_out is not None:
-            W = x.shape[1]
-            kv_out[0][:, :, :W].copy_(k)
-            kv_out[1][:, :, :W].copy_(v)
-        av = sasrec_attention(q, k, v, dropout_p=self.p if self.training else 0.0)  # (B, W, H*d_v)
-        s = x + self.dropout(self.o(av))  # (B, W, d)
-        return self.ffn(s) * valid  # (B, W, d)
+    def relative_bias(self, meta: AttentionMeta, dtype: torch.dtype) -> torch.Tensor:
+        """SASRec has no relative bias: zeros (B, T, S) ``dtype`` for an AttentionMeta.bias (unread)."""
+        B, T = meta.q_pos.shape  # (B, T) query positions of a decode loop
+        return torch.zeros(B, T, meta.k_pos.shape[-1], dtype=dtype, device=meta.q_pos.device)
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """One decode step (eval mode): x (B, d) at positions pos (B,) attends to cached rows
-        0..pos; row ``pos`` of the caches (B, H, S, ·) is written in place. Returns (B, d)."""
-        B = x.shape[0]
-        S = k_cache.shape[2]
-        h = self.attn_norm(x)  # (B, d)
-        bidx = torch.arange(B, device=x.device)
-        k_cache[bidx, :, pos] = self.k(h).view(B, self.num_heads, self.d_qk)
-        v_cache[bidx, :, pos] = self.v(h).view(B, self.num_heads, self.d_v)
-        q = self.q(h).view(B, self.num_heads, 1, self.d_qk)  # (B, H, 1, d_qk)
-        s = torch.matmul(q, k_cache.transpose(-1, -2)).squeeze(2) / math.sqrt(self.d_qk)  # (B, H, S)
-        keep = torch.arange(S, device=x.device).view(1, 1, S) <= pos.view(B, 1, 1)  # (B, 1, S)
-        a = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)  # (B, H, S)
-        av = torch.matmul(a.unsqueeze(2), v_cache).reshape(B, self.num_heads * self.d_v)  # (B, H*d_v)
-        return self.ffn(x + self.o(av))  # (B, d)
+    def _scores(self, q: torch.Tensor, k: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+        """q·kᵀ / √d_qk (B, H, T, S), -inf where k_pos > q_pos or a key is not valid."""
+        s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.d_qk)  # (B, H, T, S)
+        drop = meta.k_pos.unsqueeze(-2) > meta.q_pos.unsqueeze(-1)  # (B, T, S) or (T, S)
+        if meta.k_valid is not None:
+            drop = drop | ~meta.k_valid.unsqueeze(1)
+        return s.masked_fill(drop.unsqueeze(-3), float("-inf"))
+
+    def attention(self, q: torch.Tensor, kv: KVView, meta: AttentionMeta) -> torch.Tensor:
+        """Causal softmax attention of T query rows (B, H, T, d_qk) against kv's S keys (and, for beams,
+        one softmax over kv.shared's history keys too): (B, T, H*d_v)."""
+        B, H, T, _ = q.shape
+        full = meta.rows is None and meta.shared is None and meta.k_valid is None and kv.k.shape[2] == T
+        if full:  # a square causal pass (training, prefill): the fused kernel
+            return sasrec_attention(q, kv.k, kv.v, dropout_p=self.p if self.training else 0.0)  # (B, T, H*d_v)
+        s = self._scores(q, kv.k, meta)  # (B, H, T, S)
+        if meta.shared is None:
+            av = torch.matmul(torch.softmax(s, dim=-1), kv.v)  # (B, H, T, d_v)
+            return av.transpose(1, 2).reshape(B, T, H * self.d_v)
+        G = meta.shared.q_pos.shape[-1]  # beams per user; decode rows T = 1
+        qh = q.transpose(1, 2).reshape(B // G, G, H, -1).transpose(1, 2)  # (B / G, H, G, d_qk)
+        s_h = self._scores(qh, kv.shared.k, meta.shared).transpose(1, 2).reshape(B, H, 1, -1)  # (B, H, 1, S_h)
+        a = torch.softmax(torch.cat([s_h, s], dim=-1), dim=-1)  # one softmax over both segments
+        a_h, a_g = a.split([s_h.shape[-1], s.shape[-1]], dim=-1)
+        av_h = torch.matmul(a_h.reshape(B // G, G, H, -1).transpose(1, 2), kv.shared.v)  # (B / G, H, G, d_v)
+        av = av_h.transpose(1, 2).reshape(B, 1, H * self.d_v) + torch.matmul(a_g, kv.v).transpose(1, 2).reshape(B, 1, H * self.d_v)
+        return av  # (B, 1, H*d_v)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMeta, kv: KVView | None = None) -> torch.Tensor:
+        """The block for every path, as :meth:`hstu.model.hstu.HSTULayer.forward`: x (B, T, d) against
+        S keys (kv None: this pass's rows; else the cache view, new rows written where meta says).
+        Returns (B, T, d), padding rows 0; (B, 1, d) when ``meta.rows`` picks one row."""
+        h = self.attn_norm(x)  # (B, T, d)
+        q, k, v = self.heads(self.q(h), self.d_qk), self.heads(self.k(h), self.d_qk), self.heads(self.v(h), self.d_v)  # (B, H, T, ·)
+        if kv is None:
+            kv = KVView(k, v)
+        else:
+            kv.append(k, v, meta)
+        if meta.rows is not None:  # only one row per sequence is read
+            B, H, _, _ = q.shape
+            r = meta.rows.view(B, 1, 1)
+            q, x = q.gather(2, r.unsqueeze(1).expand(B, H, 1, self.d_qk)), x.gather(1, r.expand(B, 1, self.dim))
+        s = x + self.dropout(self.o(self.attention(q, kv, meta)))  # (B, T, d)
+        y = self.ffn(s)  # (B, T, d)
+        return y if meta.valid is None or meta.rows is not None else y * meta.valid
 
 
 class SASRecModel(SequentialRecommender):
@@ -138,10 +161,20 @@ class SASRecModel(SequentialRecommender):
             TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
         """
         x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
-        for li, layer in enumerate(self.layers):
-            x = layer(x, valid, None if kv_cache is None else kv_cache[li])  # (B, W, d)
-        x = self.final_norm(x) * valid  # (B, W, d)
+        W = x.shape[1]
+        pos = torch.arange(W, device=x.device)
+        kv = None if kv_cache is None else [KVView(k[:, :, :W], v[:, :, :W]) for k, v in kv_cache]
+        x = self.forward_layers(x, AttentionMeta(q_pos=pos, k_pos=pos, valid=valid), kv) * valid  # (B, W, d)
         return l2_normalize(x) if normalize else x
+
+    def forward_layers(self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None,
+                       last: AttentionMeta | None = None) -> torch.Tensor:
+        """Every block's forward, then the final LayerNorm: (B, T, d) -> (B, T, d), or (B, 1, d)
+        with ``last.rows`` (the contract of :meth:`hstu.model.hstu.HSTUModel.forward_layers`)."""
+        n = len(self.layers)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, last if last is not None and li == n - 1 else meta, None if kv is None else kv[li])
+        return self.final_norm(x)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
              kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
@@ -149,6 +182,7 @@ class SASRecModel(SequentialRecommender):
         """Append one token per sequence using the KV cache (eval mode; same contract as
         HSTUModel.step, timestamps ignored). ids, pos: (B,) int64. Returns (B, d) L2-normalised."""
         x = self.embed(ids, pos, actions, categories)  # (B, d)
-        for li, layer in enumerate(self.layers):
-            x = layer.step(x, pos, kv_cache[li][0], kv_cache[li][1])  # (B, d)
-        return l2_normalize(self.final_norm(x))
+        S = kv_cache[0][0].shape[2]
+        meta = AttentionMeta(q_pos=pos.view(-1, 1), k_pos=torch.arange(S, device=x.device), write_rows=pos.view(-1, 1))
+        x = self.forward_layers(x.unsqueeze(1), meta, [KVView(k, v) for k, v in kv_cache])  # (B, 1, d)
+        return l2_normalize(x.squeeze(1))

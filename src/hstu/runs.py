@@ -45,7 +45,7 @@ from hstu.data import EventLog, Split
 from hstu.data.prepare import DataSpec, train_item_counts
 from hstu.model.checkpoint import (crash_point, load_state, load_weights, read_json, read_safetensors,
                                    read_safetensors_metadata, save_weights, write_json)
-from hstu.model.run_files import check_history, check_last
+from hstu.model.run_files import CONFIG, HISTORY, IDMAP, LAST_JSON, LAST_WEIGHTS, METRICS, WEIGHTS, check_history, check_last
 from hstu.quant.checkpoint import META as QUANT_META
 from hstu.quant.checkpoint import (PRECISIONS, QuantCheckpointError, check_quantized_out, load_quantized_run,  # noqa: F401
                                    prepare_kernels, read_quant_meta, save_quantized_run)  # the quantized variant, re-exported
@@ -53,8 +53,6 @@ from hstu.quant.checkpoint import WEIGHTS as QUANT_WEIGHTS
 
 log = logging.getLogger(__name__)
 
-CONFIG, IDMAP, WEIGHTS, METRICS, HISTORY = "config.json", "idmap.json", "model.safetensors", "metrics.json", "history.json"
-LAST_WEIGHTS, LAST_JSON = "last.safetensors", "last.json"
 RUN_FILES = (WEIGHTS, LAST_JSON, LAST_WEIGHTS, HISTORY, METRICS)  # what training writes per epoch / at the end
 MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifest
 __all__ = ["CONFIG", "HISTORY", "IDMAP", "LAST_JSON", "LAST_WEIGHTS", "METRICS", "QUANT_META", "QUANT_WEIGHTS", "RUN_FILES",

@@ -18,6 +18,11 @@ from typing import Any, Callable
 from hstu.config import ModelConfig, TrainConfig, _from_dict
 from hstu.data.prepare import DataSpec
 
+# The run directory's file names, defined once (hstu.runs re-exports them and documents the layout;
+# they live here, below quant, because the quantized weights format reads and copies them too).
+CONFIG, IDMAP, WEIGHTS, METRICS, HISTORY = "config.json", "idmap.json", "model.safetensors", "metrics.json", "history.json"
+LAST_WEIGHTS, LAST_JSON = "last.safetensors", "last.json"
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -128,7 +133,7 @@ def check_last(where: str, obj: Any) -> dict:
 
 
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "config.json": check_config, "idmap.json": check_idmap, "last.json": check_last, "history.json": check_history,
+    CONFIG: check_config, IDMAP: check_idmap, LAST_JSON: check_last, HISTORY: check_history,
 }
 
 

@@ -38,6 +38,8 @@ from safetensors.torch import save_file
 from hstu import backend
 from hstu.config import model_config_from_dict
 from hstu.model.checkpoint import read_json, read_safetensors, write_json
+from hstu.model.run_files import CONFIG, IDMAP
+from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
 from hstu.quant.lowp import LOWP, to_low_precision
 
@@ -136,9 +138,9 @@ def save_quantized_run(model: torch.nn.Module, src_run: str | Path, out: str | P
         raise ValueError("model has no quantization scheme (quant_meta): convert it with hstu.quant.apply_precision first")
     state = quantized_state(model)
     out.mkdir(parents=True, exist_ok=True)
-    for f in ("config.json", "idmap.json"):
+    for f in (CONFIG, IDMAP):
         shutil.copyfile(src / f, out / f)
-    float_weights = src / "model.safetensors"
+    float_weights = src / FLOAT_WEIGHTS
     meta.update({
         "format": FORMAT,
         "layers": layer_table(model),
@@ -223,8 +225,8 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
         raise FileNotFoundError(f"{run / META}: not found: {run} is not a quantized run (make one with "
                                 f"`hstu quantize --run {run} --scheme int8 --out {run}-int8`, or load it as a float run)")
     _check(run, meta, scheme)
-    cfg = read_json(run / "config.json")
-    ids = read_json(run / "idmap.json")
+    cfg = read_json(run / CONFIG)
+    ids = read_json(run / IDMAP)
     from hstu.model.hstu import build_hstu
 
     model = build_hstu(model_config_from_dict(cfg["model"]))

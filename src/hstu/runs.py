@@ -43,12 +43,27 @@ from hstu import backend
 from hstu.config import ModelConfig, TrainConfig, model_config_from_dict, to_dict
 from hstu.data import EventLog, Split
 from hstu.data.prepare import DataSpec, train_item_counts
-from hstu.model.checkpoint import (crash_point, load_state, load_weights, read_json, read_safetensors,
-                                   read_safetensors_metadata, save_weights, write_json)
+from hstu.model.checkpoint import (
+    crash_point,
+    load_state,
+    load_weights,
+    read_json,
+    read_safetensors,
+    read_safetensors_metadata,
+    save_weights,
+    write_json,
+)
 from hstu.model.run_files import CONFIG, HISTORY, IDMAP, LAST_JSON, LAST_WEIGHTS, METRICS, WEIGHTS, check_history, check_last
 from hstu.quant.checkpoint import META as QUANT_META
-from hstu.quant.checkpoint import (PRECISIONS, QuantCheckpointError, check_quantized_out, load_quantized_run,  # noqa: F401
-                                   prepare_kernels, read_quant_meta, save_quantized_run)  # the quantized variant, re-exported
+from hstu.quant.checkpoint import (  # noqa: F401 (check_quantized_out, save_quantized_run: the quantized variant, re-exported)
+    PRECISIONS,
+    QuantCheckpointError,
+    check_quantized_out,
+    load_quantized_run,
+    prepare_kernels,
+    read_quant_meta,
+    save_quantized_run,
+)
 from hstu.quant.checkpoint import WEIGHTS as QUANT_WEIGHTS
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ written by a newer hstu). The directory's layout is :mod:`hstu.runs`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hstu.config import ModelConfig, TrainConfig, _from_dict
 from hstu.data.prepare import DataSpec

@@ -14,10 +14,24 @@ from __future__ import annotations
 from torch import nn
 
 from hstu.quant.calibrate import calibration_batch, layer_report
-from hstu.quant.checkpoint import (PRECISIONS, SCHEMES, QuantCheckpointError, load_quantized_run, read_quant_meta,
-                                   save_quantized_run, tensor_bytes)
-from hstu.quant.int8 import (Int8Embedding, Int8Kernel, Int8Linear, dequantize_per_channel, quantize_model_int8,
-                             quantize_per_channel, select_int8_kernel)
+from hstu.quant.checkpoint import (
+    PRECISIONS,
+    SCHEMES,
+    QuantCheckpointError,
+    load_quantized_run,
+    read_quant_meta,
+    save_quantized_run,
+    tensor_bytes,
+)
+from hstu.quant.int8 import (
+    Int8Embedding,
+    Int8Kernel,
+    Int8Linear,
+    dequantize_per_channel,
+    quantize_model_int8,
+    quantize_per_channel,
+    select_int8_kernel,
+)
 from hstu.quant.lowp import LowPrecisionHSTUModel, to_low_precision
 
 __all__ = [

@@ -27,13 +27,28 @@ from hstu import backend
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data import EventLog, Split, train_batch
 from hstu.data.batching import length_bucketed_batches
-from hstu.data.prepare import (PROTOCOL_NEEDS, DataSpec, check_trainable, model_config_for, prepare_data,  # noqa: F401
-                               subset_users, train_item_counts)
+from hstu.data.prepare import PROTOCOL_NEEDS, DataSpec, check_trainable, model_config_for, prepare_data, subset_users, train_item_counts  # noqa: F401
 from hstu.model.checkpoint import read_json  # noqa: F401 (re-exported)
 from hstu.model.hstu import HSTUModel, build_hstu
-from hstu.runs import (CONFIG, RESUME_DATA_FIELDS, RUN_FILES, check_resume_data, check_resume_items,  # noqa: F401
-                       config_json, has_train_state, load_best_weights, load_train_state, read_config, remove_run_files,
-                       repair_run_files, save_best_weights, save_train_state, write_config, write_idmap, write_metrics)
+from hstu.runs import (  # noqa: F401
+    CONFIG,
+    RESUME_DATA_FIELDS,
+    RUN_FILES,
+    check_resume_data,
+    check_resume_items,
+    config_json,
+    has_train_state,
+    load_best_weights,
+    load_train_state,
+    read_config,
+    remove_run_files,
+    repair_run_files,
+    save_best_weights,
+    save_train_state,
+    write_config,
+    write_idmap,
+    write_metrics,
+)
 from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.train.loop.load_run)
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate

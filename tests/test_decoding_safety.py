@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import ML1M, REPO  # noqa: F401 - the tiny run (run_dir, rec, ratings) is conftest's: 200 ML-1M users
 
 from hstu.config import ModelConfig, TrainConfig, model_config_from_preset
 from hstu.generate import exclusion_mask, generate
@@ -28,7 +29,6 @@ from hstu.generate.engine import Engine
 from hstu.generate.recommend import History
 from hstu.model import build_hstu
 
-from conftest import ML1M, REPO  # noqa: F401 - the tiny run (run_dir, rec, ratings) is conftest's: 200 ML-1M users
 TINY = (1e-38, 1e-300, 5e-324)
 
 

@@ -12,8 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hstu.quant import (QuantCheckpointError, apply_precision, load_quantized_run, save_quantized_run, select_int8_kernel,
-                        tensor_bytes)
+from hstu.quant import QuantCheckpointError, apply_precision, load_quantized_run, save_quantized_run, select_int8_kernel, tensor_bytes
 from hstu.quant.calibrate import calibration_batch, format_report, layer_report
 from hstu.quant.checkpoint import quantized_state
 from hstu.quant.int8 import Int8Embedding, Int8Linear, dequantize_per_channel, quantize_per_channel

@@ -7,8 +7,8 @@ import json
 
 import pandas as pd
 import pytest
-
 from conftest import ML1M, need
+
 from hstu.cli import main
 from hstu.config import TrainConfig, model_config_from_preset
 from hstu.data.ecommerce import load_csv, load_retailrocket

@@ -2,8 +2,8 @@
 
 Per bucket (edge E), requests whose history has <= E events (and > the previous edge) wait in
 that bucket's queue. A single dispatcher forms batches for the model executor
-(:mod:`hstu.serve.worker`: a model thread of this process, or a model process), which runs one
-batch at a time since one process drives one device:
+(:class:`hstu.serve.executor.Executor`: a model thread of this process, or model processes), each
+model worker running one batch at a time since one process drives one device:
 
 1. Window: the oldest waiting request may wait up to ``max_wait_ms`` for companions, unless
    ``max_batch`` requests already wait (LitServe's fill-to-size-or-deadline habit). While a
@@ -50,7 +50,7 @@ from typing import Any
 from hstu.serve.admission import RATIO_CLIP, DelayModel, WorkTally
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.runner import Job
-from hstu.serve.worker import BatchOutcome, LocalModel, ModelRestart, ProcessModel
+from hstu.serve.executor import BatchOutcome, Executor, ModelRestart
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,9 @@ class MicroBatcher:
     """Queues and collectors in front of one model executor.
 
     Args:
-        model: a :class:`~hstu.serve.worker.LocalModel` or :class:`~hstu.serve.worker.ProcessModel`
-            (runs a batch with its memory guard, warms buckets).
+        model: the :class:`~hstu.serve.executor.Executor`, started (a
+            :class:`~hstu.serve.executor.LocalModel` or :class:`~hstu.serve.worker.ProcessModel`:
+            runs a batch with its memory guard, warms buckets).
         metrics: where queue depth, batch size / duration and rejections are recorded.
         max_batch: requests per batch (>= 1). max_wait_ms: deadline from the oldest request (>= 0).
         max_queue: waiting requests per bucket before 429 (>= 1).
@@ -123,7 +124,7 @@ class MicroBatcher:
     Create and use it inside a running event loop (the app's lifespan does).
     """
 
-    def __init__(self, model: LocalModel | ProcessModel, metrics: ServeMetrics, *, max_batch: int, max_wait_ms: float,
+    def __init__(self, model: Executor, metrics: ServeMetrics, *, max_batch: int, max_wait_ms: float,
                  max_queue: int, request_timeout_s: float, max_queue_delay_s: float | None = None) -> None:
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1)):
             if int(value) < low:

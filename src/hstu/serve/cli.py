@@ -8,7 +8,9 @@
 
 Binds loopback by default. ``--port 0`` picks a free port; the line
 ``hstu serve: listening on http://HOST:PORT`` on stdout gives the address once the socket is
-bound (the service answers /healthz at once and /readyz once every bucket is warm). SIGINT /
+bound and the app's lifespan has started (the model processes have loaded the run; a start-up
+that fails prints one ``hstu serve: error:`` line instead, exit 1): the service answers /healthz
+at once and /readyz once every bucket is warm. SIGINT /
 SIGTERM stop accepting connections, let in-flight requests finish (up to the request timeout),
 then exit 0.
 """
@@ -16,6 +18,7 @@ then exit 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import socket
@@ -79,8 +82,10 @@ MIN_BODY_BYTES = 1024  # ServePolicy.max_body_bytes' floor
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Check every setting, bind the socket, then load the run and serve: a bad flag, a busy port
-    or an unresolvable host fail (one line, exit 2) before any model (process) is started."""
+    """Check every setting, bind the socket, then load the run and serve (:func:`run_server`): a
+    bad flag, a busy port or an unresolvable host fail (one line, exit 2) before any model
+    (process) is started; a model process that keeps dying or hangs while loading fails in one
+    line, exit 1."""
     import sys
 
     import torch
@@ -130,28 +135,63 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
         popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
         app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
-    except (ModelProcessDied, TimeoutError) as exc:  # the model process kept dying, or hung, while loading: one line
-        sock.close()
-        print(f"hstu serve: error: {exc}", file=sys.stderr)
-        return 1
     except BaseException:
         sock.close()
         raise
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(), access_log=args.access_log,
                             timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1, limit_concurrency=args.limit_concurrency,
-                            http=http_protocol(cfg.header_timeout_s))
-    server = uvicorn.Server(config)
-    # uvicorn re-raises a captured SIGINT/SIGTERM after its graceful shutdown; with these no-op
-    # handlers in place that re-raise does nothing, so a drained shutdown exits 0.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    print(f"hstu serve: listening on http://{host}:{port} (run {run}, buckets {cfg.buckets})", flush=True)
+                            http=http_protocol(cfg.header_timeout_s), lifespan="off")  # run_server drives the lifespan
     try:
-        server.run(sockets=[sock])
+        run_server(config, app, sock, f"hstu serve: listening on http://{host}:{port} (run {run}, buckets {cfg.buckets})")
+    except (ModelProcessDied, TimeoutError) as exc:  # the model process kept dying, or hung, while loading: one line
+        print(f"hstu serve: error: {exc}", file=sys.stderr)
+        return 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        sock.close()
     return 0
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run_server(config, app, sock: socket.socket, banner: str) -> None:
+    """Serve ``app`` under uvicorn (``config``: a ``uvicorn.Config`` with ``lifespan="off"``) on
+    ``sock``, entering the app's lifespan here, in the server's event loop: its start-up (model
+    processes load the run) runs before ``banner`` is printed and before uvicorn takes connections
+    (they wait in the backlog), and what it raises propagates as itself, with no traceback logged
+    (uvicorn's own lifespan would log one and exit 3); its shutdown (the drain) runs after
+    uvicorn's graceful shutdown, as under uvicorn's lifespan.
+
+    Signals: Ctrl-C while the run loads raises KeyboardInterrupt at once (asyncio's runner would
+    only cancel at the next await). From the banner until the drain has ended, SIGINT / SIGTERM
+    get no-op handlers: uvicorn replaces them while it serves and re-raises a captured signal
+    after its graceful shutdown, where the no-op makes a drained shutdown exit 0.
+
+    Raises:
+        what the lifespan's start-up raised (ModelProcessDied, TimeoutError, FileNotFoundError, ...).
+    """
+    import uvicorn
+
+    class LifespanServer(uvicorn.Server):
+        async def serve(self, sockets=None) -> None:
+            async with contextlib.AsyncExitStack() as stack:
+                previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+                stack.callback(lambda: [signal.signal(sig, handler) for sig, handler in previous.items()])  # after the drain
+                await stack.enter_async_context(app.router.lifespan_context(app))
+                for sig in previous:
+                    signal.signal(sig, lambda *_: None)
+                print(banner, flush=True)
+                await super().serve(sockets=sockets)
+
+    interrupt = signal.getsignal(signal.SIGINT)
+    if interrupt is signal.default_int_handler:  # not where the launcher ignores SIGINT (a background job)
+        signal.signal(signal.SIGINT, _raise_interrupt)
+    try:
+        LifespanServer(config).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def add_subcommands(subparsers) -> None:
@@ -198,4 +238,4 @@ def add_subcommands(subparsers) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "parse_buckets"]
+__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "parse_buckets", "run_server"]

@@ -9,7 +9,7 @@ that opens a connection and sends nothing, or half a request line, holds the con
 ``header_timeout_s`` of the connection opening or of the previous response; otherwise the
 connection is answered 408 with the service's error body (if any bytes of a request arrived) and
 closed. The body-read timeout (a Content-Length the body never reaches) is in the app's ASGI
-middleware (:class:`hstu.serve.app._EdgeMiddleware`), where the headers are known.
+middleware (:class:`hstu.serve.edge.EdgeMiddleware`), where the headers are known.
 """
 
 from __future__ import annotations

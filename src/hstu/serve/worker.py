@@ -1,26 +1,22 @@
-"""Where the service's batches run: a model thread of the serving process, or a model process.
+"""Model processes: the :class:`~hstu.serve.executor.Executor` whose batches run in processes of their own.
 
-Both executors take one bucket's batch (:class:`~hstu.serve.runner.Job` list), check memory with
-the guard, run :meth:`BatchRunner.run_batch` and return a :class:`BatchOutcome`; the micro-batcher
-turns outcomes into responses and metrics. One batch at a time, since one process drives one
-device.
+:class:`ProcessModel` runs ``spec.workers`` model processes (``spawn``; each loads the run and
+builds the runner once), so the event loop and the model run on separate cores in parallel (vLLM
+V1 splits its API server and engine core the same way). Each process has one duplex
+``multiprocessing`` pipe: the event loop sends a call (pickled: a 200-event history is ~5 KB) and
+reads the answer in a ``loop.add_reader`` callback, so no thread of this process takes part
+(``ProcessPoolExecutor`` routes every call through a manager and a feeder thread, each waiting for
+the GIL behind the event loop: 0.7 ms per round trip alone, more under load; a bare pipe 0.3 ms).
+A process that dies (killed, out of memory) is seen as the pipe's end, is replaced in the
+background and takes batches again once loaded and warm; its batch is retried on another live
+process, or answers 503 (reason ``model_restart``) when none is live, as do new requests while
+none is (``/readyz`` says "restarting" then).
 
-- :class:`LocalModel`: a one-worker thread pool in the serving process (what tests and
-  ``create_app(cfg, recommender)`` use). The event loop and the model share one interpreter:
-  the model thread needs the GIL for each of the ~1,000 ATen calls of a small generate call, so
-  HTTP parsing and the model serialise; measured on the 2-core dev box: 11.7 ms of model-thread
-  CPU per request at 60 QPS against 5-8 ms for the same batches alone.
-- :class:`ProcessModel`: model processes of their own (``spawn``; each loads the run and builds
-  the runner once), so the event loop and the model run on separate cores in parallel (vLLM V1
-  splits its API server and engine core the same way). Each process has one duplex
-  ``multiprocessing`` pipe: the event loop sends a call (pickled: a 200-event history is ~5 KB)
-  and reads the answer in a ``loop.add_reader`` callback, so no thread of this process takes part
-  (``ProcessPoolExecutor`` routes every call through a manager and a feeder thread, each waiting
-  for the GIL behind the event loop: 0.7 ms per round trip alone, more under load; a bare pipe
-  0.3 ms). A process that dies (killed, out of memory) is seen as the pipe's end, is replaced
-  in the background and takes batches again once loaded and warm; its batch is retried on
-  another live process, or answers 503 (reason ``model_restart``) when none is live, as do new
-  requests while none is (``/readyz`` says "restarting" then).
+The processes start in :meth:`ProcessModel.start` (the service calls it in the app's lifespan)
+or, for a ``ProcessModel(spec)`` built on its own, in the constructor; :meth:`ProcessModel.close`
+stops them. The in-process executor, :class:`~hstu.serve.executor.LocalModel`, and the batch
+body both share (:func:`~hstu.serve.executor.execute`) are in :mod:`hstu.serve.executor`
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -33,59 +29,15 @@ import logging
 import multiprocessing
 import os
 import signal
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from hstu.backend.memory_guard import MemoryGuard
-from hstu.serve.admission import BucketCost, measure_bucket_cost
+from hstu.serve.admission import BucketCost
+from hstu.serve.executor import BatchOutcome, LocalModel, ModelRestart, batch_guard, execute, warm_and_measure
 from hstu.serve.runner import BatchRunner, Job, smallest_bucket
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BatchOutcome:
-    """What one batch produced.
-
-    results: per job, a result or the exception it raised (None when the batch was shed).
-    seconds: model time of the batch (s). memory: (free bytes after the guard's action, total
-    bytes) when the guard checked. triggered: free memory was below the threshold.
-    shed: the message when memory stayed low and the batch was not run.
-    """
-
-    results: list[Any] | None
-    seconds: float = 0.0
-    memory: tuple[int, int] | None = None
-    triggered: bool = False
-    shed: str | None = None
-
-
-def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: list[Job]) -> BatchOutcome:
-    """Memory guard, then ``runner.run_batch``: the body of a batch on either executor."""
-    memory, triggered = None, False
-    if guard is not None:
-        res = guard.check()
-        if res is not None:
-            memory, triggered = (res.free_after, res.total), res.triggered
-            if res.triggered and not res.recovered:
-                return BatchOutcome(None, 0.0, memory, True, f"free memory {res.free_after} B is below the guard threshold "
-                                    f"{res.threshold} B; load shed")
-    t0 = time.perf_counter()
-    results = runner.run_batch(edge, jobs)
-    return BatchOutcome(results, time.perf_counter() - t0, memory, triggered)
-
-
-def batch_guard(runner: BatchRunner, backend, min_free_ratio: float) -> MemoryGuard:
-    """The memory guard checked before each batch: below ``min_free_ratio`` free, it drops the
-    runner's rebuildable caches and the backend's allocator cache."""
-    def release(info, guard) -> None:
-        runner.release_caches()
-        backend.empty_cache()
-
-    return MemoryGuard(backend, min_free_ratio=min_free_ratio, action=release)
 
 
 @dataclass
@@ -107,44 +59,6 @@ class WorkerSpec:
     threads: int | None = None
     memory_threshold: float = 0.10
     workers: int = 1
-
-
-class LocalModel:
-    """Batches on a one-worker thread pool of this process. ``runner`` / ``guard`` as :func:`execute`."""
-
-    def __init__(self, runner: BatchRunner, guard: MemoryGuard | None) -> None:
-        self.runner, self.guard = runner, guard
-        self.buckets, self.max_k = list(runner.buckets), runner.max_k
-        self.has_engine, self.backend_name = runner.engine is not None, runner.backend_name
-        self.precision = runner.precision
-        self.costs = runner.costs
-        self.warm: set[int] = set()  # warm and measured (runner.warm is set before the measurement)
-        self.cost_model: dict[int, BucketCost] = {}  # bucket -> admission cost line, measured at warm-up
-        self.slots, self.available = 1, 1
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hstu-model")
-
-    def bucket_for(self, length: int) -> int:
-        return self.runner.bucket_for(length)
-
-    async def run(self, edge: int, jobs: list[Job]) -> BatchOutcome:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, execute, self.runner, self.guard, edge, jobs)
-
-    async def warmup(self, edge: int) -> float:
-        """Warm one bucket and measure its admission costs (seconds taken); raises what the warm-up raised."""
-        secs, self.cost_model[edge] = await asyncio.get_running_loop().run_in_executor(self.pool, _warm_and_measure, self.runner, edge)
-        self.warm.add(edge)
-        return secs
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _warm_and_measure(runner: BatchRunner, edge: int) -> tuple[float, BucketCost]:
-    """Warm ``edge``, then measure its admission cost line: (seconds of both, cost)."""
-    t0 = time.perf_counter()
-    runner.warmup(edge)
-    cost = measure_bucket_cost(runner, edge)
-    return time.perf_counter() - t0, cost
 
 
 # ----- the model process -----
@@ -192,7 +106,7 @@ def _worker_execute(edge: int, jobs: list[Job]) -> BatchOutcome:
 
 def _worker_warmup(edge: int) -> tuple[float, tuple[float, float], BucketCost]:
     r = _WORKER["runner"]
-    secs, cost = _warm_and_measure(r, edge)
+    secs, cost = warm_and_measure(r, edge)
     return secs, r.costs[edge], cost
 
 
@@ -337,21 +251,56 @@ class _Channel:
 
 
 class ProcessModel:
-    """Batches in ``spec.workers`` model processes of their own (module docstring), one batch
-    each at a time. Blocks until every process has loaded the run (raises what loading raised:
-    FileNotFoundError, ValueError, ...; TimeoutError after ``start_timeout_s``). A process that
-    dies while loading (killed, out of memory) is started again up to ``start_retries`` times;
-    then ModelProcessDied says so in one line."""
+    """The :class:`~hstu.serve.executor.Executor` on ``spec.workers`` model processes of their
+    own (module docstring), one batch each at a time.
 
-    def __init__(self, spec: WorkerSpec, start_timeout_s: float = 300.0, start_retries: int = 2) -> None:
+    Args:
+        spec: what each process loads and builds.
+        start_timeout_s: the longest a process may take to load the run.
+        start_retries: a process that dies while loading (killed, out of memory) is started again
+            up to this many times.
+        start: start the processes in the constructor (blocking until loaded); False leaves it to
+            :meth:`start` (the service's lifespan), so that building one starts nothing.
+
+    Raises (from the start): what loading raised (FileNotFoundError, ValueError, ...);
+    TimeoutError after ``start_timeout_s``; ModelProcessDied, in one line, when a process kept
+    dying while loading. ValueError: ``spec.workers`` < 1 (at once).
+
+    Until started: ``buckets`` are ``spec.buckets``, ``available`` is 0, ``max_k`` 0,
+    ``precision`` empty and ``backend_name`` says "not started".
+    """
+
+    def __init__(self, spec: WorkerSpec, start_timeout_s: float = 300.0, start_retries: int = 2, *, start: bool = True) -> None:
         if spec.workers < 1:
             raise ValueError(f"WorkerSpec.workers must be >= 1, got {spec.workers}")
         self.spec, self.start_timeout_s, self.start_retries = spec, start_timeout_s, max(0, int(start_retries))
         self.slots = spec.workers
+        self.buckets, self.max_k = list(spec.buckets), 0
+        self.has_engine, self.backend_name, self.precision = False, "model process (not started)", {}
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}
         self.cost_model: dict[int, BucketCost] = {}  # bucket -> admission cost line, measured at warm-up
         self.restarts = 0
+        self.channels: list[_Channel] = []
+        self.up: set[int] = set()  # loaded and not restarting
+        self._free: asyncio.Queue | None = None  # indices of idle live processes, made in the running loop
+        self._tasks: set[asyncio.Task] = set()
+        if start:
+            self.start_now()
+
+    async def start(self) -> None:
+        """:meth:`start_now` from the app's lifespan. It blocks the event loop while the processes
+        load, on purpose: nothing is served before the lifespan's start-up ends, and Ctrl-C then
+        reaches the waiting call as KeyboardInterrupt, which stops the processes (a thread would
+        go on loading while the interpreter waits for it)."""
+        self.start_now()
+
+    def start_now(self) -> None:
+        """Start the model processes and wait until each has loaded the run (a no-op once started).
+        Raises as the class docstring says; the processes are stopped then."""
+        if self.channels:
+            return
+        spec = self.spec
         self.channels = [_Channel(spec, ()) for _ in range(spec.workers)]
         try:
             info = [self._load(i) for i in range(spec.workers)][0]  # noqa: RUF015 - waits for every process
@@ -362,9 +311,7 @@ class ProcessModel:
         suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"
         self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix
         self.precision = info["precision"]  # as loaded by the model process
-        self.up = set(range(spec.workers))  # loaded and not restarting
-        self._free: asyncio.Queue | None = None  # indices of idle live processes, made in the running loop
-        self._tasks: set[asyncio.Task] = set()
+        self.up = set(range(spec.workers))
 
     def _load(self, i: int) -> dict:
         """Wait for process ``i`` to load the run (its "info"); start it again when it died meanwhile."""
@@ -469,10 +416,6 @@ class ProcessModel:
     def close(self) -> None:
         for ch in self.channels:
             ch.close()
-
-
-class ModelRestart(RuntimeError):
-    """The model process died during a batch; a new one has been started."""
 
 
 __all__ = ["BatchOutcome", "LocalModel", "ModelProcessDied", "ModelRestart", "ProcessModel", "WorkerSpec", "batch_guard", "execute"]

@@ -1,0 +1,154 @@
+"""The HTTP edge: what happens to a request before a route sees it, and its body's parsing.
+
+:class:`EdgeMiddleware` (pure ASGI, outermost) bounds the body (413 by Content-Length or while it
+streams in, 408 when it does not arrive within ``body_timeout_s`` of the headers), refuses model
+requests before their body is read while admission refuses everything (429), answers an
+unexpected exception with the 500 error body on a connection that stays open, and counts
+``hstu_serve_requests_total``. :func:`read_body` validates a body straight from its bytes.
+:func:`error_response` is the one error body (``{"error": {"type", "message", "field"}}``) as a
+response. The header-read timeout, which needs the protocol, is :mod:`hstu.serve.http_limits`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hstu.serve.batcher import Rejected
+from hstu.serve.http_limits import error_body, is_json_media_type
+from hstu.serve.metrics import ServeMetrics
+from hstu.serve.service import ApiError
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics")
+MODEL_ENDPOINTS = ("/v1/generate", "/v1/score")  # the ones admission may refuse
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from the receive channel once a streamed body passes the limit (an HTTPException so
+    that FastAPI's body reader re-raises it instead of wrapping it as a 400)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+
+
+class BodyTimeout(StarletteHTTPException):
+    """Raised from the receive channel when the body has not fully arrived ``timeout_s`` after the
+    headers (answered 408, ``Connection: close``: the rest of the body may still come)."""
+
+    def __init__(self, timeout_s: float, received: int, length: int | None) -> None:
+        of = f" of {length}" if length is not None else ""
+        super().__init__(408, f"body: {received}{of} bytes arrived within the body timeout of {timeout_s:g} s",
+                         headers={"Connection": "close"})
+
+
+def error_response(status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None,
+                   errors: list[dict] | None = None) -> JSONResponse:
+    """The common error body as a response (``errors``: every validation error, when several)."""
+    body = error_body(type_, message, field)
+    if errors:
+        body["errors"] = errors
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class EdgeMiddleware:
+    """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length, or while a chunked
+    body streams in), 408 for a body not complete ``body_timeout_s`` after the headers (each
+    ``receive()`` waits at most until then), the 500 error body for an unexpected exception (sent
+    here, so the connection stays open: Starlette's ServerErrorMiddleware re-raises into uvicorn,
+    which closes it), and ``hstu_serve_requests_total`` by endpoint and status. ``reject_early``
+    (no argument; a :class:`Rejected` or None) is asked before a model endpoint's body is read:
+    under overload a refused request then costs no JSON parsing or validation."""
+
+    def __init__(self, app, *, limit: int, metrics: ServeMetrics, body_timeout_s: float = 5.0,
+                 reject_early: Callable[[], Rejected | None] | None = None) -> None:
+        self.app, self.limit, self.metrics, self.body_timeout_s = app, limit, metrics, body_timeout_s
+        self.reject_early = reject_early
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        state = {"code": 500, "started": False}
+        scope["hstu_t0"] = time.perf_counter()  # arrival time, for latency_ms
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                state["code"], state["started"] = message["status"], True
+            await send(message)
+
+        try:
+            length = next((int(v) for k, v in scope["headers"] if k == b"content-length"), None)
+        except ValueError:
+            length = None
+        try:
+            if length is not None and length > self.limit:
+                self.metrics.reject("body_too_large")
+                resp = error_response(413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body")
+                return await resp(scope, receive, send_wrapper)
+            early = self.reject_early is not None and endpoint in MODEL_ENDPOINTS and scope["method"] == "POST"
+            refused = self.reject_early() if early else None
+            if refused is not None:
+                resp = error_response(refused.status, refused.reason, refused.message, None, {"Retry-After": str(refused.retry_after)})
+                return await resp(scope, receive, send_wrapper)
+            received, complete = 0, False
+            deadline = scope["hstu_t0"] + self.body_timeout_s
+
+            async def receive_wrapper():
+                nonlocal received, complete
+                if complete:  # body read: now only a disconnect can come, which may take any time
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.perf_counter()))
+                except TimeoutError:
+                    raise BodyTimeout(self.body_timeout_s, received, length) from None
+                complete = message["type"] != "http.request" or not message.get("more_body", False)
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > self.limit:
+                        raise BodyTooLarge(self.limit)
+                return message
+
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except Exception as exc:
+                if state["started"]:
+                    raise  # part of an answer is out: uvicorn closes the connection
+                log.exception("unhandled error on %s", scope["path"], exc_info=exc)
+                await error_response(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(endpoint=endpoint, code=str(state["code"])).inc()
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The request body validated against ``model`` straight from its bytes (pydantic's JSON
+    parser, ``model_validate_json``: one pass, no intermediate dict, none of FastAPI's
+    per-parameter body handling; bare apps side by side on this project's 2-core box: ~0.57 ms
+    of CPU per /v1/generate request against 0.7-1.0). Errors take FastAPI's path:
+    RequestValidationError, loc under "body".
+
+    Raises:
+        ApiError: 415 when a Content-Type is given and is not JSON (``application/json`` or
+            ``application/*+json``, UTF-8); a request without one is read as JSON (FastAPI's rule).
+        RequestValidationError: the body is not valid JSON or not a valid ``model``.
+    """
+    ctype = request.headers.get("content-type")
+    if ctype is not None and not is_json_media_type(ctype):
+        raise ApiError(415, "unsupported_media_type", f"content-type: expected application/json (UTF-8), got {ctype!r}",
+                       "content-type")
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+
+
+__all__ = ["ENDPOINTS", "MODEL_ENDPOINTS", "BodyTimeout", "BodyTooLarge", "EdgeMiddleware", "error_response", "read_body"]

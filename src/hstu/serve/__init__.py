@@ -2,7 +2,10 @@
 
 ``create_app(cfg, recommender)`` builds the app (:mod:`hstu.serve.app`); ``hstu serve --run RUN``
 runs it under uvicorn (:mod:`hstu.serve.cli`). Layers, calls going down only (STYLE.md §2):
-app (HTTP, validation) → batcher (queues, deadlines, backpressure, memory guard) → runner (one
+app (routes, error handlers, middleware; :mod:`hstu.serve.edge`) → service (:mod:`hstu.serve.service`:
+input checks, cold start; :mod:`hstu.serve.batcher`: admission, queues per bucket, deadlines,
+backpressure) → executor (:class:`hstu.serve.executor.Executor`: a model thread, or model processes,
+:mod:`hstu.serve.worker`, started and stopped in the app's lifespan; memory guard) → runner (one
 batch on the model) → ``hstu.generate``.
 """
 

@@ -161,8 +161,8 @@ class RenamedLayer(HSTULayer):
             B = x.shape[0]
             r = meta.rows
             q, u, x = q[torch.arange(B), :, r].unsqueeze(2), u[torch.arange(B), r].unsqueeze(1), x[torch.arange(B), r].unsqueeze(1)
-        av = hstu_attention(q, kv, meta, pos_w=self.tables.pos_w, ts_w=self.tables.ts_w, width=self.width,
-                            fixed_norm=self.attention_norm == "fixed", layer_index=self.index)
+        av = hstu_attention(q, kv, meta, rel_bias=self.tables, width=self.width, fixed_norm=self.attention_norm == "fixed",
+                            layer_index=self.index)
         y = x + self.w_out(u * F.layer_norm(av, (av.shape[-1],), eps=self.eps))
         return y if meta.valid is None or meta.rows is not None else y * meta.valid
 

@@ -70,6 +70,8 @@ class HSTULayer(nn.Module):
 
     def heads(self, t: torch.Tensor, d: int) -> torch.Tensor:
         B, T, _ = t.shape
+        if T == 1:  # a decode row: the same layout as a plain view (one op instead of two)
+            return t.view(B, self.num_heads, 1, d)  # (B, H, 1, d)
         return t.view(B, T, self.num_heads, d).transpose(1, 2)  # (B, H, T, d)
 
     def relative_bias(self, meta: AttentionMeta, dtype: torch.dtype) -> torch.Tensor:
@@ -102,9 +104,8 @@ class HSTULayer(nn.Module):
             r = meta.rows.view(B, 1, 1)
             q = q.gather(2, r.unsqueeze(1).expand(B, H, 1, self.d_qk))  # (B, H, 1, d_qk)
             u, x = u.gather(1, r.expand(B, 1, u.shape[-1])), x.gather(1, r.expand(B, 1, self.dim))  # (B, 1, ·)
-        rb = self.rel_bias
-        av = hstu_attention(q, kv, meta, pos_w=rb.pos_w if rb.use_position else None, ts_w=rb.ts_w if rb.use_time else None,
-                            width=self.width, fixed_norm=self.attention_norm == "fixed", layer_index=self.index)  # (B, T, H*d_v)
+        av = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=self.attention_norm == "fixed",
+                            layer_index=self.index)  # A·V (B, T, H*d_v)
         h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         return y if meta.valid is None or meta.rows is not None else y * meta.valid  # (B, T, d)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hstu.model.bias import RelativeBias
 from hstu.model.kernels import REFERENCE, KernelSet
 
 
@@ -116,15 +117,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T, H*d_v)
 
 
-def hstu_attention(q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
-                   width: int, fixed_norm: bool, layer_index: int = 0) -> torch.Tensor:
+def hstu_attention(q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias, width: int, fixed_norm: bool,
+                   layer_index: int = 0) -> torch.Tensor:
     """A = SiLU(Q Kᵀ + rab) / n ⊙ mask, out = A · V  (Zhai et al. 2024, §3, eq. 2), the one call
     every layer forward makes, dispatched to ``meta.kernels``.
 
     Args:
         q: (B, H, T, d_qk) float queries; kv: the keys / values to attend (S rows, plus a
             shared history segment for beams); meta: positions, mask, time buckets.
-        pos_w: (2N - 1,) position bias table or None; ts_w: (nb + 1,) time table or None.
+        rel_bias: the layer's position (2N - 1,) and time (nb + 1,) bias tables (hstu.model.bias),
+            read only where the bias is formed here (not when meta.bias holds it).
         width: N. fixed_norm: n = N for every row (ModelConfig.attention_norm "fixed"), else
             n = q_pos + 1 per row ("causal": every position it attends is live).
         layer_index: which of meta.bias to read.
@@ -132,8 +134,12 @@ def hstu_attention(q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, pos_w: t
         (B, T, H * d_v) float, heads concatenated. Segments add: SiLU is pointwise, no softmax.
     """
     n = width if fixed_norm else 1
-    ts_w = ts_w if meta.tb is not None or meta.block_tb is not None else None
-    av = _attend(q, kv.k, kv.v, meta, pos_w, ts_w, layer_index, n)  # (B, T, H*d_v)
+    pos_w = ts_w = None
+    if meta.bias is None or meta.kernels.attention_bias is None:  # the bias is formed here: read the tables
+        pos_w = rel_bias.pos_w if rel_bias.use_position else None
+        ts_w = rel_bias.ts_w if rel_bias.use_time else None
+    has_tb = meta.tb is not None or meta.block_tb is not None
+    av = _attend(q, kv.k, kv.v, meta, pos_w, ts_w if has_tb else None, layer_index, n)  # (B, T, H*d_v)
     if meta.shared is not None:  # beams: the history keys of each group of G query rows
         B, H, _, d = q.shape
         sh = meta.shared

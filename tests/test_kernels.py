@@ -171,3 +171,35 @@ def test_triton_kernel_on_gpu():
     pytest.importorskip("triton")
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK.format(dev="cuda")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "TRITON_OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_model_forward_runs_the_kernel_set_it_is_given():
+    """HSTUModel.kernels is the attention backend of the training forward too (the one
+    HSTULayer.forward): a set whose attention is counted runs on every layer, and gives the
+    reference's rows and gradients (the NPU set: ops with NPU kernels, exact on CPU)."""
+    torch.manual_seed(3)
+    cfg = ModelConfig(num_items=30, max_seq_len=12, max_output_len=2, embedding_dim=8, num_blocks=2, num_heads=2, d_qk=4, d_v=4,
+                      dropout=0.0)
+    m = build_hstu(cfg)
+    ids = torch.randint(1, 31, (3, 12))
+    ts = torch.sort(torch.randint(0, 10**6, (3, 12)), dim=1).values
+    L = torch.tensor([12, 5, 1])
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape)
+        return NPU.attention(*a, **kw)
+
+    def run(kset):
+        m.zero_grad()
+        m.kernels = kset
+        out = m.encode(ids, ts, L)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in m.parameters() if p.grad is not None]
+
+    want, g_want = run(get_kernels("cpu", "reference"))
+    got, g_got = run(dataclasses.replace(NPU, attention=counted))
+    assert len(calls) == cfg.num_blocks and calls[0] == (3, 2, 12, 4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, check_k
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions, check_k
 
 log = logging.getLogger("hstu")
 
@@ -276,10 +276,11 @@ def cmd_generate(args) -> int:
     prep = rec.prepare(hist, unknown=args.unknown_items)
     excl = None if args.exclude_history is None else args.exclude_history == "yes"
     allow = True if args.allow_untrained_items else None
-    need = max(args.k, args.beam_width if args.strategy == "beam" else 1)
+    dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
+    need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
     rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
-    items = rec.recommend([prep], args.k, exclude_history=excl, allow_untrained=allow, strategy=args.strategy, top_k=args.top_k,
-                          temperature=args.temperature, beam_width=args.beam_width, seed=args.seed)[0]
+    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow,
+                          engine=rec.engine_for([prep], dec))[0]  # through the engine, sized for this one call
     out = {"user": args.user, "items": items}
     if prep.warnings:
         out["warnings"] = prep.warnings

@@ -105,6 +105,16 @@ class Recommender:
         return Engine(self.model, buckets=tuple(buckets or default_buckets(cfg.max_seq_len)), max_batch=max_batch,
                       k_max=cfg.max_output_len, device=self.device, **engine_kwargs)
 
+    def engine_for(self, preps: list[Prepared], decoding: DecodeOptions) -> Engine:
+        """The smallest engine for one call on ``preps``: the one default bucket that holds the
+        longest history, rows for the batch (x beam width), eager. What a one-shot ``hstu
+        generate`` builds: a third of the default engine's construction here (pools of one
+        bucket), and the same results (each row runs in that bucket either way)."""
+        W = decoding.beam_width if decoding.strategy == "beam" else 1
+        L = max(len(p.ids) for p in preps)
+        E = next(b for b in default_buckets(self.max_len) if b >= L)
+        return self.build_engine((E,), max_batch=max(W, min(len(preps), ENGINE_MAX_BATCH // W) * W), graphs="eager")
+
     @property
     def engine(self) -> Engine:
         """The engine :meth:`recommend` uses by default, built on first use: default buckets,

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hstu.backend import select
+from hstu.backend import Backend, select
 from hstu.backend.memory_guard import format_bytes
 from hstu.model.embedding import ShardedEmbedding, parse_dtype
 
@@ -112,7 +112,7 @@ def time_lookups(emb: ShardedEmbedding, passes: list[list[torch.Tensor]]) -> flo
     return statistics.median(rates)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="1M x 128 fp16 table (default)")
@@ -131,7 +131,64 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-build", action="store_true", help="skip the peak-RSS build measurement")
     ap.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     ap.add_argument("--child-build", nargs=4, metavar=("ROWS", "DIM", "DTYPE", "SHARDS"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def time_placements(args: argparse.Namespace, rows: int, n_batches: int, backend: Backend, results: dict) -> None:
+    """Lookup rows/s per placement (device, host, host + hot-row cache) into ``results``, with the cache's hit rate."""
+    passes = [zipf_batches(rows, args.batch, n_batches, args.zipf, seed=i) for i in range(args.repeats + 1)]
+    table_bytes = rows * args.dim * torch.tensor([], dtype=parse_dtype(args.dtype)).element_size()
+    cache_bytes = int(table_bytes * args.cache_fraction)
+    configs = [
+        ("device", dict(placement="device")),
+        ("host", dict(placement="host")),
+        ("host_cached", dict(placement="host", cache_bytes=cache_bytes)),
+    ]
+    for name, kw in configs:
+        t0 = time.perf_counter()
+        emb = ShardedEmbedding(rows, args.dim, num_shards=args.shards, dtype=args.dtype, device=backend, **kw)
+        build_s = time.perf_counter() - t0
+        emb.requires_grad_(False)
+        rate = time_lookups(emb, passes)
+        results[f"lookup_rows_per_s_{name}"] = rate
+        results[f"table_build_s_{name}"] = build_s
+        if emb.caches:
+            m = emb.cache_metrics()
+            results["cache_hit_rate"] = m["hit_rate"]
+            results["cache_bytes"] = int(m["bytes"])
+            results["cache_rows"] = int(m["capacity_rows"])
+        del emb
+        gc.collect()
+        backend.empty_cache()
+
+
+def report(args: argparse.Namespace, rows: int, n_batches: int, backend: Backend, results: dict) -> None:
+    """Print the build and lookup figures; write ``results`` to --json."""
+    print(f"embedding benchmark: {rows:,} x {args.dim} {args.dtype}, {args.shards} shards, lookups on {backend.device}")
+    if "build_peak_rss_ratio" in results:
+        print(
+            f"  build: peak RSS {format_bytes(results['peak_rss'])} for a {format_bytes(results['table_bytes'])} table "
+            f"-> ratio {results['build_peak_rss_ratio']:.3f} (net of interpreter {results['build_net_rss_ratio']:.3f}), "
+            f"{results['build_s']:.1f} s"
+        )
+    print(f"  lookups: batches of {args.batch} ids, Zipf s={args.zipf}, median of {args.repeats} passes x {n_batches} fresh batches")
+    print(f"  {'placement':<22}{'rows/s':>14}{'vs device':>11}")
+    dev_rate = results["lookup_rows_per_s_device"]
+    for name, label in (("device", "device"), ("host", "host"), ("host_cached", "host + cache")):
+        r = results[f"lookup_rows_per_s_{name}"]
+        print(f"  {label:<22}{r:>14,.0f}{r / dev_rate:>10.2f}x")
+    print(
+        f"  cache: {results['cache_rows']:,} rows ({format_bytes(results['cache_bytes'])}, "
+        f"{args.cache_fraction:.0%} of table), hit rate {results['cache_hit_rate']:.3f}"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"  wrote {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child_build:
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -165,52 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         b = measure_build(rows, args.dim, args.dtype, args.shards, args.threads)
         keys = ("build_peak_rss_ratio", "build_net_rss_ratio", "peak_rss", "rss_before", "table_bytes", "build_s")
         results.update({k: b[k] for k in keys})
-    passes = [zipf_batches(rows, args.batch, n_batches, args.zipf, seed=i) for i in range(args.repeats + 1)]
-    table_bytes = rows * args.dim * torch.tensor([], dtype=parse_dtype(args.dtype)).element_size()
-    cache_bytes = int(table_bytes * args.cache_fraction)
-    configs = [
-        ("device", dict(placement="device")),
-        ("host", dict(placement="host")),
-        ("host_cached", dict(placement="host", cache_bytes=cache_bytes)),
-    ]
-    for name, kw in configs:
-        t0 = time.perf_counter()
-        emb = ShardedEmbedding(rows, args.dim, num_shards=args.shards, dtype=args.dtype, device=backend, **kw)
-        build_s = time.perf_counter() - t0
-        emb.requires_grad_(False)
-        rate = time_lookups(emb, passes)
-        results[f"lookup_rows_per_s_{name}"] = rate
-        results[f"table_build_s_{name}"] = build_s
-        if emb.caches:
-            m = emb.cache_metrics()
-            results["cache_hit_rate"] = m["hit_rate"]
-            results["cache_bytes"] = int(m["bytes"])
-            results["cache_rows"] = int(m["capacity_rows"])
-        del emb
-        gc.collect()
-        backend.empty_cache()
-
-    print(f"embedding benchmark: {rows:,} x {args.dim} {args.dtype}, {args.shards} shards, lookups on {backend.device}")
-    if "build_peak_rss_ratio" in results:
-        print(
-            f"  build: peak RSS {format_bytes(results['peak_rss'])} for a {format_bytes(results['table_bytes'])} table "
-            f"-> ratio {results['build_peak_rss_ratio']:.3f} (net of interpreter {results['build_net_rss_ratio']:.3f}), "
-            f"{results['build_s']:.1f} s"
-        )
-    print(f"  lookups: batches of {args.batch} ids, Zipf s={args.zipf}, median of {args.repeats} passes x {n_batches} fresh batches")
-    print(f"  {'placement':<22}{'rows/s':>14}{'vs device':>11}")
-    dev_rate = results["lookup_rows_per_s_device"]
-    for name, label in (("device", "device"), ("host", "host"), ("host_cached", "host + cache")):
-        r = results[f"lookup_rows_per_s_{name}"]
-        print(f"  {label:<22}{r:>14,.0f}{r / dev_rate:>10.2f}x")
-    print(
-        f"  cache: {results['cache_rows']:,} rows ({format_bytes(results['cache_bytes'])}, "
-        f"{args.cache_fraction:.0%} of table), hit rate {results['cache_hit_rate']:.3f}"
-    )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"  wrote {args.json}")
+    time_placements(args, rows, n_batches, backend, results)
+    report(args, rows, n_batches, backend, results)
     return 0
 
 

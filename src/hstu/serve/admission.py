@@ -29,7 +29,7 @@ from the quantity admission bounds itself: each admitted request's actual queue 
 delay predicted when it was admitted: ``wait_scale``, a factor on the whole prediction, tracks
 the ``WAIT_QUANTILE`` quantile of that ratio (stochastic approximation in log space, ``WAIT_STEP``:
 up by step x q when a request waited longer than predicted, down by step x (1 - q) otherwise; over
-requests whose prediction was at least ``WAIT_MIN_S``, within ``WAIT_BOUNDS``), so that 95 % of the
+requests whose prediction was at least ``WAIT_MIN_S``, within ``WAIT_BOUNDS``), so that 99 % of the
 requests admitted near the bound wait no longer than it. Because the prediction only counts work that exists, an empty queue with no batch running predicts 0 and
 always admits: the service cannot lock itself out.
 

@@ -34,8 +34,9 @@ def git_commit() -> str:
     """HEAD commit, with "+dirty" when the working tree differs from it (read-only git calls)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True,
-                               check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -52,9 +53,15 @@ def machine() -> dict:
     except OSError:
         pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def finite(obj):
@@ -119,15 +126,28 @@ def interim_metrics(run_dir: Path, spec: DataSpec, *, device: str = "cpu") -> tu
     log_, split = prepare_data(spec)
     valid = [h for h in history if "valid" in h]
     best = max(valid, key=lambda h: h["valid"]["NDCG@10"])["epoch"] if valid and spec.protocol == "clean" else history[-1]["epoch"]
-    metrics = {"valid": evaluate(model, log_, split, "valid", device=device), "test": evaluate(model, log_, split, "test", device=device),
-               "epochs": history[-1]["epoch"], "best_epoch": best, "train_seconds": round(sum(h["seconds"] for h in history), 2),
-               "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])), 1), "protocol": spec.protocol,
-               "status": f"in progress: interrupted after epoch {history[-1]['epoch']}; rerun the run's command to resume"}
+    metrics = {
+        "valid": evaluate(model, log_, split, "valid", device=device),
+        "test": evaluate(model, log_, split, "test", device=device),
+        "epochs": history[-1]["epoch"],
+        "best_epoch": best,
+        "train_seconds": round(sum(h["seconds"] for h in history), 2),
+        "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])), 1),
+        "protocol": spec.protocol,
+        "status": f"in progress: interrupted after epoch {history[-1]['epoch']}; rerun the run's command to resume",
+    }
     return metrics, history
 
 
-def plot_curves(path: Path, curves: dict[str, tuple[list[int], list[float]]], *, title: str, ylabel: str = "validation NDCG@10",
-                hlines: dict[str, float] | None = None, points: dict[str, tuple[list[int], list[float]]] | None = None) -> None:
+def plot_curves(
+    path: Path,
+    curves: dict[str, tuple[list[int], list[float]]],
+    *,
+    title: str,
+    ylabel: str = "validation NDCG@10",
+    hlines: dict[str, float] | None = None,
+    points: dict[str, tuple[list[int], list[float]]] | None = None,
+) -> None:
     """Line per run (epoch -> value), optional horizontal reference lines and marker series; PNG."""
     import matplotlib
 

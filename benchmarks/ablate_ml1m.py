@@ -79,8 +79,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def base_train(epochs: int, threads: int) -> dict:
     """The base run's TrainConfig fields: the reference recipe with our clean-protocol batching."""
-    return dict(RECIPE, epochs=epochs, negatives_chunk=CHUNK_DEFAULT["clean"], length_pool=POOL_DEFAULT["clean"], seed=42,
-                early_stopping_patience=epochs, num_threads=threads)
+    return dict(
+        RECIPE,
+        epochs=epochs,
+        negatives_chunk=CHUNK_DEFAULT["clean"],
+        length_pool=POOL_DEFAULT["clean"],
+        seed=42,
+        early_stopping_patience=epochs,
+        num_threads=threads,
+    )
 
 
 def per_user_hits(run: Path, spec: DataSpec, device: str) -> dict[str, np.ndarray]:
@@ -125,17 +132,22 @@ def main(argv=None) -> int:
             run.mkdir(parents=True, exist_ok=True)
             if not (run / "metrics.json").exists():
                 (run / "command.txt").write_text(prov["command"] + "\n")
-            _, history = train_or_resume(run, model_config_from_preset("small", **mo), TrainConfig(**{**tbase, **to}), spec,
-                                         device=args.device)
+            _, history = train_or_resume(
+                run, model_config_from_preset("small", **mo), TrainConfig(**{**tbase, **to}), spec, device=args.device
+            )
         rspec = run_spec(run, spec)  # the run's own --max-users, whatever this invocation got
         per_user[name] = per_user_hits(run, rspec, args.device)
         report["runs"][name] = {
-            "run_dir": str(run), "model_overrides": mo, "train_overrides": to, "max_users": rspec.max_users,
+            "run_dir": str(run),
+            "model_overrides": mo,
+            "train_overrides": to,
+            "max_users": rspec.max_users,
             "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
             "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])), 1),
             "test": {h["epoch"]: {"HR@10": h["test"]["HR@10"], "NDCG@10": h["test"]["NDCG@10"]} for h in history if "test" in h},
             # the saved model rescored per user (must equal the last epoch's test metrics)
-            "final_rescored": {k: float(per_user[name][k].mean()) for k in ("HR@10", "NDCG@10")}}
+            "final_rescored": {k: float(per_user[name][k].mean()) for k in ("HR@10", "NDCG@10")},
+        }
     base = report["runs"].get("base")
     if base:
         for name, r in report["runs"].items():
@@ -144,15 +156,23 @@ def main(argv=None) -> int:
             r["minus_base"] = {ep: {k: v[k] - base["test"][ep][k] for k in v} for ep, v in r["test"].items() if ep in base["test"]}
             hb, hr = per_user["base"], per_user[name]
             if not np.array_equal(hb["users"], hr["users"]):
-                raise SystemExit(f"{name} and base were tested on different users (max_users {r['max_users']} vs "
-                                 f"{base['max_users']}): no paired interval; rerun one of them")
+                raise SystemExit(
+                    f"{name} and base were tested on different users (max_users {r['max_users']} vs "
+                    f"{base['max_users']}): no paired interval; rerun one of them"
+                )
             r["final_minus_base_ci95"] = {k: paired_ci(hr[k], hb[k], args.resamples) for k in ("HR@10", "NDCG@10")}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "ml1m_ablations.json", report)
     for name, r in report["runs"].items():
         last = r["test"][max(r["test"])]
-        log.info("%-14s epoch %d: HR@10 %.4f NDCG@10 %.4f  minus base (CI95): %s", name, max(r["test"]), last["HR@10"], last["NDCG@10"],
-                 r.get("final_minus_base_ci95"))
+        log.info(
+            "%-14s epoch %d: HR@10 %.4f NDCG@10 %.4f  minus base (CI95): %s",
+            name,
+            max(r["test"]),
+            last["HR@10"],
+            last["NDCG@10"],
+            r.get("final_minus_base_ci95"),
+        )
     return 0
 
 

@@ -153,7 +153,6 @@ class Bench:
     t_start: float
 
 
-
 def _kv_vs_recompute(b: Bench, out: dict) -> None:
     """1. next-5 with the KV cache vs a full recompute, into out."""
     dev, sync, I, reps, eng = b.dev, b.sync, b.I, b.reps, b.eng
@@ -163,21 +162,37 @@ def _kv_vs_recompute(b: Bench, out: dict) -> None:
     for B in (1, 16):
         for L in (50, 100, 200):
             ids, ts, Ls, rt = histories(np.full(B, L), L, I, dev, seed=L + B)
-            t = side_by_side({"cached": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
-                              "recompute": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt, use_cache=False)}, reps, sync)
+            t = side_by_side(
+                {
+                    "cached": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
+                    "recompute": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt, use_cache=False),
+                },
+                reps,
+                sync,
+            )
             sp = pct(t["recompute"], 50) / pct(t["cached"], 50)
-            kv[f"L{L}_B{B}"] = {"cached": summary(t["cached"]), "recompute": summary(t["recompute"]),
-                                **ratio(t["recompute"], t["cached"]),
-                                "fraction_of_ideal_4.5": round(sp / 4.5, 3)}
-            print(f"  B={B:2d} L={L:3d}: cached P50 {pct(t['cached'], 50):7.2f} ms (P99 {pct(t['cached'], 99):7.2f}), "
-                  f"recompute P50 {pct(t['recompute'], 50):7.2f} ms (P99 {pct(t['recompute'], 99):7.2f})  -> {sp:.2f}x "
-                  f"({sp / 4.5:.0%} of ideal; best-call ratio {kv[f'L{L}_B{B}']['speedup_of_min']:.2f}x)")
+            kv[f"L{L}_B{B}"] = {
+                "cached": summary(t["cached"]),
+                "recompute": summary(t["recompute"]),
+                **ratio(t["recompute"], t["cached"]),
+                "fraction_of_ideal_4.5": round(sp / 4.5, 3),
+            }
+            print(
+                f"  B={B:2d} L={L:3d}: cached P50 {pct(t['cached'], 50):7.2f} ms (P99 {pct(t['cached'], 99):7.2f}), "
+                f"recompute P50 {pct(t['recompute'], 50):7.2f} ms (P99 {pct(t['recompute'], 99):7.2f})  -> {sp:.2f}x "
+                f"({sp / 4.5:.0%} of ideal; best-call ratio {kv[f'L{L}_B{B}']['speedup_of_min']:.2f}x)"
+            )
     out["kv_vs_recompute"] = kv
     k = kv["L200_B16"]
-    out["kv_vs_recompute_speedup_L200_B16"] = {"speedup": k["speedup"], "speedup_of_min": k["speedup_of_min"],
-                                               "fraction_of_ideal": k["fraction_of_ideal_4.5"],
-                                               "cached_p50_ms": k["cached"]["p50_ms"], "cached_p99_ms": k["cached"]["p99_ms"],
-                                               "recompute_p50_ms": k["recompute"]["p50_ms"], "recompute_p99_ms": k["recompute"]["p99_ms"]}
+    out["kv_vs_recompute_speedup_L200_B16"] = {
+        "speedup": k["speedup"],
+        "speedup_of_min": k["speedup_of_min"],
+        "fraction_of_ideal": k["fraction_of_ideal_4.5"],
+        "cached_p50_ms": k["cached"]["p50_ms"],
+        "cached_p99_ms": k["cached"]["p99_ms"],
+        "recompute_p50_ms": k["recompute"]["p50_ms"],
+        "recompute_p99_ms": k["recompute"]["p99_ms"],
+    }
 
 
 def _bucketed_vs_padded(b: Bench, out: dict) -> None:
@@ -194,33 +209,52 @@ def _bucketed_vs_padded(b: Bench, out: dict) -> None:
             continue
         lens = np.minimum(rng.choice(pool, size=mix_users, replace=True), 200)
         ids, ts, Ls, rt = histories(lens, 200, I, dev, seed=1)
-        t = side_by_side({"bucketed": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
-                          "padded": lambda: flat.generate(ids, ts, Ls, 5, request_time=rt)}, mix_reps, sync)
+        t = side_by_side(
+            {
+                "bucketed": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
+                "padded": lambda: flat.generate(ids, ts, Ls, 5, request_time=rt),
+            },
+            mix_reps,
+            sync,
+        )
         edges = np.array([bucket_edge(int(n)) for n in lens])
         ideal_lin = 200.0 * len(lens) / edges.sum()
         ideal_att = 200.0**2 * len(lens) / (edges.astype(np.float64) ** 2).sum()
         sp = pct(t["padded"], 50) / pct(t["bucketed"], 50)
         full_pool = np.minimum(pool, 200)
-        bucketed[name] = {"users": int(len(lens)), "median_len": float(np.median(full_pool)),
-                          "share_at_cap": round(float((full_pool >= 200).mean()), 3),
-                          "bucketed": summary(t["bucketed"]), "padded": summary(t["padded"]),
-                          "bucketed_users_per_s": round(len(lens) / np.median(t["bucketed"]), 1),
-                          "padded_users_per_s": round(len(lens) / np.median(t["padded"]), 1),
-                          **ratio(t["padded"], t["bucketed"]), "ideal_linear": round(ideal_lin, 3), "ideal_attention": round(ideal_att, 3),
-                          "fraction_of_ideal_linear": round(sp / ideal_lin, 3), "fraction_of_ideal_attention": round(sp / ideal_att, 3)}
-        print(f"  {name:13s} (median {np.median(full_pool):.0f}, {(full_pool >= 200).mean():.0%} at the cap; {len(lens)} users): "
-              f"bucketed P50 {pct(t['bucketed'], 50):8.1f} ms, padded P50 {pct(t['padded'], 50):8.1f} ms -> {sp:.2f}x throughput "
-              f"(ideal {ideal_lin:.2f}x linear, {ideal_att:.2f}x attention; {sp / ideal_lin:.0%} / {sp / ideal_att:.0%}; "
-              f"best-call ratio {bucketed[name]['speedup_of_min']:.2f}x)")
+        bucketed[name] = {
+            "users": int(len(lens)),
+            "median_len": float(np.median(full_pool)),
+            "share_at_cap": round(float((full_pool >= 200).mean()), 3),
+            "bucketed": summary(t["bucketed"]),
+            "padded": summary(t["padded"]),
+            "bucketed_users_per_s": round(len(lens) / np.median(t["bucketed"]), 1),
+            "padded_users_per_s": round(len(lens) / np.median(t["padded"]), 1),
+            **ratio(t["padded"], t["bucketed"]),
+            "ideal_linear": round(ideal_lin, 3),
+            "ideal_attention": round(ideal_att, 3),
+            "fraction_of_ideal_linear": round(sp / ideal_lin, 3),
+            "fraction_of_ideal_attention": round(sp / ideal_att, 3),
+        }
+        print(
+            f"  {name:13s} (median {np.median(full_pool):.0f}, {(full_pool >= 200).mean():.0%} at the cap; {len(lens)} users): "
+            f"bucketed P50 {pct(t['bucketed'], 50):8.1f} ms, padded P50 {pct(t['padded'], 50):8.1f} ms -> {sp:.2f}x throughput "
+            f"(ideal {ideal_lin:.2f}x linear, {ideal_att:.2f}x attention; {sp / ideal_lin:.0%} / {sp / ideal_att:.0%}; "
+            f"best-call ratio {bucketed[name]['speedup_of_min']:.2f}x)"
+        )
     out["bucketed_vs_padded"] = bucketed
     main_mix = bucketed.get("ml-1m") or bucketed.get("uniform_1_200")
-    out["bucketed_vs_padded_speedup"] = {"distribution": "ml-1m" if "ml-1m" in bucketed else "uniform_1_200",
-                                         "speedup": main_mix["speedup"], "speedup_of_min": main_mix["speedup_of_min"],
-                                         "fraction_of_ideal_linear": main_mix["fraction_of_ideal_linear"],
-                                         "fraction_of_ideal_attention": main_mix["fraction_of_ideal_attention"],
-                                         "bucketed_p50_ms": main_mix["bucketed"]["p50_ms"],
-                                         "bucketed_p99_ms": main_mix["bucketed"]["p99_ms"],
-                                         "padded_p50_ms": main_mix["padded"]["p50_ms"], "padded_p99_ms": main_mix["padded"]["p99_ms"]}
+    out["bucketed_vs_padded_speedup"] = {
+        "distribution": "ml-1m" if "ml-1m" in bucketed else "uniform_1_200",
+        "speedup": main_mix["speedup"],
+        "speedup_of_min": main_mix["speedup_of_min"],
+        "fraction_of_ideal_linear": main_mix["fraction_of_ideal_linear"],
+        "fraction_of_ideal_attention": main_mix["fraction_of_ideal_attention"],
+        "bucketed_p50_ms": main_mix["bucketed"]["p50_ms"],
+        "bucketed_p99_ms": main_mix["bucketed"]["p99_ms"],
+        "padded_p50_ms": main_mix["padded"]["p50_ms"],
+        "padded_p99_ms": main_mix["padded"]["p99_ms"],
+    }
 
 
 def _prefix_cache(b: Bench, out: dict) -> None:
@@ -235,28 +269,43 @@ def _prefix_cache(b: Bench, out: dict) -> None:
     prev = Ls - 1
     prefix = {}
     for kk in (5, 1):
+
         def setup(name):
             peng.prefix.clear()
             if name == "hit":  # the previous visit: 199 events, an earlier request time
                 peng.generate(ids, ts, prev, 1, request_time=ts[:, 198] + 30, user_ids=users)
 
-        t = side_by_side({"hit": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users),
-                          "miss": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users)}, reps, sync, setup)
+        t = side_by_side(
+            {
+                "hit": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users),
+                "miss": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users),
+            },
+            reps,
+            sync,
+            setup,
+        )
         chk = peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users)  # sanity: a stored entry is reused
         assert int(chk.prefix_rows.min()) == 199, chk.prefix_rows
         sp = pct(t["miss"], 50) / pct(t["hit"], 50)
         key = "next5" if kk == 5 else "encode_only_k1"
         prefix[key] = {"hit": summary(t["hit"]), "miss": summary(t["miss"]), **ratio(t["miss"], t["hit"])}
-        print(f"  {key:15s}: hit P50 {pct(t['hit'], 50):7.2f} ms (P99 {pct(t['hit'], 99):7.2f}), miss P50 {pct(t['miss'], 50):7.2f} ms "
-              f"(P99 {pct(t['miss'], 99):7.2f}) -> {sp:.2f}x (best-call ratio {prefix[key]['speedup_of_min']:.2f}x)")
+        print(
+            f"  {key:15s}: hit P50 {pct(t['hit'], 50):7.2f} ms (P99 {pct(t['hit'], 99):7.2f}), miss P50 {pct(t['miss'], 50):7.2f} ms "
+            f"(P99 {pct(t['miss'], 99):7.2f}) -> {sp:.2f}x (best-call ratio {prefix[key]['speedup_of_min']:.2f}x)"
+        )
     out["prefix_cache"] = prefix
     p = prefix["next5"]
-    out["prefix_hit_vs_miss_speedup_L200"] = {"speedup": p["speedup"], "speedup_of_min": p["speedup_of_min"],
-                                              "what": "next-5, batch 16, one new event",
-                                              "hit_p50_ms": p["hit"]["p50_ms"], "hit_p99_ms": p["hit"]["p99_ms"],
-                                              "miss_p50_ms": p["miss"]["p50_ms"], "miss_p99_ms": p["miss"]["p99_ms"],
-                                              "encode_only_speedup": prefix["encode_only_k1"]["speedup"],
-                                              "encode_only_speedup_of_min": prefix["encode_only_k1"]["speedup_of_min"]}
+    out["prefix_hit_vs_miss_speedup_L200"] = {
+        "speedup": p["speedup"],
+        "speedup_of_min": p["speedup_of_min"],
+        "what": "next-5, batch 16, one new event",
+        "hit_p50_ms": p["hit"]["p50_ms"],
+        "hit_p99_ms": p["hit"]["p99_ms"],
+        "miss_p50_ms": p["miss"]["p50_ms"],
+        "miss_p99_ms": p["miss"]["p99_ms"],
+        "encode_only_speedup": prefix["encode_only_k1"]["speedup"],
+        "encode_only_speedup_of_min": prefix["encode_only_k1"]["speedup_of_min"],
+    }
 
 
 def _latency_growth(b: Bench, out: dict) -> float:
@@ -269,16 +318,26 @@ def _latency_growth(b: Bench, out: dict) -> float:
         e32.warmup()
     h50 = histories(np.full(32, 50), 200, I, dev, seed=50)
     h200 = histories(np.full(32, 200), 200, I, dev, seed=200)
-    t = side_by_side({"L50": lambda: e32.generate(*h50[:3], 5, request_time=h50[3]),
-                      "L200": lambda: e32.generate(*h200[:3], 5, request_time=h200[3])}, reps, sync)
+    t = side_by_side(
+        {"L50": lambda: e32.generate(*h50[:3], 5, request_time=h50[3]), "L200": lambda: e32.generate(*h200[:3], 5, request_time=h200[3])},
+        reps,
+        sync,
+    )
     growth = pct(t["L200"], 50) / pct(t["L50"], 50)
-    out["latency_growth_L50_to_L200_B32"] = {"ratio": round(growth, 3), "increase_percent": round(100 * (growth - 1), 1),
-                                             "ratio_of_min": round(min(t["L200"]) / min(t["L50"]), 3),
-                                             "L50_p50_ms": round(pct(t["L50"], 50), 3), "L50_p99_ms": round(pct(t["L50"], 99), 3),
-                                             "L200_p50_ms": round(pct(t["L200"], 50), 3), "L200_p99_ms": round(pct(t["L200"], 99), 3),
-                                             "reference_port": {"A100": "+123 %", "NPU unoptimised": "+387 %"}}
-    print(f"  L=50 P50 {pct(t['L50'], 50):.2f} ms (P99 {pct(t['L50'], 99):.2f}), L=200 P50 {pct(t['L200'], 50):.2f} ms "
-          f"(P99 {pct(t['L200'], 99):.2f}) -> x{growth:.2f} ({100 * (growth - 1):+.0f} %)")
+    out["latency_growth_L50_to_L200_B32"] = {
+        "ratio": round(growth, 3),
+        "increase_percent": round(100 * (growth - 1), 1),
+        "ratio_of_min": round(min(t["L200"]) / min(t["L50"]), 3),
+        "L50_p50_ms": round(pct(t["L50"], 50), 3),
+        "L50_p99_ms": round(pct(t["L50"], 99), 3),
+        "L200_p50_ms": round(pct(t["L200"], 50), 3),
+        "L200_p99_ms": round(pct(t["L200"], 99), 3),
+        "reference_port": {"A100": "+123 %", "NPU unoptimised": "+387 %"},
+    }
+    print(
+        f"  L=50 P50 {pct(t['L50'], 50):.2f} ms (P99 {pct(t['L50'], 99):.2f}), L=200 P50 {pct(t['L200'], 50):.2f} ms "
+        f"(P99 {pct(t['L200'], 99):.2f}) -> x{growth:.2f} ({100 * (growth - 1):+.0f} %)"
+    )
 
     return growth
 
@@ -295,12 +354,16 @@ def _memory_and_summary(b: Bench, out: dict, growth: float) -> None:
     out["memory"] = mem
     out["seconds"] = round(time.perf_counter() - t_start, 1)
     out["machine"]["load_avg_at_end"] = list(os.getloadavg())
-    print(f"\nmemory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB" +
-          (f", device peak {mem['device_peak_bytes'] / 2**20:.0f} MiB" if "device_peak_bytes" in mem else ""))
-    print(f"summary: kv/recompute L200 B16 {out['kv_vs_recompute_speedup_L200_B16']['speedup']:.2f}x (floor 3.5), "
-          f"bucketed/padded {out['bucketed_vs_padded_speedup']['speedup']:.2f}x (floor 1.3), "
-          f"prefix hit/miss {out['prefix_hit_vs_miss_speedup_L200']['speedup']:.2f}x (floor 3), "
-          f"growth L50->L200 B32 x{growth:.2f}; {out['seconds']} s")
+    print(
+        f"\nmemory: peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB"
+        + (f", device peak {mem['device_peak_bytes'] / 2**20:.0f} MiB" if "device_peak_bytes" in mem else "")
+    )
+    print(
+        f"summary: kv/recompute L200 B16 {out['kv_vs_recompute_speedup_L200_B16']['speedup']:.2f}x (floor 3.5), "
+        f"bucketed/padded {out['bucketed_vs_padded_speedup']['speedup']:.2f}x (floor 1.3), "
+        f"prefix hit/miss {out['prefix_hit_vs_miss_speedup_L200']['speedup']:.2f}x (floor 3), "
+        f"growth L50->L200 B32 x{growth:.2f}; {out['seconds']} s"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
@@ -314,12 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--graphs", default="auto", help="engine graph mode: auto | eager | compile | cuda_graph | npu_graph")
     ap.add_argument("--kernels", default="auto")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP threads spin-wait on "
-                         "each other whenever another process holds a core, which made every op ~15x slower in our runs; "
-                         "0 = torch default)")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "int8"],
-                    help="model precision (hstu.quant.apply_precision on the random-weight model)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared 2-core machine two OpenMP threads spin-wait on "
+        "each other whenever another process holds a core, which made every op ~15x slower in our runs; "
+        "0 = torch default)",
+    )
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16", "int8"],
+        help="model precision (hstu.quant.apply_precision on the random-weight model)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -341,16 +412,28 @@ def main(argv: list[str] | None = None) -> int:
     eng = Engine(model, buckets=EDGES, max_batch=16, k_max=10, **eng_kw)
     flat = Engine(model, buckets=(200,), max_batch=16, k_max=10, **eng_kw)
     warm = {"bucketed": eng.warmup(), "padded": flat.warmup()} if eng.graphs != "eager" else {}
-    out: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "quick": args.quick, "device": str(dev),
-                 "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                             "python": platform.python_version(), "load_avg_at_start": list(os.getloadavg())},
-                 "model": {"preset": "small", "num_items": I, "width_N": model.cfg.width, "weights": "random",
-                           "precision": args.precision},
-                 "engine": {"buckets": list(EDGES), "max_batch": 16, "k_max": 10, "graphs": eng.graphs, "kernels": eng.kernels.name},
-                 "warmup_s": warm, "kv_pool_bytes_per_bucket": eng.cache_bytes_per_bucket()}
-    print(f"device {dev}, graphs {eng.graphs}, kernels {eng.kernels.name}, reps {reps}; KV pool bytes per bucket "
-          f"{eng.cache_bytes_per_bucket()}")
+    out: dict = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "quick": args.quick,
+        "device": str(dev),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "load_avg_at_start": list(os.getloadavg()),
+        },
+        "model": {"preset": "small", "num_items": I, "width_N": model.cfg.width, "weights": "random", "precision": args.precision},
+        "engine": {"buckets": list(EDGES), "max_batch": 16, "k_max": 10, "graphs": eng.graphs, "kernels": eng.kernels.name},
+        "warmup_s": warm,
+        "kv_pool_bytes_per_bucket": eng.cache_bytes_per_bucket(),
+    }
+    print(
+        f"device {dev}, graphs {eng.graphs}, kernels {eng.kernels.name}, reps {reps}; KV pool bytes per bucket "
+        f"{eng.cache_bytes_per_bucket()}"
+    )
 
     b = Bench(args, be, dev, sync, model, I, reps, mix_users, mix_reps, eng_kw, eng, flat, t_start)
     _kv_vs_recompute(b, out)

@@ -74,13 +74,21 @@ def machine() -> dict:
         isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8") if f" {f}" in flags]
     except OSError:
         isa = []
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "isa": isa, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "quantized_engines": torch.backends.quantized.supported_engines,
-            "int8_kernel": select_int8_kernel("cpu").__dict__}
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "isa": isa,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "quantized_engines": torch.backends.quantized.supported_engines,
+        "int8_kernel": select_int8_kernel("cpu").__dict__,
+    }
 
 
 # ----- models --------------------------------------------------------------------------------
+
 
 def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict, dict]:
     """{"fp32", "int8", "int8e", "bf16"} -> model (quantized ones reloaded from their checkpoints),
@@ -98,12 +106,18 @@ def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict, di
         dirs[name] = (str(out), scheme)
         qb = tensor_bytes(quantized_state(q))
         linear_f = sum(t.numel() * 4 for k, t in fstate.items() if k.endswith((".uvqk.weight", ".o.weight")))
-        linear_q = sum(t.numel() * t.element_size() for k, t in quantized_state(q).items()
-                       if k.endswith((".uvqk.weight", ".o.weight", ".uvqk.weight_int8", ".o.weight_int8",
-                                      ".uvqk.weight_scale", ".o.weight_scale")))
-        sizes[name] = {"tensors": qb, "file": meta["bytes"]["file"],
-                         "dense_bytes_ratio": qb["dense"] / fbytes["dense"], "bytes_ratio": meta["bytes"]["file"] / sizes["fp32"]["file"],
-                         "linear_weight_bytes_ratio": linear_q / linear_f}
+        linear_q = sum(
+            t.numel() * t.element_size()
+            for k, t in quantized_state(q).items()
+            if k.endswith((".uvqk.weight", ".o.weight", ".uvqk.weight_int8", ".o.weight_int8", ".uvqk.weight_scale", ".o.weight_scale"))
+        )
+        sizes[name] = {
+            "tensors": qb,
+            "file": meta["bytes"]["file"],
+            "dense_bytes_ratio": qb["dense"] / fbytes["dense"],
+            "bytes_ratio": meta["bytes"]["file"] / sizes["fp32"]["file"],
+            "linear_weight_bytes_ratio": linear_q / linear_f,
+        }
     for m in models.values():
         m.eval()
         for p in m.parameters():
@@ -113,6 +127,7 @@ def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict, di
 
 # ----- timing --------------------------------------------------------------------------------
 
+
 def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, np.ndarray]:
     """Seconds per call of each fn, timed in rounds (one call each, order rotated per round)."""
     names = list(fns)
@@ -121,7 +136,7 @@ def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, np.ndarray]:
             fns[n]()
     times = {n: [] for n in names}
     for r in range(repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             fns[n]()
@@ -130,8 +145,13 @@ def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, np.ndarray]:
 
 
 def latency_stats(t: np.ndarray, batch: int) -> dict:
-    return {"p50_ms": float(np.percentile(t, 50) * 1e3), "p99_ms": float(np.percentile(t, 99) * 1e3),
-            "mean_ms": float(t.mean() * 1e3), "qps": float(batch * len(t) / t.sum()), "calls": int(len(t))}
+    return {
+        "p50_ms": float(np.percentile(t, 50) * 1e3),
+        "p99_ms": float(np.percentile(t, 99) * 1e3),
+        "mean_ms": float(t.mean() * 1e3),
+        "qps": float(batch * len(t) / t.sum()),
+        "calls": int(len(t)),
+    }
 
 
 def generation_fns(models: dict, ids, ts, lengths, k: int, path: str = "engine") -> dict:
@@ -173,8 +193,7 @@ def linear_fns(models: dict, ids, ts, lengths, k: int) -> tuple[dict, int]:
     fm = models["fp32"]
     calls: list[tuple[str, torch.Tensor]] = []
     names = [f"layers.{i}.{p}" for i in range(len(fm.layers)) for p in ("uvqk", "o")]
-    hooks = [fm.get_submodule(n).register_forward_hook(lambda mod, i, o, n=n: calls.append((n, i[0].clone())))
-             for n in names]
+    hooks = [fm.get_submodule(n).register_forward_hook(lambda mod, i, o, n=n: calls.append((n, i[0].clone()))) for n in names]
     try:
         generation_fns({"fp32": fm}, ids, ts, lengths, k, path="decode")["fp32"]()  # module calls (the engine reads weights)
     finally:
@@ -200,9 +219,11 @@ def speed(models: dict, ids, ts, lengths, k: int, repeats: int, warmup: int, pat
     gen = interleaved(generation_fns(models, ids, ts, lengths, k, path), repeats, warmup)
     lin_fns, ncalls = linear_fns(models, ids, ts, lengths, k)
     lin = interleaved(lin_fns, repeats, warmup)
-    out = {"generate": {n: latency_stats(t, B) for n, t in gen.items()},
-           "linear_only": {n: {"p50_ms": float(np.percentile(t, 50) * 1e3), "mean_ms": float(t.mean() * 1e3)} for n, t in lin.items()},
-           "linear_calls_per_generate": ncalls}
+    out = {
+        "generate": {n: latency_stats(t, B) for n, t in gen.items()},
+        "linear_only": {n: {"p50_ms": float(np.percentile(t, 50) * 1e3), "mean_ms": float(t.mean() * 1e3)} for n, t in lin.items()},
+        "linear_calls_per_generate": ncalls,
+    }
     f = out["generate"]["fp32"]
     out["linear_share_of_fp32_generate"] = out["linear_only"]["fp32"]["mean_ms"] / f["mean_ms"]
     for n in models:
@@ -227,7 +248,7 @@ def _worker(rank: int, dirs: dict, ids, ts, lengths, k: int, repeats: int, warmu
     names = list(fns)
     times = {n: [] for n in names}
     for r in range(warmup + repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             barrier.wait()  # every worker starts the same variant's call together
             t0 = time.perf_counter()
@@ -247,8 +268,9 @@ def worker_speed(dirs: dict, ids, ts, lengths, k: int, repeats: int, warmup: int
 
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, dirs, ids, ts, lengths, k, repeats, warmup, path, barrier, queue))
-             for r in range(workers)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, dirs, ids, ts, lengths, k, repeats, warmup, path, barrier, queue)) for r in range(workers)
+    ]
     for pr in procs:
         pr.start()
     got = dict(queue.get(timeout=3600) for _ in procs)
@@ -259,8 +281,12 @@ def worker_speed(dirs: dict, ids, ts, lengths, k: int, repeats: int, warmup: int
     for n in dirs:
         per = np.asarray([got[r][n] for r in range(workers)])  # (workers, rounds) seconds
         wall = per.max(axis=0)  # (rounds,)
-        out["generate"][n] = {"p50_ms": float(np.percentile(per, 50) * 1e3), "p99_ms": float(np.percentile(per, 99) * 1e3),
-                              "qps": float(workers * B * len(wall) / wall.sum()), "rounds": int(len(wall))}
+        out["generate"][n] = {
+            "p50_ms": float(np.percentile(per, 50) * 1e3),
+            "p99_ms": float(np.percentile(per, 99) * 1e3),
+            "qps": float(workers * B * len(wall) / wall.sum()),
+            "rounds": int(len(wall)),
+        }
     f = out["generate"]["fp32"]["qps"]
     for n in dirs:
         if n != "fp32":
@@ -287,13 +313,14 @@ def best_qps(config: dict) -> dict[str, dict]:
 
 # ----- quality ---------------------------------------------------------------------------------
 
+
 def sampled_negatives(log_, split, users: np.ndarray, m: int, seed: int) -> np.ndarray:
     """(U, m) items each user never interacted with, uniform, seeded (same for every variant)."""
     rng = np.random.default_rng(seed)
     I = log_.num_items
     out = np.zeros((len(users), m), np.int64)
     for r, u in enumerate(users):
-        seen = set(log_.items[log_.offsets[u]:log_.offsets[u + 1]].tolist())
+        seen = set(log_.items[log_.offsets[u] : log_.offsets[u + 1]].tolist())
         got = []
         while len(got) < m:
             c = rng.integers(1, I + 1, size=2 * m)
@@ -307,10 +334,10 @@ def candidate_auc(model, log_, split, users: np.ndarray, negs: np.ndarray, batch
     targets = split.targets("test")
     pos, neg = [], []
     for s in range(0, len(users), batch):
-        ub = users[s:s + batch]
+        ub = users[s : s + batch]
         b = eval_batch(log_, targets, ub, model.cfg.max_seq_len)
         u = model.last_rows(model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories), b.lengths)
-        cand = torch.cat([b.targets.view(-1, 1), torch.from_numpy(negs[s:s + batch])], dim=1)  # (B, 1 + m)
+        cand = torch.cat([b.targets.view(-1, 1), torch.from_numpy(negs[s : s + batch])], dim=1)  # (B, 1 + m)
         sc = model.score_items(u, cand).float().numpy()
         pos.append(sc[:, 0])
         neg.append(sc[:, 1:])
@@ -331,8 +358,14 @@ def quality(models: dict, run: Path, data_dir: str | None, negatives: int, seed:
     for name, m in models.items():
         t0 = time.perf_counter()
         ev = evaluate(m, log_, split, "test")
-        out[name] = {"HR@10": ev["HR@10"], "NDCG@10": ev["NDCG@10"], "MRR": ev["MRR"], "users": ev["users"],
-                     "AUC": candidate_auc(m, log_, split, users, negs), "seconds": time.perf_counter() - t0}
+        out[name] = {
+            "HR@10": ev["HR@10"],
+            "NDCG@10": ev["NDCG@10"],
+            "MRR": ev["MRR"],
+            "users": ev["users"],
+            "AUC": candidate_auc(m, log_, split, users, negs),
+            "seconds": time.perf_counter() - t0,
+        }
         log.info("quality %s: %s", name, out[name])
     return out, log_, split
 
@@ -357,6 +390,7 @@ def random_batch(num_items: int, B: int, H: int, seed: int):
 
 # ----- main ------------------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="trained float ML-1M run (small preset)")
@@ -372,12 +406,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prod-items", type=int, default=26_744)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-quality", action="store_true")
-    p.add_argument("--workers", type=int, default=2,
-                   help="also time this many single-threaded worker processes at once (the `hstu serve --model-workers` "
-                        "layout); 1: the one-process layout only")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="also time this many single-threaded worker processes at once (the `hstu serve --model-workers` "
+        "layout); 1: the one-process layout only",
+    )
     p.add_argument("--worker-repeats", type=int, default=20, help="timed rounds of the worker layout")
-    p.add_argument("--path", default="engine", choices=["engine", "decode"],
-                   help="generation path timed: the serving Engine (default) or hstu.generate.generate")
+    p.add_argument(
+        "--path",
+        default="engine",
+        choices=["engine", "decode"],
+        help="generation path timed: the serving Engine (default) or hstu.generate.generate",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
@@ -385,8 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     run = Path(args.run)
     t_start = time.time()
     load0 = os.getloadavg()
-    res: dict = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-                 "machine": machine(), "settings": vars(args)}
+    res: dict = {
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "machine": machine(),
+        "settings": vars(args),
+    }
 
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
@@ -396,8 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         from hstu.model.checkpoint import read_json
 
         rcfg = read_json(run / "config.json")
-        res["base_run"] = {"path": str(run), "train": rcfg.get("train"), "data": rcfg.get("data"),
-                           "metrics_test": read_json(run / "metrics.json").get("test") if (run / "metrics.json").exists() else None}
+        res["base_run"] = {
+            "path": str(run),
+            "train": rcfg.get("train"),
+            "data": rcfg.get("data"),
+            "metrics_test": read_json(run / "metrics.json").get("test") if (run / "metrics.json").exists() else None,
+        }
         res["small"] = {"config": fm.cfg.__dict__, "sizes": small_sizes}
         if not args.skip_quality:
             q, log_, split = quality(small, run, args.data_dir, args.negatives, args.seed)
@@ -414,8 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         res["small"]["speed"] = speed(small, ids, ts, lens, args.k, args.repeats, args.warmup, args.path)
         log.info("small speed: %s", {k: v for k, v in res["small"]["speed"].items() if not isinstance(v, dict)})
         if args.workers > 1:
-            res["small"]["speed_workers"] = worker_speed(small_dirs, ids, ts, lens, args.k, args.worker_repeats, args.warmup,
-                                                         args.workers, args.path)
+            res["small"]["speed_workers"] = worker_speed(
+                small_dirs, ids, ts, lens, args.k, args.worker_repeats, args.warmup, args.workers, args.path
+            )
             log.info("small, %d workers: %s", args.workers, summary_of(res["small"]["speed_workers"]))
         del small
 
@@ -434,8 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("prod speed: %s", {k: v for k, v in res["prod"]["speed"].items() if not isinstance(v, dict)})
         if args.workers > 1:
             del prod  # the workers load their own copies
-            res["prod"]["speed_workers"] = worker_speed(prod_dirs, ids, ts, lens, args.k, args.worker_repeats, args.warmup,
-                                                        args.workers, args.path)
+            res["prod"]["speed_workers"] = worker_speed(
+                prod_dirs, ids, ts, lens, args.k, args.worker_repeats, args.warmup, args.workers, args.path
+            )
             log.info("prod, %d workers: %s", args.workers, summary_of(res["prod"]["speed_workers"]))
 
     res["loadavg_start"], res["loadavg_end"] = list(load0), list(os.getloadavg())
@@ -461,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
             res[f"{s}_hr10_drop"] = qf["HR@10"] - qs["HR@10"]
             res[f"{s}_ndcg10_drop"] = qf["NDCG@10"] - qs["NDCG@10"]
             res[f"{s}_auc_drop"] = qf["AUC"] - qs["AUC"]
-    floors = {"int8_dense_bytes_ratio <= 0.3": res["int8_dense_bytes_ratio"] <= 0.3,
-              "int8_throughput_ratio >= 1.3": res["int8_throughput_ratio"] >= 1.3}
+    floors = {
+        "int8_dense_bytes_ratio <= 0.3": res["int8_dense_bytes_ratio"] <= 0.3,
+        "int8_throughput_ratio >= 1.3": res["int8_throughput_ratio"] >= 1.3,
+    }
     if "int8_hr10_drop" in res:
         floors["int8_hr10_drop <= 0.003"] = res["int8_hr10_drop"] <= 0.003
         floors["int8_auc_drop <= 0.001"] = res["int8_auc_drop"] <= 0.001
@@ -486,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratios are *_throughput_ratio_1process*) and --workers single-threaded processes generating at once, "
         "started together per call at a barrier (speed_workers, the layout of `hstu serve --model-workers 2 "
         "--threads 1`); *_throughput_ratio compares each variant's best QPS over the two (best_qps names the "
-        "layout). P50/P99 latencies are reported for both.")
+        "layout). P50/P99 latencies are reported for both."
+    )
     summary = {k: v for k, v in res.items() if k.startswith(tuple(f"{s}_" for s in SCHEMES))}
     print(json.dumps({"summary": summary, "floors": floors}, indent=2))
     if args.json:

@@ -62,9 +62,17 @@ PUBLISHED = {
     "hstu-large": {"HR@10": 0.3294, "NDCG@10": 0.1893, "HR@50": 0.5935, "NDCG@50": 0.2481, "HR@200": 0.7839},
 }
 # Reference implementation on this very data: test HR@10 / NDCG@10, paper protocol, small, seed 42.
-REFERENCE_TRAJECTORY = {5: (0.2048, 0.1117), 10: (0.2561, 0.1410), 15: (0.2710, 0.1499), 20: (0.2748, 0.1525),
-                        25: (0.2755, 0.1552), 30: (0.2841, 0.1568), 35: (0.2856, 0.1585), 40: (0.2909, 0.1615),
-                        45: (0.2863, 0.1609)}
+REFERENCE_TRAJECTORY = {
+    5: (0.2048, 0.1117),
+    10: (0.2561, 0.1410),
+    15: (0.2710, 0.1499),
+    20: (0.2748, 0.1525),
+    25: (0.2755, 0.1552),
+    30: (0.2841, 0.1568),
+    35: (0.2856, 0.1585),
+    40: (0.2909, 0.1615),
+    45: (0.2863, 0.1609),
+}
 TOLERANCE = 0.005
 # Batching per protocol: the paper protocol reproduces the reference's trajectory with its random
 # batches (measured: length-sorted batches reach test HR@10 .179 at epoch 5, random ones .198; the
@@ -91,21 +99,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--patience", type=int, default=10, help="clean protocol: epochs without a better valid NDCG@10")
     p.add_argument("--paper-epochs", type=int, default=101, help="epochs under the paper protocol (no early stopping)")
     p.add_argument("--seed", type=int, default=42, help="another seed than 42 (the reference's) adds a -seedN suffix to the run directory")
-    p.add_argument("--length-pool", type=int,
-                   help="batches sorted by length within pools of this many batches; default 1 (random batches, "
-                        "the reference's) under the paper protocol, 50 (our faster recipe) under clean; another "
-                        "value adds a -poolN suffix to the run directory")
-    p.add_argument("--negatives-chunk", type=int,
-                   help="positions sharing one set of 128 negatives; default 1 (per position, the reference's scheme) "
-                        "under the paper protocol, 16 (~1.3x faster per epoch here) under clean; another value adds "
-                        "a -chunkN suffix to the run directory")
+    p.add_argument(
+        "--length-pool",
+        type=int,
+        help="batches sorted by length within pools of this many batches; default 1 (random batches, "
+        "the reference's) under the paper protocol, 50 (our faster recipe) under clean; another "
+        "value adds a -poolN suffix to the run directory",
+    )
+    p.add_argument(
+        "--negatives-chunk",
+        type=int,
+        help="positions sharing one set of 128 negatives; default 1 (per position, the reference's scheme) "
+        "under the paper protocol, 16 (~1.3x faster per epoch here) under clean; another value adds "
+        "a -chunkN suffix to the run directory",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
     p.add_argument("--report-only", action="store_true", help="do not train; report the finished runs found")
-    p.add_argument("--run", action="append", default=[], metavar="MODEL-PROTOCOL=DIR",
-                   help="use DIR as that model's run under that protocol, e.g. hstu-large-clean=runs/ml1m/hstu-large-clean-chunk1-pool1 "
-                        "(a run trained with other --length-pool / --negatives-chunk than the rest); repeatable")
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="MODEL-PROTOCOL=DIR",
+        help="use DIR as that model's run under that protocol, e.g. hstu-large-clean=runs/ml1m/hstu-large-clean-chunk1-pool1 "
+        "(a run trained with other --length-pool / --negatives-chunk than the rest); repeatable",
+    )
     p.add_argument("--max-users", type=int, help="first N users only (smoke runs; the reported results use all)")
     return p.parse_args(argv)
 
@@ -156,8 +175,12 @@ def main(argv=None) -> int:
         for protocol in protocols:
             pool = args.length_pool or POOL_DEFAULT[protocol]
             chunk = args.negatives_chunk or CHUNK_DEFAULT[protocol]
-            run = runs / (f"{name}-{protocol}" + (f"-chunk{chunk}" if chunk != CHUNK_DEFAULT[protocol] else "")
-                          + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else "") + (f"-seed{args.seed}" if args.seed != 42 else ""))
+            run = runs / (
+                f"{name}-{protocol}"
+                + (f"-chunk{chunk}" if chunk != CHUNK_DEFAULT[protocol] else "")
+                + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else "")
+                + (f"-seed{args.seed}" if args.seed != 42 else "")
+            )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
             interim = None
@@ -168,24 +191,47 @@ def main(argv=None) -> int:
                     continue
                 log.info("%s: unfinished run, reporting its best checkpoint so far", run)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
-            tcfg = TrainConfig(**RECIPE, epochs=epochs, negatives_chunk=chunk, length_pool=pool, seed=args.seed,
-                               early_stopping_patience=args.patience, num_threads=args.threads)
+            tcfg = TrainConfig(
+                **RECIPE,
+                epochs=epochs,
+                negatives_chunk=chunk,
+                length_pool=pool,
+                seed=args.seed,
+                early_stopping_patience=args.patience,
+                num_threads=args.threads,
+            )
             run.mkdir(parents=True, exist_ok=True)
             if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
-            metrics, history = interim or train_or_resume(run, model_config_from_preset(preset, architecture=arch), tcfg, spec,
-                                                          device=args.device)
+            metrics, history = interim or train_or_resume(
+                run, model_config_from_preset(preset, architecture=arch), tcfg, spec, device=args.device
+            )
             run_cfg = read_json(run / "config.json")
             spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got
-            res = {"run_dir": str(run), "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
-                   "model_config": run_cfg["model"], "train_config": run_cfg["train"],
-                   "status": metrics.get("status", "finished"),
-                   "test": metrics["test"], "valid": metrics["valid"], "epochs": metrics["epochs"], "best_epoch": metrics["best_epoch"],
-                   "train_seconds": metrics["train_seconds"], "sequences_per_s": metrics["sequences_per_s"],
-                   "machine_of_run": metrics.get("machine"),
-                   "history": [{"epoch": h["epoch"], "loss": h["loss"], "seconds": h["seconds"], "sequences_per_s": h["sequences_per_s"],
-                                **({"valid_HR@10": h["valid"]["HR@10"], "valid_NDCG@10": h["valid"]["NDCG@10"]} if "valid" in h else {})}
-                               for h in history]}
+            res = {
+                "run_dir": str(run),
+                "command": (run / "command.txt").read_text().strip() if (run / "command.txt").exists() else None,
+                "model_config": run_cfg["model"],
+                "train_config": run_cfg["train"],
+                "status": metrics.get("status", "finished"),
+                "test": metrics["test"],
+                "valid": metrics["valid"],
+                "epochs": metrics["epochs"],
+                "best_epoch": metrics["best_epoch"],
+                "train_seconds": metrics["train_seconds"],
+                "sequences_per_s": metrics["sequences_per_s"],
+                "machine_of_run": metrics.get("machine"),
+                "history": [
+                    {
+                        "epoch": h["epoch"],
+                        "loss": h["loss"],
+                        "seconds": h["seconds"],
+                        "sequences_per_s": h["sequences_per_s"],
+                        **({"valid_HR@10": h["valid"]["HR@10"], "valid_NDCG@10": h["valid"]["NDCG@10"]} if "valid" in h else {}),
+                    }
+                    for h in history
+                ],
+            }
             if protocol == "paper":
                 res["trajectory"] = trajectory(history)
             if protocol == "clean":
@@ -196,8 +242,9 @@ def main(argv=None) -> int:
                 cold = {n: collect(scorer, log_, split, "test", max_history=n, generate=False) for n in COLD_START_LENGTHS}
                 from hstu.train.baselines import training_counts
 
-                res["slices"] = slice_report(full, log_, popularity=training_counts(log_, split), cold=cold, resamples=args.resamples,
-                                             seed=args.seed)
+                res["slices"] = slice_report(
+                    full, log_, popularity=training_counts(log_, split), cold=cold, resamples=args.resamples, seed=args.seed
+                )
             entry[protocol] = res
         results[name] = entry
         write_json(out / f"ml1m_{name}.json", entry)
@@ -210,24 +257,38 @@ def main(argv=None) -> int:
     large_clean = results.get("hstu-large", {}).get("clean")
     if large_clean:
         t = large_clean["test"]
-        floors["2_large_clean"] = {"HR@10": t["HR@10"], "NDCG@10": t["NDCG@10"], "status": large_clean["status"],
-                                   "holds": t["HR@10"] >= 0.3097 and t["NDCG@10"] >= 0.1720}
+        floors["2_large_clean"] = {
+            "HR@10": t["HR@10"],
+            "NDCG@10": t["NDCG@10"],
+            "status": large_clean["status"],
+            "holds": t["HR@10"] >= 0.3097 and t["NDCG@10"] >= 0.1720,
+        }
     sas = results.get("sasrec", {}).get("clean")
     if sas:
         for name in ("hstu-small", "hstu-large"):
             c = results.get(name, {}).get("clean")
             if c:
                 floors[f"3_{name}_beats_sasrec"] = {
-                    "HR@10": [c["test"]["HR@10"], sas["test"]["HR@10"]], "NDCG@10": [c["test"]["NDCG@10"], sas["test"]["NDCG@10"]],
-                    "holds": c["test"]["HR@10"] > sas["test"]["HR@10"] and c["test"]["NDCG@10"] > sas["test"]["NDCG@10"]}
+                    "HR@10": [c["test"]["HR@10"], sas["test"]["HR@10"]],
+                    "NDCG@10": [c["test"]["NDCG@10"], sas["test"]["NDCG@10"]],
+                    "holds": c["test"]["HR@10"] > sas["test"]["HR@10"] and c["test"]["NDCG@10"] > sas["test"]["NDCG@10"],
+                }
     speed = {f"{n}-{p}": results[n][p]["sequences_per_s"] for n in results for p in protocols if p in results[n]}
     # the floor is on our recipe (clean: length-sorted batches, negatives per 16 positions); the paper protocol
     # runs the reference's slower recipe on purpose (random batches, per-position negatives), reported as is
-    floors["speed_sequences_per_s"] = {"values": speed, "floor_small": SPEED_FLOOR_SMALL, "floor_applies_to": "hstu-small-clean",
-                                       "holds": speed["hstu-small-clean"] >= SPEED_FLOOR_SMALL if "hstu-small-clean" in speed else None}
+    floors["speed_sequences_per_s"] = {
+        "values": speed,
+        "floor_small": SPEED_FLOOR_SMALL,
+        "floor_applies_to": "hstu-small-clean",
+        "holds": speed["hstu-small-clean"] >= SPEED_FLOOR_SMALL if "hstu-small-clean" in speed else None,
+    }
     summary["floors"] = floors
-    summary["test"] = {f"{n}-{p}": {k: results[n][p]["test"][k] for k in ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "HR@200", "MRR")}
-                       for n in results for p in protocols if p in results[n]}
+    summary["test"] = {
+        f"{n}-{p}": {k: results[n][p]["test"][k] for k in ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "HR@200", "MRR")}
+        for n in results
+        for p in protocols
+        if p in results[n]
+    }
     write_json(out / "ml1m_summary.json", summary)
 
     curves = {}

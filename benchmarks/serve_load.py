@@ -108,10 +108,20 @@ class Phase:
         cpu = None if self.server_cpu_s is None or not self.sent else round(1e3 * self.server_cpu_s / self.sent, 2)
         ccpu = None if self.client_cpu_s is None or not self.sent else round(1e3 * self.client_cpu_s / self.sent, 2)
         pct = lambda q: None if not self.lat else round(float(np.percentile(lat, q)) * 1e3, 2)  # noqa: E731
-        return {"phase": self.name, "offered_qps": round(self.offered, 1), "achieved_qps": round(ok / self.seconds, 1), "sent": self.sent,
-                "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99), "max_ms": pct(100), "codes": dict(sorted(self.codes.items())),
-                "client_dropped": self.dropped_client, "server_cpu_ms_per_request": cpu,
-                "client_cpu_ms_per_request": ccpu}
+        return {
+            "phase": self.name,
+            "offered_qps": round(self.offered, 1),
+            "achieved_qps": round(ok / self.seconds, 1),
+            "sent": self.sent,
+            "p50_ms": pct(50),
+            "p90_ms": pct(90),
+            "p99_ms": pct(99),
+            "max_ms": pct(100),
+            "codes": dict(sorted(self.codes.items())),
+            "client_dropped": self.dropped_client,
+            "server_cpu_ms_per_request": cpu,
+            "client_cpu_ms_per_request": ccpu,
+        }
 
     @property
     def p99(self) -> float:
@@ -129,8 +139,9 @@ def _cpu(server) -> float | None:
     return t.user + t.system + t.children_user + t.children_system
 
 
-async def run_phase(client: aiohttp.ClientSession, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int,
-                    server=None) -> Phase:
+async def run_phase(
+    client: aiohttp.ClientSession, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int, server=None
+) -> Phase:
     """Poisson arrivals at ``phase.offered`` per second for ``phase.seconds``; waits for every answer.
     ``server``: a psutil.Process of the server, to record its CPU time (None: not recorded)."""
     loop = asyncio.get_running_loop()
@@ -194,24 +205,48 @@ def scrape(url: str) -> dict:
         if line.startswith("#"):
             continue
         name = line.split("{")[0].split()[0]
-        if name in ("hstu_serve_batch_size_sum", "hstu_serve_batch_size_count", "hstu_serve_batch_duration_seconds_sum",
-                    "hstu_serve_request_duration_seconds_sum", "hstu_serve_request_duration_seconds_count"):
+        if name in (
+            "hstu_serve_batch_size_sum",
+            "hstu_serve_batch_size_count",
+            "hstu_serve_batch_duration_seconds_sum",
+            "hstu_serve_request_duration_seconds_sum",
+            "hstu_serve_request_duration_seconds_count",
+        ):
             tot[name] = tot.get(name, 0.0) + float(line.split()[-1])
         elif name == "hstu_serve_rejected_requests_total":
             rejected[re.search(r'reason="([^"]+)"', line).group(1)] = float(line.split()[-1])
     n = tot.get("hstu_serve_batch_size_count", 0.0)
     r = tot.get("hstu_serve_request_duration_seconds_count", 0.0)
-    return {"batches": int(n), "mean_batch_size": round(tot.get("hstu_serve_batch_size_sum", 0.0) / n, 2) if n else 0.0,
-            "mean_batch_ms": round(1e3 * tot.get("hstu_serve_batch_duration_seconds_sum", 0.0) / n, 2) if n else None,
-            "mean_server_latency_ms": round(1e3 * tot.get("hstu_serve_request_duration_seconds_sum", 0.0) / r, 2) if r else None,
-            "rejected": rejected}
+    return {
+        "batches": int(n),
+        "mean_batch_size": round(tot.get("hstu_serve_batch_size_sum", 0.0) / n, 2) if n else 0.0,
+        "mean_batch_ms": round(1e3 * tot.get("hstu_serve_batch_duration_seconds_sum", 0.0) / n, 2) if n else None,
+        "mean_server_latency_ms": round(1e3 * tot.get("hstu_serve_request_duration_seconds_sum", 0.0) / r, 2) if r else None,
+        "rejected": rejected,
+    }
 
 
 def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
     if args.url:
         return None, args.url.rstrip("/"), None
-    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", args.run, "--port", "0", "--max-batch", str(args.max_batch),
-           "--max-wait-ms", str(args.max_wait_ms), "--cold-start", "reject", "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hstu.cli",
+        "serve",
+        "--run",
+        args.run,
+        "--port",
+        "0",
+        "--max-batch",
+        str(args.max_batch),
+        "--max-wait-ms",
+        str(args.max_wait_ms),
+        "--cold-start",
+        "reject",
+        "--threads",
+        str(args.threads),
+    ]
     if args.buckets:
         cmd += ["--buckets", args.buckets]
     if args.precision:
@@ -226,8 +261,9 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
         cpus = [0, 1]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not args.verbose else None, text=True, env=env,
-                            cwd=REPO, preexec_fn=pre)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not args.verbose else None, text=True, env=env, cwd=REPO, preexec_fn=pre
+    )
     line = proc.stdout.readline()
     m = re.search(r"listening on (http://\S+)", line)
     if not m:
@@ -276,13 +312,11 @@ async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
         best_qps = best.summary()["achieved_qps"] if best else 0.0
         over_qps = 2 * (best_qps if best_qps > 0 else args.steps[0])
         await asyncio.sleep(1.0)
-        over = await run_phase(client, bodies, Phase(f"overload {over_qps:g}", over_qps, args.overload_s), rng, args.max_in_flight,
-                               server)
+        over = await run_phase(client, bodies, Phase(f"overload {over_qps:g}", over_qps, args.overload_s), rng, args.max_in_flight, server)
         print(json.dumps(over.summary()), flush=True)
         await asyncio.sleep(1.0)
         rec_qps = best_qps / 2 if best_qps > 0 else args.steps[0] / 2
-        recov = await run_phase(client, bodies, Phase(f"recovery {rec_qps:g}", rec_qps, args.recovery_s), rng, args.max_in_flight,
-                                server)
+        recov = await run_phase(client, bodies, Phase(f"recovery {rec_qps:g}", rec_qps, args.recovery_s), rng, args.max_in_flight, server)
         print(json.dumps(recov.summary()), flush=True)
     codes = over.codes
     other_5xx = sum(n for c, n in codes.items() if c.isdigit() and c.startswith("5") and c != "503")
@@ -306,8 +340,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", help="run directory to serve (small preset trained on ML-1M)")
     p.add_argument("--url", help="use a running server instead of starting one")
-    p.add_argument("--data-dir", help="MovieLens-1M directory (ratings.dat); default: the run's training data, else "
-                   "$HSTU_DATA_DIR, else ../shared/data/ml-1m beside the repository")
+    p.add_argument(
+        "--data-dir",
+        help="MovieLens-1M directory (ratings.dat); default: the run's training data, else "
+        "$HSTU_DATA_DIR, else ../shared/data/ml-1m beside the repository",
+    )
     p.add_argument("--quick", action="store_true", help="short steps; the whole run stays within ~90 s")
     p.add_argument("--steps", help="offered loads in requests/s, comma-separated (default by mode)")
     p.add_argument("--step-s", type=float, help="seconds per step (default 3 quick, 10 full)")
@@ -319,14 +356,19 @@ def parse_args(argv=None):
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--buckets", help="server buckets (default: the server's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each model process (default 1)")
-    p.add_argument("--model-workers", type=int, default=1,
-                   help="server model processes (hstu serve --model-workers); 0 = the model on a thread of the HTTP process")
+    p.add_argument(
+        "--model-workers",
+        type=int,
+        default=1,
+        help="server model processes (hstu serve --model-workers); 0 = the model on a thread of the HTTP process",
+    )
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"], help="server inference precision (hstu serve --precision)")
     p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
     p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
     p.add_argument("--connections", type=int, default=256, help="client connection pool size")
-    p.add_argument("--max-in-flight", type=int, default=2000,
-                   help="client cap on outstanding requests (beyond it, arrivals are counted as dropped)")
+    p.add_argument(
+        "--max-in-flight", type=int, default=2000, help="client cap on outstanding requests (beyond it, arrivals are counted as dropped)"
+    )
     p.add_argument("--client-timeout-s", type=float, default=30.0)
     p.add_argument("--bodies", type=int, default=3000, help="distinct pre-encoded request bodies")
     p.add_argument("--seed", type=int, default=0)
@@ -336,8 +378,12 @@ def parse_args(argv=None):
     if not args.run and not args.url:
         p.error("give --run RUN_DIR (or --url of a running server)")
     quick = args.quick
-    args.steps = [float(x) for x in (args.steps or ("10,25,50,100,150,200,250,300,400,500,600" if quick else
-                                                   "25,50,100,150,200,250,300,350,400,500,600,800,1000")).split(",")]
+    args.steps = [
+        float(x)
+        for x in (
+            args.steps or ("10,25,50,100,150,200,250,300,400,500,600" if quick else "25,50,100,150,200,250,300,350,400,500,600,800,1000")
+        ).split(",")
+    ]
     args.step_s = args.step_s or (3.0 if quick else 10.0)
     args.overload_s = args.overload_s or (6.0 if quick else 20.0)
     args.recovery_s = args.recovery_s or (3.0 if quick else 10.0)
@@ -383,25 +429,57 @@ def main(argv=None) -> int:
     if args.run:
         cfg = json.loads((Path(args.run) / "config.json").read_text())
         met = json.loads((Path(args.run) / "metrics.json").read_text()) if (Path(args.run) / "metrics.json").exists() else {}
-        run_info = {"dir": args.run, "model": {k: cfg["model"].get(k) for k in ("num_items", "max_seq_len", "num_blocks", "embedding_dim")},
-                    "data": cfg.get("data"), "epochs": met.get("epochs"), "test_NDCG@10": (met.get("test") or {}).get("NDCG@10")}
+        run_info = {
+            "dir": args.run,
+            "model": {k: cfg["model"].get(k) for k in ("num_items", "max_seq_len", "num_blocks", "embedding_dim")},
+            "data": cfg.get("data"),
+            "epochs": met.get("epochs"),
+            "test_NDCG@10": (met.get("test") or {}).get("NDCG@10"),
+        }
     from _quality import git_commit  # after the run: the client never imports torch while it measures
 
-    res.update({
-        "git_commit": git_commit(),
-        "run": run_info,
-        "server_exit_code_after_sigterm": rc,
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
-        "settings": {"k": args.k, "history": args.history, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
-                     "server_threads": args.threads, "model_workers": args.model_workers, "server_cpus": cpus,
-                     "step_s": args.step_s, "overload_s": args.overload_s},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
-        "wall_s": round(time.monotonic() - t0, 1),
-        "note": "client (one asyncio/aiohttp process) and server share this machine; P99 from scheduled send times (open loop)",
-    })
-    print(json.dumps({k: res[k] for k in ("max_qps_p99_under_100ms", "p99_ms_at_max", "overload_non_http_errors",
-                                          "overload_5xx_other_than_503", "recovered", "wall_s")}))
+    res.update(
+        {
+            "git_commit": git_commit(),
+            "run": run_info,
+            "server_exit_code_after_sigterm": rc,
+            "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
+            "settings": {
+                "k": args.k,
+                "history": args.history,
+                "max_batch": args.max_batch,
+                "max_wait_ms": args.max_wait_ms,
+                "server_threads": args.threads,
+                "model_workers": args.model_workers,
+                "server_cpus": cpus,
+                "step_s": args.step_s,
+                "overload_s": args.overload_s,
+            },
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+            },
+            "wall_s": round(time.monotonic() - t0, 1),
+            "note": "client (one asyncio/aiohttp process) and server share this machine; P99 from scheduled send times (open loop)",
+        }
+    )
+    print(
+        json.dumps(
+            {
+                k: res[k]
+                for k in (
+                    "max_qps_p99_under_100ms",
+                    "p99_ms_at_max",
+                    "overload_non_http_errors",
+                    "overload_5xx_other_than_503",
+                    "recovered",
+                    "wall_s",
+                )
+            }
+        )
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")

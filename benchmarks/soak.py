@@ -128,8 +128,12 @@ async def recovery_check(url: str, body: bytes, timeout_s: float = 30.0) -> dict
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         r = await c.post("/v1/generate", content=body, headers=HEADERS)
     took = time.monotonic() - empty
-    return {"status": r.status_code, "seconds_after_queue_empty": round(took, 3), "ok": r.status_code == 200 and took <= 1.0,
-            "waited_for_empty_s": round(empty - t0, 3)}
+    return {
+        "status": r.status_code,
+        "seconds_after_queue_empty": round(took, 3),
+        "ok": r.status_code == 200 and took <= 1.0,
+        "waited_for_empty_s": round(empty - t0, 3),
+    }
 
 
 def rss_mb(server: psutil.Process) -> dict:
@@ -140,8 +144,12 @@ def rss_mb(server: psutil.Process) -> dict:
             per[p.pid] = p.memory_info().rss / 2**20
         except psutil.Error:
             pass
-    return {"t_s": None, "total_mb": round(sum(per.values()), 1), "server_mb": round(per.get(server.pid, 0.0), 1),
-            "model_mb": [round(v, 1) for pid, v in per.items() if pid != server.pid]}
+    return {
+        "t_s": None,
+        "total_mb": round(sum(per.values()), 1),
+        "server_mb": round(per.get(server.pid, 0.0), 1),
+        "model_mb": [round(v, 1) for pid, v in per.items() if pid != server.pid],
+    }
 
 
 async def steady(client, bodies, rng, args, qps: float, server: psutil.Process) -> dict:
@@ -207,22 +215,34 @@ async def kill_phase(client, bodies, rng, args, qps: float, server: psutil.Proce
     after = [(t, c) for t, c in answers if t_kill is not None and t > t_kill]
     failed = [t for t, c in after if c != "200"]
     back = next((t for t, c in after if c == "200" and (not failed or t > failed[0])), None)  # first 200 after the first failure
-    return {**ph.summary(), "killed_pid": info.get("killed_pid"), "error": info.get("error"), "failed_after_kill": len(failed),
-            "failed_codes": {c: sum(1 for _, x in after if x == c) for c in sorted({c for _, c in after if c != "200"})},
-            "readyz_down_s": info.get("readyz_down_s"), "readyz_back_s": info.get("readyz_back_s"),
-            "first_200_after_kill_s": round(back - t_kill, 3) if back and t_kill else None}
+    return {
+        **ph.summary(),
+        "killed_pid": info.get("killed_pid"),
+        "error": info.get("error"),
+        "failed_after_kill": len(failed),
+        "failed_codes": {c: sum(1 for _, x in after if x == c) for c in sorted({c for _, c in after if c != "200"})},
+        "readyz_down_s": info.get("readyz_down_s"),
+        "readyz_back_s": info.get("readyz_back_s"),
+        "first_200_after_kill_s": round(back - t_kill, 3) if back and t_kill else None,
+    }
 
 
 def overload_summary(ph: Phase, bound_s: float, means: dict[str, float]) -> dict:
     s = ph.summary()
     codes = ph.codes
     one_batch = max(means.values()) if means else 0.0
-    return {**s, "count_200": codes.get("200", 0), "count_429": codes.get("429", 0), "count_503": codes.get("503", 0),
-            "count_other_5xx": sum(n for c, n in codes.items() if c.isdigit() and c.startswith("5") and c != "503"),
-            "count_non_http": sum(n for c, n in codes.items() if not c.isdigit()),
-            "bound_ms": round(bound_s * 1e3, 1), "one_batch_ms": round(one_batch * 1e3, 2), "mean_batch_ms_by_bucket":
-            {b: round(v * 1e3, 2) for b, v in sorted(means.items(), key=lambda x: int(x[0]))},
-            "admitted_p99_within_bound_plus_one_batch": bool(ph.lat) and ph.p99 <= bound_s + one_batch}
+    return {
+        **s,
+        "count_200": codes.get("200", 0),
+        "count_429": codes.get("429", 0),
+        "count_503": codes.get("503", 0),
+        "count_other_5xx": sum(n for c, n in codes.items() if c.isdigit() and c.startswith("5") and c != "503"),
+        "count_non_http": sum(n for c, n in codes.items() if not c.isdigit()),
+        "bound_ms": round(bound_s * 1e3, 1),
+        "one_batch_ms": round(one_batch * 1e3, 2),
+        "mean_batch_ms_by_bucket": {b: round(v * 1e3, 2) for b, v in sorted(means.items(), key=lambda x: int(x[0]))},
+        "admitted_p99_within_bound_plus_one_batch": bool(ph.lat) and ph.p99 <= bound_s + one_batch,
+    }
 
 
 async def main_async(args, url: str, bodies: list[bytes], normal: bytes, server: psutil.Process) -> dict:
@@ -238,8 +258,10 @@ async def main_async(args, url: str, bodies: list[bytes], normal: bytes, server:
         over = await run_phase(client, bodies, Phase(f"overload {2 * c:g}", 2 * c, args.overload_s), rng, args.max_in_flight, server)
         after = await asyncio.to_thread(samples, url)
         res["overload"] = overload_summary(over, args.max_queue_delay_ms / 1e3, batch_means(before, after))
-        for key, name in (("server_p99_s_le", "hstu_serve_request_duration_seconds"),
-                          ("queue_wait_p99_s_le", "hstu_serve_queue_wait_seconds")):
+        for key, name in (
+            ("server_p99_s_le", "hstu_serve_request_duration_seconds"),
+            ("queue_wait_p99_s_le", "hstu_serve_queue_wait_seconds"),
+        ):
             res["overload"][key] = hist_quantile(before, after, name, 0.99)  # from the server's histograms: a bucket bound
         print(json.dumps({"overload": res["overload"]}), flush=True)
         res["recovery_after_overload"] = await recovery_check(url, normal)
@@ -272,9 +294,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model-workers", type=int, default=1, help="model processes (>= 1: the kill phase needs one)")
     p.add_argument("--server-cpus", help="CPU ids for the server (default: 0,1 when the machine has more than 2 cores)")
-    p.add_argument("--connections", type=int, default=2000,
-                   help="client connection pool: above the requests in flight at 2x overload (~C x bound), else requests "
-                        "wait for a connection in the client and that wait counts as latency")
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=2000,
+        help="client connection pool: above the requests in flight at 2x overload (~C x bound), else requests "
+        "wait for a connection in the client and that wait counts as latency",
+    )
     p.add_argument("--max-in-flight", type=int, default=2000)
     p.add_argument("--client-timeout-s", type=float, default=30.0)
     p.add_argument("--bodies", type=int, default=2000)
@@ -318,25 +344,59 @@ def main(argv=None) -> int:
         rc = stop_server(proc)
     from _quality import git_commit  # after the run: the client never imports torch while it measures
 
-    res.update({
-        "git_commit": git_commit(),
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
-        "server_exit_code_after_sigterm": rc,
-        "settings": {k: getattr(args, k) for k in ("quick", "max_queue_delay_ms", "heavy_fraction", "capacity_s", "overload_s", "steady_s",
-                                                   "kill_s", "rss_every_s", "concurrency", "k", "history", "max_batch", "max_wait_ms",
-                                                   "threads", "model_workers")} | {"server_cpus": cpus, "heavy_k": kmax},
-        "run": {"dir": args.run, "model": {k: cfg["model"].get(k) for k in ("num_items", "max_seq_len", "num_blocks", "embedding_dim")}},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_before": load_before, "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
-        "wall_s": round(time.monotonic() - t0, 1),
-        "note": "client (one asyncio/aiohttp process) and server share this machine; latency from scheduled send times (open loop)",
-    })
-    summary = {"capacity_qps": res["capacity"]["qps"], "overload_codes": res["overload"]["codes"],
-               "overload_p99_ms": res["overload"]["p99_ms"],
-               "bound_plus_one_batch_ms": res["overload"]["bound_ms"] + res["overload"]["one_batch_ms"],
-               "recovery_after_overload": res["recovery_after_overload"]["ok"], "steady_rss_growth_mb": res["steady"]["rss_growth_mb"],
-               "kill_failed": res["kill"]["failed_after_kill"], "kill_readyz_back_s": res["kill"]["readyz_back_s"],
-               "recovery_after_kill": res["recovery_after_kill"]["ok"], "wall_s": res["wall_s"]}
+    res.update(
+        {
+            "git_commit": git_commit(),
+            "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + (argv if argv is not None else sys.argv[1:])),
+            "server_exit_code_after_sigterm": rc,
+            "settings": {
+                k: getattr(args, k)
+                for k in (
+                    "quick",
+                    "max_queue_delay_ms",
+                    "heavy_fraction",
+                    "capacity_s",
+                    "overload_s",
+                    "steady_s",
+                    "kill_s",
+                    "rss_every_s",
+                    "concurrency",
+                    "k",
+                    "history",
+                    "max_batch",
+                    "max_wait_ms",
+                    "threads",
+                    "model_workers",
+                )
+            }
+            | {"server_cpus": cpus, "heavy_k": kmax},
+            "run": {
+                "dir": args.run,
+                "model": {k: cfg["model"].get(k) for k in ("num_items", "max_seq_len", "num_blocks", "embedding_dim")},
+            },
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg_before": load_before,
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            },
+            "wall_s": round(time.monotonic() - t0, 1),
+            "note": "client (one asyncio/aiohttp process) and server share this machine; latency from scheduled send times (open loop)",
+        }
+    )
+    summary = {
+        "capacity_qps": res["capacity"]["qps"],
+        "overload_codes": res["overload"]["codes"],
+        "overload_p99_ms": res["overload"]["p99_ms"],
+        "bound_plus_one_batch_ms": res["overload"]["bound_ms"] + res["overload"]["one_batch_ms"],
+        "recovery_after_overload": res["recovery_after_overload"]["ok"],
+        "steady_rss_growth_mb": res["steady"]["rss_growth_mb"],
+        "kill_failed": res["kill"]["failed_after_kill"],
+        "kill_readyz_back_s": res["kill"]["readyz_back_s"],
+        "recovery_after_kill": res["recovery_after_kill"]["ok"],
+        "wall_s": res["wall_s"],
+    }
     print(json.dumps(summary))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2, default=str) + "\n", encoding="utf-8")

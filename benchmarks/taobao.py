@@ -66,13 +66,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--num-negatives", type=int, default=128)
-    p.add_argument("--repeat-window", type=int, default=50,
-                   help="HSTU's repeat-aware scoring over the last R events (hstu.model.repeat; 0 = off). "
-                        "Model 'hstu-norepeat' is HSTU with it off, for the ablation")
-    p.add_argument("--cold-item-dropout", type=float, default=0.2,
-                   help="ModelConfig.cold_item_dropout for the HSTU models (items never in training enter the input "
-                        "without their embedding; in training, each event loses it with this probability); 0 = off. "
-                        "Runs with a value > 0 get a -coldP suffix")
+    p.add_argument(
+        "--repeat-window",
+        type=int,
+        default=50,
+        help="HSTU's repeat-aware scoring over the last R events (hstu.model.repeat; 0 = off). "
+        "Model 'hstu-norepeat' is HSTU with it off, for the ablation",
+    )
+    p.add_argument(
+        "--cold-item-dropout",
+        type=float,
+        default=0.2,
+        help="ModelConfig.cold_item_dropout for the HSTU models (items never in training enter the input "
+        "without their embedding; in training, each event loses it with this probability); 0 = off. "
+        "Runs with a value > 0 get a -coldP suffix",
+    )
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples")
@@ -104,17 +112,30 @@ def main(argv=None) -> int:
         arch = "sasrec" if name == "sasrec" else "hstu"
         rw = args.repeat_window if name == "hstu" else 0
         cold = args.cold_item_dropout if arch == "hstu" else 0.0
-        mcfg = model_config_from_preset(args.preset, architecture=arch, max_seq_len=args.max_seq_len, repeat_window=rw,
-                                        cold_item_dropout=cold)
-        tcfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, learning_rate=args.learning_rate,
-                           num_negatives=args.num_negatives, seed=args.seed, early_stopping_patience=args.patience,
-                           num_threads=args.threads)
+        mcfg = model_config_from_preset(
+            args.preset, architecture=arch, max_seq_len=args.max_seq_len, repeat_window=rw, cold_item_dropout=cold
+        )
+        tcfg = TrainConfig(
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            num_negatives=args.num_negatives,
+            seed=args.seed,
+            early_stopping_patience=args.patience,
+            num_threads=args.threads,
+        )
         t0 = time.perf_counter()
         run = runs / ((f"{name}-rw{rw}" if rw else name) + (f"-cold{cold:g}" if cold else ""))
         metrics, history = train_or_resume(run, mcfg, tcfg, spec, device=args.device)
         model, cfg, _ = load_run(run, args.device)
-        trained[name] = {"model": model, "metrics": metrics, "history": history, "config": cfg, "run": run,
-                         "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1)}
+        trained[name] = {
+            "model": model,
+            "metrics": metrics,
+            "history": history,
+            "config": cfg,
+            "run": run,
+            "wall_seconds_this_invocation": round(time.perf_counter() - t0, 1),
+        }
 
     scorers = {name: ModelScorer(t["model"], name, args.device) for name, t in trained.items()}
     scorers.update({b: BaselineScorer(make_baseline(b, log_, split)) for b in BASELINES})
@@ -130,8 +151,14 @@ def main(argv=None) -> int:
             rep, h = scorer_results(sc, log_, split, exclude, weights, popularity)
             report[name]["test"][setting] = rep
             per_user_hits[setting][name] = h
-            log.info("%s (%s): test HR@10 %.4f %s (%.0f s)", name, setting, rep["next_item"]["HR@10"]["value"],
-                     rep["next_item"]["HR@10"]["ci"], time.perf_counter() - t0)
+            log.info(
+                "%s (%s): test HR@10 %.4f %s (%.0f s)",
+                name,
+                setting,
+                rep["next_item"]["HR@10"]["value"],
+                rep["next_item"]["HR@10"]["ci"],
+                time.perf_counter() - t0,
+            )
     for name, sc in scorers.items():
         if name in trained:
             report[name]["valid"] = evaluate(trained[name]["model"], log_, split, "valid", device=args.device)
@@ -144,48 +171,98 @@ def main(argv=None) -> int:
             for other in scorers:
                 if other != model_name:
                     comparisons.setdefault(model_name, {}).setdefault(setting, {})[other] = paired_comparison(
-                        hs[model_name], hs[other], weights)
+                        hs[model_name], hs[other], weights
+                    )
 
-    recipe = {"preset": args.preset, "max_seq_len": args.max_seq_len, "epochs_max": args.epochs, "patience": args.patience,
-              "batch_size": args.batch_size, "learning_rate": args.learning_rate, "num_negatives": args.num_negatives,
-              "seed": args.seed, "protocol": "clean", "early_stopping": "valid NDCG@10, history items kept (data set default)",
-              "bootstrap": {"resamples": args.resamples, "level": 0.95, "unit": "user", "seed": args.seed}}
-    data = {"dataset": "taobao", "data_dir": args.data_dir, "users": log_.num_users, "items": log_.num_items,
-            "events": log_.num_events, "evaluated_users": n_users}
+    recipe = {
+        "preset": args.preset,
+        "max_seq_len": args.max_seq_len,
+        "epochs_max": args.epochs,
+        "patience": args.patience,
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "num_negatives": args.num_negatives,
+        "seed": args.seed,
+        "protocol": "clean",
+        "early_stopping": "valid NDCG@10, history items kept (data set default)",
+        "bootstrap": {"resamples": args.resamples, "level": 0.95, "unit": "user", "seed": args.seed},
+    }
+    data = {
+        "dataset": "taobao",
+        "data_dir": args.data_dir,
+        "users": log_.num_users,
+        "items": log_.num_items,
+        "events": log_.num_events,
+        "evaluated_users": n_users,
+    }
     for name, rep in report.items():
         entry = {"scorer": name, "data": data, "recipe": recipe, **rep, **prov}
         if name in trained:
             m = trained[name]["metrics"]
-            entry.update(model=trained[name]["config"]["model"], train_config=trained[name]["config"]["train"],
-                         epochs=m["epochs"], best_epoch=m["best_epoch"],
-                         train_seconds=m["train_seconds"], sequences_per_s=m["sequences_per_s"],
-                         run_dir=str(trained[name]["run"]), history=[{k: h[k] for k in ("epoch", "loss", "seconds", "sequences_per_s")}
-                                                             | {"valid_NDCG@10": h.get("valid", {}).get("NDCG@10"),
-                                                                "valid_HR@10": h.get("valid", {}).get("HR@10")}
-                                                             for h in trained[name]["history"]])
+            entry.update(
+                model=trained[name]["config"]["model"],
+                train_config=trained[name]["config"]["train"],
+                epochs=m["epochs"],
+                best_epoch=m["best_epoch"],
+                train_seconds=m["train_seconds"],
+                sequences_per_s=m["sequences_per_s"],
+                run_dir=str(trained[name]["run"]),
+                history=[
+                    {k: h[k] for k in ("epoch", "loss", "seconds", "sequences_per_s")}
+                    | {"valid_NDCG@10": h.get("valid", {}).get("NDCG@10"), "valid_HR@10": h.get("valid", {}).get("HR@10")}
+                    for h in trained[name]["history"]
+                ],
+            )
         write_json(out / f"taobao_{name}.json", entry)
 
-    summary = {"data": data, "recipe": recipe, **prov, "comparisons_HR@10": comparisons,
-               "HR@10": {s: {n: report[n]["test"][s]["next_item"]["HR@10"] for n in scorers} for s in per_user_hits}}
+    summary = {
+        "data": data,
+        "recipe": recipe,
+        **prov,
+        "comparisons_HR@10": comparisons,
+        "HR@10": {s: {n: report[n]["test"][s]["next_item"]["HR@10"] for n in scorers} for s in per_user_hits},
+    }
     floors = {}
     for setting in per_user_hits:
         if "hstu" in trained:
             vs = {o: c for o, c in comparisons["hstu"][setting].items() if o in ("sasrec", *BASELINES)}
-            floors[setting] = {"hstu_beats_all": all(c["win"] for c in vs.values()),
-                               "hstu_beats_all_beyond_ci": all(c["win_beyond_ci"] for c in vs.values()),
-                               "per_scorer": {o: {"ratio": c["ratio"]["value"], "ratio_ci": c["ratio"]["ci"], "win": c["win"],
-                                                  "win_beyond_ci": c["win_beyond_ci"], "loss_beyond_ci": c["loss_beyond_ci"]}
-                                              for o, c in vs.items()}}
+            floors[setting] = {
+                "hstu_beats_all": all(c["win"] for c in vs.values()),
+                "hstu_beats_all_beyond_ci": all(c["win_beyond_ci"] for c in vs.values()),
+                "per_scorer": {
+                    o: {
+                        "ratio": c["ratio"]["value"],
+                        "ratio_ci": c["ratio"]["ci"],
+                        "win": c["win"],
+                        "win_beyond_ci": c["win_beyond_ci"],
+                        "loss_beyond_ci": c["loss_beyond_ci"],
+                    }
+                    for o, c in vs.items()
+                },
+            }
     summary["floor_hstu_beats_baselines"] = floors
     write_json(out / "taobao_summary.json", summary)
 
-    curves = {n: ([h["epoch"] for h in t["history"] if "valid" in h], [h["valid"]["NDCG@10"] for h in t["history"] if "valid" in h])
-              for n, t in trained.items()}
+    curves = {
+        n: ([h["epoch"] for h in t["history"] if "valid" in h], [h["valid"]["NDCG@10"] for h in t["history"] if "valid" in h])
+        for n, t in trained.items()
+    }
     hl = {f"{b} (valid)": report[b]["valid"]["NDCG@10"] for b in BASELINES}
-    plot_curves(out / "taobao_valid_ndcg.png", curves, hlines=hl,
-                title=f"Taobao UserBehavior head ({log_.num_users} users): validation NDCG@10, history items kept")
-    print(json.dumps({"HR@10": {s: {n: round(v["value"], 4) for n, v in d.items()} for s, d in summary["HR@10"].items()},
-                      "hstu_beats_all": {s: f["hstu_beats_all"] for s, f in floors.items()}}, indent=2))
+    plot_curves(
+        out / "taobao_valid_ndcg.png",
+        curves,
+        hlines=hl,
+        title=f"Taobao UserBehavior head ({log_.num_users} users): validation NDCG@10, history items kept",
+    )
+    print(
+        json.dumps(
+            {
+                "HR@10": {s: {n: round(v["value"], 4) for n, v in d.items()} for s, d in summary["HR@10"].items()},
+                "hstu_beats_all": {s: f["hstu_beats_all"] for s, f in floors.items()},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

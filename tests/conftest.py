@@ -57,8 +57,13 @@ def run_dir(tmp_path_factory) -> Path:
     from hstu.train.loop import fit
 
     out = tmp_path_factory.mktemp("tiny") / "run"
-    fit(out, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1), DataSpec("ml-1m", str(ML1M), max_users=USERS),
-        progress=False)
+    fit(
+        out,
+        model_config_from_preset("small", max_seq_len=50),
+        TrainConfig(epochs=1),
+        DataSpec("ml-1m", str(ML1M), max_users=USERS),
+        progress=False,
+    )
     return out
 
 

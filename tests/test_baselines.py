@@ -20,9 +20,21 @@ from hstu.train.metrics import target_ranks
 def tiny_log() -> EventLog:
     # user 1: 10 11 10 12 | valid 13 | test 10     user 2: 11 12 11 | valid 14 | test 11
     # user 3: 12 13 (too short for the clean split: trained on, not evaluated)
-    rows = [(1, 10, "view"), (1, 11, "view"), (1, 10, "cart"), (1, 12, "view"), (1, 13, "view"), (1, 10, "buy"),
-            (2, 11, "view"), (2, 12, "view"), (2, 11, "cart"), (2, 14, "view"), (2, 11, "buy"),
-            (3, 12, "view"), (3, 13, "view")]
+    rows = [
+        (1, 10, "view"),
+        (1, 11, "view"),
+        (1, 10, "cart"),
+        (1, 12, "view"),
+        (1, 13, "view"),
+        (1, 10, "buy"),
+        (2, 11, "view"),
+        (2, 12, "view"),
+        (2, 11, "cart"),
+        (2, 14, "view"),
+        (2, 11, "buy"),
+        (3, 12, "view"),
+        (3, 13, "view"),
+    ]
     df = pd.DataFrame(rows, columns=["user_id", "item_id", "action"])
     df["timestamp"] = np.arange(len(df)) * 10
     return EventLog.from_frame(df, name="tiny", exclude_history_default=False)
@@ -95,14 +107,14 @@ def test_repeat_recent_on_taobao_equals_pure_python(taobao_csv):
     got = evaluate_baseline(make_baseline("repeat-recent", log_, split), log_, split, "test", ks=(10,))
     pop = Counter()
     for u in range(log_.num_users):
-        pop.update(log_.items[log_.offsets[u]:split.train_end[u]].tolist())
+        pop.update(log_.items[log_.offsets[u] : split.train_end[u]].tolist())
     counts = np.zeros(log_.num_items + 1, np.int64)
     for i, c in pop.items():
         counts[i] = c
     hits = 0
     t = split.test_target
     for u in np.nonzero(t >= 0)[0]:
-        hist = log_.items[log_.offsets[u]:t[u]].tolist()
+        hist = log_.items[log_.offsets[u] : t[u]].tolist()
         order = list(dict.fromkeys(reversed(hist)))  # distinct, most recent first
         target = int(log_.items[t[u]])
         if target in order:

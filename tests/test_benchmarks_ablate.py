@@ -24,8 +24,18 @@ def ablate(monkeypatch):
 
 def test_report_only_rescores_the_runs_own_users(ablate, tmp_path: Path) -> None:
     need(ML1M / "ratings.dat")
-    common = ["--data-dir", str(ML1M), "--ablations", "base,seed-7", "--runs", str(tmp_path / "runs"), "--resamples", "20",
-              "--threads", str(torch.get_num_threads())]
+    common = [
+        "--data-dir",
+        str(ML1M),
+        "--ablations",
+        "base,seed-7",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--resamples",
+        "20",
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
     assert ablate.main([*common, "--epochs", "1", "--max-users", "30", "--out", str(tmp_path / "trained")]) == 0
     assert ablate.main([*common, "--report-only", "--out", str(tmp_path / "report")]) == 0  # no --max-users
     for out in ("report", "trained"):

@@ -77,12 +77,14 @@ def test_history_file_and_train_flag_errors_name_the_input(run_dir, tmp_path):
     """Found by a fresh-user trial: a directory, a binary file or a timestamp past int64 as
     --history were tracebacks (exit 1); a negative timestamp ran; --max-users 0 trained on every
     user. Now one line naming the file / flag, exit 2 (ranges as the HTTP Event's)."""
-    cases = [(tmp_path, f"{tmp_path}: is a directory, not a history file"),
-             (tmp_path / "bin.json", "not UTF-8 text"),
-             (tmp_path / "big.json", "event [0].timestamp must be in 0..9223372036854775807, got 99999999999999999999999"),
-             (tmp_path / "neg.json", "event [0].timestamp must be in 0..9223372036854775807, got -4"),
-             (tmp_path / "typo.json", "event [1] has unknown field(s) ['actoin']; valid: item_id, timestamp, action"),
-             (tmp_path / "act.json", "event [0].action must be a string or null, got 3")]
+    cases = [
+        (tmp_path, f"{tmp_path}: is a directory, not a history file"),
+        (tmp_path / "bin.json", "not UTF-8 text"),
+        (tmp_path / "big.json", "event [0].timestamp must be in 0..9223372036854775807, got 99999999999999999999999"),
+        (tmp_path / "neg.json", "event [0].timestamp must be in 0..9223372036854775807, got -4"),
+        (tmp_path / "typo.json", "event [1] has unknown field(s) ['actoin']; valid: item_id, timestamp, action"),
+        (tmp_path / "act.json", "event [0].action must be a string or null, got 3"),
+    ]
     (tmp_path / "typo.json").write_text('[{"item_id": 1, "timestamp": 5}, {"item_id": 2, "timestamp": 6, "actoin": "buy"}]')
     (tmp_path / "act.json").write_text('[{"item_id": 1, "timestamp": 5, "action": 3}]')
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe")
@@ -105,15 +107,18 @@ def test_generate_k_names_the_models_range_as_http_does(run_dir):
         assert p.returncode == 2 and p.stderr.strip() == f"hstu generate: error: -k: must be in 1..10 (the model's max_output_len), got {k}"
 
 
-@pytest.mark.parametrize("flag, field, bad, message, edge", [
-    ("--top-k", "top_k", "0", "must be in 1..100000, got 0", "100000"),
-    ("--temperature", "temperature", "0", "must be in (0, 100], got 0", "100"),
-    ("--temperature", "temperature", "-1", "must be in (0, 100], got -1", "0.001"),
-    ("--temperature", "temperature", "nan", "must be in (0, 100], got nan", "1"),
-    ("--beam-width", "beam_width", "0", "must be in 1..16, got 0", "1"),
-    ("--beam-width", "beam_width", "17", "must be in 1..16, got 17", "16"),
-    ("--seed", "seed", "-1", "must be in 0..4294967295, got -1", "4294967295"),
-])
+@pytest.mark.parametrize(
+    "flag, field, bad, message, edge",
+    [
+        ("--top-k", "top_k", "0", "must be in 1..100000, got 0", "100000"),
+        ("--temperature", "temperature", "0", "must be in (0, 100], got 0", "100"),
+        ("--temperature", "temperature", "-1", "must be in (0, 100], got -1", "0.001"),
+        ("--temperature", "temperature", "nan", "must be in (0, 100], got nan", "1"),
+        ("--beam-width", "beam_width", "0", "must be in 1..16, got 0", "1"),
+        ("--beam-width", "beam_width", "17", "must be in 1..16, got 17", "16"),
+        ("--seed", "seed", "-1", "must be in 0..4294967295, got -1", "4294967295"),
+    ],
+)
 def test_generate_decoding_options_take_the_http_ranges(tmp_path, capsys, flag, field, bad, message, edge):
     """--top-k 0, --temperature 0 and --beam-width 0 were raw RuntimeErrors, --temperature -1 ran:
     each is refused by argparse (exit 2, flag and range named) before the run is read, exactly
@@ -145,8 +150,10 @@ def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
             (out / f).write_text("{}")
         assert main(["train", "--data-dir", str(tmp_path / "no_data"), "--out", str(out), "--quiet"]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"hstu train: error: --out {out} already holds a run ({', '.join(f for f in RUN_FILES if f in files)}); "
-                              "pass --resume to continue it, --overwrite to replace it"), err
+        assert err.startswith(
+            f"hstu train: error: --out {out} already holds a run ({', '.join(f for f in RUN_FILES if f in files)}); "
+            "pass --resume to continue it, --overwrite to replace it"
+        ), err
     nodata = ["--data-dir", str(tmp_path / "no_data"), "--out", str(out), "--quiet"]  # the interrupted run
     assert main(["train", "--resume", *nodata]) == 2  # passes the check, then misses the data
     assert "already holds" not in capsys.readouterr().err and (out / "last.json").exists()
@@ -176,14 +183,17 @@ def test_generate_data_dir_flag_and_env(run_dir, tmp_path):
     out = json.loads(hstu("generate", "--run", moved, "--user", 1, "--json", "--data-dir", tmp_path / "elsewhere").stdout)
     assert out["items"] == want
     env = {k: v for k, v in os.environ.items() if k != "HSTU_DATA_DIR"}
-    out = json.loads(hstu("generate", "--run", moved, "--user", 1, "--json", env={**env, "HSTU_DATA_DIR": str(tmp_path / "elsewhere")}).stdout)
+    out = json.loads(
+        hstu("generate", "--run", moved, "--user", 1, "--json", env={**env, "HSTU_DATA_DIR": str(tmp_path / "elsewhere")}).stdout
+    )
     assert out["items"] == want
     empty = tmp_path / "empty"
     empty.mkdir()
     p = hstu("generate", "--run", run_dir, "--user", 1, env={**env, "HSTU_DATA_DIR": str(empty)}, check=False)  # env over the recorded dir
     assert p.returncode == 2 and str(empty) in p.stderr and "pass --data-dir or set HSTU_DATA_DIR" in p.stderr, p.stderr
-    out = json.loads(hstu("generate", "--run", run_dir, "--user", 1, "--json", "--data-dir", ML1M,
-                          env={**env, "HSTU_DATA_DIR": str(empty)}).stdout)  # the flag over the env
+    out = json.loads(
+        hstu("generate", "--run", run_dir, "--user", 1, "--json", "--data-dir", ML1M, env={**env, "HSTU_DATA_DIR": str(empty)}).stdout
+    )  # the flag over the env
     assert out["items"] == want
 
 

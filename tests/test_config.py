@@ -33,20 +33,23 @@ def test_invalid_values_name_the_field():
         model_config_from_preset("small", attention_norm="rowwise", num_items=10)
 
 
-@pytest.mark.parametrize("table,body,message", [
-    ("model", "embedding_dim = -4", "[model]: ModelConfig.embedding_dim must be > 0, got -4"),
-    ("model", 'num_heads = "x"', "[model]: num_heads must be int, got 'x'"),
-    ("model", "use_time_bias = 1", "[model]: use_time_bias must be bool, got 1"),
-    ("train", "learning_rate = -1", "[train]: TrainConfig.learning_rate must be a finite number > 0, got -1"),
-    ("train", "weight_decay = nan", "[train]: TrainConfig.weight_decay must be a finite number >= 0, got nan"),
-    ("model", "num_time_buckets = -5", "[model]: ModelConfig.num_time_buckets must be > 0, got -5"),
-    ("model", "time_bucket_log_base = 0.0", "[model]: ModelConfig.time_bucket_log_base must be a finite number > 0, got 0.0"),
-    ("model", "max_seq_len = 100000000", "[model]: ModelConfig.max_seq_len + max_output_len must be <= 65536, got 100000010"),
-    ("model", "num_actions = -1", "[model]: ModelConfig.num_actions must be >= 0, got -1"),
-    ("train", "beta2 = 1.0", "[train]: TrainConfig.beta2 must be in [0, 1), got 1.0"),
-    ("serve", "buckets = [20, 10]", "[serve]: ServeConfig.buckets must be distinct, ascending"),
-    ("serve", 'buckets = ["a"]', "[serve]: buckets must be list[int], got ['a']"),
-])
+@pytest.mark.parametrize(
+    "table,body,message",
+    [
+        ("model", "embedding_dim = -4", "[model]: ModelConfig.embedding_dim must be > 0, got -4"),
+        ("model", 'num_heads = "x"', "[model]: num_heads must be int, got 'x'"),
+        ("model", "use_time_bias = 1", "[model]: use_time_bias must be bool, got 1"),
+        ("train", "learning_rate = -1", "[train]: TrainConfig.learning_rate must be a finite number > 0, got -1"),
+        ("train", "weight_decay = nan", "[train]: TrainConfig.weight_decay must be a finite number >= 0, got nan"),
+        ("model", "num_time_buckets = -5", "[model]: ModelConfig.num_time_buckets must be > 0, got -5"),
+        ("model", "time_bucket_log_base = 0.0", "[model]: ModelConfig.time_bucket_log_base must be a finite number > 0, got 0.0"),
+        ("model", "max_seq_len = 100000000", "[model]: ModelConfig.max_seq_len + max_output_len must be <= 65536, got 100000010"),
+        ("model", "num_actions = -1", "[model]: ModelConfig.num_actions must be >= 0, got -1"),
+        ("train", "beta2 = 1.0", "[train]: TrainConfig.beta2 must be in [0, 1), got 1.0"),
+        ("serve", "buckets = [20, 10]", "[serve]: ServeConfig.buckets must be distinct, ascending"),
+        ("serve", 'buckets = ["a"]', "[serve]: buckets must be list[int], got ['a']"),
+    ],
+)
 def test_config_file_errors_name_the_file_table_and_field(tmp_path, table, body, message):
     """A bad value in a config file is refused when the file is read (before any data loads),
     naming the file, the table and the field; a wrong type is not left to fail deep inside."""
@@ -57,11 +60,14 @@ def test_config_file_errors_name_the_file_table_and_field(tmp_path, table, body,
     assert str(e.value).startswith(f"{f} {message}"), str(e.value)
 
 
-@pytest.mark.parametrize("name,text,message", [
-    ("c.toml", "model = 5\n", "[model]: must be a table of fields, got 5"),
-    ("c.json", '{"model": 5}', "[model]: must be a table of fields, got 5"),
-    ("c.json", "null", ": expected tables such as [model] and [train], got NoneType"),
-])
+@pytest.mark.parametrize(
+    "name,text,message",
+    [
+        ("c.toml", "model = 5\n", "[model]: must be a table of fields, got 5"),
+        ("c.json", '{"model": 5}', "[model]: must be a table of fields, got 5"),
+        ("c.json", "null", ": expected tables such as [model] and [train], got NoneType"),
+    ],
+)
 def test_config_file_that_is_not_tables(tmp_path, name, text, message):
     """A table given as a value ('model = 5', JSON null) said "'int' object is not iterable"."""
     f = tmp_path / name

@@ -58,15 +58,18 @@ def write(tmp_path, ratings: str, movies: str = "1::A (2000)::Drama\n2::B (2001)
     return tmp_path
 
 
-@pytest.mark.parametrize("bad,line,msg", [
-    ("1::1::5::100\n1::2::4\n", 2, "expected 4"),
-    ("1::1::5::100\n1::2::4::200\nx::2::4::200\n", 3, "not an integer"),
-    ("1::1::5::100\n1::2::4::20.5\n", 2, "not an integer"),
-    ("1::1::5::100\n1::2::4::200::9\n", 2, "expected 4"),
-    ("1::1::5::100\n99999999999999999999::2::4::200\n", 2, "outside the int64 range"),  # was an OverflowError traceback
-    ("1::1::5::100\n4611686018427387905.0::2::4::200\n", 2, "not an integer"),  # the fast parser rounded it to 2^62
-    ("1::1::5::100\n1e5::2::4::200\n", 2, "not an integer"),
-])
+@pytest.mark.parametrize(
+    "bad,line,msg",
+    [
+        ("1::1::5::100\n1::2::4\n", 2, "expected 4"),
+        ("1::1::5::100\n1::2::4::200\nx::2::4::200\n", 3, "not an integer"),
+        ("1::1::5::100\n1::2::4::20.5\n", 2, "not an integer"),
+        ("1::1::5::100\n1::2::4::200::9\n", 2, "expected 4"),
+        ("1::1::5::100\n99999999999999999999::2::4::200\n", 2, "outside the int64 range"),  # was an OverflowError traceback
+        ("1::1::5::100\n4611686018427387905.0::2::4::200\n", 2, "not an integer"),  # the fast parser rounded it to 2^62
+        ("1::1::5::100\n1e5::2::4::200\n", 2, "not an integer"),
+    ],
+)
 def test_malformed_rows_name_file_and_line(tmp_path, bad, line, msg):
     d = write(tmp_path, bad)
     with pytest.raises(DataFormatError, match=f"ratings.dat:{line}: .*{msg}"):

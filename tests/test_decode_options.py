@@ -14,12 +14,24 @@ from hstu.serve.runner import DecodeOptions as RunnerDecodeOptions
 from hstu.serve.schemas import Decoding
 
 
-@pytest.mark.parametrize("kw, field", [
-    ({"strategy": "sample"}, "strategy"), ({"top_k": 0}, "top_k"), ({"top_k": TOP_K_MAX + 1}, "top_k"), ({"top_k": True}, "top_k"),
-    ({"beam_width": 0}, "beam_width"), ({"beam_width": BEAM_WIDTH_MAX + 1}, "beam_width"), ({"seed": -1}, "seed"),
-    ({"seed": SEED_MAX + 1}, "seed"), ({"temperature": 0.0}, "temperature"), ({"temperature": TEMPERATURE_MAX * 1.01}, "temperature"),
-    ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"), ({"top_k": 2.5}, "top_k"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"strategy": "sample"}, "strategy"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": TOP_K_MAX + 1}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": BEAM_WIDTH_MAX + 1}, "beam_width"),
+        ({"seed": -1}, "seed"),
+        ({"seed": SEED_MAX + 1}, "seed"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": TEMPERATURE_MAX * 1.01}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+    ],
+)
 def test_out_of_range_options_name_the_field(kw, field) -> None:
     with pytest.raises(ValueError, match=f"DecodeOptions.{field} must"):
         DecodeOptions(**kw)
@@ -54,8 +66,10 @@ def test_generate_table_is_the_options_plus_k_and_exclude_history(tmp_path) -> N
         load_config_file(p)
 
 
-@pytest.mark.parametrize("max_seq_len, want", [(50, (20, 50)), (200, (20, 50, 100, 200)), (300, (20, 50, 100, 200, 300)),
-                                               (20, (20,)), (8, (8,)), (101, (20, 50, 100, 101))])
+@pytest.mark.parametrize(
+    "max_seq_len, want",
+    [(50, (20, 50)), (200, (20, 50, 100, 200)), (300, (20, 50, 100, 200, 300)), (20, (20,)), (8, (8,)), (101, (20, 50, 100, 101))],
+)
 def test_default_buckets_end_at_max_seq_len(max_seq_len, want) -> None:
     assert default_buckets(max_seq_len) == want
 

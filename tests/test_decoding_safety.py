@@ -34,8 +34,9 @@ TINY = (1e-38, 1e-300, 5e-324)
 
 def tiny_model(num_items: int = 40, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = ModelConfig(num_items=num_items, max_seq_len=20, max_output_len=6, embedding_dim=16, num_blocks=1, num_heads=2, d_qk=8,
-                      d_v=8, dropout=0.0)
+    cfg = ModelConfig(
+        num_items=num_items, max_seq_len=20, max_output_len=6, embedding_dim=16, num_blocks=1, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     return build_hstu(cfg).eval()
 
 
@@ -57,13 +58,15 @@ def test_topk_at_a_tiny_temperature_is_the_greedy_limit_in_decode_and_engine(tem
     m = tiny_model()
     ids, ts, L, rt = batch()
     greedy = generate(m, ids, ts, L, 5, request_time=rt, exclude=exclusion_mask(40, 3, ids, L))
-    got = generate(m, ids, ts, L, 5, request_time=rt, exclude=exclusion_mask(40, 3, ids, L), strategy="topk", top_k=50,
-                   temperature=temperature, seed=3)
+    got = generate(
+        m, ids, ts, L, 5, request_time=rt, exclude=exclusion_mask(40, 3, ids, L), strategy="topk", top_k=50, temperature=temperature, seed=3
+    )
     assert torch.equal(got.items, greedy.items)
     assert bool(torch.isfinite(got.scores).all())
     eng = Engine(m, buckets=(20,), max_batch=4, k_max=6)
-    got_e = eng.generate(ids, ts, L, 5, request_time=rt, exclude=exclusion_mask(40, 3, ids, L), strategy="topk", top_k=50,
-                         temperature=temperature, seed=3)
+    got_e = eng.generate(
+        ids, ts, L, 5, request_time=rt, exclude=exclusion_mask(40, 3, ids, L), strategy="topk", top_k=50, temperature=temperature, seed=3
+    )
     assert torch.equal(got_e.items, greedy.items)
     assert bool(torch.isfinite(got_e.scores).all())
 
@@ -106,14 +109,18 @@ def test_batch_group_with_one_faulty_job_fails_only_that_job(rec) -> None:
     greedy group of four: the three others get the items they get alone."""
     from hstu.serve.runner import BatchRunner, Job
 
-    hists = [History([1, 2858, 260], [978300000, 978300100, 978300200]), History([1196, 1210], [978300000, 978300100]),
-             History([32, 50, 110, 296], [978300000, 978300100, 978300200, 978300300])]
+    hists = [
+        History([1, 2858, 260], [978300000, 978300100, 978300200]),
+        History([1196, 1210], [978300000, 978300100]),
+        History([32, 50, 110, 296], [978300000, 978300100, 978300200, 978300300]),
+    ]
     preps = [rec.prepare(h) for h in hists]
     bad = rec.prepare(History([1, 2858], [978300000, 978300100], exclude=[int(r) for r in rec.raw_ids[3:]]))
     for engine in ("require", "never"):
         runner = BatchRunner(rec, [10, 20, 50], 8, use_engine=engine)
-        out = runner.run_batch(10, [Job("generate", preps[0], k=5), Job("generate", bad, k=5), Job("generate", preps[1], k=5),
-                                    Job("generate", preps[2], k=3)])
+        out = runner.run_batch(
+            10, [Job("generate", preps[0], k=5), Job("generate", bad, k=5), Job("generate", preps[1], k=5), Job("generate", preps[2], k=3)]
+        )
         assert isinstance(out[1], ValueError) and "fewer than 5 items left" in str(out[1])
         for r, p, k in zip((out[0], out[2], out[3]), preps, (5, 5, 3)):
             assert not isinstance(r, Exception), r
@@ -201,8 +208,9 @@ def test_cli_topk_at_a_tiny_temperature_equals_greedy(run_dir, tmp_path, capsys,
     hist.write_text(json.dumps([{"item_id": 1, "timestamp": 978300000}, {"item_id": 2858, "timestamp": 978300100}]))
     assert main(["generate", "--run", str(run_dir), "--history", str(hist), "--json"]) == 0
     greedy = json.loads(capsys.readouterr().out)["items"]
-    assert main(["generate", "--run", str(run_dir), "--history", str(hist), "--strategy", "topk", "--temperature", temperature,
-                 "--json"]) == 0
+    assert (
+        main(["generate", "--run", str(run_dir), "--history", str(hist), "--strategy", "topk", "--temperature", temperature, "--json"]) == 0
+    )
     got = json.loads(capsys.readouterr().out)["items"]
     assert [i["item_id"] for i in got] == [i["item_id"] for i in greedy]
     assert all(math.isfinite(i["score"]) for i in got)
@@ -219,8 +227,13 @@ def three_item_run(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("three")
     rows = [(u, 1 + (u + j) % 3, 1_700_000_000 + 60 * j) for u in range(1, 13) for j in range(6)]
     (d / "events.csv").write_text("user,item,time\n" + "".join(f"{u},{i},{t}\n" for u, i, t in rows))
-    fit(d / "run", model_config_from_preset("small", max_seq_len=20), TrainConfig(epochs=1),
-        DataSpec("csv", str(d / "events.csv"), options={"columns": "user=user,item=item,time=time"}), progress=False)
+    fit(
+        d / "run",
+        model_config_from_preset("small", max_seq_len=20),
+        TrainConfig(epochs=1),
+        DataSpec("csv", str(d / "events.csv"), options={"columns": "user=user,item=item,time=time"}),
+        progress=False,
+    )
     return d / "run"
 
 

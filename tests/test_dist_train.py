@@ -83,16 +83,32 @@ def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
         for name, sharding, chunk in RUNS:
             mcfg, tcfg, spec, dcfg = _configs(data_dir)
             losses: list[float] = []
-            metrics = fit_distributed(Path(out) / name, mcfg, replace(tcfg, negatives_chunk=chunk), spec,
-                                      replace(dcfg, sharding=sharding), progress=False,
-                                      on_step=lambda e, i, loss: losses.append(loss), data=data)
+            metrics = fit_distributed(
+                Path(out) / name,
+                mcfg,
+                replace(tcfg, negatives_chunk=chunk),
+                spec,
+                replace(dcfg, sharding=sharding),
+                progress=False,
+                on_step=lambda e, i, loss: losses.append(loss),
+                data=data,
+            )
             result[name] = {"losses": losses, "test": metrics["test"]}
         # --resume: epoch 2 of the row_wise run continued from its last.* vs two epochs in one go
         mcfg, tcfg, spec, dcfg = _configs(data_dir)
         for name, run, resume in (("resumed", "row_wise", True), ("straight", "straight", False)):
             losses = []
-            fit_distributed(Path(out) / run, replace(mcfg), replace(tcfg, epochs=2), spec, dcfg, progress=False, resume=resume,
-                            on_step=lambda e, i, loss: losses.append((e, loss)), data=data)
+            fit_distributed(
+                Path(out) / run,
+                replace(mcfg),
+                replace(tcfg, epochs=2),
+                spec,
+                dcfg,
+                progress=False,
+                resume=resume,
+                on_step=lambda e, i, loss: losses.append((e, loss)),
+                data=data,
+            )
             result[name] = losses
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -136,9 +152,17 @@ def _reference(data_dir: str, chunk: int) -> tuple[list[float], torch.nn.Module,
     for ub in batches:
         b = train_batch(log_, split, ub, cfg.max_seq_len)
         out = model.encode(b.ids, b.timestamps, b.lengths)
-        loss, _ = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
-                                       temperature=cfg.temperature, chunk=tcfg.negatives_chunk, generator=gen,
-                                       num_items=cfg.num_items)
+        loss, _ = sampled_softmax_loss(
+            out,
+            b.ids,
+            b.lengths,
+            model.item_emb,
+            num_negatives=tcfg.num_negatives,
+            temperature=cfg.temperature,
+            chunk=tcfg.negatives_chunk,
+            generator=gen,
+            num_items=cfg.num_items,
+        )
         adamw.zero_grad(set_to_none=True)
         sgd.zero_grad(set_to_none=True)
         loss.backward()
@@ -239,12 +263,38 @@ def test_cli_under_torchrun(ml1m_dir, tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "run"
     # --standalone: torchrun picks a free rendezvous port itself (no race with other jobs)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "hstu.train", "--dataset", "ml-1m", "--data-dir", str(ml1m_dir),
-           "--preset", "small", "--epochs", "1", "--max-users", "16", "--batch-size", "8", "--num-negatives", "8",
-           "--out", str(out), "--sharding", "column_wise", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "hstu.train",
+        "--dataset",
+        "ml-1m",
+        "--data-dir",
+        str(ml1m_dir),
+        "--preset",
+        "small",
+        "--epochs",
+        "1",
+        "--max-users",
+        "16",
+        "--batch-size",
+        "8",
+        "--num-negatives",
+        "8",
+        "--out",
+        str(out),
+        "--sharding",
+        "column_wise",
+        "--quiet",
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, "\n".join(l for l in p.stderr.splitlines() if "is_fx_tracing" not in l)[-6000:]
-    metrics = json.loads(p.stdout[p.stdout.index("{"):])  # rank 0 prints metrics.json
+    metrics = json.loads(p.stdout[p.stdout.index("{") :])  # rank 0 prints metrics.json
     assert metrics == json.loads((out / "metrics.json").read_text())
     assert metrics["distributed"]["world_size"] == 2 and metrics["test"]["users"] == 16
     model, cfg, _ = load_run(out)

@@ -67,13 +67,16 @@ def test_taobao_small_file_order_and_features(tmp_path: Path):
     assert log_.item_category.tolist() == [0, 1, 1]
 
 
-@pytest.mark.parametrize("bad_line, text, needle", [
-    (3, "1,10,100,pv,1000\n1,11,100,cart,1005\n1,12,100,pv\n", "expected 5 fields"),
-    (2, "1,10,100,pv,1000\n1,11,100,click,1005\n", "unknown action 'click'"),
-    (1, "1,1x,100,pv,1000\n", "item (1) is not an integer: '1x'"),
-    (2, "1,10,100,pv,1000\n1,11,100,pv,1005,7\n", "expected 5 fields"),
-    (1, "1,10,100,pv,1000,7\n1,11,100,pv,1005,7\n", "expected 5 fields"),  # extra column on every row
-])
+@pytest.mark.parametrize(
+    "bad_line, text, needle",
+    [
+        (3, "1,10,100,pv,1000\n1,11,100,cart,1005\n1,12,100,pv\n", "expected 5 fields"),
+        (2, "1,10,100,pv,1000\n1,11,100,click,1005\n", "unknown action 'click'"),
+        (1, "1,1x,100,pv,1000\n", "item (1) is not an integer: '1x'"),
+        (2, "1,10,100,pv,1000\n1,11,100,pv,1005,7\n", "expected 5 fields"),
+        (1, "1,10,100,pv,1000,7\n1,11,100,pv,1005,7\n", "expected 5 fields"),  # extra column on every row
+    ],
+)
 def test_taobao_malformed_rows_name_the_line(tmp_path: Path, bad_line: int, text: str, needle: str):
     p = _write(tmp_path / "UserBehavior.csv", text)
     with pytest.raises(DataFormatError) as ei:
@@ -131,13 +134,17 @@ def test_retailrocket_ms_to_seconds_and_actions(tmp_path: Path):
 
 def test_retailrocket_categories_from_item_properties(tmp_path: Path):
     _write(tmp_path / "events.csv", RR_EVENTS)
-    _write(tmp_path / "item_properties_part1.csv",
-           "timestamp,itemid,property,value\n"
-           "1431226800000,355908,categoryid,1338\n"
-           "1431226800000,355908,790,n5.0\n"
-           "1433041200000,355908,categoryid,1277\n")  # later value wins
-    _write(tmp_path / "item_properties_part2.csv",
-           "timestamp,itemid,property,value\n1431226800000,248676,categoryid,5\n1431226800000,248676,available,1\n")
+    _write(
+        tmp_path / "item_properties_part1.csv",
+        "timestamp,itemid,property,value\n"
+        "1431226800000,355908,categoryid,1338\n"
+        "1431226800000,355908,790,n5.0\n"
+        "1433041200000,355908,categoryid,1277\n",
+    )  # later value wins
+    _write(
+        tmp_path / "item_properties_part2.csv",
+        "timestamp,itemid,property,value\n1431226800000,248676,categoryid,5\n1431226800000,248676,available,1\n",
+    )
     log_ = load_dataset("retailrocket", tmp_path)
     assert log_.category_raw_ids.tolist() == [0, 5, 1277]
     raw_cat = {int(r): int(log_.category_raw_ids[c]) if c else None for r, c in zip(log_.item_raw_ids[1:], log_.item_category[1:])}
@@ -160,10 +167,12 @@ def test_retailrocket_malformed(tmp_path: Path):
 
 
 # ----------------------------------------------------------------------------- generic CSV / Parquet
-GENERIC = ("uid,ts,sku,event,cat,extra\n"
-           "7,2024-01-01T00:00:10Z,500,click,3,x\n"
-           "7,2024-01-01T00:00:05Z,501,order,4,y\n"
-           "9,2024-01-01T01:00:00+01:00,500,click,3,z\n")
+GENERIC = (
+    "uid,ts,sku,event,cat,extra\n"
+    "7,2024-01-01T00:00:10Z,500,click,3,x\n"
+    "7,2024-01-01T00:00:05Z,501,order,4,y\n"
+    "9,2024-01-01T01:00:00+01:00,500,click,3,z\n"
+)
 MAPPING = "user=uid,item=sku,time=ts,action=event,category=cat"
 T0 = 1704067200  # 2024-01-01T00:00:00Z
 
@@ -172,9 +181,13 @@ def test_parse_columns():
     m, unit = parse_columns("user=a, item=b,time=c,time_unit=ms")
     assert m == {"user": "a", "item": "b", "time": "c"} and unit == "ms"
     assert parse_columns({"user": "a", "item": "b", "time": "c"}) == ({"user": "a", "item": "b", "time": "c"}, None)
-    for bad, msg in [("user=a,item=b", "missing \\['time'\\]"), ("user=a,item=b,time=c,price=d", "unknown key 'price'"),
-                     ("user=a,item=b,time=c,user=e", "given twice"), ("user,item=b,time=c", "not key=column"),
-                     ("user=a,item=b,time=c,time_unit=h", "time_unit")]:
+    for bad, msg in [
+        ("user=a,item=b", "missing \\['time'\\]"),
+        ("user=a,item=b,time=c,price=d", "unknown key 'price'"),
+        ("user=a,item=b,time=c,user=e", "given twice"),
+        ("user,item=b,time=c", "not key=column"),
+        ("user=a,item=b,time=c,time_unit=h", "time_unit"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             parse_columns(bad)
 
@@ -227,7 +240,9 @@ def test_csv_malformed_rows_name_the_line(tmp_path: Path):
     with pytest.raises(DataFormatError, match=r"log.csv:3: expected"):
         load_csv(p, columns="user=u,item=i,time=t")
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,10\n1,3,yesterday\n")
-    with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither integer Unix time \(int64\) nor an ISO 8601 .*'yesterday'"):
+    with pytest.raises(
+        DataFormatError, match=r"log.csv:3: time \('t'\) is neither integer Unix time \(int64\) nor an ISO 8601 .*'yesterday'"
+    ):
         load_csv(p, columns="user=u,item=i,time=t")
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,2024-01-01\n1,3,not-a-date\n")
     with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither"):
@@ -274,7 +289,7 @@ def test_repeat_share_on_real_taobao(taobao_csv: Path):
     repeats, last = 0, 0
     for u in range(log_.num_users):
         seen: set[int] = set()
-        items = log_.items[log_.offsets[u]:log_.offsets[u + 1]].tolist()
+        items = log_.items[log_.offsets[u] : log_.offsets[u + 1]].tolist()
         for x in items:
             repeats += x in seen
             seen.add(x)
@@ -282,6 +297,7 @@ def test_repeat_share_on_real_taobao(taobao_csv: Path):
     assert repeats / log_.num_events == pytest.approx(0.2427, abs=5e-4)
     assert last / log_.num_users == pytest.approx(0.3096, abs=5e-4)
     # the counter agrees with a Counter-based second count
-    total_repeat = sum(sum(c - 1 for c in Counter(log_.items[log_.offsets[u]:log_.offsets[u + 1]].tolist()).values())
-                       for u in range(log_.num_users))
+    total_repeat = sum(
+        sum(c - 1 for c in Counter(log_.items[log_.offsets[u] : log_.offsets[u + 1]].tolist()).values()) for u in range(log_.num_users)
+    )
     assert total_repeat == repeats

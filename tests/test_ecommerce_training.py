@@ -22,8 +22,9 @@ def test_action_head_loss_falls_on_real_taobao_slice(taobao_csv):
     log_ = subset_users(load_taobao(taobao_csv), 40)
     split = make_split(log_, "clean")
     torch.manual_seed(0)
-    cfg = model_config_for(log_, ModelConfig(max_seq_len=30, embedding_dim=16, num_blocks=1, num_heads=1, d_qk=16, d_v=16,
-                                             dropout=0.0), use_features=True)
+    cfg = model_config_for(
+        log_, ModelConfig(max_seq_len=30, embedding_dim=16, num_blocks=1, num_heads=1, d_qk=16, d_v=16, dropout=0.0), use_features=True
+    )
     assert cfg.num_actions == 4 and cfg.num_categories == log_.num_categories
     model = build_hstu(cfg)
     b = train_batch(log_, split, np.arange(log_.num_users), cfg.max_seq_len)
@@ -33,8 +34,9 @@ def test_action_head_loss_falls_on_real_taobao_slice(taobao_csv):
     for _ in range(25):
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         la = next_action_loss(out, b.actions, b.lengths, model.action_head)
-        li, _ = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=32, temperature=0.05, generator=gen,
-                                     num_items=cfg.num_items)
+        li, _ = sampled_softmax_loss(
+            out, b.ids, b.lengths, model.item_emb, num_negatives=32, temperature=0.05, generator=gen, num_items=cfg.num_items
+        )
         losses.append(la.item())
         opt.zero_grad()
         (li + 0.5 * la).backward()
@@ -53,8 +55,13 @@ def test_trained_run_generates_items_with_action_and_category(taobao_csv, tmp_pa
     from hstu.generate.recommend import History, Recommender
 
     cfg = ModelConfig(max_seq_len=30, embedding_dim=16, num_blocks=1, num_heads=1, d_qk=16, d_v=16)
-    fit(tmp_path, cfg, TrainConfig(epochs=1, batch_size=16, num_negatives=16), DataSpec("taobao", str(taobao_csv), max_users=30),
-        progress=False)
+    fit(
+        tmp_path,
+        cfg,
+        TrainConfig(epochs=1, batch_size=16, num_negatives=16),
+        DataSpec("taobao", str(taobao_csv), max_users=30),
+        progress=False,
+    )
     raw_category = {}
     with open(taobao_csv, newline="") as fh:
         for row in csv.reader(fh):

@@ -283,12 +283,44 @@ def test_index_ranges():
 
 
 def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli_main(["plan-memory", "--items", "200000", "--dim", "128", "--dtype", "fp16", "--device-mem", "32GiB", "--host-mem", "8GiB", "--shards", "3"])
+    rc = cli_main(
+        [
+            "plan-memory",
+            "--items",
+            "200000",
+            "--dim",
+            "128",
+            "--dtype",
+            "fp16",
+            "--device-mem",
+            "32GiB",
+            "--host-mem",
+            "8GiB",
+            "--shards",
+            "3",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "fits: yes" in out
     rows = [int(line.split()[1].replace(",", "")) for line in out.splitlines() if line.strip()[:1].isdigit() and "fp16" in line]
     assert rows == shard_row_counts(200_001 + 1024, 3)
-    rc = cli_main(["plan-memory", "--items", "200000", "--dim", "128", "--dtype", "fp16", "--device-mem", "10MiB", "--host-mem", "20MiB", "--shards", "3"])
+    rc = cli_main(
+        [
+            "plan-memory",
+            "--items",
+            "200000",
+            "--dim",
+            "128",
+            "--dtype",
+            "fp16",
+            "--device-mem",
+            "10MiB",
+            "--host-mem",
+            "20MiB",
+            "--shards",
+            "3",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 3 and "refused" in cap.err and "fits: NO" in cap.out
     rc = cli_main(["plan-memory", "--items", "10", "--dim", "8", "--dtype", "int4"])
@@ -298,7 +330,9 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
         assert cli_main(["plan-memory", *bad, "--device-mem", "1GiB"]) == 2  # were a MemoryError and a 33,120-shard plan
         assert capsys.readouterr().err.startswith("hstu plan-memory: error: --")
     # thousands of shards: the table shows the first and last ones, the reasons name index ranges
-    rc = cli_main(["plan-memory", "--items", "3000000", "--dim", "128", "--max-shard-bytes", "1MiB", "--device-mem", "1MiB", "--host-mem", "64MiB"])
+    rc = cli_main(
+        ["plan-memory", "--items", "3000000", "--dim", "128", "--max-shard-bytes", "1MiB", "--device-mem", "1MiB", "--host-mem", "64MiB"]
+    )
     cap = capsys.readouterr()
     n = -(-(3_000_001 + 1024) * 128 * 4 // 2**20)  # 1466 shards of <= 1 MiB; 24 lines shown
     assert rc == 3 and f"in {n} shard(s)" in cap.out and f"({n - 24:,} more shards; --json lists them all)" in cap.out

@@ -25,8 +25,7 @@ EDGES = (20, 40, 60)
 def small_model(seed: int = 0, **kw) -> torch.nn.Module:
     torch.manual_seed(seed)
     kw = {"num_heads": 2, **kw}
-    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, d_qk=8, d_v=8,
-                      dropout=0.0, **kw)
+    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, d_qk=8, d_v=8, dropout=0.0, **kw)
     return build_hstu(cfg).eval()
 
 
@@ -100,8 +99,9 @@ def test_stale_generated_slots_never_change_a_result(model):
     short_ids, short_ts, short_L, short_rt = histories([5, 2, 19, 1], seed=12)
     for strategy in ("greedy", "topk"):
         a = used.generate(short_ids, short_ts, short_L, 4, request_time=short_rt, strategy=strategy, seed=3)
-        b = Engine(model, buckets=EDGES, max_batch=4, k_max=6).generate(short_ids, short_ts, short_L, 4, request_time=short_rt,
-                                                                       strategy=strategy, seed=3)
+        b = Engine(model, buckets=EDGES, max_batch=4, k_max=6).generate(
+            short_ids, short_ts, short_L, 4, request_time=short_rt, strategy=strategy, seed=3
+        )
         assert torch.equal(a.items, b.items) and torch.equal(a.scores, b.scores)
 
 
@@ -171,7 +171,7 @@ def test_exclusion_history_and_block_list(engine):
     ex = exclusion_mask(I, len(LENS), ids, L, block)
     res = engine.generate(ids, ts, L, 5, request_time=rt, exclude=ex)
     for b, row in enumerate(res.items.tolist()):
-        hist = set(ids[b, :L[b]].tolist())
+        hist = set(ids[b, : L[b]].tolist())
         assert not (set(row) & hist) and not (set(row) & set(block[b]))
         assert all(ex[b, i] for i in row)  # generated items were added to the mask in place
 
@@ -192,8 +192,7 @@ def test_features_match_reference():
     close(got.scores, ref.scores)
 
 
-@pytest.mark.parametrize("flags", [dict(use_time_bias=False), dict(use_position_bias=False),
-                                   dict(attention_norm="causal")])
+@pytest.mark.parametrize("flags", [dict(use_time_bias=False), dict(use_position_bias=False), dict(attention_norm="causal")])
 def test_bias_ablations_match_reference(flags):
     m = small_model(seed=6, **flags)
     eng = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
@@ -346,8 +345,7 @@ def test_compile_mode_traces_each_bucket_once_and_matches():
     code generation, to keep the test fast): same items, one graph per bucket and kind."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=I, max_seq_len=20, max_output_len=3, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(num_items=I, max_seq_len=20, max_output_len=3, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8, dropout=0.0)
     m = build_hstu(cfg).eval()
     eng = Engine(m, buckets=(20,), max_batch=2, k_max=3, graphs="compile", compile_backend="aot_eager")
     ids, ts, L, rt = histories([3, 17], width=20)
@@ -365,14 +363,25 @@ def test_engine_serves_recommender_batches(model, engine):
     from hstu.generate.recommend import History, Recommender
 
     rec = Recommender(model, {"item_raw_ids": [0] + [1000 + i for i in range(1, I + 1)]})
-    hists = [History(items=[1000 + i for i in (5, 9, 33)], timestamps=[100, 200, 300], request_time=400),
-             History(items=[1000 + i for i in range(1, 45)], timestamps=list(range(1000, 1044)), exclude=[1007])]
+    hists = [
+        History(items=[1000 + i for i in (5, 9, 33)], timestamps=[100, 200, 300], request_time=400),
+        History(items=[1000 + i for i in range(1, 45)], timestamps=list(range(1000, 1044)), exclude=[1007]),
+    ]
     preps = [rec.prepare(h) for h in hists]
     want = rec.recommend(preps, k=4)
     b = rec.batch(preps)
     mask = exclusion_mask(I, 2, b["ids"], b["lengths"], [p.block for p in preps])  # history excluded (MovieLens-style default)
-    res = engine.generate(b["ids"], b["timestamps"], b["lengths"], 4, request_time=b["request_time"], exclude=mask,
-                          actions=b["actions"], categories=b["categories"], item_category=rec.item_category)
+    res = engine.generate(
+        b["ids"],
+        b["timestamps"],
+        b["lengths"],
+        4,
+        request_time=b["request_time"],
+        exclude=mask,
+        actions=b["actions"],
+        categories=b["categories"],
+        item_category=rec.item_category,
+    )
     got = [[int(rec.raw_ids[i]) for i in row] for row in res.items.tolist()]
     assert got == [[d["item_id"] for d in row] for row in want]
 
@@ -393,8 +402,9 @@ def test_prefill_in_causal_row_blocks_equals_one_square(blocks, chunk):
     computed a few batch rows at a time); same items, scores within float reassociation, and
     the same first-step scores as the float64 encoder."""
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=I, max_seq_len=80, max_output_len=4, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=I, max_seq_len=80, max_output_len=4, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     m = build_hstu(cfg).eval()
     lens = [80, 64, 65, 33, 1, 79]
     ids, ts, L, rt = histories(lens, width=80, seed=5)

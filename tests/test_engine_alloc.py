@@ -27,10 +27,31 @@ from hstu.generate.engine import Engine
 from hstu.model import build_hstu
 
 FORBIDDEN = {
-    "aten.empty", "aten.empty_strided", "aten.empty_like", "aten.zeros", "aten.zeros_like", "aten.ones", "aten.ones_like",
-    "aten.full", "aten.full_like", "aten.new_empty", "aten.new_empty_strided", "aten.new_zeros", "aten.new_ones",
-    "aten.new_full", "aten.arange", "aten.scalar_tensor", "aten.lift_fresh", "aten.cat", "aten.stack", "aten.pad",
-    "aten.constant_pad_nd", "aten.repeat", "aten.repeat_interleave", "aten.resize_", "aten.clone",
+    "aten.empty",
+    "aten.empty_strided",
+    "aten.empty_like",
+    "aten.zeros",
+    "aten.zeros_like",
+    "aten.ones",
+    "aten.ones_like",
+    "aten.full",
+    "aten.full_like",
+    "aten.new_empty",
+    "aten.new_empty_strided",
+    "aten.new_zeros",
+    "aten.new_ones",
+    "aten.new_full",
+    "aten.arange",
+    "aten.scalar_tensor",
+    "aten.lift_fresh",
+    "aten.cat",
+    "aten.stack",
+    "aten.pad",
+    "aten.constant_pad_nd",
+    "aten.repeat",
+    "aten.repeat_interleave",
+    "aten.resize_",
+    "aten.clone",
 }
 
 
@@ -47,8 +68,19 @@ class OpCounter(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def engine():
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=200, max_seq_len=40, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0, num_actions=3, num_categories=4)
+    cfg = ModelConfig(
+        num_items=200,
+        max_seq_len=40,
+        max_output_len=6,
+        embedding_dim=16,
+        num_blocks=2,
+        num_heads=2,
+        d_qk=8,
+        d_v=8,
+        dropout=0.0,
+        num_actions=3,
+        num_categories=4,
+    )
     return Engine(build_hstu(cfg).eval(), buckets=(10, 40), max_batch=4, k_max=6)
 
 

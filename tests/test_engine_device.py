@@ -23,8 +23,9 @@ def device_or_skip(name: str) -> torch.device:
 
 def case():
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=300, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=300, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     m = build_hstu(cfg).eval()
     g = torch.Generator().manual_seed(1)
     L = torch.tensor([1, 7, 20, 21, 60])
@@ -41,8 +42,13 @@ def run_on(dev: torch.device, graphs: str, kernels: str = "auto"):
     eng.warmup()
     for strategy in ("greedy", "beam"):
         got = eng.generate(ids.to(dev), ts.to(dev), L.to(dev), 5, request_time=rt.to(dev), strategy=strategy, beam_width=2)
-        want = ref if strategy == "greedy" else generate(m.cpu(), ids, ts, L, 5, request_time=rt, strategy="beam", beam_width=2,
-                                                         exclude=exclusion_mask(300, 5, None, None))
+        want = (
+            ref
+            if strategy == "greedy"
+            else generate(
+                m.cpu(), ids, ts, L, 5, request_time=rt, strategy="beam", beam_width=2, exclude=exclusion_mask(300, 5, None, None)
+            )
+        )
         m.to(dev)
         assert torch.equal(got.items.cpu(), want.items)
         torch.testing.assert_close(got.scores.cpu(), want.scores, rtol=1e-4, atol=1e-3)

@@ -12,8 +12,9 @@ from hstu.model import HSTUModel
 
 def model(seed=0) -> HSTUModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(num_items=60, max_seq_len=12, max_output_len=5, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=60, max_seq_len=12, max_output_len=5, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     m = HSTUModel(cfg).eval()
     with torch.no_grad():
         for layer in m.layers:
@@ -26,7 +27,9 @@ def batch():
     ids = torch.tensor([[5, 9, 1, 33, 2, 0, 0, 0, 0, 0], [7, 0, 0, 0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
     lengths = torch.tensor([5, 1, 10])
     t0 = 978_300_000
-    ts = torch.tensor([[t0 + 60 * i for i in range(10)], [t0] + [0] * 9, [t0 + 3600 * i for i in range(10)]]) * (torch.arange(10) < lengths.view(-1, 1))
+    ts = torch.tensor([[t0 + 60 * i for i in range(10)], [t0] + [0] * 9, [t0 + 3600 * i for i in range(10)]]) * (
+        torch.arange(10) < lengths.view(-1, 1)
+    )
     req = torch.tensor([t0 + 86400, t0 + 5, t0 + 10**6])
     return ids, ts, lengths, req
 
@@ -46,8 +49,15 @@ def test_batch_rows_equal_single_rows():
     full = generate(m, ids, ts, lengths, 4, request_time=req, exclude=exclusion_mask(60, 3, ids, lengths))
     for b in range(3):
         L = int(lengths[b])
-        one = generate(m, ids[b:b + 1, :L], ts[b:b + 1, :L], lengths[b:b + 1], 4, request_time=req[b:b + 1],
-                       exclude=exclusion_mask(60, 1, ids[b:b + 1, :L], lengths[b:b + 1]))
+        one = generate(
+            m,
+            ids[b : b + 1, :L],
+            ts[b : b + 1, :L],
+            lengths[b : b + 1],
+            4,
+            request_time=req[b : b + 1],
+            exclude=exclusion_mask(60, 1, ids[b : b + 1, :L], lengths[b : b + 1]),
+        )
         assert torch.equal(one.items[0], full.items[b])
         torch.testing.assert_close(one.scores[0], full.scores[b], rtol=1e-5, atol=1e-5)
 
@@ -61,13 +71,14 @@ def test_exclusion_history_generated_and_block():
     for b in range(3):
         gen = out.items[b].tolist()
         assert len(set(gen)) == 5 and 0 not in gen
-        assert not set(gen) & set(ids[b, :lengths[b]].tolist())
+        assert not set(gen) & set(ids[b, : lengths[b]].tolist())
         assert not set(gen) & set(block[b])
     # without history exclusion, the argmax of the first step is the unrestricted best item
     free = generate(m, ids, ts, lengths, 1, request_time=req, exclude=exclusion_mask(60, 3, None, None))
     with torch.no_grad():
-        seq = m.encode(torch.nn.functional.pad(ids, (0, 1)), torch.nn.functional.pad(ts, (0, 1)).index_put_(
-            (torch.arange(3), lengths), req), lengths)
+        seq = m.encode(
+            torch.nn.functional.pad(ids, (0, 1)), torch.nn.functional.pad(ts, (0, 1)).index_put_((torch.arange(3), lengths), req), lengths
+        )
         s = m.last_rows(seq, lengths) @ m.item_vectors()[1:].T
     assert free.items[:, 0].tolist() == (s.argmax(1) + 1).tolist()
 
@@ -85,8 +96,11 @@ def test_beam_width_one_is_greedy_and_beam_is_no_worse():
 def test_topk_sampling_is_seeded():
     m = model(4)
     ids, ts, lengths, req = batch()
-    run = lambda s: generate(m, ids, ts, lengths, 5, request_time=req, exclude=exclusion_mask(60, 3, ids, lengths), strategy="topk",  # noqa: E731
-                             top_k=10, seed=s).items
+
+    def run(s):
+        mask = exclusion_mask(60, 3, ids, lengths)
+        return generate(m, ids, ts, lengths, 5, request_time=req, exclude=mask, strategy="topk", top_k=10, seed=s).items
+
     assert torch.equal(run(7), run(7))
 
 
@@ -114,8 +128,15 @@ def test_no_cat_in_decode_loop(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("k,lengths,msg", [(0, [5, 1, 10], "k must be"), (6, [5, 1, 10], "max_output_len"),
-                                           (3, [5, 0, 10], "empty history"), (3, [5, 1, 13], "exceeds max_seq_len")])
+@pytest.mark.parametrize(
+    "k,lengths,msg",
+    [
+        (0, [5, 1, 10], "k must be"),
+        (6, [5, 1, 10], "max_output_len"),
+        (3, [5, 0, 10], "empty history"),
+        (3, [5, 1, 13], "exceeds max_seq_len"),
+    ],
+)
 def test_bad_input(k, lengths, msg):
     m = model()
     ids, ts, _, req = batch()

@@ -31,8 +31,13 @@ def taobao_run(tmp_path_factory) -> Path:
     from hstu.train.loop import DataSpec, fit
 
     out = tmp_path_factory.mktemp("tb") / "run"
-    fit(out, model_config_from_preset("small", max_seq_len=50, repeat_window=8, embedding_dim=16, d_qk=16, d_v=16),
-        TrainConfig(epochs=1, batch_size=32, seed=0), DataSpec("taobao", str(data), max_users=100), progress=False)
+    fit(
+        out,
+        model_config_from_preset("small", max_seq_len=50, repeat_window=8, embedding_dim=16, d_qk=16, d_v=16),
+        TrainConfig(epochs=1, batch_size=32, seed=0),
+        DataSpec("taobao", str(data), max_users=100),
+        progress=False,
+    )
     return out
 
 
@@ -59,8 +64,26 @@ def _histories(run: Path, n: int = 3) -> list[list[dict]]:
 def _cli(run: Path, hist: list[dict], d: DecodeOptions, tmp_path: Path, capsys) -> list[dict]:
     f = tmp_path / "h.json"
     f.write_text(json.dumps(hist))
-    argv = ["generate", "--run", str(run), "--history", str(f), "-k", str(K), "--strategy", d.strategy, "--top-k", str(d.top_k),
-            "--temperature", str(d.temperature), "--beam-width", str(d.beam_width), "--seed", str(d.seed), "--json"]
+    argv = [
+        "generate",
+        "--run",
+        str(run),
+        "--history",
+        str(f),
+        "-k",
+        str(K),
+        "--strategy",
+        d.strategy,
+        "--top-k",
+        str(d.top_k),
+        "--temperature",
+        str(d.temperature),
+        "--beam-width",
+        str(d.beam_width),
+        "--seed",
+        str(d.seed),
+        "--json",
+    ]
     capsys.readouterr()
     assert cli.main(argv) == 0
     return json.loads(capsys.readouterr().out)["items"]
@@ -84,8 +107,17 @@ def test_cli_api_and_http_generate_identically(which, request, tmp_path, capsys)
     with LiveServer(create_app(ServeConfig(buckets=[20, 50], max_batch=16), Recommender.from_run(run))) as srv:
         for i, h in enumerate(hists):
             for d in DECODINGS:
-                body = {"history": h, "k": K, "decoding": {"strategy": d.strategy, "top_k": d.top_k, "temperature": d.temperature,
-                                                           "beam_width": d.beam_width, "seed": d.seed}}
+                body = {
+                    "history": h,
+                    "k": K,
+                    "decoding": {
+                        "strategy": d.strategy,
+                        "top_k": d.top_k,
+                        "temperature": d.temperature,
+                        "beam_width": d.beam_width,
+                        "seed": d.seed,
+                    },
+                }
                 r = post(srv.url, "/v1/generate", body)
                 assert r.status_code == 200, r.text
                 http = r.json()["items"]

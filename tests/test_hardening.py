@@ -16,8 +16,9 @@ from hstu.model import build_hstu
 
 def model():
     torch.manual_seed(0)
-    return build_hstu(ModelConfig(num_items=50, max_seq_len=20, max_output_len=3, embedding_dim=8, num_blocks=1, num_heads=1,
-                                  d_qk=4, d_v=4, dropout=0.1))
+    return build_hstu(
+        ModelConfig(num_items=50, max_seq_len=20, max_output_len=3, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=4, d_v=4, dropout=0.1)
+    )
 
 
 def test_harden_freezes_and_evals():

@@ -62,8 +62,9 @@ def test_int8_index_is_the_normalised_int8_table_within_activation_rounding():
 
 
 def _model():
-    cfg = ModelConfig(num_items=40, max_seq_len=12, max_output_len=3, embedding_dim=16, num_blocks=1, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=40, max_seq_len=12, max_output_len=3, embedding_dim=16, num_blocks=1, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     torch.manual_seed(0)
     return build_hstu(cfg).eval()
 

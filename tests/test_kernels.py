@@ -28,8 +28,11 @@ from hstu.model.kernels import reference as ref
 
 def rand_qkv(B=2, H=2, T=7, S=7, dq=5, dv=6, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, T, dq, generator=g, dtype=dtype), torch.randn(B, H, S, dq, generator=g, dtype=dtype),
-            torch.randn(B, H, S, dv, generator=g, dtype=dtype))
+    return (
+        torch.randn(B, H, T, dq, generator=g, dtype=dtype),
+        torch.randn(B, H, S, dq, generator=g, dtype=dtype),
+        torch.randn(B, H, S, dv, generator=g, dtype=dtype),
+    )
 
 
 def test_reference_attention_equals_model_attention_with_bias():
@@ -39,7 +42,7 @@ def test_reference_attention_equals_model_attention_with_bias():
     rb = RelativeBias(width=N, num_buckets=20).double()
     g = torch.Generator().manual_seed(1)
     ts = torch.sort(torch.randint(0, 10**6, (B, W + 1), generator=g), dim=1).values
-    tb_model = time_buckets(ts[:, :W + 1], 20)[:, :W, :W]  # (B, W, W) over the first W rows, t[i+1] from W + 1 columns
+    tb_model = time_buckets(ts[:, : W + 1], 20)[:, :W, :W]  # (B, W, W) over the first W rows, t[i+1] from W + 1 columns
     want = hstu_attention_reference(q, k, v, rb(tb_model), n=N)
     tb = ref.time_buckets(ts[:, 1:], ts[:, :W], num_buckets=20, log_base=0.301)
     pos = torch.arange(W)
@@ -65,8 +68,9 @@ def test_attention_splits_over_key_segments_and_masks_stale_rows():
     k2[:, :, 3], v2[:, :, 3] = -1e6, 1e6  # row 3 marked invalid (padding)
     valid = torch.ones(2, 9, dtype=torch.bool)
     valid[:, 3] = False
-    without3 = whole - ref.attention(q, k[:, :, 3:4], v[:, :, 3:4], q_pos=qp, k_pos=kp[:, 3:4], k_valid=None, tb=None, pos_w=pw,
-                                     ts_w=None, n=N)
+    without3 = whole - ref.attention(
+        q, k[:, :, 3:4], v[:, :, 3:4], q_pos=qp, k_pos=kp[:, 3:4], k_valid=None, tb=None, pos_w=pw, ts_w=None, n=N
+    )
     got = ref.attention(q, k2, v2, q_pos=qp, k_pos=kp, k_valid=valid, tb=None, pos_w=pw, ts_w=None, n=N)
     torch.testing.assert_close(got, without3, rtol=1e-12, atol=1e-12)
 
@@ -116,8 +120,9 @@ def test_engine_with_npu_kernel_set_on_cpu_matches_reference():
     if "npu-on-cpu" not in available_kernels("cpu"):
         register_kernels("cpu", dataclasses.replace(NPU, name="npu-on-cpu"))
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=200, max_seq_len=30, max_output_len=4, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=200, max_seq_len=30, max_output_len=4, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     m = build_hstu(cfg).eval()
     eng = Engine(m, buckets=(10, 30), max_batch=4, k_max=4, kernels="npu-on-cpu")
     g = torch.Generator().manual_seed(1)
@@ -178,8 +183,9 @@ def test_model_forward_runs_the_kernel_set_it_is_given():
     HSTULayer.forward): a set whose attention is counted runs on every layer, and gives the
     reference's rows and gradients (the NPU set: ops with NPU kernels, exact on CPU)."""
     torch.manual_seed(3)
-    cfg = ModelConfig(num_items=30, max_seq_len=12, max_output_len=2, embedding_dim=8, num_blocks=2, num_heads=2, d_qk=4, d_v=4,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=30, max_seq_len=12, max_output_len=2, embedding_dim=8, num_blocks=2, num_heads=2, d_qk=4, d_v=4, dropout=0.0
+    )
     m = build_hstu(cfg)
     ids = torch.randint(1, 31, (3, 12))
     ts = torch.sort(torch.randint(0, 10**6, (3, 12)), dim=1).values

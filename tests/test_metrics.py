@@ -12,8 +12,7 @@ from hstu.train.metrics import auc, long_tail_coverage, ranking_metrics, shannon
 
 
 def test_ranks_with_ties_are_pessimistic():
-    scores = torch.tensor([[float("-inf"), 0.9, 0.5, 0.5, 0.1],
-                           [float("-inf"), 0.2, 0.2, 0.2, 0.2]])
+    scores = torch.tensor([[float("-inf"), 0.9, 0.5, 0.5, 0.1], [float("-inf"), 0.2, 0.2, 0.2, 0.2]])
     # row 0: target 2 (0.5) ties with item 3 and trails item 1 -> rank 3
     # row 1: all tied -> the target is ranked last among the 4 scorable items
     assert target_ranks(scores, torch.tensor([2, 1])).tolist() == [3, 4]

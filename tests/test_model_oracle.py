@@ -13,8 +13,17 @@ from hstu.model.bias import time_buckets
 
 def load_oracle_model(z) -> HSTUModel:
     d, H, dqk, dv, blocks, max_len, max_out, num_items = (int(x) for x in z["meta/config"])
-    cfg = ModelConfig(num_items=num_items, max_seq_len=max_len, max_output_len=max_out, embedding_dim=d, num_blocks=blocks,
-                      num_heads=H, d_qk=dqk, d_v=dv, dropout=0.0)
+    cfg = ModelConfig(
+        num_items=num_items,
+        max_seq_len=max_len,
+        max_output_len=max_out,
+        embedding_dim=d,
+        num_blocks=blocks,
+        num_heads=H,
+        d_qk=dqk,
+        d_v=dv,
+        dropout=0.0,
+    )
     m = HSTUModel(cfg).eval()
     p = lambda k: torch.from_numpy(z["param/" + k])  # noqa: E731
     with torch.no_grad():

@@ -53,7 +53,7 @@ def reference_encoder(m: HSTUModel, ids, ts, lengths):
             Wuvqk, Wo, bo = P[pre + "uvqk.weight"].T, P[pre + "o.weight"], P[pre + "o.bias"]
             pos_w, ts_w = P[pre + "rel_bias.pos_w"], P[pre + "rel_bias.ts_w"]
             h = np.array([silu(layer_norm(x[i], eps) @ Wuvqk) for i in range(W)])
-            u, v, q, k = h[:, :H * dv], h[:, H * dv:2 * H * dv], h[:, 2 * H * dv:2 * H * dv + H * dqk], h[:, 2 * H * dv + H * dqk:]
+            u, v, q, k = h[:, : H * dv], h[:, H * dv : 2 * H * dv], h[:, 2 * H * dv : 2 * H * dv + H * dqk], h[:, 2 * H * dv + H * dqk :]
             y = np.zeros((W, d))
             for i in range(L):
                 n = N if c.attention_norm == "fixed" else i + 1
@@ -61,8 +61,8 @@ def reference_encoder(m: HSTUModel, ids, ts, lengths):
                 for hh in range(H):
                     for j in range(i + 1):
                         rab = pos_w[N - 1 + j - i] + ts_w[bucket_ref(t[i + 1] - t[j])]
-                        s = q[i, hh * dqk:(hh + 1) * dqk] @ k[j, hh * dqk:(hh + 1) * dqk] + rab
-                        av[hh * dv:(hh + 1) * dv] += silu(s) / n * v[j, hh * dv:(hh + 1) * dv]
+                        s = q[i, hh * dqk : (hh + 1) * dqk] @ k[j, hh * dqk : (hh + 1) * dqk] + rab
+                        av[hh * dv : (hh + 1) * dv] += silu(s) / n * v[j, hh * dv : (hh + 1) * dv]
                 y[i] = Wo @ (u[i] * layer_norm(av, eps)) + bo + x[i]
             x = y
         for i in range(L):
@@ -72,8 +72,9 @@ def reference_encoder(m: HSTUModel, ids, ts, lengths):
 
 def tiny_model(seed=0, heads=2, **kw) -> HSTUModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig(num_items=30, max_seq_len=7, max_output_len=3, embedding_dim=8, num_blocks=2, num_heads=heads, d_qk=4,
-                      d_v=3, dropout=0.0, **kw)
+    cfg = ModelConfig(
+        num_items=30, max_seq_len=7, max_output_len=3, embedding_dim=8, num_blocks=2, num_heads=heads, d_qk=4, d_v=3, dropout=0.0, **kw
+    )
     m = HSTUModel(cfg).eval()
     with torch.no_grad():  # larger biases than the init, so the bias terms matter in the check
         for layer in m.layers:
@@ -83,17 +84,22 @@ def tiny_model(seed=0, heads=2, **kw) -> HSTUModel:
 
 
 # LN(A·V) cancels a per-row scale of A·V up to its eps, so a large eps makes the divisor visible
-@pytest.mark.parametrize("kw", [{}, dict(attention_norm="causal"), dict(attention_norm="causal", layer_norm_eps=0.5),
-                                dict(layer_norm_eps=0.5)])
+@pytest.mark.parametrize(
+    "kw", [{}, dict(attention_norm="causal"), dict(attention_norm="causal", layer_norm_eps=0.5), dict(layer_norm_eps=0.5)]
+)
 def test_encoder_matches_float64_loops(kw):
     m = tiny_model(**kw)
     ids = torch.tensor([[3, 9, 27, 4, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8][:8]])
     ids[2, 7] = 0
     lengths = torch.tensor([4, 1, 7])
     base = 978_300_000
-    ts = torch.tensor([[base, base + 5, base + 3600, base + 86400 * 3, base + 86400 * 4, 0, 0, 0],
-                       [base, base + 60, 0, 0, 0, 0, 0, 0],
-                       [base, base, base + 1, base + 100, base + 10**5, base + 10**6, base + 10**6, base + 10**7]])
+    ts = torch.tensor(
+        [
+            [base, base + 5, base + 3600, base + 86400 * 3, base + 86400 * 4, 0, 0, 0],
+            [base, base + 60, 0, 0, 0, 0, 0, 0],
+            [base, base, base + 1, base + 100, base + 10**5, base + 10**6, base + 10**6, base + 10**7],
+        ]
+    )
     with torch.no_grad():
         got = m.encode(ids, ts, lengths).double().numpy()
     ref = reference_encoder(m, ids.numpy(), ts.numpy(), lengths.numpy())

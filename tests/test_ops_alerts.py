@@ -330,8 +330,6 @@ def test_promtool_test_rules_agrees_with_engine(tmp_path):
         ],
     }
     (tmp_path / "test.yml").write_text(yaml.safe_dump(test_doc, sort_keys=False))
-    out = subprocess.run(
-        [PROMTOOL, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([PROMTOOL, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout + out.stderr

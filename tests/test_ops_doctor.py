@@ -23,9 +23,7 @@ def by_name(checks):
 
 
 def env(**kw) -> Environment:
-    base = Environment(
-        python_version="3.11.7", sys_prefix="/srv/venv", base_prefix="/usr", torch=TorchInfo(version="2.4.0", cuda=None)
-    )
+    base = Environment(python_version="3.11.7", sys_prefix="/srv/venv", base_prefix="/usr", torch=TorchInfo(version="2.4.0", cuda=None))
     return replace(base, **kw)
 
 
@@ -107,9 +105,7 @@ def test_ascend_new_layout_all_pass():
 
 
 def test_torch_npu_must_match_torch_exactly():
-    e = env(
-        torch=TorchInfo(version="2.4.0"), torch_npu_version="2.3.1.post2", ascend=AscendInstall(cann_version="8.0.RC3")
-    )
+    e = env(torch=TorchInfo(version="2.4.0"), torch_npu_version="2.3.1.post2", ascend=AscendInstall(cann_version="8.0.RC3"))
     c = by_name(doctor.run_checks(e, TABLE))["torch_npu"]
     assert c.status == "fail" and "requires torch 2.3.1 exactly" in c.summary
     assert 'torch-npu==2.4.0"' in c.fix  # the 2.4.0 build paired with the installed CANN 8.0.RC3
@@ -123,9 +119,7 @@ def test_cann_that_does_not_list_torch_npu_fails():
 
 
 def test_cann_pairs_another_post_release_warns():
-    e = env(
-        torch=TorchInfo(version="2.1.0"), torch_npu_version="2.1.0.post3", ascend=AscendInstall(cann_version="8.0.RC3")
-    )
+    e = env(torch=TorchInfo(version="2.1.0"), torch_npu_version="2.1.0.post3", ascend=AscendInstall(cann_version="8.0.RC3"))
     c = by_name(doctor.run_checks(e, TABLE))["cann"]
     assert c.status == "warn" and c.fix == 'pip install "torch-npu==2.1.0.post8"'
 
@@ -184,10 +178,7 @@ def test_cpu_torch_on_gpu_host_warns_and_runtime_wheel_mismatch_fails():
 
 def test_triton_pin_from_torch_metadata():
     t = TorchInfo(version="2.5.1", cuda="12.4", requires={"triton": "==3.1.0"})
-    assert (
-        by_name(doctor.run_checks(env(torch=t, triton_dist="triton", triton_version="3.1.0"), TABLE))["triton"].status
-        == "pass"
-    )
+    assert by_name(doctor.run_checks(env(torch=t, triton_dist="triton", triton_version="3.1.0"), TABLE))["triton"].status == "pass"
     c = by_name(doctor.run_checks(env(torch=t, triton_dist="triton", triton_version="3.0.0"), TABLE))["triton"]
     assert c.status == "fail" and c.fix == 'pip install "triton==3.1.0"'
     assert by_name(doctor.run_checks(env(torch=t), TABLE))["triton"].status == "fail"

@@ -38,9 +38,7 @@ def fixture_runner(table: dict[str, str]):
     return run
 
 
-NPU_RUNNER = fixture_runner(
-    {"npu-smi info -t usages": "npu_smi_usages_910b.txt", "npu-smi info": "npu_smi_info_910b.txt"}
-)
+NPU_RUNNER = fixture_runner({"npu-smi info -t usages": "npu_smi_usages_910b.txt", "npu-smi info": "npu_smi_info_910b.txt"})
 
 
 def values(samples):
@@ -137,10 +135,7 @@ def test_server_scrapes_alerts_and_health():
         deadline = time.monotonic() + 10
         while True:  # the second scrape must see a newer sample from the sampler thread
             fams2 = families(scrape(host, port)[2])
-            if (
-                fams2["hstu_monitor_last_sample_timestamp_seconds"].samples[0].value > t_first
-                or time.monotonic() > deadline
-            ):
+            if fams2["hstu_monitor_last_sample_timestamp_seconds"].samples[0].value > t_first or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert fams2["hstu_monitor_last_sample_timestamp_seconds"].samples[0].value > t_first

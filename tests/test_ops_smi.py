@@ -46,9 +46,7 @@ def test_npu_smi_910b_two_chips_and_process_table():
     assert c0.memory_used_bytes == 0 and c0.memory_total_bytes == 0
     assert c0.device_memory == (52791 * MIB, 65536 * MIB)  # HBM preferred over the empty DDR pair
     assert c1.temperature_celsius == 78 and c1.aicore_ratio == pytest.approx(0.99)
-    assert info.processes == [
-        {"npu_id": 0, "chip_id": 0, "pid": 171423, "name": "python3.10", "memory_bytes": 49505 * MIB}
-    ]
+    assert info.processes == [{"npu_id": 0, "chip_id": 0, "pid": 171423, "name": "python3.10", "memory_bytes": 49505 * MIB}]
 
 
 def test_npu_smi_910a_na_readings_are_none():

@@ -15,7 +15,9 @@ from hstu.ops.watchdog import LogFollower, RecoveryPlan, Watchdog
 
 SLOG = Path(__file__).parent / "fixtures" / "ops" / "logs" / "slog"
 MARKERS = load_knowledge_base().reset_markers
-RESET_LINE = "[ERROR] TSCH(-1,null):2024-05-10-14:35:02.900.001 [ts_heartbeat.c:201] device heartbeat lost, begin device hot reset, dev_id=0\n"
+RESET_LINE = (
+    "[ERROR] TSCH(-1,null):2024-05-10-14:35:02.900.001 [ts_heartbeat.c:201] device heartbeat lost, begin device hot reset, dev_id=0\n"
+)
 
 
 class FakeClock:

@@ -18,8 +18,9 @@ I = 300
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8,
-                      dropout=0.0)
+    cfg = ModelConfig(
+        num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0
+    )
     return build_hstu(cfg).eval()
 
 
@@ -88,8 +89,9 @@ def test_truncated_history_shifts_and_misses(model):
 def test_lru_bound_in_bytes():
     def entry(n):
         z = torch.zeros(n, dtype=torch.int64)
-        return PrefixEntry(ids=z, timestamps=z.clone(), actions=z.clone(), categories=z.clone(), k=[torch.zeros(1, n - 1, 4)],
-                           v=[torch.zeros(1, n - 1, 4)])
+        return PrefixEntry(
+            ids=z, timestamps=z.clone(), actions=z.clone(), categories=z.clone(), k=[torch.zeros(1, n - 1, 4)], v=[torch.zeros(1, n - 1, 4)]
+        )
 
     one = 4 * 8 * 10 + 2 * 4 * 9 * 4  # 4 int64 vectors of 10 + two float32 (1, 9, 4)
     cache = PrefixCache(max_bytes=3 * one)

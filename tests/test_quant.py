@@ -24,10 +24,9 @@ HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 # ----- arithmetic -----------------------------------------------------------------------------
 
+
 def test_per_channel_hand_example():
-    w = torch.tensor([[0.5, -1.27, 0.0, 0.3],
-                      [2.54, 1.0, -0.061, 0.0],
-                      [0.0, 0.0, 0.0, 0.0]])
+    w = torch.tensor([[0.5, -1.27, 0.0, 0.3], [2.54, 1.0, -0.061, 0.0], [0.0, 0.0, 0.0, 0.0]])
     q, s = quantize_per_channel(w)
     # row 0: s = 1.27 / 127 = 0.01 -> 0.5/0.01 = 50, -127, 0, 30
     # row 1: s = 2.54 / 127 = 0.02 -> 127, 50, -3.05 -> -3, 0
@@ -59,6 +58,7 @@ def test_quantize_rejects_bad_weights():
 
 
 # ----- the integer kernel -----------------------------------------------------------------------
+
 
 @pytest.mark.skipif(not HAS_FBGEMM, reason="this torch build has no FBGEMM quantized engine")
 def test_cpu_kernel_is_integer_gemm():
@@ -140,6 +140,7 @@ def test_int8_embedding_rows():
 
 # ----- models on real data ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     if not (ML1M / "ratings.dat").exists():
@@ -149,8 +150,13 @@ def tiny_run(tmp_path_factory):
     from hstu.train.loop import fit
 
     run = tmp_path_factory.mktemp("quant") / "run"
-    fit(run, model_config_from_preset("small", max_seq_len=50), TrainConfig(epochs=1, seed=0),
-        DataSpec("ml-1m", str(ML1M), max_users=200), progress=False)
+    fit(
+        run,
+        model_config_from_preset("small", max_seq_len=50),
+        TrainConfig(epochs=1, seed=0),
+        DataSpec("ml-1m", str(ML1M), max_users=200),
+        progress=False,
+    )
     return run
 
 
@@ -174,13 +180,16 @@ def _users(model, b):
         return model.last_rows(model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories), b.lengths)
 
 
-@pytest.mark.parametrize("precision,min_cos", [
-    # INT8: weights ±s/2 per channel and 7-bit per-tensor activations in every block Linear; the
-    # L2-normalised user vectors keep a cosine >= 0.995 to float (measured ~0.9999 on this run).
-    ("int8", 0.995),
-    # BF16: 8 significant bits in every activation and weight; measured ~0.9995.
-    ("bf16", 0.99),
-])
+@pytest.mark.parametrize(
+    "precision,min_cos",
+    [
+        # INT8: weights ±s/2 per channel and 7-bit per-tensor activations in every block Linear; the
+        # L2-normalised user vectors keep a cosine >= 0.995 to float (measured ~0.9999 on this run).
+        ("int8", 0.995),
+        # BF16: 8 significant bits in every activation and weight; measured ~0.9995.
+        ("bf16", 0.99),
+    ],
+)
 def test_quantized_model_close_to_float_on_real_data(tiny_run, calib, precision, min_cos):
     fm = _float(tiny_run)
     qm = apply_precision(copy.deepcopy(fm), precision)
@@ -193,7 +202,7 @@ def test_quantized_model_close_to_float_on_real_data(tiny_run, calib, precision,
     cand = calib.ids[:, :20]
     with torch.inference_mode():
         sf, sq = fm.score_items(uf, cand), qm.score_items(uq, cand)
-    de = 2.0 ** -10 if precision == "int8" else 2.0 ** -7
+    de = 2.0**-10 if precision == "int8" else 2.0**-7
     bound = ((uf - uq).norm(dim=-1, keepdim=True) + de) / fm.cfg.temperature  # (B, 1)
     assert ((sf - sq).abs() <= bound).all()
 
@@ -243,6 +252,7 @@ def test_generate_runs_quantized(tiny_run, calib):
 
 # ----- checkpoints ------------------------------------------------------------------------------
 
+
 def test_checkpoint_round_trip_and_sizes(tiny_run, calib, tmp_path):
     fm = _float(tiny_run)
     qm = apply_precision(copy.deepcopy(fm), "int8")
@@ -251,7 +261,10 @@ def test_checkpoint_round_trip_and_sizes(tiny_run, calib, tmp_path):
     assert not (out / "model.safetensors").exists()  # the float loader cannot pick it up by mistake
     saved = json.loads((out / "quant.json").read_text())
     assert saved["scheme"] == "int8" and saved["embeddings"] == "fp16" and saved["versions"]["torch"] == torch.__version__
-    assert saved["layers"]["layers.0.uvqk"]["granularity"] == "per_output_channel" and saved["layers"]["layers.0.uvqk"]["shape"] == [200, 50]
+    assert saved["layers"]["layers.0.uvqk"]["granularity"] == "per_output_channel" and saved["layers"]["layers.0.uvqk"]["shape"] == [
+        200,
+        50,
+    ]
     lm, cfg, ids = load_quantized_run(out, "cpu", scheme="int8")
     assert cfg["quant"]["scheme"] == "int8" and ids["item_raw_ids"]
     assert isinstance(lm.layers[0].uvqk, Int8Linear)
@@ -321,8 +334,9 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     from hstu.cli import main
 
     out = tmp_path / "cli8"
-    rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(out), "--keep-float", "layers.1",
-               "--calib-users", "16"])
+    rc = main(
+        ["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(out), "--keep-float", "layers.1", "--calib-users", "16"]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and "layers.0.uvqk" in text and "kept float: layers.1.uvqk, layers.1.o" in text
     saved = json.loads((out / "quant.json").read_text())
@@ -334,13 +348,17 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     # a taken --out is refused before the run's data is read (it loaded the whole data set first);
     # the data directory is pointed at nothing, so reaching the data would fail differently
     (tmp_path / "afile").write_text("x")
-    for taken, why in ((out, "directory exists and is not empty"), (tiny_run, "is the source run itself"),
-                       (tmp_path / "afile" / "sub", "is a file, not a directory")):
+    for taken, why in (
+        (out, "directory exists and is not empty"),
+        (tiny_run, "is the source run itself"),
+        (tmp_path / "afile" / "sub", "is a file, not a directory"),
+    ):
         rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(taken), "--data-dir", str(tmp_path / "none")])
         assert rc == 2 and why in capsys.readouterr().err
 
 
 # ----- --precision on the inference paths ------------------------------------------------------
+
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_engine_runs_quantized_like_model_generate(tiny_run, calib, precision):

@@ -32,14 +32,21 @@ def _order(log_) -> list[int]:
     return log_.item_raw_ids[log_.items].tolist()
 
 
-@pytest.mark.parametrize("kind", ["csv_ms_auto", "csv_ms_unit", "csv_us", "csv_iso", "csv_slow_ms", "csv_slow_iso",
-                                  "parquet_ms", "parquet_datetime", "parquet_iso"])
+@pytest.mark.parametrize(
+    "kind",
+    ["csv_ms_auto", "csv_ms_unit", "csv_us", "csv_iso", "csv_slow_ms", "csv_slow_iso", "parquet_ms", "parquet_datetime", "parquet_iso"],
+)
 def test_subsecond_times_keep_their_order(tmp_path, kind):
     """Fault 4: times were floored to seconds before sorting, so events within one second came
     out in file order ([30, 20, 15, 10]) instead of time order."""
     ms = [t for _, t in EVENTS]
-    t = {"csv_us": [x * 1000 for x in ms], "csv_iso": [_iso(x) for x in ms], "csv_slow_iso": [_iso(x) for x in ms],
-         "parquet_iso": [_iso(x) for x in ms], "parquet_datetime": pd.to_datetime(ms, unit="ms", utc=True)}.get(kind, ms)
+    t = {
+        "csv_us": [x * 1000 for x in ms],
+        "csv_iso": [_iso(x) for x in ms],
+        "csv_slow_iso": [_iso(x) for x in ms],
+        "parquet_iso": [_iso(x) for x in ms],
+        "parquet_datetime": pd.to_datetime(ms, unit="ms", utc=True),
+    }.get(kind, ms)
     df = pd.DataFrame({"u": [7] * len(EVENTS), "i": [i for i, _ in EVENTS], "t": t})
     cols = "user=u,item=i,time=t" + {"csv_ms_unit": ",time_unit=ms", "csv_us": ",time_unit=us"}.get(kind, "")
     skip = kind.startswith("csv_slow")
@@ -70,12 +77,18 @@ TITLE = "Misérables, Les (1995)"
 def _ml_dir(tmp_path, encoding: str, users: int = 1, events: int = 3):
     d = tmp_path / f"ml-{encoding}"
     d.mkdir()
-    movies = [(73, TITLE, "Drama|Musical"), (1, "Toy Story (1995)", "Animation"), (2, "Jumanji (1995)", "Adventure"),
-              (3, "Heat (1995)", "Action"), (4, "Casino (1995)", "Drama")]
+    movies = [
+        (73, TITLE, "Drama|Musical"),
+        (1, "Toy Story (1995)", "Animation"),
+        (2, "Jumanji (1995)", "Adventure"),
+        (3, "Heat (1995)", "Action"),
+        (4, "Casino (1995)", "Drama"),
+    ]
     (d / "movies.dat").write_bytes("".join(f"{m}::{t}::{g}\n" for m, t, g in movies).encode(encoding))
     ids = [m for m, _, _ in movies]
-    (d / "ratings.dat").write_text("".join(f"{u}::{ids[(u + j) % len(ids)]}::4::{978300000 + j}\n"
-                                           for u in range(1, users + 1) for j in range(events)))
+    (d / "ratings.dat").write_text(
+        "".join(f"{u}::{ids[(u + j) % len(ids)]}::4::{978300000 + j}\n" for u in range(1, users + 1) for j in range(events))
+    )
     return d
 
 
@@ -98,8 +111,7 @@ def _tiny_model():
 
 def test_the_run_records_the_encoding_and_keeps_the_title(tmp_path):
     d = _ml_dir(tmp_path, "utf-8", users=6, events=5)
-    fit(tmp_path / "run", _tiny_model(), TrainConfig(epochs=1, batch_size=4, num_negatives=2), DataSpec("ml-1m", str(d)),
-        progress=False)
+    fit(tmp_path / "run", _tiny_model(), TrainConfig(epochs=1, batch_size=4, num_negatives=2), DataSpec("ml-1m", str(d)), progress=False)
     ids = json.loads((tmp_path / "run" / "idmap.json").read_text(encoding="utf-8"))
     assert ids["titles"]["73"] == TITLE
     assert ids["data_facts"]["encodings"] == {"ratings.dat": "utf-8", "movies.dat": "utf-8"}
@@ -115,14 +127,32 @@ def _short_log(tmp_path, counts: list[int]):
 
 TOO_SHORT = [
     # (per-user event counts, protocol, the one line expected)
-    ([1] * 25 + [2] * 15, "clean", ("too little data for --protocol clean in csv: of 40 users, 25 have 1 event, 15 have 2 events, "
-                                    "0 have >= 3 events; a user needs >= 3 (a training, a validation and a test event) to be "
-                                    "evaluated, and no user does")),
-    ([1] * 25 + [2] * 15, "paper", ("too little data for --protocol paper in csv: 0 training positions (of 40 users, 25 have 1 "
-                                    "event, 15 have 2 events, 0 have >= 3 events; a training position needs a user with >= 3 events)")),
-    ([1] * 38 + [3] * 2, "clean", ("too little data for --protocol clean in csv: 0 training positions (of 40 users, 38 have 1 "
-                                   "event, 2 have 3 events, 0 have >= 4 events; a training position needs a user with 2 events "
-                                   "(too few to evaluate: all trained on) or >= 4 events)")),
+    (
+        [1] * 25 + [2] * 15,
+        "clean",
+        (
+            "too little data for --protocol clean in csv: of 40 users, 25 have 1 event, 15 have 2 events, "
+            "0 have >= 3 events; a user needs >= 3 (a training, a validation and a test event) to be "
+            "evaluated, and no user does"
+        ),
+    ),
+    (
+        [1] * 25 + [2] * 15,
+        "paper",
+        (
+            "too little data for --protocol paper in csv: 0 training positions (of 40 users, 25 have 1 "
+            "event, 15 have 2 events, 0 have >= 3 events; a training position needs a user with >= 3 events)"
+        ),
+    ),
+    (
+        [1] * 38 + [3] * 2,
+        "clean",
+        (
+            "too little data for --protocol clean in csv: 0 training positions (of 40 users, 38 have 1 "
+            "event, 2 have 3 events, 0 have >= 4 events; a training position needs a user with 2 events "
+            "(too few to evaluate: all trained on) or >= 4 events)"
+        ),
+    ),
 ]
 
 
@@ -131,8 +161,24 @@ def test_too_little_data_is_one_line_and_writes_nothing(tmp_path, capsys, counts
     """Fault 6: clean training failed late ('ranking_metrics: no ranks') leaving config.json and
     idmap.json in --out; paper 'trained' on 0 positions with loss 0.0 and said nothing."""
     path, out = _short_log(tmp_path, counts), tmp_path / "out"
-    rc = main(["train", "--dataset", "csv", "--data-dir", str(path), "--columns", "user=u,item=i,time=t", "--protocol", protocol,
-               "--epochs", "1", "--out", str(out), "--quiet"])
+    rc = main(
+        [
+            "train",
+            "--dataset",
+            "csv",
+            "--data-dir",
+            str(path),
+            "--columns",
+            "user=u,item=i,time=t",
+            "--protocol",
+            protocol,
+            "--epochs",
+            "1",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1] == f"hstu train: error: {message}"
     assert not out.exists()

@@ -66,6 +66,7 @@ def _edit(name, fn):
         obj = json.loads((run / name).read_text())
         fn(obj)
         (run / name).write_text(json.dumps(obj))
+
     return mutate
 
 
@@ -73,6 +74,7 @@ def _truncate(name):
     def mutate(run):
         b = (run / name).read_bytes()
         (run / name).write_bytes(b[: len(b) // 2])
+
     return mutate
 
 
@@ -80,6 +82,7 @@ def _old_run(mutate):
     def both(run):
         _strip_manifest(run)
         mutate(run)
+
     return both
 
 
@@ -87,28 +90,59 @@ RESUME = ["train", "--resume", "--epochs", "3", "--quiet"]
 BAD_FILES = [
     # (command, mutation, file named, the message after "FILE")
     (RESUME, _truncate("last.safetensors"), "last.safetensors", ": not a readable safetensors file ("),
-    (RESUME, _edit("config.json", lambda o: o["data"].__setitem__("max_users", "300")), "config.json",
-     " data: max_users must be int | None, got '300'"),
+    (
+        RESUME,
+        _edit("config.json", lambda o: o["data"].__setitem__("max_users", "300")),
+        "config.json",
+        " data: max_users must be int | None, got '300'",
+    ),
     (RESUME, _edit("config.json", lambda o: o.__setitem__("data", "x")), "config.json", ": data must be a table of fields, got 'x'"),
     (RESUME, _edit("config.json", lambda o: o["train"].__setitem__("epochs", 1.5)), "config.json", " train: epochs must be int, got 1.5"),
-    (RESUME, _old_run(_edit("last.json", lambda o: o.__setitem__("epoch", "1"))), "last.json",
-     ": epoch must be an integer >= 0, got '1'"),
-    (RESUME, _old_run(_edit("last.json", lambda o: o.__setitem__("best_epoch", 7))), "last.json",
-     ": best_epoch must be an integer in 0..2 (epoch), got 7"),
-    (RESUME, _old_run(_edit("history.json", lambda o: o[1].__setitem__("epoch", 1))), "history.json",
-     " [1]: epoch must be 2 (epochs 1, 2, ... each once), got 1"),
-    (RESUME, _edit("idmap.json", lambda o: o.__setitem__("item_raw_ids", "x")), "idmap.json",
-     ": item_raw_ids must be a list of integer ids starting with 0 (padding), got 'x'"),
+    (RESUME, _old_run(_edit("last.json", lambda o: o.__setitem__("epoch", "1"))), "last.json", ": epoch must be an integer >= 0, got '1'"),
+    (
+        RESUME,
+        _old_run(_edit("last.json", lambda o: o.__setitem__("best_epoch", 7))),
+        "last.json",
+        ": best_epoch must be an integer in 0..2 (epoch), got 7",
+    ),
+    (
+        RESUME,
+        _old_run(_edit("history.json", lambda o: o[1].__setitem__("epoch", 1))),
+        "history.json",
+        " [1]: epoch must be 2 (epochs 1, 2, ... each once), got 1",
+    ),
+    (
+        RESUME,
+        _edit("idmap.json", lambda o: o.__setitem__("item_raw_ids", "x")),
+        "idmap.json",
+        ": item_raw_ids must be a list of integer ids starting with 0 (padding), got 'x'",
+    ),
     (["eval"], _truncate("model.safetensors"), "model.safetensors", ": not a readable safetensors file ("),
     (["eval"], _edit("config.json", lambda o: o.__setitem__("data", "x")), "config.json", ": data must be a table of fields, got 'x'"),
-    (["generate", "--user", "1"], _edit("config.json", lambda o: o["model"].__setitem__("num_heads", "1")), "config.json",
-     " model: num_heads must be int, got '1'"),
-    (["generate", "--user", "1"], _edit("idmap.json", lambda o: o.__setitem__("titles", [1])), "idmap.json",
-     ": titles must be an object of id -> title text, got [1]"),
-    (["generate", "--user", "1"], _edit("idmap.json", lambda o: o.__setitem__("action_names", "pv")),
-     "idmap.json", ": action_names must be a list of texts, got 'pv'"),
-    (["serve", "--port", "0"], _edit("config.json", lambda o: o["model"].__setitem__("embedding_dim", None)), "config.json",
-     " model: embedding_dim must be int, got None"),
+    (
+        ["generate", "--user", "1"],
+        _edit("config.json", lambda o: o["model"].__setitem__("num_heads", "1")),
+        "config.json",
+        " model: num_heads must be int, got '1'",
+    ),
+    (
+        ["generate", "--user", "1"],
+        _edit("idmap.json", lambda o: o.__setitem__("titles", [1])),
+        "idmap.json",
+        ": titles must be an object of id -> title text, got [1]",
+    ),
+    (
+        ["generate", "--user", "1"],
+        _edit("idmap.json", lambda o: o.__setitem__("action_names", "pv")),
+        "idmap.json",
+        ": action_names must be a list of texts, got 'pv'",
+    ),
+    (
+        ["serve", "--port", "0"],
+        _edit("config.json", lambda o: o["model"].__setitem__("embedding_dim", None)),
+        "config.json",
+        " model: embedding_dim must be int, got None",
+    ),
 ]
 
 
@@ -164,8 +198,7 @@ def test_resume_after_history_json_lost_the_last_epoch(base, tmp_path):
 
 # each rename of an epoch's commit, in the order they happen: epoch 1's (nothing committed yet;
 # committed, but not its best weights) and epoch 2's (no better valid NDCG@10 here: no best weights)
-KILL_POINTS = ["last.safetensors.tmp:1", "model.safetensors.tmp:1", "last.safetensors.tmp:2", "last.json.tmp:2",
-               "history.json.tmp:2"]
+KILL_POINTS = ["last.safetensors.tmp:1", "model.safetensors.tmp:1", "last.safetensors.tmp:2", "last.json.tmp:2", "history.json.tmp:2"]
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
@@ -176,8 +209,14 @@ def test_kill_at_any_write_then_resume_is_consistent(base, tmp_path, point):
     flags, ref = base
     run = tmp_path / "run"
     env = {**os.environ, KILL_AT_ENV: point, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    p = subprocess.run([sys.executable, "-m", "hstu", "train", *flags, "--out", str(run), "--quiet"], env=env,
-                       capture_output=True, text=True, timeout=300, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", *flags, "--out", str(run), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0
     _check_like_reference(run, ref)

@@ -75,8 +75,17 @@ def test_full_and_candidate_bias_equal_a_hand_computation():
 
 def _tiny(repeat_window=3, num_actions=2):
     torch.manual_seed(1)
-    cfg = ModelConfig(num_items=12, max_seq_len=8, embedding_dim=8, d_qk=8, d_v=8, num_blocks=1, dropout=0.0,
-                      num_actions=num_actions, repeat_window=repeat_window)
+    cfg = ModelConfig(
+        num_items=12,
+        max_seq_len=8,
+        embedding_dim=8,
+        d_qk=8,
+        d_v=8,
+        num_blocks=1,
+        dropout=0.0,
+        num_actions=num_actions,
+        repeat_window=repeat_window,
+    )
     m = build_hstu(cfg).eval()
     with torch.no_grad():
         m.repeat.table.normal_(std=2.0)
@@ -103,13 +112,19 @@ def test_loss_candidates_match_a_direct_softmax():
         L = int(lengths[b])
         for t in range(L - 1):
             u, tgt = out[b, t], int(ids[b, t + 1])
-            hist = ids[b, :t + 1].tolist()
+            hist = ids[b, : t + 1].tolist()
             win = hist[-3:]
-            cands = [tgt] + [int(x) for x in neg[b, t] if int(x) != tgt and int(x) not in win] + sorted({x for x in win if x not in (0, tgt)})
+            cands = (
+                [tgt] + [int(x) for x in neg[b, t] if int(x) != tgt and int(x) not in win] + sorted({x for x in win if x not in (0, tgt)})
+            )
             n_uniform = len(cands) - 1 - len({x for x in win if x not in (0, tgt)})
             logq = [0.0] + [float(np.log(12 / 4))] * n_uniform + [0.0] * (len(cands) - 1 - n_uniform)  # I / M = 12 / 4
-            logits = torch.stack([u @ table[c] / m.cfg.temperature + lq
-                                  + _bias_by_hand(m.repeat, u, hist, acts[b, :t + 1].tolist(), c) for c, lq in zip(cands, logq)])
+            logits = torch.stack(
+                [
+                    u @ table[c] / m.cfg.temperature + lq + _bias_by_hand(m.repeat, u, hist, acts[b, : t + 1].tolist(), c)
+                    for c, lq in zip(cands, logq)
+                ]
+            )
             terms.append(-torch.log_softmax(logits, 0)[0])
             p += 1
     torch.testing.assert_close(loss, torch.stack(terms).mean(), rtol=1e-5, atol=1e-5)
@@ -171,9 +186,13 @@ def test_repeat_head_learns_revisits_on_taobao(tmp_path):
     from hstu.train.loop import DataSpec, fit
 
     run = tmp_path / "tb"
-    fit(run, model_config_from_preset("small", max_seq_len=50, repeat_window=16, embedding_dim=16, d_qk=16, d_v=16),
-        TrainConfig(epochs=6, batch_size=32, learning_rate=5e-3, seed=0, early_stopping_patience=100), DataSpec("taobao", str(TAOBAO), max_users=150),
-        progress=False)
+    fit(
+        run,
+        model_config_from_preset("small", max_seq_len=50, repeat_window=16, embedding_dim=16, d_qk=16, d_v=16),
+        TrainConfig(epochs=6, batch_size=32, learning_rate=5e-3, seed=0, early_stopping_patience=100),
+        DataSpec("taobao", str(TAOBAO), max_users=150),
+        progress=False,
+    )
     hist = read_json(run / "history.json")
     assert hist[-1]["loss"] < hist[0]["loss"]
     m, _, _ = load_run(run, "cpu")
@@ -203,10 +222,10 @@ def test_repeat_share_by_brute_force():
     log_, split = prepare_data(DataSpec("taobao", str(TAOBAO), max_users=60))
     hits = total = 0
     for u in range(log_.num_users):
-        seq = log_.items[max(log_.offsets[u], split.train_end[u] - 50):split.train_end[u]].tolist()
+        seq = log_.items[max(log_.offsets[u], split.train_end[u] - 50) : split.train_end[u]].tolist()
         for t in range(1, len(seq)):
             total += 1
-            hits += seq[t] in seq[max(0, t - 8):t]  # the 8 events before t
+            hits += seq[t] in seq[max(0, t - 8) : t]  # the 8 events before t
     assert repeat_share(log_, split, 8, 50) == pytest.approx(hits / total)
     assert 0.05 < hits / total < 0.5
 
@@ -218,8 +237,19 @@ def test_cold_items_enter_the_input_without_their_embedding():
     generation (engine and model) sees the same inputs."""
     from hstu.generate.engine import Engine
 
-    cfg = ModelConfig(num_items=30, max_seq_len=20, max_output_len=4, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8,
-                      num_actions=3, num_categories=4, cold_item_dropout=0.3)
+    cfg = ModelConfig(
+        num_items=30,
+        max_seq_len=20,
+        max_output_len=4,
+        embedding_dim=8,
+        num_blocks=1,
+        num_heads=1,
+        d_qk=8,
+        d_v=8,
+        num_actions=3,
+        num_categories=4,
+        cold_item_dropout=0.3,
+    )
     torch.manual_seed(0)
     m = build_hstu(cfg).eval()
     counts = np.ones(31, np.int64)
@@ -231,7 +261,7 @@ def test_cold_items_enter_the_input_without_their_embedding():
     rest = m.pos_emb(pos) + m.action_emb(acts) + m.category_emb(cats)  # (1, 4, d)
     with torch.no_grad():
         x = m.embed(ids, pos, acts, cats)
-        want = rest + m.item_emb(ids) * cfg.embedding_dim ** 0.5 * torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 4, 1)
+        want = rest + m.item_emb(ids) * cfg.embedding_dim**0.5 * torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 4, 1)
     torch.testing.assert_close(x, want)
     # training: each warm event loses its item embedding with probability 0.3
     m.train()
@@ -259,4 +289,6 @@ def test_cold_items_enter_the_input_without_their_embedding():
     m2.load_state_dict(sd)
     assert torch.equal(m2.cold_items, m.cold_items)
     with pytest.raises(ValueError, match="cold_item_dropout = 0"):
-        build_hstu(ModelConfig(num_items=30, max_seq_len=20, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8)).set_cold_items(counts)
+        build_hstu(ModelConfig(num_items=30, max_seq_len=20, embedding_dim=8, num_blocks=1, num_heads=1, d_qk=8, d_v=8)).set_cold_items(
+            counts
+        )

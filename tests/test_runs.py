@@ -21,9 +21,20 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hstu"
 COLUMNS = {"columns": "user=u,item=i,time=t"}
 # three users' events (user, item, time): under the clean protocol the last event of each user is
 # the test target, the one before it the validation target, the rest is training data
-EVENTS = [(1, 10, 1), (1, 20, 2), (1, 30, 3), (1, 40, 4),
-          (2, 20, 1), (2, 20, 2), (2, 50, 3), (2, 10, 4), (2, 30, 5),
-          (3, 40, 1), (3, 10, 2), (3, 30, 3)]
+EVENTS = [
+    (1, 10, 1),
+    (1, 20, 2),
+    (1, 30, 3),
+    (1, 40, 4),
+    (2, 20, 1),
+    (2, 20, 2),
+    (2, 50, 3),
+    (2, 10, 4),
+    (2, 30, 5),
+    (3, 40, 1),
+    (3, 10, 2),
+    (3, 30, 3),
+]
 TRAIN_COUNTS = {10: 1, 20: 3, 30: 0, 40: 1, 50: 1}  # by hand: u1 10 20 | u2 20 20 50 | u3 40
 
 
@@ -35,8 +46,18 @@ def events_csv(tmp_path) -> Path:
 
 
 def _tiny_cfg(num_items: int = 5) -> ModelConfig:
-    return ModelConfig(num_items=num_items, max_seq_len=8, max_output_len=2, embedding_dim=8, num_blocks=1, num_heads=1,
-                       d_qk=8, d_v=8, num_time_buckets=8, dropout=0.0)
+    return ModelConfig(
+        num_items=num_items,
+        max_seq_len=8,
+        max_output_len=2,
+        embedding_dim=8,
+        num_blocks=1,
+        num_heads=1,
+        d_qk=8,
+        d_v=8,
+        num_time_buckets=8,
+        dropout=0.0,
+    )
 
 
 def _float_run(run: Path, events_csv: Path) -> torch.nn.Module:
@@ -158,8 +179,9 @@ def test_train_state_errors_name_file_and_field(tmp_path):
     model, opt, gen = _trained_step(0)
     with pytest.raises(FileNotFoundError, match=r"last\.safetensors: not found"):
         runs.load_train_state(tmp_path, model, opt, gen)
-    runs.save_train_state(tmp_path, model, opt, gen, {"epoch": 1, "best": 0.1, "best_epoch": 1, "bad_epochs": 0,
-                                                      "train_seconds": 1.0}, [{"epoch": 1}])
+    runs.save_train_state(
+        tmp_path, model, opt, gen, {"epoch": 1, "best": 0.1, "best_epoch": 1, "bad_epochs": 0, "train_seconds": 1.0}, [{"epoch": 1}]
+    )
     last = tmp_path / runs.LAST_WEIGHTS
     tensors = {"rng.torch": torch.get_rng_state(), "rng.negatives": gen.get_state()}
     bad = {"epoch": "1", "best": 0.1, "best_epoch": 1, "bad_epochs": 0, "train_seconds": 1.0, "param_groups": [{}]}

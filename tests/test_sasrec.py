@@ -20,8 +20,18 @@ from hstu.runs import load_run
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(architecture="sasrec", num_items=40, max_seq_len=12, max_output_len=4, embedding_dim=16, num_blocks=2,
-                num_heads=2, d_qk=8, d_v=8, dropout=0.0)
+    base = dict(
+        architecture="sasrec",
+        num_items=40,
+        max_seq_len=12,
+        max_output_len=4,
+        embedding_dim=16,
+        num_blocks=2,
+        num_heads=2,
+        d_qk=8,
+        d_v=8,
+        dropout=0.0,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -87,7 +97,7 @@ def test_padding_never_changes_live_rows(lengths, extra):
     a = m.encode(ids, ts, L)
     pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731
     b = m.encode(pad(ids), pad(ts), L)
-    live = (torch.arange(W).view(1, -1) < L.view(-1, 1))
+    live = torch.arange(W).view(1, -1) < L.view(-1, 1)
     torch.testing.assert_close(a[live], b[:, :W][live], atol=1e-6, rtol=1e-6)
     assert (b[:, W:] == 0).all() and (a[~live] == 0).all()
     torch.testing.assert_close(a.norm(dim=-1)[live], torch.ones(int(live.sum())), atol=1e-5, rtol=0)

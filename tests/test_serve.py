@@ -36,6 +36,7 @@ from hstu.serve.cli import bind, fit_buckets, parse_buckets
 from hstu.serve.popularity import popularity_for_run
 
 from conftest import ML1M, REPO, USERS  # noqa: F401 - the tiny run's data and size (its fixtures are conftest's)
+
 BUCKETS = [10, 20, 50]
 
 
@@ -159,9 +160,17 @@ def test_probes_docs_and_metric_names(server) -> None:
     assert {"Event", "Decoding"} <= refs and refs <= set(comps)  # every reference resolves
     m = metrics(server.url)
     names = {n for n, _ in m}
-    for name in ("hstu_serve_request_duration_seconds_bucket", "hstu_serve_batch_size_bucket", "hstu_serve_queue_depth",
-                 "hstu_serve_generated_items_total", "hstu_serve_rejected_requests_total", "hstu_serve_memory_free_bytes",
-                 "hstu_serve_memory_total_bytes", "hstu_serve_requests_total", "hstu_serve_ready"):
+    for name in (
+        "hstu_serve_request_duration_seconds_bucket",
+        "hstu_serve_batch_size_bucket",
+        "hstu_serve_queue_depth",
+        "hstu_serve_generated_items_total",
+        "hstu_serve_rejected_requests_total",
+        "hstu_serve_memory_free_bytes",
+        "hstu_serve_memory_total_bytes",
+        "hstu_serve_requests_total",
+        "hstu_serve_ready",
+    ):
         assert name in names, name
     assert m[("hstu_serve_model_info", (("embeddings", "fp32"), ("precision", "fp32")))] == 1
     for b in BUCKETS:  # the ops alert rule "data-movement storm" reads this exact series name and label
@@ -192,8 +201,16 @@ def test_generate_concurrent_equals_direct_recommender(server, ratings, ref) -> 
         assert got["bucket"] == min(b for b in BUCKETS if b >= n) and got["history_length"] == n and not got["cold_start"]
         assert got["latency_ms"] > 0 and "title" in got["items"][0]
     # batching grouped concurrent requests: fewer batches than requests (observed in the metrics)
-    count = sum(after.get(("hstu_serve_batch_size_count", (("bucket", str(b)),)), 0) - before.get(("hstu_serve_batch_size_count", (("bucket", str(b)),)), 0) for b in BUCKETS)
-    total = sum(after.get(("hstu_serve_batch_size_sum", (("bucket", str(b)),)), 0) - before.get(("hstu_serve_batch_size_sum", (("bucket", str(b)),)), 0) for b in BUCKETS)
+    count = sum(
+        after.get(("hstu_serve_batch_size_count", (("bucket", str(b)),)), 0)
+        - before.get(("hstu_serve_batch_size_count", (("bucket", str(b)),)), 0)
+        for b in BUCKETS
+    )
+    total = sum(
+        after.get(("hstu_serve_batch_size_sum", (("bucket", str(b)),)), 0)
+        - before.get(("hstu_serve_batch_size_sum", (("bucket", str(b)),)), 0)
+        for b in BUCKETS
+    )
     assert total == len(bodies) and count < len(bodies), (count, total)
     gen = after[("hstu_serve_generated_items_total", ())] - before[("hstu_serve_generated_items_total", ())]
     assert gen == sum(b["k"] for b in bodies)
@@ -201,10 +218,12 @@ def test_generate_concurrent_equals_direct_recommender(server, ratings, ref) -> 
 
 def test_beam_and_topk_equal_direct(server, ratings, ref) -> None:
     hist = events(ratings, sorted(ratings.user.unique())[3], 18)
-    bodies = [{"history": hist, "k": 4, "decoding": {"strategy": "beam", "beam_width": 3}},
-              {"history": hist, "k": 6, "decoding": {"strategy": "topk", "top_k": 20, "temperature": 0.5, "seed": 7}},
-              {"history": hist, "k": 6, "decoding": {"strategy": "topk", "top_k": 20, "temperature": 0.5, "seed": 7}},
-              {"history": hist, "k": 5, "exclude_history": False}]
+    bodies = [
+        {"history": hist, "k": 4, "decoding": {"strategy": "beam", "beam_width": 3}},
+        {"history": hist, "k": 6, "decoding": {"strategy": "topk", "top_k": 20, "temperature": 0.5, "seed": 7}},
+        {"history": hist, "k": 6, "decoding": {"strategy": "topk", "top_k": 20, "temperature": 0.5, "seed": 7}},
+        {"history": hist, "k": 5, "exclude_history": False},
+    ]
     resp = gather(server.url, "/v1/generate", bodies)
     items = [[i["item_id"] for i in r.json()["items"]] for r in resp]
     assert items[0] == [i["item_id"] for i in direct(ref, hist, 4, strategy="beam", beam_width=3)]
@@ -300,23 +319,26 @@ def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].timestamp"
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"history": [{"item_id": 1, "timestamp": 1}], "k": 0}, "k"),
-    ({"history": [{"item_id": 1, "timestamp": 1}], "k": 11}, "k"),  # model max_output_len = 10
-    ({"history": [{"item_id": "1", "timestamp": 1}]}, "history[0].item_id"),
-    ({"history": [{"item_id": 1, "timestamp": 1.5}]}, "history[0].timestamp"),
-    ({"history": [{"item_id": 1, "timestamp": -3}]}, "history[0].timestamp"),
-    ({"history": [{"item_id": 1}]}, "history[0].timestamp"),
-    ({"history": [{"item_id": 1, "timestamp": 1}], "k": "5"}, "k"),
-    ({"history": [{"item_id": 1, "timestamp": 1}], "k": True}, "k"),
-    ({"history": {"item_id": 1}}, "history"),
-    ({"k": 5}, "history"),
-    ({"history": [], "exlude": [1]}, "exlude"),
-    ({"history": [], "decoding": {"strategy": "nucleus"}}, "decoding.strategy"),
-    ({"history": [], "decoding": {"strategy": "beam", "beam_width": 0}}, "decoding.beam_width"),
-    ({"history": [], "user_id": {"a": 1}}, "user_id"),  # was "user_id.int" (pydantic's union branch)
-    ({"history": [], "user_id": True}, "user_id"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"history": [{"item_id": 1, "timestamp": 1}], "k": 0}, "k"),
+        ({"history": [{"item_id": 1, "timestamp": 1}], "k": 11}, "k"),  # model max_output_len = 10
+        ({"history": [{"item_id": "1", "timestamp": 1}]}, "history[0].item_id"),
+        ({"history": [{"item_id": 1, "timestamp": 1.5}]}, "history[0].timestamp"),
+        ({"history": [{"item_id": 1, "timestamp": -3}]}, "history[0].timestamp"),
+        ({"history": [{"item_id": 1}]}, "history[0].timestamp"),
+        ({"history": [{"item_id": 1, "timestamp": 1}], "k": "5"}, "k"),
+        ({"history": [{"item_id": 1, "timestamp": 1}], "k": True}, "k"),
+        ({"history": {"item_id": 1}}, "history"),
+        ({"k": 5}, "history"),
+        ({"history": [], "exlude": [1]}, "exlude"),
+        ({"history": [], "decoding": {"strategy": "nucleus"}}, "decoding.strategy"),
+        ({"history": [], "decoding": {"strategy": "beam", "beam_width": 0}}, "decoding.beam_width"),
+        ({"history": [], "user_id": {"a": 1}}, "user_id"),  # was "user_id.int" (pydantic's union branch)
+        ({"history": [], "user_id": True}, "user_id"),
+    ],
+)
 def test_generate_bad_input_names_the_field(server, body, field) -> None:
     r = post(server.url, "/v1/generate", body)
     assert r.status_code == 422, r.text
@@ -328,12 +350,17 @@ def test_wrong_user_id_type_is_one_error() -> None:
     from hstu.serve.schemas import GenerateRequest, ScoreRequest
 
     for cls, body in ((GenerateRequest, {"history": []}), (ScoreRequest, {"history": [], "candidates": [1]})):
-        for bad, kind in ((1.5, "a number that is not an integer"), (2**64, "an integer outside int64"), ("u" * 257, "a string over 256 characters")):
+        for bad, kind in (
+            (1.5, "a number that is not an integer"),
+            (2**64, "an integer outside int64"),
+            ("u" * 257, "a string over 256 characters"),
+        ):
             with pytest.raises(pydantic.ValidationError) as e:
                 cls.model_validate_json(json.dumps({**body, "user_id": bad}))
             assert [(x["loc"], x["msg"]) for x in e.value.errors()] == [
-                (("user_id",), f"must be an int64 integer, a string of at most 256 characters or null, got {kind}")]
-        ok = (7, -2**63, 2**63 - 1, "u" * 256, None)
+                (("user_id",), f"must be an int64 integer, a string of at most 256 characters or null, got {kind}")
+            ]
+        ok = (7, -(2**63), 2**63 - 1, "u" * 256, None)
         assert [cls.model_validate_json(json.dumps({**body, "user_id": u})).user_id for u in ok] == list(ok)
 
 
@@ -355,7 +382,10 @@ def test_score_bad_input_and_malformed_json(server) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "candidates"
     r = httpx.post(server.url + "/v1/generate", content=b'{"history": [', headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error"
-    assert r.json()["error"]["field"] == "body" and r.json()["error"]["message"] == "body: Invalid JSON: EOF while parsing a list at line 1 column 13"
+    assert (
+        r.json()["error"]["field"] == "body"
+        and r.json()["error"]["message"] == "body: Invalid JSON: EOF while parsing a list at line 1 column 13"
+    )
     nan = b'{"history": [], "decoding": {"strategy": "topk", "temperature": NaN}}'  # JSON extension Python parses
     r = httpx.post(server.url + "/v1/generate", content=nan, headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "decoding.temperature"
@@ -368,8 +398,11 @@ def test_body_too_large_413(server) -> None:
     r = post(server.url, "/v1/generate", big)
     assert r.status_code == 413 and r.json()["error"]["type"] == "body_too_large"
     data = json.dumps(big).encode()  # the same body streamed without Content-Length (chunked)
-    r = httpx.post(server.url + "/v1/generate", content=iter([data[i:i + 8192] for i in range(0, len(data), 8192)]),
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/generate",
+        content=iter([data[i : i + 8192] for i in range(0, len(data), 8192)]),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413
     after = metrics(server.url)[("hstu_serve_rejected_requests_total", (("reason", "body_too_large"),))]
     assert after - before == 2
@@ -481,7 +514,6 @@ def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
     assert rc == 0
 
 
-
 def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
     from hstu.cli import main
 
@@ -490,22 +522,25 @@ def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
     assert "--buckets" in err and "max_seq_len=50" in err
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--port", "70000", "must be in 0..65535, got 70000"),
-    ("--port", "-1", "must be in 0..65535, got -1"),
-    ("--max-batch", "0", "must be >= 1, got 0"),
-    ("--max-wait-ms", "-1", "must be >= 0, got -1"),
-    ("--max-wait-ms", "nan", "must be >= 0, got nan"),
-    ("--max-queue", "0", "must be >= 1, got 0"),
-    ("--request-timeout-s", "0", "must be > 0, got 0"),
-    ("--max-queue-delay-ms", "-5", "must be > 0, got -5"),
-    ("--memory-threshold", "1.5", "must be in [0, 1], got 1.5"),
-    ("--max-candidates", "0", "must be >= 1, got 0"),
-    ("--limit-concurrency", "0", "must be >= 1, got 0"),
-    ("--threads", "0", "must be >= 1, got 0"),
-    ("--model-workers", "0", "must be >= 1, got 0"),
-    ("--max-batch", "two", "expected an integer, got 'two'"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--port", "70000", "must be in 0..65535, got 70000"),
+        ("--port", "-1", "must be in 0..65535, got -1"),
+        ("--max-batch", "0", "must be >= 1, got 0"),
+        ("--max-wait-ms", "-1", "must be >= 0, got -1"),
+        ("--max-wait-ms", "nan", "must be >= 0, got nan"),
+        ("--max-queue", "0", "must be >= 1, got 0"),
+        ("--request-timeout-s", "0", "must be > 0, got 0"),
+        ("--max-queue-delay-ms", "-5", "must be > 0, got -5"),
+        ("--memory-threshold", "1.5", "must be in [0, 1], got 1.5"),
+        ("--max-candidates", "0", "must be >= 1, got 0"),
+        ("--limit-concurrency", "0", "must be >= 1, got 0"),
+        ("--threads", "0", "must be >= 1, got 0"),
+        ("--model-workers", "0", "must be >= 1, got 0"),
+        ("--max-batch", "two", "expected an integer, got 'two'"),
+    ],
+)
 def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, message) -> None:
     """A fresh user's report: --port 70000 listened on another port, --max-wait-ms -1 printed
     "listening" then died, --max-batch 0 gave BrokenProcessPool tracebacks. Each flag is refused
@@ -518,14 +553,17 @@ def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, mes
     assert f"hstu serve: error: argument {flag}: {message}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-body-bytes", "100"], "--max-body-bytes: must be >= 1024 bytes, got 100"),
-    (["--max-body-bytes", "lots"], "--max-body-bytes: cannot parse 'lots'"),
-    (["--buckets", "50,20"], "--buckets: edges must be distinct, ascending and >= 1"),
-    (["--buckets", "0,20"], "--buckets: edges must be distinct, ascending and >= 1"),
-    (["--buckets", ""], "--buckets: edges must be distinct, ascending and >= 1, got ''"),  # was: the defaults, silently
-    (["--config", "serve.toml"], "serve.toml [serve]: ServeConfig.max_batch must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-body-bytes", "100"], "--max-body-bytes: must be >= 1024 bytes, got 100"),
+        (["--max-body-bytes", "lots"], "--max-body-bytes: cannot parse 'lots'"),
+        (["--buckets", "50,20"], "--buckets: edges must be distinct, ascending and >= 1"),
+        (["--buckets", "0,20"], "--buckets: edges must be distinct, ascending and >= 1"),
+        (["--buckets", ""], "--buckets: edges must be distinct, ascending and >= 1, got ''"),  # was: the defaults, silently
+        (["--config", "serve.toml"], "serve.toml [serve]: ServeConfig.max_batch must be >= 1, got 0"),
+    ],
+)
 def test_cli_serve_checks_settings_before_loading_the_run(tmp_path, capsys, monkeypatch, args, message) -> None:
     from hstu.cli import main
 
@@ -596,12 +634,23 @@ def test_runner_engine_and_recommender_paths_agree(rec, ratings) -> None:
     from hstu.serve.runner import BatchRunner, DecodeOptions, Job
 
     users = sorted(ratings.user.unique())[30:38]
-    preps = [rec.prepare(History([e["item_id"] for e in h], [e["timestamp"] for e in h]))
-             for h in (events(ratings, u, n) for u, n in zip(users, [21, 30, 44, 50, 25, 33, 40, 49]))]
-    jobs = lambda: [Job("generate", preps[0], k=1), Job("generate", preps[1], k=10), Job("generate", preps[2], k=4),  # noqa: E731
-                    Job("generate", preps[3], k=3, decoding=DecodeOptions("beam", beam_width=2)),
-                    Job("generate", preps[4], k=5, exclude_history=False), Job("score", preps[5], candidates=np.array([1, 2, 0, 3])),
-                    Job("generate", preps[6], k=2), Job("score", preps[7], candidates=np.array([5]))]
+    preps = [
+        rec.prepare(History([e["item_id"] for e in h], [e["timestamp"] for e in h]))
+        for h in (events(ratings, u, n) for u, n in zip(users, [21, 30, 44, 50, 25, 33, 40, 49]))
+    ]
+
+    def jobs():
+        return [
+            Job("generate", preps[0], k=1),
+            Job("generate", preps[1], k=10),
+            Job("generate", preps[2], k=4),
+            Job("generate", preps[3], k=3, decoding=DecodeOptions("beam", beam_width=2)),
+            Job("generate", preps[4], k=5, exclude_history=False),
+            Job("score", preps[5], candidates=np.array([1, 2, 0, 3])),
+            Job("generate", preps[6], k=2),
+            Job("score", preps[7], candidates=np.array([5])),
+        ]
+
     a = BatchRunner(rec, BUCKETS, 16, use_engine="require").run_batch(50, jobs())
     b = BatchRunner(rec, BUCKETS, 16, use_engine="never").run_batch(50, jobs())
     for x, y in zip(a, b):
@@ -686,7 +735,9 @@ def test_model_process_answers_like_the_recommender_and_survives_its_death(run_d
                 break
             assert r.status_code == 503 and r.json()["error"]["type"] == "model_restart"
             time.sleep(0.2)
-        assert codes[-1] == 200 and [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in direct(ref, bodies[0]["history"], 4)]
+        assert codes[-1] == 200 and [i["item_id"] for i in r.json()["items"]] == [
+            i["item_id"] for i in direct(ref, bodies[0]["history"], 4)
+        ]
         assert httpx.get(s.url + "/readyz").status_code == 200
         assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "model_restart"),))] == len(codes)
         assert svc.model.restarts == 1

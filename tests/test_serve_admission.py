@@ -64,8 +64,13 @@ GEN20_MS, SCORE20_MS, GEN10_MS = 16.5 + 7.6 + 5.7 + 9.6, 3.75, 1.5
 
 
 def _jobs20() -> list[Job]:
-    return ([_gen(k) for k in (2, 2, 3, 5, 5)] + [_gen(4, "beam", 2) for _ in range(2)] + [_gen(3, "beam", 4)]
-            + [_gen(3, "topk") for _ in range(2)] + [_score() for _ in range(3)])
+    return (
+        [_gen(k) for k in (2, 2, 3, 5, 5)]
+        + [_gen(4, "beam", 2) for _ in range(2)]
+        + [_gen(3, "beam", 4)]
+        + [_gen(3, "topk") for _ in range(2)]
+        + [_score() for _ in range(3)]
+    )
 
 
 def test_work_tally_predicts_the_hand_derived_cost() -> None:
@@ -82,7 +87,7 @@ def test_delay_model_learns_bounded_ratios() -> None:
     d = DelayModel(4, {20: COST20})
     pred = {"generate": 0.010, "score": 0.0}
     assert d.learn(20, pred, 0.040) == pytest.approx(4.0)  # measured 4x the prediction: the scale moves 4 ** ALPHA
-    assert d.scale[(20, "generate")] == pytest.approx(4.0 ** ALPHA) and (20, "score") not in d.scale
+    assert d.scale[(20, "generate")] == pytest.approx(4.0**ALPHA) and (20, "score") not in d.scale
     assert d.learn(20, pred, 100.0) == pytest.approx(8.0)  # one freak batch counts as 8x at most
     for _ in range(200):
         d.learn(20, pred, 100.0)
@@ -121,8 +126,9 @@ def test_predicted_delay_is_the_queued_work_and_the_running_rest() -> None:
 
     async def main() -> None:
         model = _FakeModel()
-        b = MicroBatcher(model, ServeMetrics(model.buckets), max_batch=4, max_wait_ms=0, max_queue=64, request_timeout_s=30,
-                         max_queue_delay_s=0.1)
+        b = MicroBatcher(
+            model, ServeMetrics(model.buckets), max_batch=4, max_wait_ms=0, max_queue=64, request_timeout_s=30, max_queue_delay_s=0.1
+        )
         assert b.predicted_delay() == 0.0
         tasks = [await _queue(b, 20, j) for j in _jobs20()] + [await _queue(b, 10, _gen(1))]
         assert b.predicted_delay() == pytest.approx((GEN20_MS + SCORE20_MS + GEN10_MS) * MS)
@@ -158,8 +164,9 @@ def test_time_already_spent_counts_against_the_bound() -> None:
 
     async def main() -> None:
         model = _FakeModel()
-        b = MicroBatcher(model, ServeMetrics(model.buckets), max_batch=4, max_wait_ms=0, max_queue=64, request_timeout_s=30,
-                         max_queue_delay_s=0.1)
+        b = MicroBatcher(
+            model, ServeMetrics(model.buckets), max_batch=4, max_wait_ms=0, max_queue=64, request_timeout_s=30, max_queue_delay_s=0.1
+        )
         idle_task = await _queue(b, 20, _gen(1), waited_s=5.0)  # idle: admitted although 5 s > the bound
         assert not idle_task.done() and b.reject_early() is None
         idle_task.cancel()
@@ -278,7 +285,11 @@ def test_shedding_makes_readyz_degraded_then_ready(rec, monkeypatch) -> None:  #
         assert codes[0] == 200 and 429 in codes, codes
         r = httpx.get(s.url + "/readyz")
         assert r.status_code == 200 and r.json()["status"] == "degraded", r.json()
-        assert r.json()["reason"].startswith("shedding load: predicted queueing delay") and r.json()["buckets"] == {"10": True, "20": True, "50": True}
+        assert r.json()["reason"].startswith("shedding load: predicted queueing delay") and r.json()["buckets"] == {
+            "10": True,
+            "20": True,
+            "50": True,
+        }
         m = metrics(s.url)
         assert m[("hstu_serve_shedding", ())] == 1 and m[("hstu_serve_queue_delay_limit_seconds", ())] == pytest.approx(1e-5)
         assert m[("hstu_serve_rejected_requests_total", (("reason", "queue_full"),))] == codes.count(429)
@@ -386,6 +397,8 @@ def test_cli_serve_exits_with_one_line_when_the_model_process_keeps_dying(run_di
     assert len(killer.killed) == 3
     assert proc.returncode == 1 and "listening" not in out and "Traceback" not in err, err
     errors = [ln for ln in err.splitlines() if ln.startswith("hstu serve: error:")]
-    want = ("hstu serve: error: the model process ended while loading the run 3 time(s) (last: killed by SIGKILL); "
-            "see the log above for why (memory? a killed process?)")
+    want = (
+        "hstu serve: error: the model process ended while loading the run 3 time(s) (last: killed by SIGKILL); "
+        "see the log above for why (memory? a killed process?)"
+    )
     assert errors == [want], err

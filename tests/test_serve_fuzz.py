@@ -35,8 +35,7 @@ from schemathesis.checks import (
 POSITIVE = {"POST /v1/generate": 120, "POST /v1/score": 120}  # examples per operation; the GET probes: GET_EXAMPLES
 NEGATIVE = {"POST /v1/generate": 40, "POST /v1/score": 40}
 GET_EXAMPLES = 5
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance, response_schema_conformance]
 
 
 def known_ids(known: list[int], max_k: int):
@@ -44,6 +43,7 @@ def known_ids(known: list[int], max_k: int):
     model instead of stopping at a 422: integral floats written as integers (JSON Schema counts 0.0
     as an integer, the server's strict types do not), item ids mapped onto the run's ids (id %
     catalogue size; random int64 ids are unknown to the run) and k into 1..max_k."""
+
     def ints(x):
         if isinstance(x, float) and x.is_integer() and abs(x) < 2**63:
             return int(x)
@@ -73,8 +73,14 @@ def run_operation(op, base_url: str, mode: GenerationMode, examples: int, codes:
     checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
     strategy = op.as_strategy(generation_mode=mode)
 
-    @hypothesis.settings(max_examples=examples, derandomize=True, database=None, deadline=None, print_blob=True,
-                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
     @hypothesis.given(case=strategy if fix is None else hypothesis.strategies.one_of(strategy, strategy.map(fix)))
     def fuzz(case) -> None:
         response = case.call(base_url=base_url, timeout=60)
@@ -92,8 +98,7 @@ def test_openapi_schema_fuzz(rec, popularity) -> None:  # noqa: F811
         codes: Counter = Counter()
         fix = known_ids([int(r) for r in rec.raw_ids[1:]], rec.model.cfg.max_output_len)
         for label, op in sorted(ops.items()):
-            run_operation(op, s.url, GenerationMode.POSITIVE, POSITIVE.get(label, GET_EXAMPLES), codes,
-                          fix if label in POSITIVE else None)
+            run_operation(op, s.url, GenerationMode.POSITIVE, POSITIVE.get(label, GET_EXAMPLES), codes, fix if label in POSITIVE else None)
             if label in NEGATIVE:
                 run_operation(op, s.url, GenerationMode.NEGATIVE, NEGATIVE[label], codes)
         print(f"schemathesis: {sum(codes.values())} requests over {len(ops)} operations, by status {dict(sorted(codes.items()))}")

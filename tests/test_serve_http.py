@@ -39,8 +39,11 @@ class Server(LiveServer):
 
     def __init__(self, app, cfg: ServeConfig, impl: str) -> None:
         super().__init__(app, wait_ready=False)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30,
-                                                    http=http_protocol(cfg.header_timeout_s, impl)))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level="warning", access_log=False, timeout_graceful_shutdown=30, http=http_protocol(cfg.header_timeout_s, impl)
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.port = self.sock.getsockname()[1]
 
@@ -128,8 +131,11 @@ def test_incomplete_headers_get_408_and_idle_connections_close(rec, popularity, 
         c.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
         status, headers, body = parse(read_until_closed(c))
         assert status == 408 and headers["connection"] == "close"
-        assert json.loads(body)["error"] == {"type": "header_timeout", "field": None,
-                                             "message": "request headers did not complete within the header timeout of 1 s"}
+        assert json.loads(body)["error"] == {
+            "type": "header_timeout",
+            "field": None,
+            "message": "request headers did not complete within the header timeout of 1 s",
+        }
         c.close()
 
         idle = connect(s.port)
@@ -160,8 +166,11 @@ def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> No
             for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/json; charset=latin-1"):
                 r = httpx.post(s.url + path, content=data, headers={"content-type": ctype}, timeout=60)
                 assert r.status_code == 415, (path, ctype, r.text)
-                assert r.json()["error"] == {"type": "unsupported_media_type", "field": "content-type",
-                                             "message": f"content-type: expected application/json (UTF-8), got {ctype!r}"}
+                assert r.json()["error"] == {
+                    "type": "unsupported_media_type",
+                    "field": "content-type",
+                    "message": f"content-type: expected application/json (UTF-8), got {ctype!r}",
+                }
             for ctype in ("application/json; charset=utf-8", "application/vnd.hstu+json", None):
                 headers = {"content-type": ctype} if ctype else {}
                 r = httpx.post(s.url + path, content=data, headers=headers, timeout=60)
@@ -203,8 +212,11 @@ def test_one_keep_alive_connection_survives_422_413_415_and_500(rec, popularity)
         send("/v1/generate", json=big)
         send("/v1/generate", content=json.dumps(GOOD).encode(), headers={"content-type": "text/plain"})
         r = send("/test/boom", json={})
-        assert r.json()["error"] == {"type": "internal_error", "field": None,
-                                     "message": "internal error: RuntimeError: deliberate failure for the keep-alive test"}
+        assert r.json()["error"] == {
+            "type": "internal_error",
+            "field": None,
+            "message": "internal error: RuntimeError: deliberate failure for the keep-alive test",
+        }
         r = send("/v1/generate", json=GOOD)
         assert codes == [422, 413, 415, 500, 200]
         assert len(r.json()["items"]) == 3
@@ -219,8 +231,25 @@ def test_cli_serve_applies_body_and_header_timeouts(run_dir, tmp_path) -> None: 
     an idle connection is closed, a short body gets its 408, a good request is served."""
     (tmp_path / "serve.toml").write_text("[serve]\nbody_timeout_s = 1.0\n")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--buckets", "10,20,50", "--threads", "1",
-           "--no-model-process", "--config", str(tmp_path / "serve.toml"), "--header-timeout-s", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hstu.cli",
+        "serve",
+        "--run",
+        str(run_dir),
+        "--port",
+        "0",
+        "--buckets",
+        "10,20,50",
+        "--threads",
+        "1",
+        "--no-model-process",
+        "--config",
+        str(tmp_path / "serve.toml"),
+        "--header-timeout-s",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
     try:
         line = proc.stdout.readline()
@@ -234,7 +263,10 @@ def test_cli_serve_applies_body_and_header_timeouts(run_dir, tmp_path) -> None: 
         c.sendall(request_head("/v1/score", 500) + PARTIAL)
         status, _, body = parse(read_until_closed(c))
         c.close()
-        assert status == 408 and json.loads(body)["error"]["message"] == f"body: {len(PARTIAL)} of 500 bytes arrived within the body timeout of 1 s"
+        assert (
+            status == 408
+            and json.loads(body)["error"]["message"] == f"body: {len(PARTIAL)} of 500 bytes arrived within the body timeout of 1 s"
+        )
         deadline = time.monotonic() + 120
         while httpx.get(url + "/readyz", timeout=5).status_code != 200:
             assert time.monotonic() < deadline and proc.poll() is None
@@ -246,12 +278,15 @@ def test_cli_serve_applies_body_and_header_timeouts(run_dir, tmp_path) -> None: 
     assert rc == 0
 
 
-@pytest.mark.parametrize("args, toml, message", [
-    (["--body-timeout-s", "0"], None, "argument --body-timeout-s: must be > 0, got 0"),
-    (["--header-timeout-s", "inf"], None, "argument --header-timeout-s: must be > 0, got inf"),
-    ([], "header_timeout_s = 0", "serve.toml [serve]: ServeConfig.header_timeout_s must be a finite number of seconds > 0, got 0"),
-    ([], 'body_timeout_s = "5"', "serve.toml [serve]: body_timeout_s must be float, got '5'"),
-])
+@pytest.mark.parametrize(
+    "args, toml, message",
+    [
+        (["--body-timeout-s", "0"], None, "argument --body-timeout-s: must be > 0, got 0"),
+        (["--header-timeout-s", "inf"], None, "argument --header-timeout-s: must be > 0, got inf"),
+        ([], "header_timeout_s = 0", "serve.toml [serve]: ServeConfig.header_timeout_s must be a finite number of seconds > 0, got 0"),
+        ([], 'body_timeout_s = "5"', "serve.toml [serve]: body_timeout_s must be float, got '5'"),
+    ],
+)
 def test_cli_serve_rejects_bad_timeouts(tmp_path, capsys, monkeypatch, args, toml, message) -> None:
     from hstu.cli import main
 

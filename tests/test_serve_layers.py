@@ -110,8 +110,11 @@ def test_model_process_settings_are_checked_when_the_app_is_built(rec, run_dir) 
 
 def _functions(path: Path) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text())
-    return [(f"{path.name}:{n.name}", n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [
+        (f"{path.name}:{n.name}", n.end_lineno - n.lineno + 1)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
 
 
 def test_serve_modules_are_layered_and_small() -> None:

@@ -52,8 +52,11 @@ def test_one_bad_exclude_among_eight_concurrent_requests_is_422_alone(server, ra
         assert r.status_code == 200, (server.engine, i, r.text)
         assert [it["item_id"] for it in r.json()["items"]] == [it["item_id"] for it in direct(ref, hists[i], 10)]
     # beam: the beam width counts too; k alone names "k" when no exclude is given
-    r = post(server.url, "/v1/generate", {"history": hists[0], "k": 2, "exclude": all_but_two[1:],
-                                          "decoding": {"strategy": "beam", "beam_width": 4}})
+    r = post(
+        server.url,
+        "/v1/generate",
+        {"history": hists[0], "k": 2, "exclude": all_but_two[1:], "decoding": {"strategy": "beam", "beam_width": 4}},
+    )
     assert r.status_code == 422 and r.json()["error"]["field"] == "exclude", r.text
     ok = post(server.url, "/v1/generate", {"history": hists[0], "k": 2, "exclude": all_but_two[2:], "exclude_history": False})
     assert ok.status_code == 200 and all(math.isfinite(it["score"]) for it in ok.json()["items"]), ok.text
@@ -71,8 +74,10 @@ def test_topk_at_a_tiny_temperature_is_200_with_the_greedy_items(server, ratings
 
 def test_untrained_items_are_not_returned_and_a_history_holding_them_is_warned(server, ratings, untrained) -> None:  # noqa: F811
     users = sorted(ratings.user.unique())[:30]
-    bodies = [{"history": events(ratings, u, 25), "k": 10, "decoding": {"strategy": "topk", "top_k": 200, "temperature": 5.0, "seed": i}}
-              for i, u in enumerate(users)]
+    bodies = [
+        {"history": events(ratings, u, 25), "k": 10, "decoding": {"strategy": "topk", "top_k": 200, "temperature": 5.0, "seed": i}}
+        for i, u in enumerate(users)
+    ]
     res = gather(server.url, "/v1/generate", bodies)
     assert all(r.status_code == 200 for r in res), [r.text for r in res if r.status_code != 200][:1]
     got = {it["item_id"] for r in res for it in r.json()["items"]}

@@ -14,8 +14,19 @@ from hstu.model.hstu import build_hstu
 from hstu.train.baselines import make_baseline, training_counts
 from hstu.train.evaluate import evaluate_ranks
 from hstu.train.metrics import long_tail_coverage, shannon_entropy
-from hstu.train.slices import (BaselineScorer, ModelScorer, bootstrap_weights, ci_entropy_jackknife, ci_mean, collect, macro_f1, ndcgs,
-                               paired_comparison, slice_report, tail_flags)
+from hstu.train.slices import (
+    BaselineScorer,
+    ModelScorer,
+    bootstrap_weights,
+    ci_entropy_jackknife,
+    ci_mean,
+    collect,
+    macro_f1,
+    ndcgs,
+    paired_comparison,
+    slice_report,
+    tail_flags,
+)
 
 
 def test_macro_f1_hand_case():
@@ -75,8 +86,9 @@ def small_log() -> EventLog:
     for u in range(12):
         n = int(rng.integers(4, 12))
         for j in range(n):
-            rows.append((u, int(rng.integers(1, 25)), 1000 + 60 * j + u, ["view", "cart", "buy"][int(rng.integers(0, 3))],
-                         int(rng.integers(1, 4))))
+            rows.append(
+                (u, int(rng.integers(1, 25)), 1000 + 60 * j + u, ["view", "cart", "buy"][int(rng.integers(0, 3))], int(rng.integers(1, 4)))
+            )
     df = pd.DataFrame(rows, columns=["user_id", "item_id", "timestamp", "action", "category"])
     return EventLog.from_frame(df, name="small", exclude_history_default=False)
 
@@ -84,8 +96,18 @@ def small_log() -> EventLog:
 @pytest.fixture
 def model(small_log):
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=small_log.num_items, max_seq_len=16, embedding_dim=16, num_blocks=1, num_heads=1, d_qk=8, d_v=8,
-                      num_actions=small_log.num_actions, num_categories=small_log.num_categories, dropout=0.0)
+    cfg = ModelConfig(
+        num_items=small_log.num_items,
+        max_seq_len=16,
+        embedding_dim=16,
+        num_blocks=1,
+        num_heads=1,
+        d_qk=8,
+        d_v=8,
+        num_actions=small_log.num_actions,
+        num_categories=small_log.num_categories,
+        dropout=0.0,
+    )
     return build_hstu(cfg).eval()
 
 
@@ -99,7 +121,7 @@ def test_collect_ranks_equal_standard_evaluation(small_log, model, exclude):
     if exclude:  # generation never returns a history item when history is excluded
         t = split.test_target
         for u, row in zip(res.users, res.generated):
-            assert not set(row.tolist()) & set(small_log.items[small_log.offsets[u]:t[u]].tolist())
+            assert not set(row.tolist()) & set(small_log.items[small_log.offsets[u] : t[u]].tolist())
 
 
 def test_cold_start_truncation_equals_direct_encode(small_log, model):
@@ -142,9 +164,9 @@ def test_slice_report_on_a_baseline(small_log):
     assert rep["next_action"]["macro_f1"]["value"] == pytest.approx(macro_f1(small_log.actions[t[res.users]], last))
     # repeat slice: repeat-recent ranks every history item first, so its top-10 is history while
     # the history has >= 10 distinct items
-    rep_t = np.array([small_log.items[t[u]] in set(small_log.items[small_log.offsets[u]:t[u]].tolist()) for u in res.users])
+    rep_t = np.array([small_log.items[t[u]] in set(small_log.items[small_log.offsets[u] : t[u]].tolist()) for u in res.users])
     assert rep["repeat"]["share_of_targets"] == pytest.approx(rep_t.mean())
-    n_hist = np.array([len(set(small_log.items[small_log.offsets[u]:t[u]].tolist())) for u in res.users])
+    n_hist = np.array([len(set(small_log.items[small_log.offsets[u] : t[u]].tolist())) for u in res.users])
     assert rep["repeat"]["history_share_of_top10"]["value"] == pytest.approx(np.mean(np.minimum(n_hist, 10) / 10))
     if rep_t.any():
         assert rep["repeat"]["repeat_targets"]["HR@10"]["value"] == pytest.approx(np.mean(res.ranks[rep_t] <= 10))

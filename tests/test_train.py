@@ -51,7 +51,8 @@ def test_loss_falls_and_run_loads_back(ml1m_dir, tmp_path):
     assert again["HR@10"] == pytest.approx(m["test"]["HR@10"])
     # the files are safetensors + JSON only
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted(
-        ["config.json", "history.json", "idmap.json", "last.json", "last.safetensors", "metrics.json", "model.safetensors"])
+        ["config.json", "history.json", "idmap.json", "last.json", "last.safetensors", "metrics.json", "model.safetensors"]
+    )
 
 
 def test_existing_run_is_not_overwritten_silently(ml1m_dir, tmp_path):
@@ -72,7 +73,9 @@ def test_sampled_softmax_masks_negative_equal_to_target():
     assert n == 2 and torch.isfinite(loss)
     # hand check with one negative equal to the target everywhere: loss = 0 (only the positive remains)
     emb1 = torch.nn.Embedding(2, 4)
-    loss1, _ = sampled_softmax_loss(out[:, :2], torch.tensor([[1, 1]]), torch.tensor([2]), emb1, num_negatives=4, temperature=0.05, num_items=1)
+    loss1, _ = sampled_softmax_loss(
+        out[:, :2], torch.tensor([[1, 1]]), torch.tensor([2]), emb1, num_negatives=4, temperature=0.05, num_items=1
+    )
     assert float(loss1) == pytest.approx(0.0, abs=1e-6)
 
 
@@ -92,8 +95,9 @@ def test_per_position_dense_logits_equal_gathered_rows(monkeypatch):
         monkeypatch.setattr(L, "DENSE_LOGITS_MAX", limit)
         emb.zero_grad()
         out.grad = None
-        loss, n = L.sampled_softmax_loss(out, ids, lengths, emb, num_negatives=M, temperature=0.05, chunk=1, num_items=I,
-                                         generator=torch.Generator().manual_seed(5))
+        loss, n = L.sampled_softmax_loss(
+            out, ids, lengths, emb, num_negatives=M, temperature=0.05, chunk=1, num_items=I, generator=torch.Generator().manual_seed(5)
+        )
         loss.backward()
         res[name] = (loss.detach(), n, out.grad.clone(), emb.weight.grad.clone())
     assert res["dense"][1] == res["gather"][1] == 6 + 3

@@ -36,6 +36,7 @@ def number_in(kind: type = int, lo: float | None = None, hi: float | None = None
     """An argparse ``type``: a finite ``kind`` (int or float) in [lo, hi] ((lo, hi] with ``lo_open``;
     None: unbounded). Anything else exits 2 naming the flag and the range, e.g.
     ``argument --port: must be in 0..65535, got 70000``."""
+
     def num(x: float) -> str:
         return str(int(x)) if float(x).is_integer() else str(x)
 
@@ -58,8 +59,10 @@ def number_in(kind: type = int, lo: float | None = None, hi: float | None = None
     return parse
 
 
-NO_DATA = ("MovieLens-1M not found. Download https://files.grouplens.org/datasets/movielens/ml-1m.zip, unzip it, and "
-           "pass --data-dir PATH/ml-1m (or set HSTU_DATA_DIR). MovieLens may not be redistributed, so hstu does not ship it.")
+NO_DATA = (
+    "MovieLens-1M not found. Download https://files.grouplens.org/datasets/movielens/ml-1m.zip, unzip it, and "
+    "pass --data-dir PATH/ml-1m (or set HSTU_DATA_DIR). MovieLens may not be redistributed, so hstu does not ship it."
+)
 
 
 def _model_cfg(args):
@@ -72,10 +75,10 @@ def _model_cfg(args):
 
 
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "int8")
-PRECISION_HELP = ("inference precision: a float run is converted in memory (int8 = per-channel INT8 Linears, FP16 "
-                  "item table); a quantized run (hstu quantize) loads as saved and refuses another scheme")
-
-
+PRECISION_HELP = (
+    "inference precision: a float run is converted in memory (int8 = per-channel INT8 Linears, FP16 "
+    "item table); a quantized run (hstu quantize) loads as saved and refuses another scheme"
+)
 
 
 def _check_out_dir(args) -> None:
@@ -89,8 +92,10 @@ def _check_out_dir(args) -> None:
     if not found or args.resume:
         return
     if not args.overwrite:
-        raise FileExistsError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
-                              "--overwrite to replace it, or choose another --out")
+        raise FileExistsError(
+            f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+            "--overwrite to replace it, or choose another --out"
+        )
     log.warning("--overwrite: the run in %s (%s) is replaced once the data and device are ready", out, ", ".join(found))
 
 
@@ -105,8 +110,10 @@ def _check_resume_flags(args) -> None:
         from hstu.config import load_config_file
 
         if "model" in load_config_file(args.config):
-            raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); "
-                             f"{args.config} has a [model] table (only [train] applies to a resumed run)")
+            raise ValueError(
+                f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); "
+                f"{args.config} has a [model] table (only [train] applies to a resumed run)"
+            )
 
 
 def _resume_defaults(args) -> dict:
@@ -123,8 +130,12 @@ def _resume_defaults(args) -> dict:
     data = saved.get("data", {})
     from hstu.train.loop import check_resume_data
 
-    given = {"dataset": args.dataset, "protocol": args.protocol, "max_users": args.max_users,
-             "options": {"columns": args.columns} if getattr(args, "columns", None) else None}
+    given = {
+        "dataset": args.dataset,
+        "protocol": args.protocol,
+        "max_users": args.max_users,
+        "options": {"columns": args.columns} if getattr(args, "columns", None) else None,
+    }
     check_resume_data(path, data, {k: v for k, v in given.items() if v is not None})  # before any data is read
     args.dataset = args.dataset or data.get("dataset") or "ml-1m"
     args.protocol = args.protocol or data.get("protocol") or "clean"
@@ -199,7 +210,7 @@ def _history_from_file(path: str):
     except json.JSONDecodeError as exc:
         raise HistoryError(f"{p}: not valid JSON: {exc}") from None
     if not isinstance(events, list):
-        raise HistoryError(f"{p}: expected a JSON list of {{\"item_id\", \"timestamp\"}} objects")
+        raise HistoryError(f'{p}: expected a JSON list of {{"item_id", "timestamp"}} objects')
     items, ts, acts = [], [], []
     for i, e in enumerate(events):
         if not isinstance(e, dict) or "item_id" not in e or "timestamp" not in e:
@@ -279,8 +290,9 @@ def cmd_generate(args) -> int:
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
     need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
     rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
-    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow,
-                          engine=rec.engine_for([prep], dec))[0]  # through the engine, sized for this one call
+    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec))[
+        0
+    ]  # through the engine, sized for this one call
     out = {"user": args.user, "items": items}
     if prep.warnings:
         out["warnings"] = prep.warnings
@@ -312,12 +324,22 @@ def cmd_demo(args) -> int:
     out = Path(args.out)
     t0 = time.perf_counter()
     print(f"hstu demo: training HSTU (small preset) on {data_dir} for {_count(args.epochs, 'epoch')} on {args.device} ...", flush=True)
-    metrics = fit(out, model_config_from_preset("small"), TrainConfig(epochs=args.epochs, seed=args.seed),
-                  DataSpec("ml-1m", str(data_dir)), device=args.device, progress=not args.quiet)
+    metrics = fit(
+        out,
+        model_config_from_preset("small"),
+        TrainConfig(epochs=args.epochs, seed=args.seed),
+        DataSpec("ml-1m", str(data_dir)),
+        device=args.device,
+        progress=not args.quiet,
+    )
     t = metrics["test"]
-    print(f"\ntest (full ranking over all items, {t['users']} users): HR@10 {t['HR@10']:.4f}  NDCG@10 {t['NDCG@10']:.4f}  "
-          f"HR@50 {t['HR@50']:.4f}  MRR {t['MRR']:.4f}")
-    print(f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n")
+    print(
+        f"\ntest (full ranking over all items, {t['users']} users): HR@10 {t['HR@10']:.4f}  NDCG@10 {t['NDCG@10']:.4f}  "
+        f"HR@50 {t['HR@50']:.4f}  MRR {t['MRR']:.4f}"
+    )
+    print(
+        f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n"
+    )
     rec = Recommender.from_run(out, args.device)
     cfg = read_json(out / "config.json")
     for user in (1, 2, 3):
@@ -349,17 +371,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
     t.add_argument("--seed", type=int)
     t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
-    t.add_argument("--protocol", choices=["clean", "paper"],
-                   help="(default clean; with --resume: the run's) clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last")
+    t.add_argument(
+        "--protocol",
+        choices=["clean", "paper"],
+        help="(default clean; with --resume: the run's) clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last",
+    )
     t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
     t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
     r = t.add_mutually_exclusive_group()
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
     r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.add_argument("--distributed", action="store_true",
-                   help="item table sharded by TorchRec, dense layers under DDP; start with "
-                        "torchrun --nproc-per-node N --no-python hstu train --distributed ...")
+    t.add_argument(
+        "--distributed",
+        action="store_true",
+        help="item table sharded by TorchRec, dense layers under DDP; start with "
+        "torchrun --nproc-per-node N --no-python hstu train --distributed ...",
+    )
     from hstu.train.distributed import add_distributed_arguments
 
     add_distributed_arguments(t)  # --sharding, --table-optimizer, --table-learning-rate
@@ -369,8 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--run", required=True)
     e.add_argument("--split", default="test", choices=["valid", "test"])
     e.add_argument("--protocol", choices=["clean", "paper"])
-    e.add_argument("--data-dir", help="the run's data set, if it moved since training (default: $HSTU_DATA_DIR, else the "
-                                      "directory recorded in the run)")
+    e.add_argument(
+        "--data-dir",
+        help="the run's data set, if it moved since training (default: $HSTU_DATA_DIR, else the directory recorded in the run)",
+    )
     e.add_argument("--device", default="cpu")
     e.add_argument("--json", action="store_true")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
@@ -384,17 +414,27 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--strategy", default="greedy", choices=["greedy", "topk", "beam"])
     # the ranges of the HTTP schema (hstu.serve.schemas.Decoding)
     q.add_argument("--top-k", type=number_in(int, 1, TOP_K_MAX), default=50, help="topk: sample among this many best (default 50)")
-    q.add_argument("--temperature", type=number_in(float, 0, TEMPERATURE_MAX, lo_open=True), default=1.0,
-                   help="topk: softmax temperature (default 1.0; a tiny one samples in the greedy limit)")
+    q.add_argument(
+        "--temperature",
+        type=number_in(float, 0, TEMPERATURE_MAX, lo_open=True),
+        default=1.0,
+        help="topk: softmax temperature (default 1.0; a tiny one samples in the greedy limit)",
+    )
     q.add_argument("--beam-width", type=number_in(int, 1, BEAM_WIDTH_MAX), default=4, help="beam: beams (default 4)")
     q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="topk: sampling seed (default 0)")
-    q.add_argument("--data-dir", help="the run's data set (for --user), if it moved since training "
-                                      "(default: $HSTU_DATA_DIR, else the directory recorded in the run)")
+    q.add_argument(
+        "--data-dir",
+        help="the run's data set (for --user), if it moved since training "
+        "(default: $HSTU_DATA_DIR, else the directory recorded in the run)",
+    )
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])
-    q.add_argument("--allow-untrained-items", action="store_true",
-                   help="may generate items without training events (default: only for a run trained with cold_item_dropout > 0)")
+    q.add_argument(
+        "--allow-untrained-items",
+        action="store_true",
+        help="may generate items without training events (default: only for a run trained with cold_item_dropout > 0)",
+    )
     q.add_argument("--device", default="cpu")
     q.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     q.add_argument("--json", action="store_true")

@@ -70,14 +70,46 @@ log = logging.getLogger(__name__)
 
 RUN_FILES = (WEIGHTS, LAST_JSON, LAST_WEIGHTS, HISTORY, METRICS)  # what training writes per epoch / at the end
 MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifest
-__all__ = ["CONFIG", "HISTORY", "IDMAP", "LAST_JSON", "LAST_WEIGHTS", "METRICS", "QUANT_META", "QUANT_WEIGHTS", "RUN_FILES",
-           "WEIGHTS", "check_items_match", "check_quantized_out", "check_resume_data", "check_resume_items", "config_json",
-           "has_train_state", "is_quantized", "load_best_weights", "load_float_run", "load_run", "load_train_state",
-           "make_idmap", "read_config", "read_history", "read_idmap", "read_run", "remove_run_files", "repair_run_files",
-           "save_best_weights", "save_quantized_run", "save_train_state", "write_config", "write_idmap", "write_metrics"]
+__all__ = [
+    "CONFIG",
+    "HISTORY",
+    "IDMAP",
+    "LAST_JSON",
+    "LAST_WEIGHTS",
+    "METRICS",
+    "QUANT_META",
+    "QUANT_WEIGHTS",
+    "RUN_FILES",
+    "WEIGHTS",
+    "check_items_match",
+    "check_quantized_out",
+    "check_resume_data",
+    "check_resume_items",
+    "config_json",
+    "has_train_state",
+    "is_quantized",
+    "load_best_weights",
+    "load_float_run",
+    "load_run",
+    "load_train_state",
+    "make_idmap",
+    "read_config",
+    "read_history",
+    "read_idmap",
+    "read_run",
+    "remove_run_files",
+    "repair_run_files",
+    "save_best_weights",
+    "save_quantized_run",
+    "save_train_state",
+    "write_config",
+    "write_idmap",
+    "write_metrics",
+]
 
 
 # -- config.json, idmap.json, history.json, metrics.json, model.safetensors ----------------------------------------
+
 
 def config_json(mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, **extra: Any) -> dict:
     """config.json's object: the model, train and data tables, ``extra`` tables (e.g.
@@ -168,8 +200,10 @@ def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
         value = given.get(name)
         if name in given and name in saved and saved[name] != value:
             flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise ValueError(f"--resume: {flag} is {value!r} here but {saved[name]!r} in the run "
-                             f"({config_path} data.{name}); resume with the run's data options or train a new --out")
+            raise ValueError(
+                f"--resume: {flag} is {value!r} here but {saved[name]!r} in the run "
+                f"({config_path} data.{name}); resume with the run's data options or train a new --out"
+            )
 
 
 def check_resume_items(run: Path, log_: EventLog) -> None:
@@ -180,8 +214,10 @@ def check_resume_items(run: Path, log_: EventLog) -> None:
         return
     saved = read_json(path).get("item_raw_ids")
     if saved is not None and saved != log_.item_raw_ids.tolist():
-        raise ValueError(f"--resume: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
-                         f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)")
+        raise ValueError(
+            f"--resume: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
+            f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)"
+        )
 
 
 def remove_run_files(run: Path) -> None:
@@ -193,13 +229,15 @@ def remove_run_files(run: Path) -> None:
 
 # -- the last checkpoint (last.safetensors + its manifest, last.json, history.json) ---------------------------------
 
+
 def has_train_state(run: Path) -> bool:
     """Whether ``run`` holds a resumable state (last.safetensors, or last.json of an older run)."""
     return (Path(run) / LAST_WEIGHTS).exists() or (Path(run) / LAST_JSON).exists()
 
 
-def save_train_state(run: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, info: dict,
-                     history: list[dict]) -> None:
+def save_train_state(
+    run: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, info: dict, history: list[dict]
+) -> None:
     """Commit one epoch: weights, AdamW moments and RNG states as tensors, and the manifest
     ``{**info, "param_groups", "history"}`` in the same file's metadata (one rename), then its
     copies last.json and history.json. ``info``: epoch, best, best_epoch, bad_epochs,
@@ -278,12 +316,12 @@ def repair_run_files(run: Path, info: dict) -> None:
         except (OSError, ValueError):
             same = False
         if not same:
-            log.warning("%s did not match the last committed epoch (%d, in %s): rewritten from it", path, info["epoch"],
-                        run / LAST_WEIGHTS)
+            log.warning("%s did not match the last committed epoch (%d, in %s): rewritten from it", path, info["epoch"], run / LAST_WEIGHTS)
             write_json(path, want)
 
 
 # -- loading a run for eval / generate / serve ----------------------------------------------------------------------
+
 
 def read_run(run_dir: str | Path) -> tuple[dict, dict]:
     """(config.json dict, idmap.json dict) of a run, without its weights; both checked field by
@@ -335,8 +373,9 @@ def load_run(run_dir: str | Path, device: str = "cpu", precision: str | None = N
     meta = read_quant_meta(run_dir)
     if meta is not None:
         if precision == "fp32":
-            raise QuantCheckpointError(f"{run_dir}: quantized run (scheme {meta['scheme']!r}); "
-                                       f"--precision fp32 needs the float run it was made from")
+            raise QuantCheckpointError(
+                f"{run_dir}: quantized run (scheme {meta['scheme']!r}); --precision fp32 needs the float run it was made from"
+            )
         return load_quantized_run(run_dir, device, scheme=precision)
     model, cfg, ids = load_float_run(run_dir, device)
     if precision not in (None, "fp32"):

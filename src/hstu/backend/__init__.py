@@ -105,5 +105,14 @@ def select_local(name: str, local_rank: int) -> Backend:
     return select(kind if cls is None or cls.is_host else f"{kind}:{int(local_rank)}")
 
 
-__all__ = ["Backend", "BackendUnavailableError", "MemoryInfo", "select", "select_local", "for_device", "BACKENDS",
-           "GRAPH_MODES", "GraphRunner"]
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "MemoryInfo",
+    "select",
+    "select_local",
+    "for_device",
+    "BACKENDS",
+    "GRAPH_MODES",
+    "GraphRunner",
+]

@@ -45,7 +45,9 @@ class SequenceBatch:
 
     def to(self, device: torch.device) -> "SequenceBatch":
         f = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return SequenceBatch(*(f(getattr(self, k)) for k in ("ids", "timestamps", "lengths", "actions", "categories", "users", "targets", "target_actions")))
+        return SequenceBatch(
+            *(f(getattr(self, k)) for k in ("ids", "timestamps", "lengths", "actions", "categories", "users", "targets", "target_actions"))
+        )
 
 
 def _pad(log_: EventLog, users: np.ndarray, starts: np.ndarray, ends: np.ndarray, extra: int, query_ts: np.ndarray | None) -> dict:
@@ -92,13 +94,13 @@ def length_bucketed_batches(lengths: np.ndarray, batch_size: int, rng: np.random
     batches = []
     step = batch_size * pool
     for s in range(0, len(idx), step):
-        chunk = idx[s:s + step]
+        chunk = idx[s : s + step]
         chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     order = rng.permutation(len(batches))
     return [batches[i] for i in order]
 
 
 def history_items(log_: EventLog, users: np.ndarray, ends: np.ndarray) -> list[np.ndarray]:
     """All dense items each user saw before event ``ends[b]`` (for candidate exclusion)."""
-    return [log_.items[log_.offsets[u]:e] for u, e in zip(users, ends)]
+    return [log_.items[log_.offsets[u] : e] for u, e in zip(users, ends)]

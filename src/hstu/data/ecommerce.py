@@ -54,6 +54,8 @@ RETAILROCKET_ACTIONS = ("view", "addtocart", "transaction")
 PURCHASE_ACTIONS = frozenset({"buy", "transaction", "purchase", "order"})
 MAPPING_KEYS = ("user", "item", "time", "action", "category")
 OUT_NAMES = {"user": "user_id", "item": "item_id", "time": "timestamp", "action": "action", "category": "category"}
+
+
 @dataclass(frozen=True)
 class Column:
     """One input column: ``key`` (user | item | time | action | category), its position in a
@@ -189,8 +191,9 @@ def _first_row_width(path: Path, sep: str) -> int:
     return 0
 
 
-def _read(path: Path, cols: list[Column], *, header: bool, sep: str = ",", time_unit: int = 1,
-          skip_bad_rows: bool = False) -> tuple[pd.DataFrame, int]:
+def _read(
+    path: Path, cols: list[Column], *, header: bool, sep: str = ",", time_unit: int = 1, skip_bad_rows: bool = False
+) -> tuple[pd.DataFrame, int]:
     """(frame with columns = keys of ``cols``, skipped rows). Times are converted with ``time_unit``."""
     df = _parse_fast(path, cols, header=header, sep=sep)
     if df is not None:
@@ -204,9 +207,13 @@ def _to_log(df: pd.DataFrame, *, name: str, action_names: list[str] | None, excl
     frame = df.rename(columns=OUT_NAMES)
     if frame.empty:
         raise ValueError(f"{name}: no events left after parsing (skipped {skipped} malformed rows)")
-    return EventLog.from_frame(frame, name=name, action_names=action_names,
-                               exclude_history_default=bool(exclude_history) if exclude_history is not None else False,
-                               skipped_rows=skipped)
+    return EventLog.from_frame(
+        frame,
+        name=name,
+        action_names=action_names,
+        exclude_history_default=bool(exclude_history) if exclude_history is not None else False,
+        skipped_rows=skipped,
+    )
 
 
 def _no_options(loader: str, options: dict) -> None:
@@ -243,8 +250,9 @@ def _retailrocket_categories(directory: Path) -> dict[int, int] | None:
     frames = []
     for p in parts:
         try:  # ~11M rows per part: read in chunks, keep only the categoryid rows
-            for chunk in pd.read_csv(p, usecols=["timestamp", "itemid", "property", "value"], dtype={"property": str, "value": str},
-                                     chunksize=2_000_000):
+            for chunk in pd.read_csv(
+                p, usecols=["timestamp", "itemid", "property", "value"], dtype={"property": str, "value": str}, chunksize=2_000_000
+            ):
                 frames.append(chunk[chunk["property"] == "categoryid"])
         except (ValueError, pd.errors.ParserError) as exc:
             raise DataFormatError(p, None, f"cannot read item properties: {exc}") from None
@@ -256,8 +264,9 @@ def _retailrocket_categories(directory: Path) -> dict[int, int] | None:
     return {int(k): int(v) for k, v in latest.items()}
 
 
-def load_retailrocket(data_dir: str | Path, skip_bad_rows: bool = False, *, exclude_history: bool | None = None,
-                      item_properties: bool = True, **options) -> EventLog:
+def load_retailrocket(
+    data_dir: str | Path, skip_bad_rows: bool = False, *, exclude_history: bool | None = None, item_properties: bool = True, **options
+) -> EventLog:
     """Retailrocket events.csv (header ``timestamp,visitorid,event,itemid,transactionid``).
 
     Timestamps are Unix ms, converted to s by floor division. Actions view=1, addtocart=2,
@@ -272,8 +281,12 @@ def load_retailrocket(data_dir: str | Path, skip_bad_rows: bool = False, *, excl
     """
     _no_options("retailrocket", options)
     path = _resolve(data_dir, ("events.csv",), "Retailrocket events.csv")
-    cols = [Column("time", "timestamp"), Column("user", "visitorid"), Column("action", "event", RETAILROCKET_ACTIONS),
-            Column("item", "itemid")]
+    cols = [
+        Column("time", "timestamp"),
+        Column("user", "visitorid"),
+        Column("action", "event", RETAILROCKET_ACTIONS),
+        Column("item", "itemid"),
+    ]
     df, skipped = _read(path, cols, header=True, time_unit=TIME_UNITS["ms"], skip_bad_rows=skip_bad_rows)
     cats = _retailrocket_categories(path.parent) if item_properties else None
     if cats is not None:
@@ -370,12 +383,18 @@ def _exact_ids(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
     if pd.api.types.is_signed_integer_dtype(col):
         return col.astype(np.int64), np.zeros(len(col), bool)
     vals = [_exact_int(v) for v in col.tolist()]
-    bad = np.array([v is None or not -2**63 <= v < 2**63 for v in vals], bool)
+    bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)
     return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
 
 
-def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, where: Callable[[int], tuple[int | None, str]],
-                  path: Path, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
+def _frame_checks(
+    df: pd.DataFrame,
+    mapping: dict[str, str],
+    unit: str | None,
+    where: Callable[[int], tuple[int | None, str]],
+    path: Path,
+    skip_bad_rows: bool,
+) -> tuple[pd.DataFrame, int]:
     """Vectorised checks and conversion of a frame read with inferred dtypes (Parquet, or a CSV
     with a header). ``where(i)`` gives (line, prefix) of frame row i for error messages.
 
@@ -389,8 +408,15 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
             continue
         col = df[mapping[key]]
         num, bad = _exact_ids(col)
-        problems.append((bad, lambda i, key=key, col=col: f"{key} ({mapping[key]!r}) is "
-                         + ("missing" if pd.isna(col.iloc[i]) else f"not an integer in the int64 range: {str(col.iloc[i])[:40]!r}")))
+        problems.append(
+            (
+                bad,
+                lambda i, key=key, col=col: (
+                    f"{key} ({mapping[key]!r}) is "
+                    + ("missing" if pd.isna(col.iloc[i]) else f"not an integer in the int64 range: {str(col.iloc[i])[:40]!r}")
+                ),
+            )
+        )
         out[key] = num
     if "action" in mapping:
         col = df[mapping["action"]]
@@ -400,8 +426,19 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
         out["action"] = text
     col = df[mapping["time"]]
     secs, out["subsecond_ns"], bad = exact_times(col, unit, path)
-    problems.append((bad, lambda i: f"time ({mapping['time']!r}) is " + ("missing" if pd.isna(col.iloc[i]) else
-                     f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}")))
+    problems.append(
+        (
+            bad,
+            lambda i: (
+                f"time ({mapping['time']!r}) is "
+                + (
+                    "missing"
+                    if pd.isna(col.iloc[i])
+                    else f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}"
+                )
+            ),
+        )
+    )
     out["time"] = secs
     any_bad = np.zeros(len(df), bool)
     for bad, _ in problems:
@@ -421,8 +458,17 @@ def _frame_checks(df: pd.DataFrame, mapping: dict[str, str], unit: str | None, w
     return frame, skipped
 
 
-def load_csv(data_dir: str | Path, skip_bad_rows: bool = False, *, columns: str | dict | None = None, sep: str = ",",
-             time_unit: str | None = None, exclude_history: bool | None = None, name: str = "csv", **options) -> EventLog:
+def load_csv(
+    data_dir: str | Path,
+    skip_bad_rows: bool = False,
+    *,
+    columns: str | dict | None = None,
+    sep: str = ",",
+    time_unit: str | None = None,
+    exclude_history: bool | None = None,
+    name: str = "csv",
+    **options,
+) -> EventLog:
     """A generic event log: CSV with a header row, or Parquet (``.parquet`` / ``.pq``).
 
     Args:
@@ -470,10 +516,11 @@ def _read_csv_mapped(path: Path, mapping: dict[str, str], unit: str | None, sep:
     try:
         # blank lines kept as all-NaN rows, so frame index i is file line i + 2 (header = line 1)
         # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
-        raw = pd.read_csv(path, sep=sep, engine="c", skip_blank_lines=False,
-                          dtype={mapping["action"]: str} if "action" in mapping else None)[[mapping[k] for k in keys]]
+        raw = pd.read_csv(
+            path, sep=sep, engine="c", skip_blank_lines=False, dtype={mapping["action"]: str} if "action" in mapping else None
+        )[[mapping[k] for k in keys]]
         for k in ("user", "item", "category"):  # an id column pandas did not read as int64 (one id past int64 makes
-            c = mapping.get(k)                   # it float64, rounding every id above 2^53): again as text, parsed exactly
+            c = mapping.get(k)  # it float64, rounding every id above 2^53): again as text, parsed exactly
             if c is not None and not pd.api.types.is_signed_integer_dtype(raw[c]):
                 raw[c] = pd.read_csv(path, sep=sep, engine="c", skip_blank_lines=False, usecols=[c], dtype=str)[c]
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError):

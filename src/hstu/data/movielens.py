@@ -67,7 +67,7 @@ def _parse_int_rows(path: Path, nfields: int, int_cols: tuple[int, ...], skip_ba
                     parts[c] = int(parts[c])
                 except ValueError:
                     raise DataFormatError(path, lineno, f"field {c + 1} is not an integer: {parts[c][:40]!r}") from None
-                if not -2**63 <= parts[c] < 2**63:
+                if not -(2**63) <= parts[c] < 2**63:
                     raise DataFormatError(path, lineno, f"field {c + 1} is outside the int64 range: {str(parts[c])[:40]!r}")
         except DataFormatError as exc:
             if not skip_bad_rows:
@@ -140,8 +140,11 @@ def load_movielens(data_dir: str | Path, skip_bad_rows: bool = False):
         raise FileNotFoundError(f"{d}: MovieLens-1M directory not found (download ml-1m.zip from GroupLens and unzip it)")
     ratings, report = load_ratings(d / "ratings.dat", skip_bad_rows)
     if not len(ratings):
-        raise DataFormatError(d / "ratings.dat", None, "no events" + (f" left after skipping {report.skipped} malformed rows"
-                                                                      if report.skipped else " (empty file)"))
+        raise DataFormatError(
+            d / "ratings.dat",
+            None,
+            "no events" + (f" left after skipping {report.skipped} malformed rows" if report.skipped else " (empty file)"),
+        )
     movie_report = ParseReport()
     movies = load_movies(d / "movies.dat", skip_bad_rows, movie_report) if (d / "movies.dat").exists() else None
     if movies is not None:
@@ -152,8 +155,12 @@ def load_movielens(data_dir: str | Path, skip_bad_rows: bool = False):
     titles = dict(zip(movies.item_id, movies.title)) if movies is not None else {}
     genres = dict(zip(movies.item_id, movies.genres)) if movies is not None else {}
     out = EventLog.from_frame(
-        ratings.rename(columns={"rating": "value"}), name="ml-1m", titles=titles, item_genres=genres,
-        exclude_history_default=True, skipped_rows=report.skipped,
+        ratings.rename(columns={"rating": "value"}),
+        name="ml-1m",
+        titles=titles,
+        item_genres=genres,
+        exclude_history_default=True,
+        skipped_rows=report.skipped,
     )
     out.facts["encodings"] = {"ratings.dat": report.encoding, **({"movies.dat": movie_report.encoding} if movies is not None else {})}
     return out

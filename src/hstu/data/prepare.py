@@ -61,7 +61,7 @@ def subset_users(log_: EventLog, n: int) -> EventLog:
     n = min(n, log_.num_users)
     e = int(log_.offsets[n])
     cut = {k: getattr(log_, k)[:e] for k in ("items", "timestamps", "actions", "categories", "values")}
-    return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[:n + 1]})
+    return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[: n + 1]})
 
 
 PROTOCOL_NEEDS = {"clean": (3, "a training, a validation and a test event"), "paper": (2, "a training and a test event")}
@@ -82,14 +82,18 @@ def check_trainable(log_: EventLog, split: Split, max_seq_len: int) -> None:
     need, what = PROTOCOL_NEEDS[split.protocol]
     lengths = np.diff(log_.offsets)
     if not (lengths >= need).any():
-        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: {_users_by_length(lengths, need)} events; "
-                         f"a user needs >= {need} ({what}) to be evaluated, and no user does")
+        raise ValueError(
+            f"too little data for --protocol {split.protocol} in {log_.name}: {_users_by_length(lengths, need)} events; "
+            f"a user needs >= {need} ({what}) to be evaluated, and no user does"
+        )
     train_len = np.minimum(split.train_end - log_.offsets[:-1], max_seq_len)
     positions = int(np.clip(train_len - 1, 0, None).sum())
     if positions == 0:
         who = "a user with 2 events (too few to evaluate: all trained on) or >= 4" if split.protocol == "clean" else "a user with >= 3"
-        raise ValueError(f"too little data for --protocol {split.protocol} in {log_.name}: 0 training positions "
-                         f"({_users_by_length(lengths, need + 1)} events; a training position needs {who} events)")
+        raise ValueError(
+            f"too little data for --protocol {split.protocol} in {log_.name}: 0 training positions "
+            f"({_users_by_length(lengths, need + 1)} events; a training position needs {who} events)"
+        )
 
 
 def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:

@@ -85,8 +85,17 @@ class EventLog:
         return np.where(found, order[pos] + 1, 0).astype(np.int64)
 
     @classmethod
-    def from_frame(cls, df: pd.DataFrame, *, name: str, titles: dict | None = None, item_genres: dict | None = None,
-                   action_names: list[str] | None = None, exclude_history_default: bool = True, skipped_rows: int = 0) -> "EventLog":
+    def from_frame(
+        cls,
+        df: pd.DataFrame,
+        *,
+        name: str,
+        titles: dict | None = None,
+        item_genres: dict | None = None,
+        action_names: list[str] | None = None,
+        exclude_history_default: bool = True,
+        skipped_rows: int = 0,
+    ) -> "EventLog":
         """Build from a frame with columns user_id, item_id, timestamp (int64 Unix s) and optional
         action (str or int), category (int), value, subsecond_ns (int64, the part of the source's
         exact time below the second, 0..1e9-1: events are sorted on timestamp then it, so ms / ns
@@ -127,10 +136,24 @@ class EventLog:
             item_category[1:] = first
         values = df["value"].to_numpy(np.int64) if "value" in df else np.zeros(n, np.int64)
         log.info("%s: %d events, %d users, %d items", name, n, len(users), len(item_raw))
-        return cls(name=name, users=users.astype(np.int64), offsets=offsets, items=items, timestamps=df["timestamp"].to_numpy(np.int64),
-                   actions=actions, categories=categories, values=values, item_raw_ids=item_raw_ids, item_category=item_category,
-                   action_names=names, category_raw_ids=cat_raw, titles=dict(titles or {}), item_genres=dict(item_genres or {}),
-                   exclude_history_default=exclude_history_default, skipped_rows=skipped_rows)
+        return cls(
+            name=name,
+            users=users.astype(np.int64),
+            offsets=offsets,
+            items=items,
+            timestamps=df["timestamp"].to_numpy(np.int64),
+            actions=actions,
+            categories=categories,
+            values=values,
+            item_raw_ids=item_raw_ids,
+            item_category=item_category,
+            action_names=names,
+            category_raw_ids=cat_raw,
+            titles=dict(titles or {}),
+            item_genres=dict(item_genres or {}),
+            exclude_history_default=exclude_history_default,
+            skipped_rows=skipped_rows,
+        )
 
 
 @dataclass

@@ -59,8 +59,11 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series
     keep their order; bad rows hold 0."""
     epoch = pd.Timestamp(0, tz="UTC")
     if pd.api.types.is_datetime64_any_dtype(col) or not _mostly_numbers(col):
-        t = col if pd.api.types.is_datetime64_any_dtype(col) else pd.to_datetime(
-            col.where(col.notna(), None).astype(str), errors="coerce", utc=True, format="ISO8601")
+        t = (
+            col
+            if pd.api.types.is_datetime64_any_dtype(col)
+            else pd.to_datetime(col.where(col.notna(), None).astype(str), errors="coerce", utc=True, format="ISO8601")
+        )
         t = t.dt.tz_localize("UTC") if t.dt.tz is None else t
         bad = t.isna().to_numpy()
         ns = (t.where(~bad, epoch) - epoch) // pd.Timedelta(1, "ns")  # int64 ns: NaT rows set to 0 first (NaN would make it float)

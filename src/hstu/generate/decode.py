@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from hstu.generate.kv_cache import KVCache
-from hstu.generate.sampler import (TEMPERATURE_FLOOR, GenerationResult, check_candidates, exclusion_mask, next_scores, pick,
-                                   sample_topk)
+from hstu.generate.sampler import TEMPERATURE_FLOOR, GenerationResult, check_candidates, exclusion_mask, next_scores, pick, sample_topk
 from hstu.model.hstu import HSTUModel
 
 
@@ -42,7 +41,9 @@ def _check(model: HSTUModel, ids: torch.Tensor, lengths: torch.Tensor, k: int) -
     if int(lengths.min()) < 1:
         raise ValueError("every history needs at least one event (empty history)")
     if int(lengths.max()) > model.cfg.max_seq_len:
-        raise ValueError(f"history length {int(lengths.max())} exceeds max_seq_len={model.cfg.max_seq_len}; truncate to the most recent events")
+        raise ValueError(
+            f"history length {int(lengths.max())} exceeds max_seq_len={model.cfg.max_seq_len}; truncate to the most recent events"
+        )
 
 
 def _prefill(model: HSTUModel, ids, timestamps, lengths, request_time, k, cache: KVCache | None, actions=None, categories=None):
@@ -55,7 +56,7 @@ def _prefill(model: HSTUModel, ids, timestamps, lengths, request_time, k, cache:
     if tbuf.shape[1] < max(S, Wp):
         raise ValueError(f"KV cache capacity {tbuf.shape[1]} < needed {max(S, Wp)}")
     tbuf.zero_()
-    tbuf[:, :ids.shape[1]].copy_(timestamps[:, :tbuf.shape[1]])
+    tbuf[:, : ids.shape[1]].copy_(timestamps[:, : tbuf.shape[1]])
     bidx = torch.arange(B, device=ids.device)
     tbuf[bidx, lengths] = request_time
     pad = lambda t: None if t is None else _fit(t, Wp)  # noqa: E731
@@ -75,10 +76,25 @@ def _fit(t: torch.Tensor, W: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def generate(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, k: int, *,
-             request_time: torch.Tensor, exclude: torch.Tensor, strategy: str = "greedy", top_k: int = 50, temperature: float = 1.0,
-             beam_width: int = 4, seed: int = 0, cache: KVCache | None = None, actions: torch.Tensor | None = None,
-             categories: torch.Tensor | None = None, item_category: torch.Tensor | None = None) -> GenerationResult:
+def generate(
+    model: HSTUModel,
+    ids: torch.Tensor,
+    timestamps: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    request_time: torch.Tensor,
+    exclude: torch.Tensor,
+    strategy: str = "greedy",
+    top_k: int = 50,
+    temperature: float = 1.0,
+    beam_width: int = 4,
+    seed: int = 0,
+    cache: KVCache | None = None,
+    actions: torch.Tensor | None = None,
+    categories: torch.Tensor | None = None,
+    item_category: torch.Tensor | None = None,
+) -> GenerationResult:
     """Generate the next ``k`` items for each sequence with a KV cache.
 
     Args:
@@ -187,8 +203,16 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
 
 
 @torch.inference_mode()
-def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, k: int, *,
-                       request_time: torch.Tensor, exclude: torch.Tensor) -> GenerationResult:
+def generate_recompute(
+    model: HSTUModel,
+    ids: torch.Tensor,
+    timestamps: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    *,
+    request_time: torch.Tensor,
+    exclude: torch.Tensor,
+) -> GenerationResult:
     """Greedy next-k by full recomputation of the grown sequence at every step (the oracle
     for the cached path; also the "no cache" side of the benchmark). Raises as :func:`generate`."""
     _check(model, ids, lengths, k)
@@ -216,5 +240,13 @@ def generate_recompute(model: HSTUModel, ids: torch.Tensor, timestamps: torch.Te
     return GenerationResult(items, scores_out)
 
 
-__all__ = ["GenerationResult", "TEMPERATURE_FLOOR", "check_candidates", "exclusion_mask", "generate", "generate_recompute", "pick",
-           "sample_topk"]
+__all__ = [
+    "GenerationResult",
+    "TEMPERATURE_FLOOR",
+    "check_candidates",
+    "exclusion_mask",
+    "generate",
+    "generate_recompute",
+    "pick",
+    "sample_topk",
+]

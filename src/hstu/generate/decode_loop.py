@@ -21,8 +21,20 @@ if TYPE_CHECKING:
     from hstu.generate.engine import Engine
 
 
-def decode(eng: Engine, b: BucketPool, Bp: int, W: int, k: int, user: torch.Tensor, step: Callable[[], torch.Tensor], strategy: str,
-           top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
+def decode(
+    eng: Engine,
+    b: BucketPool,
+    Bp: int,
+    W: int,
+    k: int,
+    user: torch.Tensor,
+    step: Callable[[], torch.Tensor],
+    strategy: str,
+    top_k: int,
+    temperature: float,
+    item_category: torch.Tensor | None,
+    repeat: tuple | None = None,
+):
     """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers."""
     R = Bp * W
     I1 = eng._scores.shape[1]
@@ -86,8 +98,20 @@ def decode(eng: Engine, b: BucketPool, Bp: int, W: int, k: int, user: torch.Tens
     rows = bidx[:Bp] * W + best
     return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, excl[rows]
 
-def decode_recompute(eng: Engine, b: BucketPool, Bp: int, k: int, user: torch.Tensor, prefill: Callable[[], torch.Tensor], strategy: str,
-                      top_k: int, temperature: float, item_category: torch.Tensor | None, repeat: tuple | None = None):
+
+def decode_recompute(
+    eng: Engine,
+    b: BucketPool,
+    Bp: int,
+    k: int,
+    user: torch.Tensor,
+    prefill: Callable[[], torch.Tensor],
+    strategy: str,
+    top_k: int,
+    temperature: float,
+    item_category: torch.Tensor | None,
+    repeat: tuple | None = None,
+):
     """No KV cache: append each pick to the padded inputs and rerun the bucket's prefill."""
     R = Bp
     scores, excl = eng._scores[:R], eng._excl[:R]

@@ -150,9 +150,20 @@ class Engine:
         ValueError: bad buckets / sizes / graph mode (the message quotes the value).
     """
 
-    def __init__(self, model: HSTUModel, *, buckets: Sequence[int] = DEFAULT_BUCKETS, max_batch: int = 16, k_max: int = 10,
-                 device: torch.device | str | None = None, kernels: str = "auto", graphs: str = "auto",
-                 batch_sizes: Sequence[int] | None = None, prefix_cache_bytes: int = 0, compile_backend: str = "inductor") -> None:
+    def __init__(
+        self,
+        model: HSTUModel,
+        *,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_batch: int = 16,
+        k_max: int = 10,
+        device: torch.device | str | None = None,
+        kernels: str = "auto",
+        graphs: str = "auto",
+        batch_sizes: Sequence[int] | None = None,
+        prefix_cache_bytes: int = 0,
+        compile_backend: str = "inductor",
+    ) -> None:
         cfg = model.cfg
         edges = tuple(int(b) for b in buckets)
         if not edges or any(b <= 0 for b in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
@@ -181,8 +192,9 @@ class Engine:
         self.tb_chunk_elements = TB_CHUNK_ELEMENTS  # time buckets in groups of batch rows (runners.time_buckets); 0: one call
         self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
         if batch_sizes is None:  # static batch shapes only where something is captured
-            batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(self.graphs,
-                                                                                                         ladder(self.max_batch))
+            batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(
+                self.graphs, ladder(self.max_batch)
+            )
         self.batch_sizes = tuple(sorted(int(b) for b in batch_sizes))
         if self.batch_sizes[-1] != self.max_batch or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")
@@ -205,11 +217,25 @@ class Engine:
         self._gen = torch.Generator(device=dev)
         self.refresh()
         for E, b in self._buckets.items():
-            log.info("engine bucket %d: KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
-                     E, b.kv_bytes() / 2**20, R, b.C, k_max, cfg.num_blocks, b.total_bytes() / 2**20)
-        log.info("engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, prefix cache %s",
-                 dev, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes),
-                 f"{prefix_cache_bytes / 2**20:.1f} MiB" if self.prefix else "off")
+            log.info(
+                "engine bucket %d: KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
+                E,
+                b.kv_bytes() / 2**20,
+                R,
+                b.C,
+                k_max,
+                cfg.num_blocks,
+                b.total_bytes() / 2**20,
+            )
+        log.info(
+            "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, prefix cache %s",
+            dev,
+            self.kernels.name,
+            self.kernels.note,
+            self.graphs,
+            list(self.batch_sizes),
+            f"{prefix_cache_bytes / 2**20:.1f} MiB" if self.prefix else "off",
+        )
 
     # ----- setup -----
     def refresh(self) -> None:
@@ -235,9 +261,12 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes per bucket (kv, total with static inputs), decode buffers and the prefix cache."""
         shared = sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores)) + self._index.nbytes
-        return {"buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
-                "shared_decode_buffers": shared, "prefix_cache": self.prefix.bytes if self.prefix else 0,
-                "prefix_cache_max": self.prefix.max_bytes if self.prefix else 0}
+        return {
+            "buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
+            "shared_decode_buffers": shared,
+            "prefix_cache": self.prefix.bytes if self.prefix else 0,
+            "prefix_cache_max": self.prefix.max_bytes if self.prefix else 0,
+        }
 
     def release_caches(self) -> int:
         """Drop the user-prefix cache (rebuildable; the KV pools are preallocated and stay).
@@ -265,7 +294,9 @@ class Engine:
         return out
 
     # ----- compiled / captured pieces -----
-    def _runner(self, b: BucketPool, key: tuple, make: Callable[[], Callable[[], torch.Tensor]], graphable: bool) -> Callable[[], torch.Tensor]:
+    def _runner(
+        self, b: BucketPool, key: tuple, make: Callable[[], Callable[[], torch.Tensor]], graphable: bool
+    ) -> Callable[[], torch.Tensor]:
         """The cached runner of ``key``; ``make()`` builds its function on the first call only."""
         r = b.runners.get(key)
         if r is not None:
@@ -283,12 +314,27 @@ class Engine:
 
     # ----- the call -----
     @torch.inference_mode()
-    def generate(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, k: int, *,
-                 request_time: torch.Tensor | None = None, exclude: torch.Tensor | None = None, strategy: str = "greedy",
-                 top_k: int = 50, temperature: float = 1.0, beam_width: int = 4, seed: int = 0,
-                 actions: torch.Tensor | None = None, categories: torch.Tensor | None = None,
-                 item_category: torch.Tensor | None = None, user_ids: Sequence[Hashable] | None = None,
-                 use_cache: bool = True, bucket: int | None = None) -> EngineResult:
+    def generate(
+        self,
+        ids: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        k: int,
+        *,
+        request_time: torch.Tensor | None = None,
+        exclude: torch.Tensor | None = None,
+        strategy: str = "greedy",
+        top_k: int = 50,
+        temperature: float = 1.0,
+        beam_width: int = 4,
+        seed: int = 0,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+        item_category: torch.Tensor | None = None,
+        user_ids: Sequence[Hashable] | None = None,
+        use_cache: bool = True,
+        bucket: int | None = None,
+    ) -> EngineResult:
         """Next-k items for a batch of histories of any lengths.
 
         Args:
@@ -325,8 +371,9 @@ class Engine:
         if request_time is None:
             request_time = timestamps.gather(1, (lengths - 1).clamp(min=0).view(B, 1)).view(B)
         check_inputs_on(dev, request_time=request_time, item_category=item_category)
-        ids, timestamps, actions, categories, lengths, truncated = truncate(self.edges[-1], ids, timestamps, actions, categories,
-                                                                            lengths, warnings)
+        ids, timestamps, actions, categories, lengths, truncated = truncate(
+            self.edges[-1], ids, timestamps, actions, categories, lengths, warnings
+        )
         if exclude is None:
             exclude = torch.zeros(B, c.num_items + 1, dtype=torch.bool, device=dev)
         exclude[:, 0] = True
@@ -334,10 +381,15 @@ class Engine:
         check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
         if strategy == "beam" and W > self.max_batch:
             raise ValueError(f"beam_width={W} exceeds max_batch={self.max_batch} (pool rows)")
-        out = EngineResult(items=torch.zeros(B, k, dtype=torch.int64, device=dev), scores=torch.zeros(B, k, dtype=self.score_dtype, device=dev),
-                           actions=torch.zeros(B, k, dtype=torch.int64, device=dev) if self.model.action_head is not None else None,
-                           beam_logprob=torch.zeros(B, dtype=self.score_dtype, device=dev) if strategy == "beam" else None,
-                           truncated=truncated, prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev), warnings=warnings)
+        out = EngineResult(
+            items=torch.zeros(B, k, dtype=torch.int64, device=dev),
+            scores=torch.zeros(B, k, dtype=self.score_dtype, device=dev),
+            actions=torch.zeros(B, k, dtype=torch.int64, device=dev) if self.model.action_head is not None else None,
+            beam_logprob=torch.zeros(B, dtype=self.score_dtype, device=dev) if strategy == "beam" else None,
+            truncated=truncated,
+            prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev),
+            warnings=warnings,
+        )
         self._gen.manual_seed(seed)
         L_host = lengths.tolist()
         if bucket is not None:
@@ -347,13 +399,22 @@ class Engine:
                 raise ValueError(f"bucket={bucket}: row {L_host.index(max(L_host))} has {max(L_host)} events")
         bucket_of = [bucket or self.bucket_for(L) for L in L_host]
         out.bucket = torch.tensor(bucket_of, dtype=torch.int64, device=dev)
-        req = dict(ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
-                   request_time=request_time, exclude=exclude, item_category=item_category)
+        req = dict(
+            ids=ids,
+            timestamps=timestamps,
+            lengths=lengths,
+            actions=actions,
+            categories=categories,
+            request_time=request_time,
+            exclude=exclude,
+            item_category=item_category,
+        )
         self._run_buckets(bucket_of, L_host, W, k, strategy, top_k, temperature, req, out, user_ids, use_cache)
         return out
 
-    def _run_buckets(self, bucket_of: list[int], L_host: list[int], W, k, strategy, top_k, temperature, req: dict,
-                     out: EngineResult, user_ids, use_cache) -> None:
+    def _run_buckets(
+        self, bucket_of: list[int], L_host: list[int], W, k, strategy, top_k, temperature, req: dict, out: EngineResult, user_ids, use_cache
+    ) -> None:
         """Every bucket's rows, prefix-cache hits apart from misses, in chunks of max_batch // W users."""
         per_group = max(1, self.max_batch // W)
         for E in self.edges:
@@ -370,9 +431,21 @@ class Engine:
             groups = [[i for i in rows if i not in hits], [i for i in rows if i in hits]]
             for g in groups:
                 for j in range(0, len(g), per_group):
-                    chunk = g[j:j + per_group]
-                    self._run_group(E, chunk, W, k, strategy, top_k, temperature, req, out, {i: hits[i] for i in chunk if i in hits},
-                                    user_ids, use_cache)
+                    chunk = g[j : j + per_group]
+                    self._run_group(
+                        E,
+                        chunk,
+                        W,
+                        k,
+                        strategy,
+                        top_k,
+                        temperature,
+                        req,
+                        out,
+                        {i: hits[i] for i in chunk if i in hits},
+                        user_ids,
+                        use_cache,
+                    )
 
     def _bucket(self, E: int, use_cache: bool) -> BucketPool:
         if use_cache:
@@ -388,8 +461,9 @@ class Engine:
                 return s
         return cap if W > 1 else self.max_batch
 
-    def _run_group(self, E, rows, W, k, strategy, top_k, temperature, req, out: EngineResult, hits: dict[int, PrefixEntry],
-                   user_ids, use_cache) -> None:
+    def _run_group(
+        self, E, rows, W, k, strategy, top_k, temperature, req, out: EngineResult, hits: dict[int, PrefixEntry], user_ids, use_cache
+    ) -> None:
         c, dev = self.model.cfg, self.device
         b = self._bucket(E, use_cache)
         Bu = len(rows)
@@ -401,9 +475,9 @@ class Engine:
         Eb = b.E
         b.load(req, ri, L, rt, Bp, self._arange)  # static inputs: real rows then padding users (length 1, item 1)
         if c.use_time_bias:
-            b.tb_hist[:Bp] = runners.time_buckets(self, b.rt[:Bp].view(Bp, 1), b.t[:Bp, :b.C])  # (Bp, 1, C)
+            b.tb_hist[:Bp] = runners.time_buckets(self, b.rt[:Bp].view(Bp, 1), b.t[:Bp, : b.C])  # (Bp, 1, C)
         if W == 1:  # one-beam decode: generated rows at positions L, L + 1, ... (kvalid, tb_hist are views of the rest)
-            b.kpos_j[:Bp, b.C:] = b.lengths[:Bp].view(Bp, 1) + self._arange[:self.k_max].view(1, self.k_max)
+            b.kpos_j[:Bp, b.C :] = b.lengths[:Bp].view(Bp, 1) + self._arange[: self.k_max].view(1, self.k_max)
             if b.bias_j is not None and use_cache and k > 1:
                 runners.decode_biases(self, b, Bp, k - 1)
         # ---- encode: prefill, or copy the cached prefix and extend ----
@@ -414,8 +488,8 @@ class Engine:
             for j, i in enumerate(rows):
                 e = hits[i]
                 for li in range(c.num_blocks):
-                    b.hk[li][j, :, :e.rows].copy_(e.k[li])
-                    b.hv[li][j, :, :e.rows].copy_(e.v[li])
+                    b.hk[li][j, :, : e.rows].copy_(e.k[li])
+                    b.hv[li][j, :, : e.rows].copy_(e.v[li])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
             user = self._runner(b, ("extend", Bp, T), lambda: runners.extend_fn(self, b, Bp, T), self.graphs != "compile")()
@@ -439,7 +513,7 @@ class Engine:
             excl[:Bu].copy_(ex_rows)
         excl[:, 0] = True
         b.pos[:R] = b.len_r[:R]
-        b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[:self.k_max].view(1, self.k_max)
+        b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[: self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
             step = self._runner(b, ("step", Bp, W), lambda: runners.step_fn(self, b, Bp, W), W == 1 or self.graphs != "compile")
@@ -481,6 +555,7 @@ class Engine:
         if self.model.action_head is None:
             return None
         return self.model.action_head(user)[:, 1:].argmax(dim=1) + 1
+
     _decode = decode_loop.decode  # methods of the engine, kept in their own module (tests wrap Engine._decode)
     _decode_recompute = decode_loop.decode_recompute
 

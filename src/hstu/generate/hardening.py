@@ -40,12 +40,14 @@ def _same_device(actual: torch.device, expected: torch.device) -> bool:
 def check_device(module: nn.Module, device: torch.device | str) -> None:
     """Raise :class:`StrayTensorError` listing every parameter / buffer not on ``device``."""
     dev = torch.device(device)
-    stray = [f"{name} on {t.device}" for name, t in (*module.named_parameters(), *module.named_buffers())
-             if not _same_device(t.device, dev)]
+    stray = [
+        f"{name} on {t.device}" for name, t in (*module.named_parameters(), *module.named_buffers()) if not _same_device(t.device, dev)
+    ]
     if stray:
         more = f" (+{len(stray) - 5} more)" if len(stray) > 5 else ""
-        raise StrayTensorError(f"{len(stray)} tensor(s) not on {dev}: {', '.join(stray[:5])}{more}; "
-                               f"move the model with .to({str(dev)!r}) before serving")
+        raise StrayTensorError(
+            f"{len(stray)} tensor(s) not on {dev}: {', '.join(stray[:5])}{more}; move the model with .to({str(dev)!r}) before serving"
+        )
 
 
 def check_frozen(module: nn.Module) -> None:

@@ -20,11 +20,23 @@ class KVCache:
     batch up to its capacity. ``nbytes`` reports the memory held (bytes).
     """
 
-    def __init__(self, *, num_layers: int, batch_size: int, num_heads: int, capacity: int, d_qk: int, d_v: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        num_heads: int,
+        capacity: int,
+        d_qk: int,
+        d_v: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if min(num_layers, batch_size, num_heads, capacity, d_qk, d_v) <= 0:
-            raise ValueError(f"KVCache sizes must be > 0: layers={num_layers} batch={batch_size} heads={num_heads} "
-                             f"capacity={capacity} d_qk={d_qk} d_v={d_v}")
+            raise ValueError(
+                f"KVCache sizes must be > 0: layers={num_layers} batch={batch_size} heads={num_heads} "
+                f"capacity={capacity} d_qk={d_qk} d_v={d_v}"
+            )
         self.batch_size, self.capacity = batch_size, capacity
         self.k = [torch.zeros(batch_size, num_heads, capacity, d_qk, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(batch_size, num_heads, capacity, d_v, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -36,8 +48,16 @@ class KVCache:
         c = model.cfg
         if capacity > c.width:
             raise ValueError(f"KV cache capacity {capacity} exceeds the model width N={c.width} (max_seq_len + max_output_len)")
-        return cls(num_layers=c.num_blocks, batch_size=batch_size, num_heads=c.num_heads, capacity=capacity, d_qk=c.d_qk,
-                   d_v=c.d_v, dtype=p.dtype, device=p.device)
+        return cls(
+            num_layers=c.num_blocks,
+            batch_size=batch_size,
+            num_heads=c.num_heads,
+            capacity=capacity,
+            d_qk=c.d_qk,
+            d_v=c.d_v,
+            dtype=p.dtype,
+            device=p.device,
+        )
 
     @property
     def nbytes(self) -> int:

@@ -91,17 +91,40 @@ class BucketPool:
         return sum(t.numel() * t.element_size() for t in self.pool_tensors())
 
     def total_bytes(self) -> int:
-        io = [self.ids, self.t, self.lengths, self.actions, self.categories, self.start, self.item, self.pos,
-              self.s_idx, self.rt, self.act, self.cat, self.len_r, self.gpos, self.kpos_j, self.kvalid_j, self.tb_j, self.s_idx_j,
-              *(self.bias_j or [])]
+        io = [
+            self.ids,
+            self.t,
+            self.lengths,
+            self.actions,
+            self.categories,
+            self.start,
+            self.item,
+            self.pos,
+            self.s_idx,
+            self.rt,
+            self.act,
+            self.cat,
+            self.len_r,
+            self.gpos,
+            self.kpos_j,
+            self.kvalid_j,
+            self.tb_j,
+            self.s_idx_j,
+            *(self.bias_j or []),
+        ]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
     def prefix_entry(self, j: int, n: int) -> PrefixEntry:
         """Row j's first n events and the K/V of their first n - 1 rows, copied out for the user-prefix
         cache (the last row is recomputed on a hit: its time bias used this request's time)."""
-        return PrefixEntry(ids=self.ids[j, :n].clone(), timestamps=self.t[j, :n].clone(), actions=self.actions[j, :n].clone(),
-                           categories=self.categories[j, :n].clone(), k=[hk[j, :, :n - 1].clone() for hk in self.hk],
-                           v=[hv[j, :, :n - 1].clone() for hv in self.hv])
+        return PrefixEntry(
+            ids=self.ids[j, :n].clone(),
+            timestamps=self.t[j, :n].clone(),
+            actions=self.actions[j, :n].clone(),
+            categories=self.categories[j, :n].clone(),
+            k=[hk[j, :, : n - 1].clone() for hk in self.hk],
+            v=[hv[j, :, : n - 1].clone() for hv in self.hv],
+        )
 
     def load(self, req: dict, ri: torch.Tensor, L: torch.Tensor, rt: torch.Tensor, Bp: int, arange: torch.Tensor) -> None:
         """Copy request rows ``ri`` (Bu,) into the static inputs, then Bp - Bu padding users (length 1,
@@ -123,4 +146,4 @@ class BucketPool:
         self.rt[:Bu] = rt
         self.t[:Bp].copy_(self.rt[:Bp].view(Bp, 1).expand(Bp, E + 2))  # request time at L and after
         self.t[:Bu, :w] = torch.where(live, req["timestamps"][ri, :w], rt.view(Bu, 1))
-        self.kvalid[:Bp] = arange[:self.C].view(1, self.C) < self.lengths[:Bp].view(Bp, 1)
+        self.kvalid[:Bp] = arange[: self.C].view(1, self.C) < self.lengths[:Bp].view(Bp, 1)

@@ -87,8 +87,9 @@ class PrefixCache:
     def __contains__(self, user: Hashable) -> bool:
         return user in self._table
 
-    def lookup(self, user: Hashable, ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor,
-               categories: torch.Tensor) -> PrefixEntry | None:
+    def lookup(
+        self, user: Hashable, ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor, categories: torch.Tensor
+    ) -> PrefixEntry | None:
         """The entry whose events are a prefix of this history (L' >= L), else None.
 
         Args: one history's live events, (L',) int64 each (actions / categories zeros if absent).
@@ -101,8 +102,14 @@ class PrefixCache:
                 self.stats.misses += 1
                 return None
             L = e.length
-            ok = (ids.shape[0] >= L and e.rows >= 1 and torch.equal(ids[:L], e.ids) and torch.equal(timestamps[:L], e.timestamps)
-                  and torch.equal(actions[:L], e.actions) and torch.equal(categories[:L], e.categories))
+            ok = (
+                ids.shape[0] >= L
+                and e.rows >= 1
+                and torch.equal(ids[:L], e.ids)
+                and torch.equal(timestamps[:L], e.timestamps)
+                and torch.equal(actions[:L], e.actions)
+                and torch.equal(categories[:L], e.categories)
+            )
             if not ok:
                 self._drop(user)
                 self.stats.invalidations += 1
@@ -116,8 +123,9 @@ class PrefixCache:
     def put(self, user: Hashable, entry: PrefixEntry) -> bool:
         """Store (replace) a user's entry, evicting least-recently-used ones to fit. False if
         the entry alone exceeds ``max_bytes`` (not stored)."""
-        entry.nbytes = sum(t.numel() * t.element_size() for t in (entry.ids, entry.timestamps, entry.actions, entry.categories,
-                                                                   *entry.k, *entry.v))
+        entry.nbytes = sum(
+            t.numel() * t.element_size() for t in (entry.ids, entry.timestamps, entry.actions, entry.categories, *entry.k, *entry.v)
+        )
         with self._lock:
             self._drop(user)
             if entry.nbytes > self.max_bytes:

@@ -102,8 +102,14 @@ class Recommender:
         (graphs, kernels, prefix_cache_bytes, ...) go to the engine. Raises ValueError as the
         engine (buckets past max_seq_len, max_batch < 1, ...)."""
         cfg = self.model.cfg
-        return Engine(self.model, buckets=tuple(buckets or default_buckets(cfg.max_seq_len)), max_batch=max_batch,
-                      k_max=cfg.max_output_len, device=self.device, **engine_kwargs)
+        return Engine(
+            self.model,
+            buckets=tuple(buckets or default_buckets(cfg.max_seq_len)),
+            max_batch=max_batch,
+            k_max=cfg.max_output_len,
+            device=self.device,
+            **engine_kwargs,
+        )
 
     def engine_for(self, preps: list[Prepared], decoding: DecodeOptions) -> Engine:
         """The smallest engine for one call on ``preps``: the one default bucket that holds the
@@ -165,7 +171,9 @@ class Recommender:
         try:
             ts = np.asarray(h.timestamps, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
-            i = next((i for i, t in enumerate(h.timestamps) if isinstance(t, bool) or not isinstance(t, int) or not -2**63 <= t < 2**63), 0)
+            i = next(
+                (i for i, t in enumerate(h.timestamps) if isinstance(t, bool) or not isinstance(t, int) or not -(2**63) <= t < 2**63), 0
+            )
             raise HistoryError(f"history[{i}].timestamp: not an int64 Unix time: {h.timestamps[i]!r}") from None
         idx = np.arange(n)
         if (np.diff(ts) < 0).any():
@@ -186,7 +194,7 @@ class Recommender:
             raise HistoryError("history: no known item ids left after dropping unknown ones")
         if len(keep_a) > self.max_len:
             warnings.append(f"history has {len(keep_a)} events; kept the most recent {self.max_len}")
-            keep_a, ids = keep_a[-self.max_len:], ids[-self.max_len:]
+            keep_a, ids = keep_a[-self.max_len :], ids[-self.max_len :]
         acts = self._action_ids(h.actions, keep_a, warnings)
         self._warn_untrained(ids, warnings)
         # NumPy, not a torch op: in the HTTP process a torch op releases the GIL and may wait to get it
@@ -206,8 +214,11 @@ class Recommender:
         cold = self.untrained_np[ids]
         if cold.any():
             raw = sorted({int(r) for r in self.raw_ids[ids[cold]]})
-            how = ("the model ignores their embeddings (cold_item_dropout)" if self.allow_untrained_default
-                   else "their embeddings were never trained, so they carry no signal")
+            how = (
+                "the model ignores their embeddings (cold_item_dropout)"
+                if self.allow_untrained_default
+                else "their embeddings were never trained, so they carry no signal"
+            )
             more = f" (+{len(raw) - 10} more)" if len(raw) > 10 else ""
             warnings.append(f"history holds {int(cold.sum())} event(s) of item(s) with no training events {raw[:10]}{more}: {how}")
 
@@ -216,8 +227,9 @@ class Recommender:
         default only for a run trained with cold_item_dropout > 0."""
         return self.allow_untrained_default if allow_untrained is None else bool(allow_untrained)
 
-    def check_room(self, prep: Prepared, need: int, *, exclude_history: bool | None, allow_untrained: bool | None,
-                   field: str = "exclude") -> None:
+    def check_room(
+        self, prep: Prepared, need: int, *, exclude_history: bool | None, allow_untrained: bool | None, field: str = "exclude"
+    ) -> None:
         """Raise HistoryError("{field}: ...") when fewer than ``need`` items (k, or max(k, beam
         width)) are left to generate for ``prep`` after its block list, its history (when
         excluded) and the items without training events (unless allowed). The one check every
@@ -232,21 +244,31 @@ class Recommender:
             cold = self.num_untrained - int(self.untrained_np[block].sum()) - int(self.untrained_np[hist].sum())
         left = I - len(block) - len(hist) - cold
         if left < need:
-            raise HistoryError(f"{field}: only {left} of the run's {I} items are left to generate ({len(block)} excluded by "
-                               f"'exclude', {len(hist)} history items, {cold} items without training events), fewer than "
-                               f"the {need} needed (k, or the beam width if larger)")
+            raise HistoryError(
+                f"{field}: only {left} of the run's {I} items are left to generate ({len(block)} excluded by "
+                f"'exclude', {len(hist)} history items, {cold} items without training events), fewer than "
+                f"the {need} needed (k, or the beam width if larger)"
+            )
 
     def _excl_hist(self, exclude_history: bool | None) -> bool:
         return self.exclude_history_default if exclude_history is None else bool(exclude_history)
 
-    def exclusion(self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None,
-                  allow_untrained: bool | None) -> torch.Tensor:
+    def exclusion(
+        self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None, allow_untrained: bool | None
+    ) -> torch.Tensor:
         """(B, I+1) bool never-generate mask of a batch (``b`` from :meth:`batch`): padding, the
         block lists, the histories when excluded, and the untrained items unless allowed; the one
         mask builder of every generation path (``recommend`` and the server's engine adapter)."""
         never = None if self.allows_untrained(allow_untrained) else self.untrained
-        return exclusion_mask(self.model.cfg.num_items, len(preps), b["ids"] if self._excl_hist(exclude_history) else None,
-                              b["lengths"], [p.block for p in preps], device=self.device, never=never)
+        return exclusion_mask(
+            self.model.cfg.num_items,
+            len(preps),
+            b["ids"] if self._excl_hist(exclude_history) else None,
+            b["lengths"],
+            [p.block for p in preps],
+            device=self.device,
+            never=never,
+        )
 
     def results(self, items: torch.Tensor, scores: torch.Tensor, actions: torch.Tensor | None, k: int) -> list[list[dict]]:
         """Item dicts (:meth:`describe`) of (B, >= k) generated ``items`` / ``scores`` / ``actions``.
@@ -322,9 +344,18 @@ class Recommender:
         return item
 
     @torch.inference_mode()
-    def recommend(self, preps: list[Prepared], k: int = 5, *, decoding: DecodeOptions | None = None, exclude_history: bool | None = None,
-                  allow_untrained: bool | None = None, engine: Engine | None = None, bucket: int | None = None,
-                  **decode_kwargs) -> list[list[dict]]:
+    def recommend(
+        self,
+        preps: list[Prepared],
+        k: int = 5,
+        *,
+        decoding: DecodeOptions | None = None,
+        exclude_history: bool | None = None,
+        allow_untrained: bool | None = None,
+        engine: Engine | None = None,
+        bucket: int | None = None,
+        **decode_kwargs,
+    ) -> list[list[dict]]:
         """Next-k items for each prepared history, through the engine; one list of k item dicts
         (:meth:`describe`) per history, in order.
 
@@ -348,9 +379,23 @@ class Recommender:
         eng = engine if engine is not None else self.engine
         b = self.batch(preps, width=bucket)  # (B, E) or (B, longest)
         mask = self.exclusion(b, preps, exclude_history, allow_untrained)  # (B, I+1)
-        res = eng.generate(b["ids"], b["timestamps"], b["lengths"], k, request_time=b["request_time"], exclude=mask,
-                           actions=b["actions"], categories=b["categories"], item_category=self.item_category, bucket=bucket,
-                           strategy=d.strategy, top_k=d.top_k, temperature=d.temperature, beam_width=d.beam_width, seed=d.seed)
+        res = eng.generate(
+            b["ids"],
+            b["timestamps"],
+            b["lengths"],
+            k,
+            request_time=b["request_time"],
+            exclude=mask,
+            actions=b["actions"],
+            categories=b["categories"],
+            item_category=self.item_category,
+            bucket=bucket,
+            strategy=d.strategy,
+            top_k=d.top_k,
+            temperature=d.temperature,
+            beam_width=d.beam_width,
+            seed=d.seed,
+        )
         return self.results(res.items, res.scores, res.actions, k)
 
 

@@ -18,16 +18,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def validate_request(eng: Engine, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude,
-                     user_ids) -> int:
+def validate_request(
+    eng: Engine, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids
+) -> int:
     """Check one Engine.generate call's arguments (see its docstring); returns B.
 
     Raises:
         ValueError / TypeError: as Engine.generate documents. StrayTensorError: an input on another device.
     """
     c = eng.model.cfg
-    check_inputs_on(eng.device, ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories,
-                    exclude=exclude)
+    check_inputs_on(eng.device, ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories, exclude=exclude)
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if k > eng.k_max:
@@ -57,8 +57,10 @@ def validate_request(eng: Engine, ids, timestamps, lengths, k, strategy, beam_wi
         raise ValueError(f"user_ids has {len(user_ids)} entries for a batch of {B}")
     empty = (lengths < 1).nonzero().view(-1).tolist()
     if empty:
-        raise ValueError(f"empty history at row(s) {empty[:10]}: HSTU needs at least one event (no cold-start path in the "
-                         "model; serve a popularity list upstream)")
+        raise ValueError(
+            f"empty history at row(s) {empty[:10]}: HSTU needs at least one event (no cold-start path in the "
+            "model; serve a popularity list upstream)"
+        )
     if int(lengths.max()) > Wd:
         bad = int((lengths > Wd).nonzero()[0])
         raise ValueError(f"lengths[{bad}]={int(lengths[bad])} exceeds the padded width {Wd}")
@@ -70,8 +72,15 @@ def validate_request(eng: Engine, ids, timestamps, lengths, k, strategy, beam_wi
     return B
 
 
-def truncate(Emax: int, ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor, categories: torch.Tensor,
-             lengths: torch.Tensor, warnings: list[str]):
+def truncate(
+    Emax: int,
+    ids: torch.Tensor,
+    timestamps: torch.Tensor,
+    actions: torch.Tensor,
+    categories: torch.Tensor,
+    lengths: torch.Tensor,
+    warnings: list[str],
+):
     """Keep the most recent ``Emax`` events of over-long histories: (B, W) int64 inputs and (B,)
     lengths -> the same (B, Emax) where any row was cut, plus truncated (B,) int64 events cut per
     row; appends (and logs) one warning when anything was cut."""

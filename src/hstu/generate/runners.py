@@ -36,8 +36,10 @@ def time_buckets(eng: Engine, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Ten
         return None
     B, T, S = t_q.shape[0], t_q.shape[1], t_k.shape[1]
     step = max(1, eng.tb_chunk_elements // max(1, T * S)) if eng.chunk_time_buckets and eng.tb_chunk_elements > 0 else B
-    parts = [eng.kernels.time_buckets(t_q[a:a + step], t_k[a:a + step], num_buckets=c.num_time_buckets,
-                                      log_base=c.time_bucket_log_base) for a in range(0, B, step)]
+    parts = [
+        eng.kernels.time_buckets(t_q[a : a + step], t_k[a : a + step], num_buckets=c.num_time_buckets, log_base=c.time_bucket_log_base)
+        for a in range(0, B, step)
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -69,7 +71,7 @@ def prefill_fn(eng: Engine, b: BucketPool, Bp: int) -> Runner:
     def prefill() -> torch.Tensor:
         valid = (pos.view(1, E) < lengths.view(Bp, 1)).unsqueeze(-1).to(eng.dtype)  # (Bp, E, 1)
         x = m.embed(ids, pos, *_feat(b, acts, cats)) * valid  # (Bp, E, d)
-        t_q, t_k = t[:, 1:E + 1], t[:, :E]  # row i's query time t[i+1]; key times
+        t_q, t_k = t[:, 1 : E + 1], t[:, :E]  # row i's query time t[i+1]; key times
         last = lengths - 1  # (Bp,) the row whose output is the user vector
         tb_last = time_buckets(eng, t_q[bidx, last].view(Bp, 1), t_k)  # (Bp, 1, E): the last row's buckets
         # each causal row block's buckets (Bp, b - a, b): |t[i+1] - t[j]| for the pairs it computes
@@ -100,8 +102,15 @@ def extend_fn(eng: Engine, b: BucketPool, Bp: int, T: int) -> Runner:
         g = p.clamp(max=E - 1)
         valid = live.unsqueeze(-1).to(eng.dtype)  # (Bp, T, 1)
         x = m.embed(ids.gather(1, g), p, *_feat(b, acts.gather(1, g), cats.gather(1, g))) * valid  # (Bp, T, d)
-        meta = AttentionMeta(q_pos=p, k_pos=kpos, k_valid=kvalid, tb=time_buckets(eng, t.gather(1, p + 1), t[:, :C]), valid=valid,
-                             kernels=eng.kernels, write_rows=p)  # tb (Bp, T, C)
+        meta = AttentionMeta(
+            q_pos=p,
+            k_pos=kpos,
+            k_valid=kvalid,
+            tb=time_buckets(eng, t.gather(1, p + 1), t[:, :C]),
+            valid=valid,
+            kernels=eng.kernels,
+            write_rows=p,
+        )  # tb (Bp, T, C)
         x = m.forward_layers(x, meta, kv)  # (Bp, T, d)
         return l2_normalize(x[bidx, lengths - 1 - start].to(eng.score_dtype))  # (Bp, d)
 
@@ -120,8 +129,14 @@ def step_fn(eng: Engine, b: BucketPool, Bp: int, W: int) -> Runner:
     tb_h = b.tb_hist[:Bp].expand(Bp, W, C) if c.use_time_bias else None  # (Bp, W, C), the same for every beam
     kv = [KVView(gk[:R], gv[:R], shared=KVView(hk[:Bp, :, :C], hv[:Bp, :, :C])) for gk, gv, hk, hv in zip(b.gk, b.gv, b.hk, b.hv)]
     shared = AttentionMeta(q_pos=pos.view(Bp, W), k_pos=eng._arange[:C], k_valid=b.kvalid[:Bp], tb=tb_h, kernels=eng.kernels)
-    meta = AttentionMeta(q_pos=pos.view(R, 1), k_pos=b.gpos[:R], tb=eng._zero_tb[:R] if c.use_time_bias else None,
-                         kernels=eng.kernels, write_slot=b.s_idx, shared=shared)
+    meta = AttentionMeta(
+        q_pos=pos.view(R, 1),
+        k_pos=b.gpos[:R],
+        tb=eng._zero_tb[:R] if c.use_time_bias else None,
+        kernels=eng.kernels,
+        write_slot=b.s_idx,
+        shared=shared,
+    )
 
     def step() -> torch.Tensor:
         x = m.embed(item, pos, *_feat(b, act, cat))  # (R, d)
@@ -136,8 +151,13 @@ def decode_biases(eng: Engine, b: BucketPool, Bp: int, steps: int) -> None:
     against the C + K keys, for every layer: the relative-bias gathers and the mask, formed
     once per request group instead of once per step and layer."""
     C = b.C
-    meta = AttentionMeta(q_pos=b.kpos_j[:Bp, C:C + steps], k_pos=b.kpos_j[:Bp], k_valid=b.kvalid_j[:Bp],
-                         tb=b.tb_j[:Bp] if eng.model.cfg.use_time_bias else None, kernels=eng.kernels)  # q_pos (Bp, steps)
+    meta = AttentionMeta(
+        q_pos=b.kpos_j[:Bp, C : C + steps],
+        k_pos=b.kpos_j[:Bp],
+        k_valid=b.kvalid_j[:Bp],
+        tb=b.tb_j[:Bp] if eng.model.cfg.use_time_bias else None,
+        kernels=eng.kernels,
+    )  # q_pos (Bp, steps)
     for li, layer in enumerate(eng.model.layers):
         b.bias_j[li][:Bp, :steps] = layer.relative_bias(meta, eng.dtype)
 
@@ -150,9 +170,16 @@ def step_fn_one_beam(eng: Engine, b: BucketPool, Bp: int) -> Runner:
     m, c = eng.model, eng.model.cfg
     item, pos, act, cat = b.item[:Bp], b.pos[:Bp], b.act[:Bp], b.cat[:Bp]
     kv = [KVView(k[:Bp], v[:Bp]) for k, v in zip(b.hk, b.hv)]  # (Bp, H, C + K, ·)
-    meta = AttentionMeta(q_pos=pos.view(Bp, 1), k_pos=b.kpos_j[:Bp], k_valid=b.kvalid_j[:Bp],
-                         tb=b.tb_j[:Bp] if c.use_time_bias else None, kernels=eng.kernels, write_slot=b.s_idx_j,
-                         bias=[t[:Bp] for t in b.bias_j] if b.bias_j is not None else None, bias_row=b.s_idx)
+    meta = AttentionMeta(
+        q_pos=pos.view(Bp, 1),
+        k_pos=b.kpos_j[:Bp],
+        k_valid=b.kvalid_j[:Bp],
+        tb=b.tb_j[:Bp] if c.use_time_bias else None,
+        kernels=eng.kernels,
+        write_slot=b.s_idx_j,
+        bias=[t[:Bp] for t in b.bias_j] if b.bias_j is not None else None,
+        bias_row=b.s_idx,
+    )
 
     def step() -> torch.Tensor:
         x = m.embed(item, pos, *_feat(b, act, cat))  # (Bp, d)

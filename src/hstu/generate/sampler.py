@@ -34,8 +34,9 @@ class GenerationResult:
     beam_logprob: torch.Tensor | None = None
 
 
-def next_scores(index, user: torch.Tensor, temperature: float, exclude: torch.Tensor, *,
-                repeat: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def next_scores(
+    index, user: torch.Tensor, temperature: float, exclude: torch.Tensor, *, repeat: tuple | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scores of one decode step: cosine(user, every item) / ``temperature`` (+ the repeat bias),
     -inf where ``exclude``.
 
@@ -53,9 +54,15 @@ def next_scores(index, user: torch.Tensor, temperature: float, exclude: torch.Te
     return item_scores(index, user, temperature, repeat=repeat, out=out).masked_fill_(exclude, float("-inf"))  # (R, I+1)
 
 
-def exclusion_mask(num_items: int, batch: int, ids: torch.Tensor | None, lengths: torch.Tensor | None,
-                   block: list[list[int]] | None = None, device: torch.device | str = "cpu",
-                   never: torch.Tensor | None = None) -> torch.Tensor:
+def exclusion_mask(
+    num_items: int,
+    batch: int,
+    ids: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    block: list[list[int]] | None = None,
+    device: torch.device | str = "cpu",
+    never: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(B, I+1) bool, True = never generate: padding 0, the history ids (if given; (B, W) int64
     with (B,) ``lengths``), block lists (dense ids; others ignored) and ``never``: an optional
     (I+1,) bool row excluded for every user (e.g. the items without training events,

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 AttentionFn = Callable[..., torch.Tensor]
 
 
-def hstu_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rab: torch.Tensor, *, n: int, causal: bool = True) -> torch.Tensor:
+def hstu_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rab: torch.Tensor, *, n: int, causal: bool = True
+) -> torch.Tensor:
     """Reference HSTU attention (the oracle and fallback of every backend).
 
     Args:

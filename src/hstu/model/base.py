@@ -69,8 +69,9 @@ class SequentialRecommender(nn.Module):
         """Hook for heads created right after the action head (keeps the seeded init order)."""
 
     # ----- input -----
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None,
-              categories: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self, ids: torch.Tensor, positions: torch.Tensor, actions: torch.Tensor | None = None, categories: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows.
 
         With ``cold_item_dropout`` > 0, a cold item (never in training) adds no item embedding, and
@@ -100,8 +101,14 @@ class SequentialRecommender(nn.Module):
         if ids.shape[1] > self.cfg.width:
             raise ValueError(f"padded width W={ids.shape[1]} exceeds the model width N={self.cfg.width}")
 
-    def inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, actions: torch.Tensor | None,
-               categories: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(
+        self,
+        ids: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        actions: torch.Tensor | None,
+        categories: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked inputs -> encoder input rows x (B, W, d) (dropout in training, padding rows 0)
         and the validity mask (B, W, 1) in the model dtype. Raises as :meth:`check_inputs`."""
         self.check_inputs(ids, timestamps, lengths)
@@ -137,8 +144,9 @@ class SequentialRecommender(nn.Module):
         s[:, 0] = float("-inf")
         return s
 
-    def repeat_parts(self, ids: torch.Tensor, actions: torch.Tensor | None,
-                     lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def repeat_parts(
+        self, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The user-independent part of the repeat bias (:mod:`hstu.model.repeat`) for histories
         ``ids`` (B, W) / ``actions`` / ``lengths``: (static (B, I+1), in_window (B, I+1) bool), to
         pass to ``repeat.add_to`` with each user vector; None when the model has no repeat head."""
@@ -147,8 +155,9 @@ class SequentialRecommender(nn.Module):
         items, acts = self.repeat.history_windows(ids, actions if self.cfg.num_actions > 0 else None, lengths)
         return self.repeat.full(items, acts, self.cfg.num_items)
 
-    def history_scores(self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor,
-                       index=None) -> torch.Tensor:
+    def history_scores(
+        self, user_vecs: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor, index=None
+    ) -> torch.Tensor:
         """Full-ranking scores of users with these histories: cosine / temperature against every
         item (``index``, default :meth:`item_index`; pass one built once when scoring many
         batches) plus the repeat bias when the model has a repeat head: (B, I+1), column 0

@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 
 # hashing, dtypes, reading a rows file: embedding_rows; memory planning: embedding_plan; hot-row cache: hot_rows
 
+
 class ShardedEmbedding(nn.Module):
     """A V x d embedding table split into S hash-chosen shards, each with its own placement and dtype.
 
@@ -214,9 +215,18 @@ class ShardedEmbedding(nn.Module):
         if self.backend.is_host:
             log.info("hot-row cache on a CPU compute device: host and device are one memory, so it adds only bookkeeping")
         host_rows = sum(self.shard_rows[s] for s in host_ids)
-        return {s: HotRowCache(self.embedding_dim, self.dtypes[s], self.compute_device, cache_total * self.shard_rows[s] // host_rows,
-                               ways=self.cache_ways, policy=self.cache_policy, pin_staging=self._pin)
-                for s in host_ids}
+        return {
+            s: HotRowCache(
+                self.embedding_dim,
+                self.dtypes[s],
+                self.compute_device,
+                cache_total * self.shard_rows[s] // host_rows,
+                ways=self.cache_ways,
+                policy=self.cache_policy,
+                pin_staging=self._pin,
+            )
+            for s in host_ids
+        }
 
     def _pin_shard(self, s: int) -> None:
         p = self.shards[s]

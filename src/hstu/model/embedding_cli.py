@@ -45,8 +45,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, required=True, help="embedding width d")
     p.add_argument("--dtype", default="fp32", help="storage dtype: fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--shards", type=int, default=None, help="number of shards (default: table bytes / --max-shard-bytes)")
-    p.add_argument("--max-shard-bytes", type=_size, default=parse_bytes("1GiB"),
-                   help="largest shard when --shards is not given (default 1GiB)")
+    p.add_argument(
+        "--max-shard-bytes", type=_size, default=parse_bytes("1GiB"), help="largest shard when --shards is not given (default 1GiB)"
+    )
     p.add_argument("--overflow-rows", type=int, default=1024, help="hashed rows for out-of-vocabulary ids (default 1024)")
     p.add_argument(
         "--placement",
@@ -73,12 +74,16 @@ def plan_memory_command(args: argparse.Namespace) -> int:
     from hstu.backend.cpu import host_memory_info
 
     if not (1 <= args.items <= MAX_ITEMS and 1 <= args.dim <= MAX_DIM):
-        print(f"hstu plan-memory: error: --items must be in 1..{MAX_ITEMS:,} and --dim in 1..{MAX_DIM:,} "
-              f"(got {args.items}, {args.dim})", file=sys.stderr)
+        print(
+            f"hstu plan-memory: error: --items must be in 1..{MAX_ITEMS:,} and --dim in 1..{MAX_DIM:,} (got {args.items}, {args.dim})",
+            file=sys.stderr,
+        )
         return 2
     if args.max_shard_bytes < MIN_SHARD_BYTES:
-        print(f"hstu plan-memory: error: --max-shard-bytes must be >= {format_bytes(MIN_SHARD_BYTES)}, got {args.max_shard_bytes}",
-              file=sys.stderr)
+        print(
+            f"hstu plan-memory: error: --max-shard-bytes must be >= {format_bytes(MIN_SHARD_BYTES)}, got {args.max_shard_bytes}",
+            file=sys.stderr,
+        )
         return 2
     device_mem, device_is_host = args.device_mem, False
     if device_mem is None:
@@ -122,7 +127,8 @@ def plan_memory_command(args: argparse.Namespace) -> int:
         print(plan.format())
     if not plan.fits:
         print(
-            "hstu plan-memory: refused: " + "; ".join(plan.problems)
+            "hstu plan-memory: refused: "
+            + "; ".join(plan.problems)
             + f". Try --dtype fp16/bf16, more --host-mem, --placement host for some shards, or more devices "
             f"(table is {format_bytes(plan.table_bytes)}).",
             file=sys.stderr,

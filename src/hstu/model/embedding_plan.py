@@ -89,13 +89,11 @@ class MemoryPlan:
             f"= {format_bytes(self.table_bytes)} in {len(self.shards)} shard(s)",
             f"{'shard':>5}  {'rows':>13}  {'dtype':>5}  {'bytes':>15}  {'size':>10}  placement",
         ]
-        shown = self.shards if len(self.shards) <= FORMAT_MAX_SHARDS else self.shards[:FORMAT_MAX_SHARDS - 4] + self.shards[-4:]
+        shown = self.shards if len(self.shards) <= FORMAT_MAX_SHARDS else self.shards[: FORMAT_MAX_SHARDS - 4] + self.shards[-4:]
         for j, s in enumerate(shown):
             if j == FORMAT_MAX_SHARDS - 4 and len(shown) < len(self.shards):
                 lines.append(f"{'...':>5}  ({len(self.shards) - len(shown):,} more shards; --json lists them all)")
-            lines.append(
-                f"{s.index:>5}  {s.rows:>13,}  {s.dtype:>5}  {s.bytes:>15,}  {format_bytes(s.bytes):>10}  {s.placement}"
-            )
+            lines.append(f"{s.index:>5}  {s.rows:>13,}  {s.dtype:>5}  {s.bytes:>15,}  {format_bytes(s.bytes):>10}  {s.placement}")
         lines.append(f"row index ({T:,} rows) on device: {format_bytes(self.index_bytes)}")
         if self.cache_bytes:
             lines.append(f"hot-row cache on device: {format_bytes(self.cache_bytes)}")
@@ -154,8 +152,16 @@ def _shard_count(num_shards: int | None, dtype: Any, values: int, max_shard: int
     return int(num_shards)
 
 
-def _plan_rows(T: int, S: int, d: int, itemsize: int, shard_rows: Sequence[int] | None, device_mem: int | str | None,
-               host_mem: int | str | None, device_is_host: bool) -> tuple[list[int], bool]:
+def _plan_rows(
+    T: int,
+    S: int,
+    d: int,
+    itemsize: int,
+    shard_rows: Sequence[int] | None,
+    device_mem: int | str | None,
+    host_mem: int | str | None,
+    device_is_host: bool,
+) -> tuple[list[int], bool]:
     """[R_s] and whether they are exact: given, counted by hashing, or (when even the whole table at
     ``itemsize`` bytes per value fits no budget given) an even-split estimate, without hashing T rows."""
     if shard_rows is not None:
@@ -173,7 +179,7 @@ def _plan_rows(T: int, S: int, d: int, itemsize: int, shard_rows: Sequence[int] 
 
 
 def _auto_placement(sizes: Sequence[int], index_bytes: int, cache: int, room: int | None) -> list[str]:
-    """"device" for shards in order while they fit ``room`` bytes (with the index, and the cache once a
+    """ "device" for shards in order while they fit ``room`` bytes (with the index, and the cache once a
     shard goes to host), "host" for the rest; ``room`` None = unknown (all on the device)."""
     places: list[str] = []
     used = index_bytes
@@ -202,8 +208,15 @@ def _given_placement(placement: str | Sequence[str], S: int) -> list[str]:
     return places
 
 
-def _budget_problems(shards: Sequence[ShardPlan], index_bytes: int, cache_used: int, device_bytes: int, host_bytes: int,
-                     dev_budget: int | None, host_budget: int | None) -> list[str]:
+def _budget_problems(
+    shards: Sequence[ShardPlan],
+    index_bytes: int,
+    cache_used: int,
+    device_bytes: int,
+    host_bytes: int,
+    dev_budget: int | None,
+    host_budget: int | None,
+) -> list[str]:
     """Why a table on a separate device does not fit: one line per exceeded budget (none: it fits)."""
     problems: list[str] = []
     if dev_budget is not None and device_bytes > dev_budget:
@@ -257,8 +270,11 @@ def plan_memory(
         ValueError: a field out of range (the message names it).
     """
     V, d, O = int(num_embeddings), int(embedding_dim), int(num_overflow_rows)
-    for name, value, ok in (("num_embeddings", num_embeddings, V >= 1), ("embedding_dim", embedding_dim, d >= 1),
-                            ("num_overflow_rows", num_overflow_rows, O >= 1)):
+    for name, value, ok in (
+        ("num_embeddings", num_embeddings, V >= 1),
+        ("embedding_dim", embedding_dim, d >= 1),
+        ("num_overflow_rows", num_overflow_rows, O >= 1),
+    ):
         if not ok:
             raise ValueError(f"{name} must be >= 1, got {value!r}")
     if not 0.0 <= reserve_ratio < 1.0:
@@ -288,9 +304,14 @@ def plan_memory(
     host_bytes = sum(s.bytes for s in shards if s.placement == "host")
     if device_is_host:
         need, mem = device_bytes + host_bytes, format_bytes(parse_bytes(host_mem or 0))
-        problems = [] if host_budget is None or need <= host_budget else [
-            f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
-            f"{format_bytes(host_budget)} ({mem} less {reserve_ratio:.0%} reserve)"]
+        problems = (
+            []
+            if host_budget is None or need <= host_budget
+            else [
+                f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
+                f"{format_bytes(host_budget)} ({mem} less {reserve_ratio:.0%} reserve)"
+            ]
+        )
     else:
         problems = _budget_problems(shards, index_bytes, cache_used, device_bytes, host_bytes, dev_budget, host_budget)
     return MemoryPlan(

@@ -58,9 +58,7 @@ class HotRowCache:
         row_bytes = int(embedding_dim) * torch.tensor([], dtype=dtype).element_size()
         cap = parse_bytes(capacity_bytes, field="cache_bytes") // row_bytes
         if cap < 1:
-            raise ValueError(
-                f"cache_bytes={capacity_bytes!r} holds no row of {row_bytes} bytes (d={embedding_dim}, {dtype_name(dtype)})"
-            )
+            raise ValueError(f"cache_bytes={capacity_bytes!r} holds no row of {row_bytes} bytes (d={embedding_dim}, {dtype_name(dtype)})")
         W = min(int(ways), cap)
         self.num_sets = cap // W
         self.ways = W

@@ -36,9 +36,22 @@ class HSTULayer(nn.Module):
     """One HSTU block. Keyword-only sizes, checked at construction; ``index`` is the block's
     place in the encoder (which per-layer precomputed bias of an AttentionMeta it reads)."""
 
-    def __init__(self, *, dim: int, num_heads: int, d_qk: int, d_v: int, width: int, num_buckets: int,
-                 dropout: float = 0.0, eps: float = 1e-6, use_position_bias: bool = True, use_time_bias: bool = True,
-                 attention_norm: str = "fixed", index: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        d_qk: int,
+        d_v: int,
+        width: int,
+        num_buckets: int,
+        dropout: float = 0.0,
+        eps: float = 1e-6,
+        use_position_bias: bool = True,
+        use_time_bias: bool = True,
+        attention_norm: str = "fixed",
+        index: int = 0,
+    ) -> None:
         super().__init__()
         if min(dim, num_heads, d_qk, d_v, width) <= 0:
             raise ValueError(f"HSTULayer sizes must be > 0: dim={dim} heads={num_heads} d_qk={d_qk} d_v={d_v} width={width}")
@@ -78,8 +91,15 @@ class HSTULayer(nn.Module):
         """rab of meta's (query, key) pairs with the mask folded in (kernels.decode_bias): the
         (B, T, S) ``dtype`` bias an AttentionMeta.bias holds, formed once for a decode loop."""
         rb = self.rel_bias
-        return meta.kernels.decode_bias(meta.q_pos, meta.k_pos, meta.k_valid, meta.tb, rb.pos_w if rb.use_position else None,
-                                        rb.ts_w if rb.use_time and meta.tb is not None else None, dtype)
+        return meta.kernels.decode_bias(
+            meta.q_pos,
+            meta.k_pos,
+            meta.k_valid,
+            meta.tb,
+            rb.pos_w if rb.use_position else None,
+            rb.ts_w if rb.use_time and meta.tb is not None else None,
+            dtype,
+        )
 
     def forward(self, x: torch.Tensor, meta: AttentionMeta, kv: KVView | None = None) -> torch.Tensor:
         """The layer, for every path: T query rows against S keys (prefill and training T = S,
@@ -104,8 +124,9 @@ class HSTULayer(nn.Module):
             r = meta.rows.view(B, 1, 1)
             q = q.gather(2, r.unsqueeze(1).expand(B, H, 1, self.d_qk))  # (B, H, 1, d_qk)
             u, x = u.gather(1, r.expand(B, 1, u.shape[-1])), x.gather(1, r.expand(B, 1, self.dim))  # (B, 1, ·)
-        av = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=self.attention_norm == "fixed",
-                            layer_index=self.index)  # A·V (B, T, H*d_v)
+        av = hstu_attention(
+            q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=self.attention_norm == "fixed", layer_index=self.index
+        )  # A·V (B, T, H*d_v)
         h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         return y if meta.valid is None or meta.rows is not None else y * meta.valid  # (B, T, d)
@@ -123,9 +144,20 @@ class HSTUModel(SequentialRecommender):
         super().__init__(cfg, item_embedding=item_embedding)
         d, N = cfg.embedding_dim, cfg.width
         self.layers = nn.ModuleList(
-            HSTULayer(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, width=N, num_buckets=cfg.num_time_buckets,
-                      dropout=cfg.dropout, eps=cfg.layer_norm_eps, use_position_bias=cfg.use_position_bias, use_time_bias=cfg.use_time_bias,
-                      attention_norm=cfg.attention_norm, index=i)
+            HSTULayer(
+                dim=d,
+                num_heads=cfg.num_heads,
+                d_qk=cfg.d_qk,
+                d_v=cfg.d_v,
+                width=N,
+                num_buckets=cfg.num_time_buckets,
+                dropout=cfg.dropout,
+                eps=cfg.layer_norm_eps,
+                use_position_bias=cfg.use_position_bias,
+                use_time_bias=cfg.use_time_bias,
+                attention_norm=cfg.attention_norm,
+                index=i,
+            )
             for i in range(cfg.num_blocks)
         )
         self.kernels: KernelSet = REFERENCE  # the attention backend of encode / step (kernel registry)
@@ -147,9 +179,17 @@ class HSTUModel(SequentialRecommender):
         return AttentionMeta(q_pos=pos, k_pos=pos, tb=tb, valid=valid, kernels=self.kernels)
 
     # ----- encoder -----
-    def encode(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, *, actions: torch.Tensor | None = None,
-               categories: torch.Tensor | None = None, kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               normalize: bool = True) -> torch.Tensor:
+    def encode(
+        self,
+        ids: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        normalize: bool = True,
+    ) -> torch.Tensor:
         """Run the encoder over padded sequences.
 
         Args:
@@ -172,8 +212,9 @@ class HSTUModel(SequentialRecommender):
         x = self.forward_layers(x, meta, kv)  # (B, W, d)
         return l2_normalize(x) if normalize else x
 
-    def forward_layers(self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None,
-                       last: AttentionMeta | None = None) -> torch.Tensor:
+    def forward_layers(
+        self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None, last: AttentionMeta | None = None
+    ) -> torch.Tensor:
         """Every block's :meth:`HSTULayer.forward` in order: (B, T, d) -> (B, T, d).
 
         ``kv``: one view per layer (or None); ``last``: the last layer's meta when it differs
@@ -183,9 +224,17 @@ class HSTUModel(SequentialRecommender):
             x = layer(x, last if last is not None and li == n - 1 else meta, None if kv is None else kv[li])
         return x
 
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
-             kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
-             categories: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        timestamps: torch.Tensor,
+        t_query: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Append one token per sequence through every layer using the KV cache.
 
         Args:
@@ -201,8 +250,9 @@ class HSTUModel(SequentialRecommender):
         tb = None
         if self.cfg.use_time_bias:
             tb = time_buckets_row(t_query, timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base).unsqueeze(1)  # (B, 1, S)
-        meta = AttentionMeta(q_pos=pos.view(-1, 1), k_pos=torch.arange(S, device=x.device), tb=tb, write_rows=pos.view(-1, 1),
-                             kernels=self.kernels)
+        meta = AttentionMeta(
+            q_pos=pos.view(-1, 1), k_pos=torch.arange(S, device=x.device), tb=tb, write_rows=pos.view(-1, 1), kernels=self.kernels
+        )
         x = self.forward_layers(x.unsqueeze(1), meta, [KVView(k, v) for k, v in kv_cache])  # (B, 1, d)
         return l2_normalize(x.squeeze(1))  # (B, d)
 

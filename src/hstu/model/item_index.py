@@ -68,7 +68,7 @@ class FloatIndex(ItemIndex):
 class HalfIndex(ItemIndex):
     def __init__(self, rows: torch.Tensor, block: int = HALF_BLOCK_ROWS) -> None:
         self.rows = rows  # (V, d) fp16 / bf16, the model's own table (no copy)
-        norm = torch.cat([rows[a:a + block].to(torch.float32).norm(dim=1) for a in range(0, rows.shape[0], block)])
+        norm = torch.cat([rows[a : a + block].to(torch.float32).norm(dim=1) for a in range(0, rows.shape[0], block)])
         self.inv_norm = 1.0 / norm.clamp(min=1e-6)  # (V,) float32, as l2_normalize
         self.block = block
         self.buf = torch.empty(min(block, rows.shape[0]), rows.shape[1], dtype=torch.float32, device=rows.device)
@@ -81,7 +81,7 @@ class HalfIndex(ItemIndex):
             out = torch.empty(user.shape[0], V, dtype=torch.float32, device=user.device)
         for a in range(0, V, self.block):
             b = min(V, a + self.block)
-            w = self.buf[:b - a]
+            w = self.buf[: b - a]
             w.copy_(self.rows[a:b])  # (rows, d) widened to float32
             out[:, a:b].copy_(torch.mm(w, user.T).T)  # (B, rows) dot products
         return out.mul_(self.inv_norm)  # cosine
@@ -104,8 +104,9 @@ class Int8Index(ItemIndex):
         return y if out is None else out.copy_(y)
 
 
-def item_scores(index: ItemIndex, user: torch.Tensor, temperature: float, *, repeat: tuple | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def item_scores(
+    index: ItemIndex, user: torch.Tensor, temperature: float, *, repeat: tuple | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Retrieval scores of every item: cosine(user, item) / ``temperature`` (Zhai et al. 2024,
     §4.1.1), plus the repeat head's bias (:mod:`hstu.model.repeat`) when given; the one place
     these are formed for evaluation (``history_scores``, ``score_all``) and generation

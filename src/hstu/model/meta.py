@@ -101,24 +101,37 @@ class KVView:
             self.v[:, :, :T].copy_(v)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, pos_w, ts_w, layer_index: int,
-            n: int) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, pos_w, ts_w, layer_index: int, n: int) -> torch.Tensor:
     """One key segment: (B, H, T, d_qk), (B, H, S, ·) -> (B, T, H*d_v) through meta.kernels."""
     ks = meta.kernels
     if meta.bias is not None and ks.attention_bias is not None:  # formed once per request group
         return ks.attention_bias(q, k, v, bias=meta.bias[layer_index].index_select(1, meta.bias_row), n=n)
     if meta.blocks is None:
-        return ks.attention(q, k, v, q_pos=meta.q_pos, k_pos=meta.k_pos, k_valid=meta.k_valid, tb=meta.tb, pos_w=pos_w,
-                            ts_w=ts_w, n=n)  # (B, T, H*d_v)
+        return ks.attention(
+            q, k, v, q_pos=meta.q_pos, k_pos=meta.k_pos, k_valid=meta.k_valid, tb=meta.tb, pos_w=pos_w, ts_w=ts_w, n=n
+        )  # (B, T, H*d_v)
     # causal row blocks: keys past a block's last row contribute exactly 0 to it, so they are skipped
-    parts = [ks.attention(q[:, :, a:b], k[:, :, :b], v[:, :, :b], q_pos=meta.q_pos[a:b], k_pos=meta.k_pos[:b], k_valid=None,
-                          tb=None if meta.block_tb is None else meta.block_tb[j], pos_w=pos_w, ts_w=ts_w, n=n)
-             for j, (a, b) in enumerate(meta.blocks)]  # (B, b - a, H*d_v) each
+    parts = [
+        ks.attention(
+            q[:, :, a:b],
+            k[:, :, :b],
+            v[:, :, :b],
+            q_pos=meta.q_pos[a:b],
+            k_pos=meta.k_pos[:b],
+            k_valid=None,
+            tb=None if meta.block_tb is None else meta.block_tb[j],
+            pos_w=pos_w,
+            ts_w=ts_w,
+            n=n,
+        )
+        for j, (a, b) in enumerate(meta.blocks)
+    ]  # (B, b - a, H*d_v) each
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T, H*d_v)
 
 
-def hstu_attention(q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias, width: int, fixed_norm: bool,
-                   layer_index: int = 0) -> torch.Tensor:
+def hstu_attention(
+    q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias, width: int, fixed_norm: bool, layer_index: int = 0
+) -> torch.Tensor:
     """A = SiLU(Q Kᵀ + rab) / n ⊙ mask, out = A · V  (Zhai et al. 2024, §3, eq. 2), the one call
     every layer forward makes, dispatched to ``meta.kernels``.
 

@@ -91,8 +91,7 @@ class RepeatBias(nn.Module):
         """user (…, d), dist / acts (…, C) int64 -> (…, C) bias (no window check)."""
         return (self.table[recency_bucket(dist), acts] + self.propensity(user).to(self.table.dtype)) * (self.inv_tau * self.scale)
 
-    def candidates(self, user: torch.Tensor, cand: torch.Tensor, win_items: torch.Tensor,
-                   win_acts: torch.Tensor | None) -> torch.Tensor:
+    def candidates(self, user: torch.Tensor, cand: torch.Tensor, win_items: torch.Tensor, win_acts: torch.Tensor | None) -> torch.Tensor:
         """Bias of given candidates.
 
         Args:
@@ -111,8 +110,9 @@ class RepeatBias(nn.Module):
         acts = win_acts.gather(1, last) if win_acts is not None else torch.zeros_like(last)  # (P, C)
         return torch.where(hit, self._values(user, R - 1 - last, acts), torch.zeros((), dtype=self.table.dtype, device=cand.device))
 
-    def history_windows(self, ids: torch.Tensor, actions: torch.Tensor | None,
-                        lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def history_windows(
+        self, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, W) histories, (B,) lengths -> the last R items (B, R) and actions (B, R) or None,
         oldest first, 0 where the history is shorter than R."""
         R = self.window
@@ -120,8 +120,7 @@ class RepeatBias(nn.Module):
         ok = pos >= 0
         p = pos.clamp(min=0)
         items = torch.where(ok, ids.gather(1, p), torch.zeros((), dtype=ids.dtype, device=ids.device))
-        acts = None if actions is None else torch.where(ok, actions.gather(1, p), torch.zeros((), dtype=actions.dtype,
-                                                                                               device=ids.device))
+        acts = None if actions is None else torch.where(ok, actions.gather(1, p), torch.zeros((), dtype=actions.dtype, device=ids.device))
         return items, acts
 
     def full(self, win_items: torch.Tensor, win_acts: torch.Tensor | None, num_items: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +135,8 @@ class RepeatBias(nn.Module):
         inwin = torch.zeros(B, num_items + 1, dtype=torch.bool, device=win_items.device)
         acts = win_acts if win_acts is not None else torch.zeros_like(win_items)
         for j in range(R):  # oldest first: a more recent occurrence overwrites an older one
-            col = win_items[:, j:j + 1]  # (B, 1)
-            val = self.table[recency_bucket(torch.full_like(col, R - 1 - j)), acts[:, j:j + 1]] * (self.inv_tau * self.scale)  # (B, 1)
+            col = win_items[:, j : j + 1]  # (B, 1)
+            val = self.table[recency_bucket(torch.full_like(col, R - 1 - j)), acts[:, j : j + 1]] * (self.inv_tau * self.scale)  # (B, 1)
             live = col > 0
             static.scatter_(1, col, torch.where(live, val, static.gather(1, col)))
             inwin.scatter_(1, col, live | inwin.gather(1, col))

@@ -77,18 +77,38 @@ def check_idmap(where: str, obj: Any) -> dict:
     """idmap.json: ``item_raw_ids`` ([0, original id of dense id 1, ...]) and the per-item lists
     of its length, titles, action names, the exclusion default."""
     _object(where, obj)
-    raw = _field(where, obj, "item_raw_ids", lambda v: _ints(v) and len(v) >= 1 and v[0] == 0,
-                 "a list of integer ids starting with 0 (padding)")
+    raw = _field(
+        where, obj, "item_raw_ids", lambda v: _ints(v) and len(v) >= 1 and v[0] == 0, "a list of integer ids starting with 0 (padding)"
+    )
     n = len(raw)
-    _field(where, obj, "item_category", lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
-           f"a list of {n} integers >= 0 (one per item_raw_ids entry)", optional=True)
-    _field(where, obj, "item_train_counts", lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
-           f"a list of {n} integers >= 0 (one per item_raw_ids entry)", optional=True)
+    _field(
+        where,
+        obj,
+        "item_category",
+        lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
+        f"a list of {n} integers >= 0 (one per item_raw_ids entry)",
+        optional=True,
+    )
+    _field(
+        where,
+        obj,
+        "item_train_counts",
+        lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
+        f"a list of {n} integers >= 0 (one per item_raw_ids entry)",
+        optional=True,
+    )
     _field(where, obj, "category_raw_ids", lambda v: v is None or _ints(v), "a list of integers or null", optional=True)
-    _field(where, obj, "action_names", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
-           "a list of texts", optional=True)
-    _field(where, obj, "titles", lambda v: isinstance(v, dict) and all(isinstance(t, str) for t in v.values()),
-           "an object of id -> title text", optional=True)
+    _field(
+        where, obj, "action_names", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v), "a list of texts", optional=True
+    )
+    _field(
+        where,
+        obj,
+        "titles",
+        lambda v: isinstance(v, dict) and all(isinstance(t, str) for t in v.values()),
+        "an object of id -> title text",
+        optional=True,
+    )
     _field(where, obj, "exclude_history_default", lambda v: isinstance(v, bool), "true or false", optional=True)
     _field(where, obj, "last_timestamp", _is_int, "an integer (Unix s)", optional=True)
     _field(where, obj, "dataset", lambda v: isinstance(v, str), "a text", optional=True)
@@ -122,8 +142,13 @@ def check_last(where: str, obj: Any) -> dict:
     _field(where, obj, "best", _is_num, "a finite number")
     _field(where, obj, "bad_epochs", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
     _field(where, obj, "train_seconds", lambda v: _is_num(v) and v >= 0, "a number >= 0")
-    _field(where, obj, "param_groups", lambda v: isinstance(v, list) and v and all(isinstance(g, dict) for g in v),
-           "a non-empty list of optimizer parameter groups")
+    _field(
+        where,
+        obj,
+        "param_groups",
+        lambda v: isinstance(v, list) and v and all(isinstance(g, dict) for g in v),
+        "a non-empty list of optimizer parameter groups",
+    )
     _field(where, obj, "distributed", lambda v: isinstance(v, dict), "a table", optional=True)
     history = obj.get("history")
     if history is not None:
@@ -134,7 +159,10 @@ def check_last(where: str, obj: Any) -> dict:
 
 
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    CONFIG: check_config, IDMAP: check_idmap, LAST_JSON: check_last, HISTORY: check_history,
+    CONFIG: check_config,
+    IDMAP: check_idmap,
+    LAST_JSON: check_last,
+    HISTORY: check_history,
 }
 
 

@@ -143,9 +143,17 @@ class SASRecModel(SequentialRecommender):
         self.final_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attention = sasrec_attention
 
-    def encode(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, *, actions: torch.Tensor | None = None,
-               categories: torch.Tensor | None = None, kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-               normalize: bool = True) -> torch.Tensor:
+    def encode(
+        self,
+        ids: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        normalize: bool = True,
+    ) -> torch.Tensor:
         """Run the encoder over padded sequences (same contract as HSTUModel.encode).
 
         Args:
@@ -167,8 +175,9 @@ class SASRecModel(SequentialRecommender):
         x = self.forward_layers(x, AttentionMeta(q_pos=pos, k_pos=pos, valid=valid), kv) * valid  # (B, W, d)
         return l2_normalize(x) if normalize else x
 
-    def forward_layers(self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None,
-                       last: AttentionMeta | None = None) -> torch.Tensor:
+    def forward_layers(
+        self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None, last: AttentionMeta | None = None
+    ) -> torch.Tensor:
         """Every block's forward, then the final LayerNorm: (B, T, d) -> (B, T, d), or (B, 1, d)
         with ``last.rows`` (the contract of :meth:`hstu.model.hstu.HSTUModel.forward_layers`)."""
         n = len(self.layers)
@@ -176,9 +185,17 @@ class SASRecModel(SequentialRecommender):
             x = layer(x, last if last is not None and li == n - 1 else meta, None if kv is None else kv[li])
         return self.final_norm(x)
 
-    def step(self, ids: torch.Tensor, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor,
-             kv_cache: list[tuple[torch.Tensor, torch.Tensor]], *, actions: torch.Tensor | None = None,
-             categories: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        timestamps: torch.Tensor,
+        t_query: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Append one token per sequence using the KV cache (eval mode; same contract as
         HSTUModel.step, timestamps ignored). ids, pos: (B,) int64. Returns (B, d) L2-normalised."""
         x = self.embed(ids, pos, actions, categories)  # (B, d)

@@ -159,8 +159,9 @@ def local_shards(sharded: Any, table: str = TABLE) -> list[tuple[tuple[int, int]
 
 
 @torch.no_grad()
-def load_rows(sharded: Any, rows: Callable[[int, int], torch.Tensor] | torch.Tensor, *, table: str = TABLE,
-              chunk_rows: int = 1 << 16) -> None:
+def load_rows(
+    sharded: Any, rows: Callable[[int, int], torch.Tensor] | torch.Tensor, *, table: str = TABLE, chunk_rows: int = 1 << 16
+) -> None:
     """Fill this rank's shards of ``table`` from a dense source, ``chunk_rows`` rows at a time.
 
     Args:

@@ -76,9 +76,7 @@ class Condition:
         out = {}
         for labels, value in series.get(self.metric, {}).items():
             d = dict(labels)
-            if all((d.get(k, "") == v) == (mop == "=") for k, mop, v in self.matchers) and _CMP[self.op](
-                value, self.threshold
-            ):
+            if all((d.get(k, "") == v) == (mop == "=") for k, mop, v in self.matchers) and _CMP[self.op](value, self.threshold):
                 out[labels] = value
         return out
 

@@ -97,9 +97,7 @@ class AlertRule:
             raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {sorted(allowed)}")
         name = d.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ValueError(
-                f"{where}: 'name' must match [A-Za-z_][A-Za-z0-9_]* (a Prometheus alert name), got {name!r}"
-            )
+            raise ValueError(f"{where}: 'name' must match [A-Za-z_][A-Za-z0-9_]* (a Prometheus alert name), got {name!r}")
         when = d.get("when")
         if not isinstance(when, str):
             raise ValueError(f"{where} ({name}): 'when' must be an expression string")

@@ -103,9 +103,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
         else:
             Path(args.export_rules).write_text(text, encoding="utf-8")
-            print(
-                f"wrote {len(rules)} alerting rule(s) to {args.export_rules}; check with: promtool check rules {args.export_rules}"
-            )
+            print(f"wrote {len(rules)} alerting rule(s) to {args.export_rules}; check with: promtool check rules {args.export_rules}")
         return 0
     engine = alerts.AlertEngine(rules) if rules else None
     mon = monitor.Monitor(engine=engine, interval_s=args.interval)
@@ -263,12 +261,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="address to serve on (default %(default)s; port 0 = any)",
     )
-    p.add_argument(
-        "--interval", type=_duration, default=1.0, metavar="DUR", help="sampling interval, e.g. 1s, 500ms (default 1s)"
-    )
-    p.add_argument(
-        "--rules", metavar="FILE", help="alert rules (YAML/TOML/JSON); default: the packaged default_alerts.yaml"
-    )
+    p.add_argument("--interval", type=_duration, default=1.0, metavar="DUR", help="sampling interval, e.g. 1s, 500ms (default 1s)")
+    p.add_argument("--rules", metavar="FILE", help="alert rules (YAML/TOML/JSON); default: the packaged default_alerts.yaml")
     p.add_argument("--no-rules", action="store_true", help="evaluate no alert rules")
     p.add_argument(
         "--export-rules",
@@ -276,9 +270,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         help="write the rules as a Prometheus alerting-rules file (- for stdout) and exit",
     )
     p.add_argument("--once", action="store_true", help="take one sample, print it in Prometheus text format, exit")
-    p.add_argument(
-        "--duration", type=_duration, metavar="DUR", help="stop after this long (default: run until Ctrl-C / SIGTERM)"
-    )
+    p.add_argument("--duration", type=_duration, metavar="DUR", help="stop after this long (default: run until Ctrl-C / SIGTERM)")
     p.set_defaults(func=_needs_extra(cmd_monitor), command="monitor")
 
     p = subparsers.add_parser(
@@ -293,25 +285,15 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="directory (or file) of device logs to follow, e.g. /var/log/npu/slog",
     )
-    p.add_argument(
-        "--on-reset", required=True, metavar="CMD", help="device reset command, e.g. 'npu-smi set -t reset -i 0 -c 0'"
-    )
+    p.add_argument("--on-reset", required=True, metavar="CMD", help="device reset command, e.g. 'npu-smi set -t reset -i 0 -c 0'")
     p.add_argument("--stop-cmd", metavar="CMD", help="stop the service first, e.g. 'systemctl stop hstu-serve'")
     p.add_argument("--start-cmd", metavar="CMD", help="start the service after a healthy check")
-    p.add_argument(
-        "--health-cmd", metavar="CMD", help="exit 0 when the device is healthy, e.g. 'npu-smi info -t health -i 0'"
-    )
+    p.add_argument("--health-cmd", metavar="CMD", help="exit 0 when the device is healthy, e.g. 'npu-smi info -t health -i 0'")
     p.add_argument("--wait", type=_duration, default=30.0, metavar="DUR", help="wait after the reset (default 30s)")
-    p.add_argument(
-        "--cooldown", type=_duration, default=300.0, metavar="DUR", help="minimum time between recoveries (default 5m)"
-    )
+    p.add_argument("--cooldown", type=_duration, default=300.0, metavar="DUR", help="minimum time between recoveries (default 5m)")
     p.add_argument("--health-retries", type=int, default=3, metavar="N", help="health-check attempts (default 3)")
-    p.add_argument(
-        "--health-interval", type=_duration, default=10.0, metavar="DUR", help="between health checks (default 10s)"
-    )
-    p.add_argument(
-        "--step-timeout", type=_duration, default=600.0, metavar="DUR", help="timeout of each command (default 10m)"
-    )
+    p.add_argument("--health-interval", type=_duration, default=10.0, metavar="DUR", help="between health checks (default 10s)")
+    p.add_argument("--step-timeout", type=_duration, default=600.0, metavar="DUR", help="timeout of each command (default 10m)")
     p.add_argument(
         "--max-attempts",
         type=int,
@@ -321,9 +303,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--marker", action="append", metavar="REGEX", help="extra reset-marker regex (repeatable)")
     p.add_argument("--no-default-markers", action="store_true", help="use only --marker patterns")
-    p.add_argument(
-        "--from-start", action="store_true", help="also scan lines already in the logs (default: only new lines)"
-    )
+    p.add_argument("--from-start", action="store_true", help="also scan lines already in the logs (default: only new lines)")
     p.add_argument("--poll", type=_duration, default=1.0, metavar="DUR", help="log polling interval (default 1s)")
     p.add_argument("--once", action="store_true", help="check the logs once, recover if needed, exit")
     p.set_defaults(func=_needs_extra(cmd_watchdog), command="watchdog")

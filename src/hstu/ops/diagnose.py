@@ -333,9 +333,7 @@ def decode_cann_code(code: str, kb: KnowledgeBase, cann_version: str | None = No
     return f"CANN code {code}: module {fam['module']}, {kind}"
 
 
-def diagnose_lines(
-    lines: Iterable[tuple[str, int, str]], kb: KnowledgeBase | None = None, cann_version: str | None = None
-) -> Report:
+def diagnose_lines(lines: Iterable[tuple[str, int, str]], kb: KnowledgeBase | None = None, cann_version: str | None = None) -> Report:
     """Match ``(path, line_no, text)`` triples against the knowledge base; see the module docstring."""
     kb = kb or load_knowledge_base()
     findings: dict[str, Finding] = {}
@@ -365,11 +363,7 @@ def diagnose_lines(
         for e, m in hits:
             f = findings.get(e.id)
             if f is None:
-                causes = [
-                    c
-                    for c in e.causes
-                    if c.cann is None or cann_version is None or cann_spec_matches(c.cann, cann_version)
-                ]
+                causes = [c for c in e.causes if c.cann is None or cann_version is None or cann_spec_matches(c.cann, cann_version)]
                 f = findings[e.id] = Finding(e, causes, first_seen=n)
             if not f.groups:
                 f.groups = {k: v for k, v in m.groupdict().items() if v}
@@ -434,9 +428,7 @@ def render_text(report: Report) -> str:
         out.append(f"   source: {e.source}")
     if report.unknown:
         out.append("")
-        out.append(
-            f"unknown ({len(report.unknown)} distinct error line(s) the knowledge base does not cover; not guessed):"
-        )
+        out.append(f"unknown ({len(report.unknown)} distinct error line(s) the knowledge base does not cover; not guessed):")
         for u in report.unknown[:MAX_UNKNOWN_TEXT]:
             ev = u.evidence[0]
             out.append(f"   {ev.where()}: {ev.text.strip()}" + (f"  (x{u.count})" if u.count > 1 else ""))
@@ -471,8 +463,7 @@ def render_json(report: Report) -> str:
                     "count": f.count,
                     "evidence": [_ev(e) for e in f.evidence],
                     "causes": [
-                        {"why": f.filled(c.why), "verify": f.filled(c.verify), "fix": f.filled(c.fix), "cann": c.cann}
-                        for c in f.causes
+                        {"why": f.filled(c.why), "verify": f.filled(c.verify), "fix": f.filled(c.fix), "cann": c.cann} for c in f.causes
                     ],
                     "source": f.entry.source,
                 }

@@ -86,7 +86,7 @@ def check_torch(env: Environment, table: CompatTable) -> Check:
             "warn",
             f"torch {t.version} built with CUDA {t.cuda}, not a listed build ({', '.join(row['cuda'])})",
             fix=f"pip install torch=={base_version(t.version)} "
-                f"--index-url https://download.pytorch.org/whl/cu{row['cuda'][0].replace('.', '')}",
+            f"--index-url https://download.pytorch.org/whl/cu{row['cuda'][0].replace('.', '')}",
             source=row["source"],
         )
     return Check("torch", "pass", f"torch {t.version} ({build})", source=row["source"])
@@ -119,17 +119,13 @@ def check_torch_npu(env: Environment, table: CompatTable) -> Check:
         return Check("torch_npu", "skip", "torch_npu not installed (not an Ascend setup)")
     tn, tv = env.torch_npu_version, env.torch.version
     if tv is None:
-        return Check(
-            "torch_npu", "fail", f"torch_npu {tn} installed without torch", fix=f"pip install torch=={base_version(tn)}"
-        )
+        return Check("torch_npu", "fail", f"torch_npu {tn} installed without torch", fix=f"pip install torch=={base_version(tn)}")
     if base_version(tn) != base_version(tv):
         rows = table.npu_rows_for_torch(tv)
         if env.ascend.cann_version:  # prefer the build paired with the installed CANN
             rows = sorted(
                 rows,
-                key=lambda r: (
-                    ascend_version_key(r["cann"]) != ascend_version_key(ascend_release(env.ascend.cann_version))
-                ),
+                key=lambda r: ascend_version_key(r["cann"]) != ascend_version_key(ascend_release(env.ascend.cann_version)),
             )
         want = rows[0]["torch_npu"] if rows else base_version(tv)
         return Check(
@@ -142,9 +138,7 @@ def check_torch_npu(env: Environment, table: CompatTable) -> Check:
         )
     if env.torch_npu_import is not None and not env.torch_npu_import.ok:
         what, fix = _import_failure_hint(env.torch_npu_import.stderr)
-        return Check(
-            "torch_npu", "fail", f"torch_npu {tn} matches torch {tv}, but `import torch_npu` fails: {what}", fix=fix
-        )
+        return Check("torch_npu", "fail", f"torch_npu {tn} matches torch {tv}, but `import torch_npu` fails: {what}", fix=fix)
     return Check("torch_npu", "pass", f"torch_npu {tn} matches torch {base_version(tv)}")
 
 
@@ -179,14 +173,11 @@ def check_cann(env: Environment, table: CompatTable) -> Check:
             "cann",
             "warn",
             f"{where} is not in the compatibility table; torch_npu {env.torch_npu_version} unverified",
-            detail="known CANN releases: "
-            + ", ".join(sorted({r["cann"] for r in table.tables["torch_npu"]}, key=ascend_version_key)),
+            detail="known CANN releases: " + ", ".join(sorted({r["cann"] for r in table.tables["torch_npu"]}, key=ascend_version_key)),
         )
     match = [r for r in rows if r["torch_npu"] == env.torch_npu_version]
     if match:
-        return Check(
-            "cann", "pass", f"{where} is paired with torch_npu {env.torch_npu_version}", source=match[0]["source"]
-        )
+        return Check("cann", "pass", f"{where} is paired with torch_npu {env.torch_npu_version}", source=match[0]["source"])
     same_torch = [r for r in rows if base_version(r["torch"]) == base_version(env.torch_npu_version)]
     if same_torch:
         return Check(
@@ -304,8 +295,7 @@ def check_cuda(env: Environment, table: CompatTable) -> Check:
         return Check(
             "cuda",
             "warn",
-            summary
-            + f"; runs under minor-version compatibility (CUDA {major_minor(t.cuda)} GA driver is {tk['min_driver']}): "
+            summary + f"; runs under minor-version compatibility (CUDA {major_minor(t.cuda)} GA driver is {tk['min_driver']}): "
             "no PTX JIT for newer code",
             fix=f"upgrade the NVIDIA driver to >= {tk['min_driver']} for full CUDA {major_minor(t.cuda)} support",
             source=tk["source"],
@@ -368,21 +358,11 @@ def check_env_libs(env: Environment, table: CompatTable) -> Check:
     if conda and in_venv and not prefix.startswith(conda):
         problems.append(f"conda env {env.conda_prefix} is active while Python runs from venv {env.sys_prefix}")
         fixes.append("conda deactivate")
-    conda_libs = [
-        p
-        for p in env.ld_library_path
-        if ("conda" in p or "/envs/" in p) and not os.path.realpath(p).startswith(prefix or "\0")
-    ]
+    conda_libs = [p for p in env.ld_library_path if ("conda" in p or "/envs/" in p) and not os.path.realpath(p).startswith(prefix or "\0")]
     if conda_libs:
         problems.append("LD_LIBRARY_PATH puts another environment's libraries first: " + ", ".join(conda_libs))
-        fixes.append(
-            'export LD_LIBRARY_PATH=$(echo "$LD_LIBRARY_PATH" | tr ":" "\\n" | grep -v -e conda -e /envs/ | paste -sd:)'
-        )
-    foreign = [
-        p
-        for p in env.loaded_libs
-        if not p.startswith(_SYS_LIB_DIRS) and not os.path.realpath(p).startswith(prefix or "\0")
-    ]
+        fixes.append('export LD_LIBRARY_PATH=$(echo "$LD_LIBRARY_PATH" | tr ":" "\\n" | grep -v -e conda -e /envs/ | paste -sd:)')
+    foreign = [p for p in env.loaded_libs if not p.startswith(_SYS_LIB_DIRS) and not os.path.realpath(p).startswith(prefix or "\0")]
     if foreign:
         problems.append("this process loaded runtime libraries from outside its environment: " + ", ".join(foreign))
         fixes.append("remove the directory of those libraries from LD_LIBRARY_PATH / LD_PRELOAD")
@@ -392,9 +372,7 @@ def check_env_libs(env: Environment, table: CompatTable) -> Check:
     ):
         if probe is not None and not probe.ok and _UNDEF_RE.search(probe.stderr):
             problems.append(f"`{probe_name}`: {_UNDEF_RE.search(probe.stderr).group(0)}")
-            fixes.append(
-                "reinstall torch and its extensions in one environment: pip install --force-reinstall torch torch-npu"
-            )
+            fixes.append("reinstall torch and its extensions in one environment: pip install --force-reinstall torch torch-npu")
     kind = "venv" if in_venv else ("conda" if conda and prefix.startswith(conda) else "system")
     if problems:
         return Check(
@@ -403,9 +381,7 @@ def check_env_libs(env: Environment, table: CompatTable) -> Check:
             "; ".join(problems),
             fix=" && ".join(dict.fromkeys(fixes)),
         )
-    return Check(
-        "env_libs", "pass", f"{kind} Python at {env.sys_prefix}; no foreign runtime libraries on the search path"
-    )
+    return Check("env_libs", "pass", f"{kind} Python at {env.sys_prefix}; no foreign runtime libraries on the search path")
 
 
 def check_autoload(env: Environment, table: CompatTable) -> Check:
@@ -415,19 +391,11 @@ def check_autoload(env: Environment, table: CompatTable) -> Check:
     if tv < (2, 5):
         return Check("autoload", "skip", f"torch {env.torch.version} predates device-backend autoloading (2.5)")
     if not eps:
-        return Check(
-            "autoload", "pass", "no torch.backends entry points installed; TORCH_DEVICE_BACKEND_AUTOLOAD not needed"
-        )
-    setting = (
-        f"TORCH_DEVICE_BACKEND_AUTOLOAD={env.autoload_env}"
-        if env.autoload_env is not None
-        else "TORCH_DEVICE_BACKEND_AUTOLOAD unset"
-    )
+        return Check("autoload", "pass", "no torch.backends entry points installed; TORCH_DEVICE_BACKEND_AUTOLOAD not needed")
+    setting = f"TORCH_DEVICE_BACKEND_AUTOLOAD={env.autoload_env}" if env.autoload_env is not None else "TORCH_DEVICE_BACKEND_AUTOLOAD unset"
     if env.autoload_import is not None and not env.autoload_import.ok:
         if env.autoload_env == "0":
-            return Check(
-                "autoload", "pass", f"autoloading {', '.join(eps)} breaks `import torch`, and {setting} disables it"
-            )
+            return Check("autoload", "pass", f"autoloading {', '.join(eps)} breaks `import torch`, and {setting} disables it")
         return Check(
             "autoload",
             "fail",

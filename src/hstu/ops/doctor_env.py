@@ -158,7 +158,5 @@ def _collect_memory(npu_info, skip_npu: bool = False) -> tuple[list[DeviceMemory
             dm = chip.device_memory
             if dm:
                 used, total = dm
-                mems.append(
-                    DeviceMemory(f"npu {chip.npu_id}/{chip.chip_id} {chip.name}", total - used, total, "npu-smi info")
-                )
+                mems.append(DeviceMemory(f"npu {chip.npu_id}/{chip.chip_id} {chip.name}", total - used, total, "npu-smi info"))
     return mems, backend_name, reason

@@ -31,8 +31,7 @@ METRICS: dict[str, str] = {
     "hstu_device_memory_total_bytes": "Device memory capacity, bytes.",
     "hstu_device_memory_utilization_ratio": "Device memory in use / capacity (0..1).",
     "hstu_device_memory_bandwidth_utilization_ratio": (
-        "Fraction of time device memory was being read or written (NVML utilization.memory; "
-        "npu-smi 'HBM Bandwidth Usage Rate'), 0..1."
+        "Fraction of time device memory was being read or written (NVML utilization.memory; npu-smi 'HBM Bandwidth Usage Rate'), 0..1."
     ),
     "hstu_device_compute_utilization_ratio": "Compute utilisation (NVML utilization.gpu; npu-smi AI Core %), 0..1.",
     "hstu_device_temperature_celsius": "Device temperature, degrees Celsius.",
@@ -164,9 +163,7 @@ class NpuSmiSource(Source):
             dev = f"{chip.npu_id}/{chip.chip_id}"
             bw = None
             if self.usages:
-                u = self.runner(
-                    ["npu-smi", "info", "-t", "usages", "-i", str(chip.npu_id), "-c", str(chip.chip_id)], self.timeout_s
-                )
+                u = self.runner(["npu-smi", "info", "-t", "usages", "-i", str(chip.npu_id), "-c", str(chip.chip_id)], self.timeout_s)
                 vals = parse_npu_smi_usages(u.stdout) if u.ok else {}
                 rates = [vals[k] for k in USAGE_BANDWIDTH_KEYS if vals.get(k) is not None]
                 bw = max(rates) / 100.0 if rates else None

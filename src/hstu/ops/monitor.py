@@ -37,9 +37,7 @@ log = logging.getLogger(__name__)
 class Monitor:
     """Owns the sources, the latest samples and the alert engine."""
 
-    def __init__(
-        self, sources: list[Source] | None = None, engine: AlertEngine | None = None, interval_s: float = 1.0
-    ) -> None:
+    def __init__(self, sources: list[Source] | None = None, engine: AlertEngine | None = None, interval_s: float = 1.0) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval_s}")
         self.sources = default_sources() if sources is None else sources

@@ -235,9 +235,7 @@ def parse_nvidia_smi_query(text: str) -> list[GpuReading]:
     return out
 
 
-_NV_HEADER_RE = re.compile(
-    r"NVIDIA-SMI\s+(?P<smi>\S+)\s+Driver Version:\s*(?P<driver>\S+)\s+CUDA Version:\s*(?P<cuda>\S+)"
-)
+_NV_HEADER_RE = re.compile(r"NVIDIA-SMI\s+(?P<smi>\S+)\s+Driver Version:\s*(?P<driver>\S+)\s+CUDA Version:\s*(?P<cuda>\S+)")
 
 
 def parse_nvidia_smi_header(text: str) -> dict[str, str]:
@@ -262,9 +260,7 @@ def npu_smi_usages(npu_id: int, chip_id: int = 0, timeout_s: float = 10.0) -> di
 
 def nvidia_smi_query(timeout_s: float = 10.0) -> tuple[list[GpuReading] | None, str | None]:
     """Run and parse the nvidia-smi CSV query; return (readings, None) or (None, reason)."""
-    res = run_command(
-        ["nvidia-smi", f"--query-gpu={','.join(NVIDIA_QUERY_FIELDS)}", "--format=csv,noheader,nounits"], timeout_s
-    )
+    res = run_command(["nvidia-smi", f"--query-gpu={','.join(NVIDIA_QUERY_FIELDS)}", "--format=csv,noheader,nounits"], timeout_s)
     if not res.ok:
         return None, res.error or f"nvidia-smi exited {res.returncode}: {res.stderr.strip()[:200]}"
     return parse_nvidia_smi_query(res.stdout), None

@@ -256,9 +256,7 @@ class Watchdog:
                     self.failures,
                 )
             else:
-                log.error(
-                    "watchdog: health check failed; service not started; retry after the %.0f s cool-down", p.cooldown_s
-                )
+                log.error("watchdog: health check failed; service not started; retry after the %.0f s cool-down", p.cooldown_s)
         drained = [t for _, t in self.follower.poll() if any(m.search(t) for m in self.markers)]
         if drained:  # markers written by our own reset
             self.suppressed += len(drained)

@@ -35,10 +35,26 @@ from hstu.quant.int8 import (
 from hstu.quant.lowp import LowPrecisionHSTUModel, to_low_precision
 
 __all__ = [
-    "PRECISIONS", "SCHEMES", "QuantCheckpointError", "Int8Embedding", "Int8Kernel", "Int8Linear", "LowPrecisionHSTUModel",
-    "apply_precision", "calibration_batch", "dequantize_per_channel", "layer_report", "load_for_inference",
-    "load_quantized_run", "quantize_model_int8", "quantize_per_channel", "read_quant_meta", "save_quantized_run",
-    "select_int8_kernel", "tensor_bytes", "to_low_precision",
+    "PRECISIONS",
+    "SCHEMES",
+    "QuantCheckpointError",
+    "Int8Embedding",
+    "Int8Kernel",
+    "Int8Linear",
+    "LowPrecisionHSTUModel",
+    "apply_precision",
+    "calibration_batch",
+    "dequantize_per_channel",
+    "layer_report",
+    "load_for_inference",
+    "load_quantized_run",
+    "quantize_model_int8",
+    "quantize_per_channel",
+    "read_quant_meta",
+    "save_quantized_run",
+    "select_int8_kernel",
+    "tensor_bytes",
+    "to_low_precision",
 ]
 
 
@@ -52,8 +68,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def apply_precision(model: nn.Module, precision: str, *, embeddings: str | None = None, keep_float=(),
-                    kernel: str = "auto") -> nn.Module:
+def apply_precision(model: nn.Module, precision: str, *, embeddings: str | None = None, keep_float=(), kernel: str = "auto") -> nn.Module:
     """Convert an HSTUModel in place for inference at ``precision`` and return it.
 
     Args:

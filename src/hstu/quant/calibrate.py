@@ -63,7 +63,7 @@ def layer_report(float_model: nn.Module, quant_model: nn.Module, batch: Sequence
     dev = float_model.pos_emb.weight.device
     b = batch.to(dev)
     B, W = b.ids.shape
-    live = (torch.arange(W, device=dev).view(1, W) < b.lengths.view(B, 1))  # (B, W)
+    live = torch.arange(W, device=dev).view(1, W) < b.lengths.view(B, 1)  # (B, W)
 
     lin_f = quantizable_linears(float_model)
     caught: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -89,24 +89,42 @@ def layer_report(float_model: nn.Module, quant_model: nn.Module, batch: Sequence
         qmod = quant_model.get_submodule(name)
         yq = qmod(x.to(_dtype_in(qmod))).float()  # (rows, N)
         err, ref = float((yq - y.float()).abs().max()), float(y.abs().max())
-        linears.append({"name": name, "kind": _kind(qmod), "shape": [int(y.shape[-1]), int(x.shape[-1])],
-                        "max_abs_err": err, "max_abs_ref": ref, "rel_err": err / ref if ref > 0 else 0.0})
-    blocks = [{"name": f"layers.{i}", "max_abs_err": float((q - f).abs().max()), "max_abs_ref": float(f.abs().max())}
-              for i, (f, q) in enumerate(zip(blocks_f, blocks_q))]
+        linears.append(
+            {
+                "name": name,
+                "kind": _kind(qmod),
+                "shape": [int(y.shape[-1]), int(x.shape[-1])],
+                "max_abs_err": err,
+                "max_abs_ref": ref,
+                "rel_err": err / ref if ref > 0 else 0.0,
+            }
+        )
+    blocks = [
+        {"name": f"layers.{i}", "max_abs_err": float((q - f).abs().max()), "max_abs_ref": float(f.abs().max())}
+        for i, (f, q) in enumerate(zip(blocks_f, blocks_q))
+    ]
     cos = torch.nn.functional.cosine_similarity(uf.double(), uq.double(), dim=-1)  # (B,)
-    return {"users": int(B), "linears": linears, "blocks": blocks,
-            "user_vector": {"max_abs_err": float((uq - uf).abs().max()), "min_cosine": float(cos.min())}}
+    return {
+        "users": int(B),
+        "linears": linears,
+        "blocks": blocks,
+        "user_vector": {"max_abs_err": float((uq - uf).abs().max()), "min_cosine": float(cos.min())},
+    }
 
 
 def format_report(report: dict) -> str:
     """Plain-text table of :func:`layer_report` for the CLI."""
-    lines = [f"calibration batch: {report['users']} users (histories before their validation target)",
-             f"{'layer':<16}{'kind':<9}{'shape (N x K)':<16}{'max|err|':>11}{'max|ref|':>11}{'rel':>9}"]
+    lines = [
+        f"calibration batch: {report['users']} users (histories before their validation target)",
+        f"{'layer':<16}{'kind':<9}{'shape (N x K)':<16}{'max|err|':>11}{'max|ref|':>11}{'rel':>9}",
+    ]
     worst = max(report["linears"], key=lambda r: r["rel_err"], default=None)
     for r in report["linears"]:
         flag = "  <- most sensitive" if r is worst and r["rel_err"] > 0 else ""
-        lines.append(f"{r['name']:<16}{r['kind']:<9}{r['shape'][0]:>5} x {r['shape'][1]:<7}{r['max_abs_err']:>11.4g}"
-                     f"{r['max_abs_ref']:>11.4g}{r['rel_err']:>9.3%}{flag}")
+        lines.append(
+            f"{r['name']:<16}{r['kind']:<9}{r['shape'][0]:>5} x {r['shape'][1]:<7}{r['max_abs_err']:>11.4g}"
+            f"{r['max_abs_ref']:>11.4g}{r['rel_err']:>9.3%}{flag}"
+        )
     for r in report["blocks"]:
         lines.append(f"{r['name'] + ' out':<16}{'':<9}{'':<16}{r['max_abs_err']:>11.4g}{r['max_abs_ref']:>11.4g}")
     u = report["user_vector"]

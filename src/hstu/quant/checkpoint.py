@@ -63,8 +63,13 @@ def versions() -> dict[str, str]:
 
     import hstu
 
-    return {"hstu": getattr(hstu, "__version__", "unknown"), "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "numpy": numpy.__version__, "python": platform.python_version()}
+    return {
+        "hstu": getattr(hstu, "__version__", "unknown"),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _sha256(path: Path) -> str:
@@ -103,10 +108,17 @@ def layer_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     for name, mod in model.named_modules():
         if isinstance(mod, (Int8Linear, Int8Embedding)):
             s = mod.weight_scale
-            out[name] = {"weight": f"{name}.weight_int8", "scale": f"{name}.weight_scale", "shape": list(mod.weight_int8.shape),
-                         "granularity": "per_output_channel" if isinstance(mod, Int8Linear) else "per_row",
-                         "symmetric": True, "qmin": -QMAX, "qmax": QMAX,
-                         "scale_min": float(s.min()), "scale_max": float(s.max())}
+            out[name] = {
+                "weight": f"{name}.weight_int8",
+                "scale": f"{name}.weight_scale",
+                "shape": list(mod.weight_int8.shape),
+                "granularity": "per_output_channel" if isinstance(mod, Int8Linear) else "per_row",
+                "symmetric": True,
+                "qmin": -QMAX,
+                "qmax": QMAX,
+                "scale_min": float(s.min()),
+                "scale_max": float(s.max()),
+            }
     return out
 
 
@@ -123,8 +135,9 @@ def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = 
         raise FileExistsError(f"{out}: {above} is a file, not a directory (choose a new --out)")
 
 
-def save_quantized_run(model: torch.nn.Module, src_run: str | Path, out: str | Path, *, calibration: dict | None = None,
-                       overwrite: bool = False) -> dict[str, Any]:
+def save_quantized_run(
+    model: torch.nn.Module, src_run: str | Path, out: str | Path, *, calibration: dict | None = None, overwrite: bool = False
+) -> dict[str, Any]:
     """Write a quantized run directory (see module docstring) and return its quant.json dict.
 
     Raises:
@@ -141,14 +154,16 @@ def save_quantized_run(model: torch.nn.Module, src_run: str | Path, out: str | P
     for f in (CONFIG, IDMAP):
         shutil.copyfile(src / f, out / f)
     float_weights = src / FLOAT_WEIGHTS
-    meta.update({
-        "format": FORMAT,
-        "layers": layer_table(model),
-        "versions": versions(),
-        "source_run": str(src.resolve()),
-        "source_weights_sha256": _sha256(float_weights) if float_weights.exists() else None,
-        "calibration": calibration,
-    })
+    meta.update(
+        {
+            "format": FORMAT,
+            "layers": layer_table(model),
+            "versions": versions(),
+            "source_run": str(src.resolve()),
+            "source_weights_sha256": _sha256(float_weights) if float_weights.exists() else None,
+            "calibration": calibration,
+        }
+    )
     tmp = out / (WEIGHTS + ".tmp")
     save_file(state, str(tmp), metadata={"hstu_quant_scheme": meta["scheme"], "hstu_quant_format": str(FORMAT)})
     tmp.replace(out / WEIGHTS)
@@ -176,7 +191,8 @@ def _check(run: Path, meta: dict, scheme: str | None) -> None:
     if scheme is not None and scheme != have:
         raise QuantCheckpointError(
             f"{run}: checkpoint is quantized with scheme {have!r} but {scheme!r} was requested; re-run "
-            f"`hstu quantize --run FLOAT_RUN --scheme {scheme} --out NEW_DIR` or drop --precision to use {have!r}")
+            f"`hstu quantize --run FLOAT_RUN --scheme {scheme} --out NEW_DIR` or drop --precision to use {have!r}"
+        )
     wpath = run / WEIGHTS
     if not wpath.exists():
         raise FileNotFoundError(f"{wpath}: quantized weights not found")
@@ -222,8 +238,10 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
         raise FileNotFoundError(f"{run}: run directory not found")
     meta = read_quant_meta(run)
     if meta is None:
-        raise FileNotFoundError(f"{run / META}: not found: {run} is not a quantized run (make one with "
-                                f"`hstu quantize --run {run} --scheme int8 --out {run}-int8`, or load it as a float run)")
+        raise FileNotFoundError(
+            f"{run / META}: not found: {run} is not a quantized run (make one with "
+            f"`hstu quantize --run {run} --scheme int8 --out {run}-int8`, or load it as a float run)"
+        )
     _check(run, meta, scheme)
     cfg = read_json(run / CONFIG)
     ids = read_json(run / IDMAP)
@@ -237,8 +255,9 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
     state = read_safetensors(run / WEIGHTS)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise QuantCheckpointError(f"{run / WEIGHTS}: weights do not match the {meta['scheme']} model: "
-                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise QuantCheckpointError(
+            f"{run / WEIGHTS}: weights do not match the {meta['scheme']} model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.quant_meta = {k: meta[k] for k in ("scheme", "embeddings", "keep_float", "quantized", "stored_as")}
     torch_saved = meta.get("versions", {}).get("torch")
     if torch_saved and torch_saved != torch.__version__:

@@ -70,24 +70,37 @@ def cmd_quantize(args) -> int:
         if meta:
             b = meta["bytes"]
             ratio = f" ({b['file'] / b['float_file']:.3f}x the float file)" if b.get("float_file") else ""
-            print(f"wrote {args.out}: scheme {meta['scheme']}, embeddings {meta['embeddings']}, "
-                  f"{len(meta['quantized'])} INT8 layers, kept float: {', '.join(meta['keep_float']) or 'none'}; "
-                  f"{b['file']} bytes{ratio}")
+            print(
+                f"wrote {args.out}: scheme {meta['scheme']}, embeddings {meta['embeddings']}, "
+                f"{len(meta['quantized'])} INT8 layers, kept float: {', '.join(meta['keep_float']) or 'none'}; "
+                f"{b['file']} bytes{ratio}"
+            )
     return 0
 
 
 def add_subcommands(subparsers) -> None:
     """Add ``quantize`` to the ``hstu`` CLI (handler returns an exit code)."""
-    q = subparsers.add_parser("quantize", help="write an INT8 / BF16 / FP16 copy of a run, with a per-layer error report",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q = subparsers.add_parser(
+        "quantize",
+        help="write an INT8 / BF16 / FP16 copy of a run, with a per-layer error report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     q.add_argument("--run", required=True, help="float run directory (from `hstu train`)")
     q.add_argument("--scheme", required=True, choices=["int8", "bf16", "fp16"])
     q.add_argument("--out", help="new directory for the quantized run")
-    q.add_argument("--embeddings", choices=["fp16", "bf16", "int8", "fp32"],
-                   help="int8 scheme: item-table storage (default fp16; int8 = row-wise with per-row scales)")
+    q.add_argument(
+        "--embeddings",
+        choices=["fp16", "bf16", "int8", "fp32"],
+        help="int8 scheme: item-table storage (default fp16; int8 = row-wise with per-row scales)",
+    )
     q.add_argument("--keep-float", help="int8 scheme: comma-separated layers kept in float32, e.g. layers.1.o or layers.0")
-    q.add_argument("--kernel", default="auto", choices=["auto", "fbgemm", "qnnpack", "int_mm", "dequant"],
-                   help="int8 GEMM kernel (default: the integer kernel of this device)")
+    q.add_argument(
+        "--kernel",
+        default="auto",
+        choices=["auto", "fbgemm", "qnnpack", "int_mm", "dequant"],
+        help="int8 GEMM kernel (default: the integer kernel of this device)",
+    )
     q.add_argument("--calib-users", type=int, default=256, help="users in the calibration batch")
     q.add_argument("--seed", type=int, default=0, help="calibration user sample seed")
     q.add_argument("--data-dir", help="data directory for calibration (default: the run's)")

@@ -58,6 +58,7 @@ KERNELS = ("auto", "fbgemm", "qnnpack", "int_mm", "dequant")
 # Quantization arithmetic
 # ---------------------------------------------------------------------------------------------
 
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel (per-row) INT8 quantization.
 
@@ -89,6 +90,7 @@ def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # Kernel selection
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Int8Kernel:
     """Which GEMM an Int8Linear runs: ``name`` (see module docstring), ``integer`` (True when the
@@ -119,8 +121,7 @@ def _prepack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, en
     N = q.shape[0]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated.*")
-        qw = torch._make_per_channel_quantized_tensor(q.cpu(), scale.cpu().to(torch.float64),
-                                                      torch.zeros(N, dtype=torch.int64), 0)
+        qw = torch._make_per_channel_quantized_tensor(q.cpu(), scale.cpu().to(torch.float64), torch.zeros(N, dtype=torch.int64), 0)
     with _engine(engine):
         return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().cpu().to(torch.float32))
 
@@ -161,8 +162,12 @@ def _auto_kernel(engine: str) -> Int8Kernel | str:
     why = _probe_engine(engine)
     if why is not None:
         return why
-    return Int8Kernel(engine, True, f"torch.ops.quantized.linear_dynamic ({engine}, per-channel qint8 weights, "
-                                    f"{'7' if _reduce_range(engine) else '8'}-bit dynamic activations)")
+    return Int8Kernel(
+        engine,
+        True,
+        f"torch.ops.quantized.linear_dynamic ({engine}, per-channel qint8 weights, "
+        f"{'7' if _reduce_range(engine) else '8'}-bit dynamic activations)",
+    )
 
 
 def select_int8_kernel(device: torch.device | str = "cpu", kernel: str = "auto") -> Int8Kernel:
@@ -197,13 +202,15 @@ def select_int8_kernel(device: torch.device | str = "cpu", kernel: str = "auto")
         reasons.append(found)
     if not gemms:
         reasons.append(f"no integer GEMM kernel known for device type {dev.type!r} in torch {torch.__version__}")
-    return Int8Kernel("dequant", False, "; ".join(reasons) + ": INT8 weights are dequantized to float at each call "
-                                        "(memory saving only, no speed-up)")
+    return Int8Kernel(
+        "dequant", False, "; ".join(reasons) + ": INT8 weights are dequantized to float at each call (memory saving only, no speed-up)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
+
 
 class Int8Linear(nn.Module):
     """y = x · (Q · s)ᵀ + b with Q int8 (N, K) per-output-channel, run on an integer GEMM.
@@ -252,8 +259,10 @@ class Int8Linear(nn.Module):
 
     def __getattr__(self, name: str):
         if name == "weight":
-            raise AttributeError("Int8Linear has no float 'weight' (it holds 'weight_int8' and 'weight_scale'); "
-                                 "call the module to run the integer GEMM, or use dequantized_weight() for a float copy")
+            raise AttributeError(
+                "Int8Linear has no float 'weight' (it holds 'weight_int8' and 'weight_scale'); "
+                "call the module to run the integer GEMM, or use dequantized_weight() for a float copy"
+            )
         return super().__getattr__(name)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -265,8 +274,9 @@ class Int8Linear(nn.Module):
         if self._kernel is None:
             self._kernel = select_int8_kernel(self.weight_int8.device, self.kernel_request)
             if not self._kernel.integer:
-                log.warning("Int8Linear(%d -> %d) on %s: %s", self.in_features, self.out_features,
-                            self.weight_int8.device, self._kernel.reason)
+                log.warning(
+                    "Int8Linear(%d -> %d) on %s: %s", self.in_features, self.out_features, self.weight_int8.device, self._kernel.reason
+                )
         return self._kernel
 
     def _apply(self, fn, *args, **kwargs):
@@ -402,8 +412,9 @@ def small_tables(model: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def quantize_model_int8(model: nn.Module, *, embeddings: str = "fp16", keep_float=(), kernel: str = "auto",
-                        structure_only: bool = False) -> nn.Module:
+def quantize_model_int8(
+    model: nn.Module, *, embeddings: str = "fp16", keep_float=(), kernel: str = "auto", structure_only: bool = False
+) -> nn.Module:
     """Convert an HSTUModel in place to the layer-wise INT8 scheme and return it.
 
     - every HSTU block Linear (``layers.{i}.uvqk``, ``layers.{i}.o``) not named in ``keep_float``
@@ -440,13 +451,17 @@ def quantize_model_int8(model: nn.Module, *, embeddings: str = "fp16", keep_floa
     emb = model.item_emb
     if isinstance(emb, nn.Embedding):
         if embeddings == "int8":
-            model.item_emb = (Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.padding_idx).to(emb.weight.device)
-                              if structure_only else Int8Embedding.from_float(emb))
+            model.item_emb = (
+                Int8Embedding(emb.num_embeddings, emb.embedding_dim, emb.padding_idx).to(emb.weight.device)
+                if structure_only
+                else Int8Embedding.from_float(emb)
+            )
         elif embeddings != "fp32":
             emb.weight.data = emb.weight.data.to(_FLOAT[embeddings])
     elif embeddings != "fp32":
-        log.warning("item_emb is a %s, not nn.Embedding: its own storage dtypes are kept (embeddings=%s ignored)",
-                    type(emb).__name__, embeddings)
+        log.warning(
+            "item_emb is a %s, not nn.Embedding: its own storage dtypes are kept (embeddings=%s ignored)", type(emb).__name__, embeddings
+        )
     if embeddings != "fp32":
         small = _FLOAT["bf16" if embeddings == "bf16" else "fp16"]
         state = dict(model.named_parameters())
@@ -455,6 +470,5 @@ def quantize_model_int8(model: nn.Module, *, embeddings: str = "fp16", keep_floa
             if not structure_only:
                 p.data = p.data.to(small).to(torch.float32)
             stored_as[key] = "bf16" if small == torch.bfloat16 else "fp16"
-    model.quant_meta = {"scheme": "int8", "embeddings": embeddings, "keep_float": keep, "quantized": quantized,
-                        "stored_as": stored_as}
+    model.quant_meta = {"scheme": "int8", "embeddings": embeddings, "keep_float": keep, "quantized": quantized, "stored_as": stored_as}
     return model

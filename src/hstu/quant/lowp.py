@@ -35,14 +35,16 @@ class LowPrecisionHSTUModel(HSTUModel):
 
     def encode(self, ids, timestamps, lengths, *, actions=None, categories=None, kv_cache=None, normalize=True):
         """As :meth:`HSTUModel.encode`; returns (B, W, d) float32 (normalised in float32)."""
-        x = super().encode(ids, timestamps, lengths, actions=actions, categories=categories, kv_cache=kv_cache,
-                           normalize=False).to(torch.float32)  # (B, W, d)
+        x = (
+            super()
+            .encode(ids, timestamps, lengths, actions=actions, categories=categories, kv_cache=kv_cache, normalize=False)
+            .to(torch.float32)
+        )  # (B, W, d)
         return l2_normalize(x) if normalize else x
 
     def step(self, ids, pos, timestamps, t_query, kv_cache, *, actions=None, categories=None):
         """As :meth:`HSTUModel.step`; returns (B, d) float32, re-normalised in float32."""
-        return l2_normalize(super().step(ids, pos, timestamps, t_query, kv_cache, actions=actions,
-                                         categories=categories).to(torch.float32))
+        return l2_normalize(super().step(ids, pos, timestamps, t_query, kv_cache, actions=actions, categories=categories).to(torch.float32))
 
     def item_vectors(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """(end - start, d) float32 L2-normalised item rows."""
@@ -72,7 +74,12 @@ def to_low_precision(model: HSTUModel, precision: str) -> HSTUModel:
     model.to(dtype)
     model.action_head = head  # the next-action head reads the float32 user vector
     model.__class__ = LowPrecisionHSTUModel
-    model.quant_meta = {"scheme": precision, "embeddings": precision, "keep_float": ["action_head"] if head is not None else [],
-                        "quantized": [], "stored_as": {}}
+    model.quant_meta = {
+        "scheme": precision,
+        "embeddings": precision,
+        "keep_float": ["action_head"] if head is not None else [],
+        "quantized": [],
+        "stored_as": {},
+    }
     log.info("model cast to %s (outputs and similarity in float32)", precision)
     return model

@@ -169,10 +169,9 @@ class DelayModel:
         ratio = min(max(measured_s / total, RATIO_CLIP[0]), RATIO_CLIP[1])
         for kind, p in predicted.items():
             if p > 0:
-                s = self.scale.get((edge, kind), 1.0) * ratio ** ALPHA
+                s = self.scale.get((edge, kind), 1.0) * ratio**ALPHA
                 self.scale[(edge, kind)] = min(max(s, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
         return ratio
-
 
     def learn_wait(self, predicted_s: float, waited_s: float) -> None:
         """Fold one admitted request's queue wait into ``wait_scale`` (``predicted_s``: the delay
@@ -218,5 +217,19 @@ def measure_bucket_cost(runner, edge: int, reps: int = 2) -> BucketCost:
     return BucketCost(max(0.0, f1 - f_step), f_step, max(0.0, r1 - r_step), r_step, s_fixed, s_row)
 
 
-__all__ = ["ALPHA", "DEFAULT_COST", "KINDS", "RATIO_CLIP", "SCALE_BOUNDS", "WAIT_BOUNDS", "WAIT_MIN_S", "WAIT_QUANTILE", "WAIT_STEP", "BucketCost", "DelayModel", "WorkTally", "group_key",
-           "measure_bucket_cost"]
+__all__ = [
+    "ALPHA",
+    "DEFAULT_COST",
+    "KINDS",
+    "RATIO_CLIP",
+    "SCALE_BOUNDS",
+    "WAIT_BOUNDS",
+    "WAIT_MIN_S",
+    "WAIT_QUANTILE",
+    "WAIT_STEP",
+    "BucketCost",
+    "DelayModel",
+    "WorkTally",
+    "group_key",
+    "measure_bucket_cost",
+]

@@ -58,8 +58,14 @@ from hstu.serve.service import ApiError, ServePolicy, Service
 DESCRIPTION = "HSTU generative recommender: next-k generation and target-aware scoring with micro-batching per length bucket."
 
 
-def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None = None, *, run_dir: str | None = None,
-               policy: ServePolicy | None = None, popularity: Popularity | None = None) -> FastAPI:
+def create_app(
+    cfg: ServeConfig | None = None,
+    recommender: Recommender | None = None,
+    *,
+    run_dir: str | None = None,
+    policy: ServePolicy | None = None,
+    popularity: Popularity | None = None,
+) -> FastAPI:
     """Build the service for one run; starts nothing (no model process, no thread) until its lifespan.
 
     Args:
@@ -86,8 +92,9 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
     svc = Service(cfg, recommender, policy, popularity if policy.cold_start == "popular" else None, run_dir)
     app = FastAPI(title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION)
     app.state.service = svc
-    app.add_middleware(EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s,
-                       reject_early=svc.reject_early)
+    app.add_middleware(
+        EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s, reject_early=svc.reject_early
+    )
     _add_error_handlers(app, svc)
     _add_probes(app, svc)
     _add_model_routes(app, svc)
@@ -98,6 +105,7 @@ def create_app(cfg: ServeConfig | None = None, recommender: Recommender | None =
 def _lifespan(svc: Service):
     """The app's lifespan: the service (its executor, batcher, warm-up) starts before the first
     request and drains after the last."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await svc.start()
@@ -111,6 +119,7 @@ def _lifespan(svc: Service):
 
 def _add_error_handlers(app: FastAPI, svc: Service) -> None:
     """One error body for all (module docstring), each refusal counted by reason."""
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         items = []
@@ -150,6 +159,7 @@ def _add_error_handlers(app: FastAPI, svc: Service) -> None:
 
 def _add_probes(app: FastAPI, svc: Service) -> None:
     """/healthz, /readyz and /metrics."""
+
     @app.get("/healthz", summary="process is up")
     async def healthz():
         return {"status": "ok"}
@@ -175,14 +185,24 @@ def _add_model_routes(app: FastAPI, svc: Service) -> None:
     """/v1/generate and /v1/score: the body read and validated here, the rest in the service."""
     errors = {code: {"model": ErrorBody} for code in (408, 413, 415, 422, 429, 503)}
 
-    @app.post("/v1/generate", response_model=GenerateResponse, responses=errors, summary="next-k items for a history",
-              openapi_extra=_json_body(GenerateRequest))
+    @app.post(
+        "/v1/generate",
+        response_model=GenerateResponse,
+        responses=errors,
+        summary="next-k items for a history",
+        openapi_extra=_json_body(GenerateRequest),
+    )
     async def generate(request: Request) -> Any:
         req: GenerateRequest = await read_body(request, GenerateRequest)
         return JSONResponse(await svc.generate(req, _arrival(request)))
 
-    @app.post("/v1/score", response_model=ScoreResponse, responses=errors,
-              summary="target-aware scores of candidate items for a history, in input order", openapi_extra=_json_body(ScoreRequest))
+    @app.post(
+        "/v1/score",
+        response_model=ScoreResponse,
+        responses=errors,
+        summary="target-aware scores of candidate items for a history, in input order",
+        openapi_extra=_json_body(ScoreRequest),
+    )
     async def score(request: Request) -> Any:
         req: ScoreRequest = await read_body(request, ScoreRequest)
         return JSONResponse(await svc.score(req, _arrival(request)))
@@ -190,7 +210,9 @@ def _add_model_routes(app: FastAPI, svc: Service) -> None:
 
 def _json_body(model: type[BaseModel]) -> dict:
     """``openapi_extra`` of an endpoint that reads its body with :func:`read_body`."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    }
 
 
 def _add_schemas(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:

@@ -83,6 +83,7 @@ def plan_batch(waiting: dict[int, int], oldest: int, max_batch: int, costs: dict
     Returns:
         (edge the batch runs at, {edge: how many of its oldest requests to take}).
     """
+
     def take_into(edge: int) -> dict[int, int]:
         take = {edge: min(max_batch, waiting[edge])}
         room = max_batch - take[edge]
@@ -124,8 +125,17 @@ class MicroBatcher:
     Create and use it inside a running event loop (the app's lifespan does).
     """
 
-    def __init__(self, model: Executor, metrics: ServeMetrics, *, max_batch: int, max_wait_ms: float,
-                 max_queue: int, request_timeout_s: float, max_queue_delay_s: float | None = None) -> None:
+    def __init__(
+        self,
+        model: Executor,
+        metrics: ServeMetrics,
+        *,
+        max_batch: int,
+        max_wait_ms: float,
+        max_queue: int,
+        request_timeout_s: float,
+        max_queue_delay_s: float | None = None,
+    ) -> None:
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1)):
             if int(value) < low:
                 raise ValueError(f"{name} must be >= {low}, got {value!r}")
@@ -191,8 +201,9 @@ class MicroBatcher:
 
     @property
     def ready(self) -> bool:
-        return (not self.draining and self.warmup_error is None and self.model.available > 0
-                and all(e in self.model.warm for e in self.queues))
+        return (
+            not self.draining and self.warmup_error is None and self.model.available > 0 and all(e in self.model.warm for e in self.queues)
+        )
 
     def depth(self) -> int:
         return sum(len(q) for q in self.queues.values())

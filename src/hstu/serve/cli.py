@@ -32,7 +32,7 @@ DEFAULT_BUCKETS = (20, 50, 100, 200)
 
 
 def parse_buckets(text: str) -> list[int]:
-    """"20,50,100" -> [20, 50, 100]; ValueError naming --buckets on anything else."""
+    """ "20,50,100" -> [20, 50, 100]; ValueError naming --buckets on anything else."""
     try:
         edges = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -103,8 +103,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig()
     if args.config:
         cfg = load_config_file(args.config).get("serve") or cfg
-    for name in ("host", "port", "max_batch", "max_wait_ms", "max_queue", "request_timeout_s", "memory_threshold",
-                 "body_timeout_s", "header_timeout_s"):
+    for name in (
+        "host",
+        "port",
+        "max_batch",
+        "max_wait_ms",
+        "max_queue",
+        "request_timeout_s",
+        "memory_threshold",
+        "body_timeout_s",
+        "header_timeout_s",
+    ):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)  # flags are range-checked by argparse; a --config file's values here
@@ -113,11 +122,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
     if max_body_bytes < MIN_BODY_BYTES:
         raise ValueError(f"--max-body-bytes: must be >= {MIN_BODY_BYTES} bytes, got {args.max_body_bytes}")
-    policy = ServePolicy(unknown_items=args.unknown_items, timestamp_order=args.timestamp_order,
-                         max_body_bytes=max_body_bytes, max_candidates=args.max_candidates,
-                         cold_start=args.cold_start, max_queue_delay_ms=args.max_queue_delay_ms, use_engine=args.engine, device=args.device,
-                         model_process=args.model_process, precision=args.precision, threads=args.threads,
-                         model_workers=args.model_workers)
+    policy = ServePolicy(
+        unknown_items=args.unknown_items,
+        timestamp_order=args.timestamp_order,
+        max_body_bytes=max_body_bytes,
+        max_candidates=args.max_candidates,
+        cold_start=args.cold_start,
+        max_queue_delay_ms=args.max_queue_delay_ms,
+        use_engine=args.engine,
+        device=args.device,
+        model_process=args.model_process,
+        precision=args.precision,
+        threads=args.threads,
+        model_workers=args.model_workers,
+    )
     policy.validate()
     try:
         sock = bind(cfg.host, cfg.port)
@@ -139,9 +157,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         raise
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level=logging.getLevelName(logging.getLogger().level).lower(), access_log=args.access_log,
-                            timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1, limit_concurrency=args.limit_concurrency,
-                            http=http_protocol(cfg.header_timeout_s), lifespan="off")  # run_server drives the lifespan
+    config = uvicorn.Config(
+        app,
+        log_level=logging.getLevelName(logging.getLogger().level).lower(),
+        access_log=args.access_log,
+        timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1,
+        limit_concurrency=args.limit_concurrency,
+        http=http_protocol(cfg.header_timeout_s),
+        lifespan="off",
+    )  # run_server drives the lifespan
     try:
         run_server(config, app, sock, f"hstu serve: listening on http://{host}:{port} (run {run}, buckets {cfg.buckets})")
     except (ModelProcessDied, TimeoutError) as exc:  # the model process kept dying, or hung, while loading: one line
@@ -196,43 +220,80 @@ def run_server(config, app, sock: socket.socket, banner: str) -> None:
 
 def add_subcommands(subparsers) -> None:
     """Add ``serve`` to the ``hstu`` command line."""
-    s = subparsers.add_parser("serve", help="HTTP recommendation service for a run (FastAPI + uvicorn)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = subparsers.add_parser(
+        "serve",
+        help="HTTP recommendation service for a run (FastAPI + uvicorn)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--run", required=True, help="run directory written by `hstu train`")
     s.add_argument("--host", help="bind address (default 127.0.0.1, loopback only)")
     s.add_argument("--port", type=number_in(int, 0, 65535), help="TCP port, 0..65535 (default 8000; 0 = any free port)")
     s.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
-    s.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"],
-                   help="inference precision (a float run is converted in memory; a quantized run loads as saved)")
+    s.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16", "int8"],
+        help="inference precision (a float run is converted in memory; a quantized run loads as saved)",
+    )
     s.add_argument("--max-batch", type=number_in(int, 1), help="requests per batch, >= 1 (default 16)")
     s.add_argument("--max-wait-ms", type=number_in(float, 0), help="close a batch this long after its oldest request (default 5)")
     s.add_argument("--buckets", help="length-bucket edges in events (default 20,50,100,200 clipped to the model's max_seq_len)")
     s.add_argument("--max-queue", type=number_in(int, 1), help="waiting requests per bucket before 429 (default 256)")
     s.add_argument("--request-timeout-s", type=number_in(float, 0, lo_open=True), help="per-request timeout before 503 (default 10)")
-    s.add_argument("--max-queue-delay-ms", type=number_in(float, 0, lo_open=True), default=1000.0,
-                   help="refuse (429) when the predicted queueing delay is longer (default 1000)")
-    s.add_argument("--body-timeout-s", type=number_in(float, 0, lo_open=True),
-                   help="a request body must arrive within this many seconds of its headers, else 408 and close (default 5)")
-    s.add_argument("--header-timeout-s", type=number_in(float, 0, lo_open=True),
-                   help="request headers must arrive within this many seconds of the connection opening or of the "
-                        "previous response, else 408 and close (default 5)")
-    s.add_argument("--memory-threshold", type=number_in(float, 0, 1), help="free-memory fraction under which caches are released / load shed (default 0.10)")
+    s.add_argument(
+        "--max-queue-delay-ms",
+        type=number_in(float, 0, lo_open=True),
+        default=1000.0,
+        help="refuse (429) when the predicted queueing delay is longer (default 1000)",
+    )
+    s.add_argument(
+        "--body-timeout-s",
+        type=number_in(float, 0, lo_open=True),
+        help="a request body must arrive within this many seconds of its headers, else 408 and close (default 5)",
+    )
+    s.add_argument(
+        "--header-timeout-s",
+        type=number_in(float, 0, lo_open=True),
+        help="request headers must arrive within this many seconds of the connection opening or of the "
+        "previous response, else 408 and close (default 5)",
+    )
+    s.add_argument(
+        "--memory-threshold",
+        type=number_in(float, 0, 1),
+        help="free-memory fraction under which caches are released / load shed (default 0.10)",
+    )
     s.add_argument("--unknown-items", default="drop", choices=["drop", "reject"], help="unknown item ids: drop with a warning, or 422")
     s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")
-    s.add_argument("--cold-start", default="popular", choices=["popular", "reject"],
-                   help="empty histories: most popular training items, or 422")
-    s.add_argument("--data-dir", help="the run's training data (for cold-start popularity), if it moved since training (default: the counts stored in the run, else $HSTU_DATA_DIR, else the recorded directory)")
+    s.add_argument(
+        "--cold-start", default="popular", choices=["popular", "reject"], help="empty histories: most popular training items, or 422"
+    )
+    s.add_argument(
+        "--data-dir",
+        help="the run's training data (for cold-start popularity), if it moved since training (default: the counts stored in the run, else $HSTU_DATA_DIR, else the recorded directory)",
+    )
     s.add_argument("--max-body-bytes", default="1MiB", help="larger bodies answer 413, >= 1024 (default 1MiB)")
     s.add_argument("--max-candidates", type=number_in(int, 1), default=1000, help="most candidates per /v1/score request")
-    s.add_argument("--engine", default="auto", choices=["auto", "never", "require"],
-                   help="generate through hstu.generate.engine when available (auto), never, or fail without it")
+    s.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "never", "require"],
+        help="generate through hstu.generate.engine when available (auto), never, or fail without it",
+    )
     s.add_argument("--limit-concurrency", type=number_in(int, 1), help="uvicorn: most concurrent connections before plain 503s")
     s.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (of the model process)")
-    s.add_argument("--model-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run batches in a model process of their own, in parallel with the HTTP event loop (default: on)")
-    s.add_argument("--model-workers", type=number_in(int, 1), default=1,
-                   help="model processes, each with a copy of the model and one batch in flight (default 1; CPU serving "
-                        "with spare cores gains from 2)")
+    s.add_argument(
+        "--model-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run batches in a model process of their own, in parallel with the HTTP event loop (default: on)",
+    )
+    s.add_argument(
+        "--model-workers",
+        type=number_in(int, 1),
+        default=1,
+        help="model processes, each with a copy of the model and one batch in flight (default 1; CPU serving "
+        "with spare cores gains from 2)",
+    )
     s.add_argument("--access-log", action="store_true", help="log every request")
     s.add_argument("--config", help="TOML/JSON with a [serve] table (flags override it)")
     s.set_defaults(func=cmd_serve)

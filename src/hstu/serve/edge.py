@@ -47,12 +47,14 @@ class BodyTimeout(StarletteHTTPException):
 
     def __init__(self, timeout_s: float, received: int, length: int | None) -> None:
         of = f" of {length}" if length is not None else ""
-        super().__init__(408, f"body: {received}{of} bytes arrived within the body timeout of {timeout_s:g} s",
-                         headers={"Connection": "close"})
+        super().__init__(
+            408, f"body: {received}{of} bytes arrived within the body timeout of {timeout_s:g} s", headers={"Connection": "close"}
+        )
 
 
-def error_response(status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None,
-                   errors: list[dict] | None = None) -> JSONResponse:
+def error_response(
+    status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None, errors: list[dict] | None = None
+) -> JSONResponse:
     """The common error body as a response (``errors``: every validation error, when several)."""
     body = error_body(type_, message, field)
     if errors:
@@ -69,8 +71,15 @@ class EdgeMiddleware:
     (no argument; a :class:`Rejected` or None) is asked before a model endpoint's body is read:
     under overload a refused request then costs no JSON parsing or validation."""
 
-    def __init__(self, app, *, limit: int, metrics: ServeMetrics, body_timeout_s: float = 5.0,
-                 reject_early: Callable[[], Rejected | None] | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        *,
+        limit: int,
+        metrics: ServeMetrics,
+        body_timeout_s: float = 5.0,
+        reject_early: Callable[[], Rejected | None] | None = None,
+    ) -> None:
         self.app, self.limit, self.metrics, self.body_timeout_s = app, limit, metrics, body_timeout_s
         self.reject_early = reject_early
 
@@ -93,7 +102,9 @@ class EdgeMiddleware:
         try:
             if length is not None and length > self.limit:
                 self.metrics.reject("body_too_large")
-                resp = error_response(413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body")
+                resp = error_response(
+                    413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body"
+                )
                 return await resp(scope, receive, send_wrapper)
             early = self.reject_early is not None and endpoint in MODEL_ENDPOINTS and scope["method"] == "POST"
             refused = self.reject_early() if early else None
@@ -143,8 +154,7 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     """
     ctype = request.headers.get("content-type")
     if ctype is not None and not is_json_media_type(ctype):
-        raise ApiError(415, "unsupported_media_type", f"content-type: expected application/json (UTF-8), got {ctype!r}",
-                       "content-type")
+        raise ApiError(415, "unsupported_media_type", f"content-type: expected application/json (UTF-8), got {ctype!r}", "content-type")
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as exc:

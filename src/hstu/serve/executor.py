@@ -113,8 +113,9 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
         if res is not None:
             memory, triggered = (res.free_after, res.total), res.triggered
             if res.triggered and not res.recovered:
-                return BatchOutcome(None, 0.0, memory, True, f"free memory {res.free_after} B is below the guard threshold "
-                                    f"{res.threshold} B; load shed")
+                return BatchOutcome(
+                    None, 0.0, memory, True, f"free memory {res.free_after} B is below the guard threshold {res.threshold} B; load shed"
+                )
     t0 = time.perf_counter()
     results = runner.run_batch(edge, jobs)
     return BatchOutcome(results, time.perf_counter() - t0, memory, triggered)
@@ -123,6 +124,7 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
 def batch_guard(runner: BatchRunner, backend, min_free_ratio: float) -> MemoryGuard:
     """The memory guard checked before each batch: below ``min_free_ratio`` free, it drops the
     runner's rebuildable caches and the backend's allocator cache."""
+
     def release(info, guard) -> None:
         runner.release_caches()
         backend.empty_cache()

@@ -42,9 +42,13 @@ def is_json_media_type(value: str) -> bool:
 
 
 def _timeout_response(timeout_s: float) -> bytes:
-    body = json.dumps(error_body("header_timeout", f"request headers did not complete within the header timeout of {timeout_s:g} s")).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    body = json.dumps(
+        error_body("header_timeout", f"request headers did not complete within the header timeout of {timeout_s:g} s")
+    ).encode()
+    return b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
 
 
 class _HeaderTimeout:
@@ -113,6 +117,7 @@ def http_protocol(header_timeout_s: float, impl: str = "auto") -> type[asyncio.P
     if impl == "auto":
         try:
             import httptools  # noqa: F401
+
             impl = "httptools"
         except ImportError:
             impl = "h11"

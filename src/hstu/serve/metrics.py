@@ -43,8 +43,17 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-REASONS = ("queue_full", "timeout", "memory", "draining", "invalid", "body_too_large", "body_timeout", "unsupported_media_type",
-           "model_restart")
+REASONS = (
+    "queue_full",
+    "timeout",
+    "memory",
+    "draining",
+    "invalid",
+    "body_too_large",
+    "body_timeout",
+    "unsupported_media_type",
+    "model_restart",
+)
 
 # Latency buckets (s): dense around the 100 ms P99 target.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -63,14 +72,25 @@ class ServeMetrics:
 
     def __init__(self, buckets: list[int], memory_kinds: tuple[str, ...] = ("host",)) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.request_duration = Histogram("hstu_serve_request_duration_seconds", "Server time of answered requests (s)",
-                                          ["endpoint", "bucket"], buckets=LATENCY_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "hstu_serve_request_duration_seconds",
+            "Server time of answered requests (s)",
+            ["endpoint", "bucket"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.requests = Counter("hstu_serve_requests", "Answered requests by endpoint and HTTP status", ["endpoint", "code"], registry=r)
         self.batch_size = Histogram("hstu_serve_batch_size", "Requests per executed batch", ["bucket"], buckets=BATCH_BUCKETS, registry=r)
-        self.batch_duration = Histogram("hstu_serve_batch_duration_seconds", "Model time of one batch (s)", ["bucket"],
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("hstu_serve_queue_wait_seconds", "Wait of an admitted request in its queue until its batch "
-                                    "started (s)", ["bucket"], buckets=WAIT_BUCKETS, registry=r)
+        self.batch_duration = Histogram(
+            "hstu_serve_batch_duration_seconds", "Model time of one batch (s)", ["bucket"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "hstu_serve_queue_wait_seconds",
+            "Wait of an admitted request in its queue until its batch started (s)",
+            ["bucket"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge("hstu_serve_queue_depth", "Requests waiting in a length bucket's queue", ["bucket"], registry=r)
         self.generated_items = Counter("hstu_serve_generated_items", "Items returned by /v1/generate", registry=r)
         self.scored_items = Counter("hstu_serve_scored_items", "Candidates scored by /v1/score", registry=r)
@@ -81,18 +101,20 @@ class ServeMetrics:
         self.model_info = Info("hstu_serve_model", "The served model: precision and item-table storage", registry=r)
         self.ready = Gauge("hstu_serve_ready", "1 once the model is loaded and every bucket is warm", registry=r)
         self.bucket_warm = Gauge("hstu_serve_bucket_warm", "1 once the bucket is warm", ["bucket"], registry=r)
-        self.predicted_delay = Gauge("hstu_serve_predicted_queue_delay_seconds", "Predicted queueing delay of a request "
-                                     "arriving now (s)", registry=r)
-        self.delay_limit = Gauge("hstu_serve_queue_delay_limit_seconds", "Queueing-delay bound; above it requests get 429 (s)",
-                                 registry=r)
-        self.loop_lag = Gauge("hstu_serve_event_loop_lag_seconds", "Decaying peak of the HTTP event loop's lag, reserved twice "
-                              "in admission (s)", registry=r)
-        self.shedding = Gauge("hstu_serve_shedding", "1 while requests were refused (429) for load in the last few seconds",
-                              registry=r)
-        self.batch_cost = Gauge("hstu_serve_batch_cost_seconds", "Warm-up cost line of a bucket's batches (s), by term",
-                                ["bucket", "term"], registry=r)
-        self.cost_scale = Gauge("hstu_serve_batch_cost_scale", "Learnt correction of the warm-up costs, by kind of job",
-                                ["bucket", "kind"], registry=r)
+        self.predicted_delay = Gauge(
+            "hstu_serve_predicted_queue_delay_seconds", "Predicted queueing delay of a request arriving now (s)", registry=r
+        )
+        self.delay_limit = Gauge("hstu_serve_queue_delay_limit_seconds", "Queueing-delay bound; above it requests get 429 (s)", registry=r)
+        self.loop_lag = Gauge(
+            "hstu_serve_event_loop_lag_seconds", "Decaying peak of the HTTP event loop's lag, reserved twice in admission (s)", registry=r
+        )
+        self.shedding = Gauge("hstu_serve_shedding", "1 while requests were refused (429) for load in the last few seconds", registry=r)
+        self.batch_cost = Gauge(
+            "hstu_serve_batch_cost_seconds", "Warm-up cost line of a bucket's batches (s), by term", ["bucket", "term"], registry=r
+        )
+        self.cost_scale = Gauge(
+            "hstu_serve_batch_cost_scale", "Learnt correction of the warm-up costs, by kind of job", ["bucket", "kind"], registry=r
+        )
         for b in buckets:
             self.queue_depth.labels(bucket=str(b)).set(0)
             self.bucket_warm.labels(bucket=str(b)).set(0)

@@ -83,8 +83,11 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
     stored = idmap.get("item_train_counts")
     if stored is not None and data_dir is None:
         if len(stored) != len(idmap.get("item_raw_ids", [])):
-            log.warning("idmap.json item_train_counts has %d entries for %d ids; recomputing from the data", len(stored),
-                        len(idmap.get("item_raw_ids", [])))
+            log.warning(
+                "idmap.json item_train_counts has %d entries for %d ids; recomputing from the data",
+                len(stored),
+                len(idmap.get("item_raw_ids", [])),
+            )
         else:
             return popularity_from_counts(stored, "idmap.json item_train_counts")
     data = dict(run_cfg.get("data") or {})

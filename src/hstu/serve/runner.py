@@ -213,8 +213,15 @@ class BatchRunner:
         d = group[0].decoding
         kmax = max(j.k for j in group)
         preps = [j.prepared for j in group]
-        lists = self.rec.recommend(preps, kmax, decoding=d, exclude_history=excl, allow_untrained=allow, engine=self.engine,
-                                   bucket=bucket if self.engine is not None else None)
+        lists = self.rec.recommend(
+            preps,
+            kmax,
+            decoding=d,
+            exclude_history=excl,
+            allow_untrained=allow,
+            engine=self.engine,
+            bucket=bucket if self.engine is not None else None,
+        )
         return [items[: j.k] for items, j in zip(lists, group)]
 
     def _score(self, bucket: int, jobs: list[Job]) -> list[np.ndarray]:

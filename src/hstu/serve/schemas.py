@@ -28,22 +28,44 @@ class _Strict(BaseModel):
 
 
 def _user_id(v: Any) -> int | str | None:
-    if v is None or (isinstance(v, str) and len(v) <= USER_ID_MAX_CHARS) or (isinstance(v, int) and not isinstance(v, bool)
-                                                                              and -INT64_MAX - 1 <= v <= INT64_MAX):
+    if (
+        v is None
+        or (isinstance(v, str) and len(v) <= USER_ID_MAX_CHARS)
+        or (isinstance(v, int) and not isinstance(v, bool) and -INT64_MAX - 1 <= v <= INT64_MAX)
+    ):
         return v
-    kind = {dict: "an object", list: "an array", bool: "a boolean", float: "a number that is not an integer",
-            int: "an integer outside int64", str: f"a string over {USER_ID_MAX_CHARS} characters"}.get(type(v), type(v).__name__)
-    raise PydanticCustomError("user_id_type", "must be an int64 integer, a string of at most {n} characters or null, got {kind}",
-                              {"kind": kind, "n": USER_ID_MAX_CHARS})
+    kind = {
+        dict: "an object",
+        list: "an array",
+        bool: "a boolean",
+        float: "a number that is not an integer",
+        int: "an integer outside int64",
+        str: f"a string over {USER_ID_MAX_CHARS} characters",
+    }.get(type(v), type(v).__name__)
+    raise PydanticCustomError(
+        "user_id_type",
+        "must be an int64 integer, a string of at most {n} characters or null, got {kind}",
+        {"kind": kind, "n": USER_ID_MAX_CHARS},
+    )
 
 
 USER_ID_MAX_CHARS = 256
 
 
 # one error naming user_id (a plain ``int | str`` union reports "user_id.int" and "user_id.str")
-UserId = Annotated[int | str | None, PlainValidator(_user_id),
-                   WithJsonSchema({"anyOf": [{"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
-                                            {"type": "string", "maxLength": USER_ID_MAX_CHARS}, {"type": "null"}]})]
+UserId = Annotated[
+    int | str | None,
+    PlainValidator(_user_id),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
+                {"type": "string", "maxLength": USER_ID_MAX_CHARS},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
 
 
 class Event(_Strict):
@@ -51,7 +73,9 @@ class Event(_Strict):
 
     item_id: int = Field(ge=-INT64_MAX, le=INT64_MAX, description="original item id, as in the training data")
     timestamp: int = Field(ge=0, le=INT64_MAX, description="Unix seconds")
-    action: str | None = Field(default=None, max_length=64, description="action name from the run's idmap (unknown names count as none, with a warning)")
+    action: str | None = Field(
+        default=None, max_length=64, description="action name from the run's idmap (unknown names count as none, with a warning)"
+    )
 
 
 class Decoding(_Strict):
@@ -97,8 +121,9 @@ class GenerateRequest(_Strict):
     k: int = Field(default=5, description="items to return, 1..the model's max_output_len", json_schema_extra={"minimum": 1})
     exclude: list[int] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
     exclude_history: bool | None = Field(default=None, description="never return history items (default: the data set's)")
-    allow_untrained_items: bool | None = Field(default=None, description="may return items without training events (default: "
-                                               "only for a run trained with cold_item_dropout > 0)")
+    allow_untrained_items: bool | None = Field(
+        default=None, description="may return items without training events (default: only for a run trained with cold_item_dropout > 0)"
+    )
     request_time: int | None = Field(default=None, ge=0, le=INT64_MAX, description="Unix seconds; default: the last event's time")
     decoding: Decoding | None = None
     unknown_items: UnknownPolicy | None = Field(default=None, description="drop (with a warning) or reject unknown item ids")

@@ -70,8 +70,12 @@ class ServePolicy:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
-        for name, valid in (("unknown_items", ("drop", "reject")), ("timestamp_order", ("sort", "reject")),
-                            ("cold_start", ("popular", "reject")), ("use_engine", ("auto", "never", "require"))):
+        for name, valid in (
+            ("unknown_items", ("drop", "reject")),
+            ("timestamp_order", ("sort", "reject")),
+            ("cold_start", ("popular", "reject")),
+            ("use_engine", ("auto", "never", "require")),
+        ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"ServePolicy.{name} must be one of {valid}, got {getattr(self, name)!r}")
         if self.max_body_bytes < 1024:
@@ -107,8 +111,9 @@ class Service:
             a bucket past the model's max_seq_len.
     """
 
-    def __init__(self, cfg: ServeConfig, rec: Recommender, policy: ServePolicy, popularity: Popularity | None,
-                 run_dir: str | None = None) -> None:
+    def __init__(
+        self, cfg: ServeConfig, rec: Recommender, policy: ServePolicy, popularity: Popularity | None, run_dir: str | None = None
+    ) -> None:
         if not 0.0 <= cfg.memory_threshold <= 1.0:
             raise ValueError(f"memory_threshold must be in [0, 1], got {cfg.memory_threshold}")
         self.cfg, self.rec, self.policy, self.popularity = cfg, rec, policy, popularity
@@ -130,10 +135,20 @@ class Service:
         if run_dir is None:
             raise ValueError("ServePolicy.model_process needs run_dir (the model process loads the run itself)")
         if cfg.buckets[-1] > self.rec.max_len:  # what the model process's runner would say, said before it starts
-            raise ValueError(f"bucket {cfg.buckets[-1]} exceeds the model's max_seq_len={self.rec.max_len}; "
-                             f"use edges <= {self.rec.max_len}")
-        spec = WorkerSpec(str(run_dir), policy.device, policy.precision, tuple(cfg.buckets), cfg.max_batch, policy.use_engine,
-                          policy.threads, cfg.memory_threshold, policy.model_workers)
+            raise ValueError(
+                f"bucket {cfg.buckets[-1]} exceeds the model's max_seq_len={self.rec.max_len}; use edges <= {self.rec.max_len}"
+            )
+        spec = WorkerSpec(
+            str(run_dir),
+            policy.device,
+            policy.precision,
+            tuple(cfg.buckets),
+            cfg.max_batch,
+            policy.use_engine,
+            policy.threads,
+            cfg.memory_threshold,
+            policy.model_workers,
+        )
         return ProcessModel(spec, start=False)
 
     @property
@@ -155,17 +170,30 @@ class Service:
         # few seconds under load (P99 344 ms at 150 QPS; 77 ms with collections off).
         gc.collect()
         gc.freeze()
-        self.batcher = MicroBatcher(self.model, self.metrics, max_batch=cfg.max_batch, max_wait_ms=cfg.max_wait_ms,
-                                    max_queue=cfg.max_queue, request_timeout_s=cfg.request_timeout_s,
-                                    max_queue_delay_s=policy.max_queue_delay_ms / 1000.0)
+        self.batcher = MicroBatcher(
+            self.model,
+            self.metrics,
+            max_batch=cfg.max_batch,
+            max_wait_ms=cfg.max_wait_ms,
+            max_queue=cfg.max_queue,
+            request_timeout_s=cfg.request_timeout_s,
+            max_queue_delay_s=policy.max_queue_delay_ms / 1000.0,
+        )
         self.batcher.start()
         if policy.warmup:
             self.warm_task = asyncio.get_running_loop().create_task(self.batcher.warmup())
         else:
             self.model.warm.update(self.model.buckets)
             self.metrics.ready.set(1)
-        log.info("serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s", policy.device,
-                 self.rec.model.cfg.num_items, self.model.buckets, cfg.max_batch, cfg.max_wait_ms, self.model.backend_name)
+        log.info(
+            "serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s",
+            policy.device,
+            self.rec.model.cfg.num_items,
+            self.model.buckets,
+            cfg.max_batch,
+            cfg.max_wait_ms,
+            self.model.backend_name,
+        )
 
     async def stop(self) -> None:
         """Let the warm-up end (up to the request timeout), then drain: queued requests finish,
@@ -190,8 +218,7 @@ class Service:
             if b.shedding:  # still HTTP 200: it answers, but refuses part of the load (429)
                 return 200, {"status": "degraded", "reason": f"shedding load: {b.shed_reason}", **body}
             return 200, {"status": "ready", **body}
-        status = ("draining" if b.draining else "failed" if b.warmup_error else
-                  "restarting" if self.model.available == 0 else "warming")
+        status = "draining" if b.draining else "failed" if b.warmup_error else "restarting" if self.model.available == 0 else "warming"
         return 503, {"status": status, "reason": b.warmup_error, **body}
 
     def update_memory(self) -> None:
@@ -202,16 +229,22 @@ class Service:
             self.metrics.set_memory("device", d.free_bytes, d.total_bytes)
 
     # ----- input -----
-    def prepare(self, history: list[Event], request_time: int | None, exclude: list[int] | None, unknown: str | None,
-                order: str | None) -> tuple[Prepared | None, list[str]]:
+    def prepare(
+        self, history: list[Event], request_time: int | None, exclude: list[int] | None, unknown: str | None, order: str | None
+    ) -> tuple[Prepared | None, list[str]]:
         """Validated, mapped, truncated history; (None, warnings) when nothing usable is left
         (empty, or every id unknown under the "drop" policy). Raises ApiError 422."""
         unknown = unknown or self.policy.unknown_items
         order = order or self.policy.timestamp_order
         if not history:
             return None, []
-        h = History([e.item_id for e in history], [e.timestamp for e in history],
-                    [e.action for e in history] if any(e.action is not None for e in history) else None, request_time, list(exclude or []))
+        h = History(
+            [e.item_id for e in history],
+            [e.timestamp for e in history],
+            [e.action for e in history] if any(e.action is not None for e in history) else None,
+            request_time,
+            list(exclude or []),
+        )
         if unknown == "drop" and not any(e.item_id in self.dense for e in history):
             return None, [f"dropped {len(history)} event(s) with unknown item ids; no history left"]
         try:
@@ -231,8 +264,13 @@ class Service:
         leave fewer than k items (beam: max(k, beam width)): checked per request, before batching."""
         need = max(req.k, dec.beam_width if dec.strategy == "beam" else 1)
         try:
-            self.rec.check_room(prep, need, exclude_history=req.exclude_history, allow_untrained=req.allow_untrained_items,
-                                field="exclude" if req.exclude else "k")
+            self.rec.check_room(
+                prep,
+                need,
+                exclude_history=req.exclude_history,
+                allow_untrained=req.allow_untrained_items,
+                field="exclude" if req.exclude else "k",
+            )
         except HistoryError as exc:
             raise _invalid(exc) from None
 
@@ -251,34 +289,56 @@ class Service:
         prep, warnings = self.prepare(req.history, req.request_time, req.exclude, req.unknown_items, req.timestamp_order)
         if prep is None:
             if self.popularity is None:
-                why = ("cold start is disabled" if self.policy.cold_start == "reject" else
-                       "cold start is unavailable (the run's training data was not found)")
-                raise ApiError(422, "validation_error", f"history: no usable events ({'; '.join(warnings) or 'empty'}) and {why}", "history")
+                why = (
+                    "cold start is disabled"
+                    if self.policy.cold_start == "reject"
+                    else "cold start is unavailable (the run's training data was not found)"
+                )
+                raise ApiError(
+                    422, "validation_error", f"history: no usable events ({'; '.join(warnings) or 'empty'}) and {why}", "history"
+                )
             items, bucket, n, cold = self.cold_start(req.k, req.exclude), None, 0, True
         else:
             d, max_batch = req.decoding, self.cfg.max_batch
             if d is not None and d.strategy == "beam" and self.model.has_engine and d.beam_width > max_batch:
-                raise ApiError(422, "validation_error", f"decoding.beam_width: at most the server's max batch {max_batch}, "
-                               f"got {d.beam_width}", "decoding.beam_width")
+                raise ApiError(
+                    422,
+                    "validation_error",
+                    f"decoding.beam_width: at most the server's max batch {max_batch}, got {d.beam_width}",
+                    "decoding.beam_width",
+                )
             dec = d.options() if d else DecodeOptions()
             self.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone
             bucket = self.model.bucket_for(len(prep.ids))
-            items = await self.batcher.submit(bucket, Job("generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history,
-                                                          allow_untrained=req.allow_untrained_items), time.perf_counter() - t0)
+            items = await self.batcher.submit(
+                bucket,
+                Job(
+                    "generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history, allow_untrained=req.allow_untrained_items
+                ),
+                time.perf_counter() - t0,
+            )
             n, cold = len(prep.ids), False
         dt = time.perf_counter() - t0
         self.metrics.request_duration.labels(endpoint="/v1/generate", bucket="cold_start" if cold else str(bucket)).observe(dt)
         self.metrics.generated_items.inc(len(items))
-        return {"user_id": req.user_id, "items": items, "bucket": bucket, "latency_ms": round(dt * 1e3, 3),
-                "history_length": n, "cold_start": cold, "warnings": warnings}
+        return {
+            "user_id": req.user_id,
+            "items": items,
+            "bucket": bucket,
+            "latency_ms": round(dt * 1e3, 3),
+            "history_length": n,
+            "cold_start": cold,
+            "warnings": warnings,
+        }
 
     async def score(self, req: ScoreRequest, t0: float) -> dict[str, Any]:
         """The /v1/score body for ``req`` (scores in candidate order, null for an unknown candidate),
         which arrived at ``t0``. Raises ApiError 422 (candidates, history) and Rejected."""
         policy = self.policy
         if len(req.candidates) > policy.max_candidates:
-            raise ApiError(422, "validation_error", f"candidates: at most {policy.max_candidates} per request, got {len(req.candidates)}",
-                           "candidates")
+            raise ApiError(
+                422, "validation_error", f"candidates: at most {policy.max_candidates} per request, got {len(req.candidates)}", "candidates"
+            )
         unknown = req.unknown_items or policy.unknown_items
         dense = np.zeros(len(req.candidates), dtype=np.int64)
         missing = []
@@ -292,8 +352,13 @@ class Service:
                 dense[i] = d
         prep, warnings = self.prepare(req.history, req.request_time, None, req.unknown_items, req.timestamp_order)
         if prep is None:
-            raise ApiError(422, "validation_error", f"history: no usable events ({'; '.join(warnings) or 'empty'}); "
-                           "scoring needs at least one known event (cold start is offered by /v1/generate only)", "history")
+            raise ApiError(
+                422,
+                "validation_error",
+                f"history: no usable events ({'; '.join(warnings) or 'empty'}); "
+                "scoring needs at least one known event (cold start is offered by /v1/generate only)",
+                "history",
+            )
         if missing:
             warnings.append(f"unknown candidate id(s) at {missing[:20]}{'...' if len(missing) > 20 else ''}: score null")
         bucket = self.model.bucket_for(len(prep.ids))
@@ -301,8 +366,14 @@ class Service:
         dt = time.perf_counter() - t0
         self.metrics.request_duration.labels(endpoint="/v1/score", bucket=str(bucket)).observe(dt)
         self.metrics.scored_items.inc(len(req.candidates) - len(missing))
-        return {"user_id": req.user_id, "scores": [None if np.isnan(s) else float(s) for s in result], "bucket": bucket,
-                "latency_ms": round(dt * 1e3, 3), "history_length": len(prep.ids), "warnings": warnings}
+        return {
+            "user_id": req.user_id,
+            "scores": [None if np.isnan(s) else float(s) for s in result],
+            "bucket": bucket,
+            "latency_ms": round(dt * 1e3, 3),
+            "history_length": len(prep.ids),
+            "warnings": warnings,
+        }
 
 
 __all__ = ["ApiError", "ServePolicy", "Service"]

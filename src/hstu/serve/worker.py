@@ -96,8 +96,13 @@ def _loaded() -> None:
 def _worker_info() -> dict:
     _loaded()
     r = _WORKER["runner"]
-    return {"buckets": list(r.buckets), "max_k": r.max_k, "has_engine": r.engine is not None, "backend_name": r.backend_name,
-            "precision": r.precision}
+    return {
+        "buckets": list(r.buckets),
+        "max_k": r.max_k,
+        "has_engine": r.engine is not None,
+        "backend_name": r.backend_name,
+        "precision": r.precision,
+    }
 
 
 def _worker_execute(edge: int, jobs: list[Job]) -> BatchOutcome:
@@ -321,10 +326,17 @@ class ProcessModel:
             except ModelProcessDied:
                 how = self.channels[i].ended()
                 if attempt == self.start_retries:
-                    raise ModelProcessDied(f"the model process ended while loading the run {attempt + 1} time(s) (last: {how}); "
-                                           f"see the log above for why (memory? a killed process?)") from None
-                log.error("model process %d ended while loading the run (%s); starting it again (%d of %d)", i, how, attempt + 1,
-                          self.start_retries)
+                    raise ModelProcessDied(
+                        f"the model process ended while loading the run {attempt + 1} time(s) (last: {how}); "
+                        f"see the log above for why (memory? a killed process?)"
+                    ) from None
+                log.error(
+                    "model process %d ended while loading the run (%s); starting it again (%d of %d)",
+                    i,
+                    how,
+                    attempt + 1,
+                    self.start_retries,
+                )
                 self.restarts += 1
                 self.channels[i].close(timeout=1.0)
                 self.channels[i] = _Channel(self.spec, ())
@@ -396,6 +408,7 @@ class ProcessModel:
     async def warmup(self, edge: int) -> float:
         """Warm ``edge`` in every model process (seconds of the slowest); costs from the first.
         A process that dies meanwhile is replaced and warmed again (up to 2 times each)."""
+
         async def one(i: int) -> tuple[float, tuple[float, float], BucketCost]:
             for attempt in range(3):
                 try:

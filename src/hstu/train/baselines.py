@@ -30,7 +30,7 @@ def training_counts(log_: EventLog, split: Split) -> np.ndarray:
     """(I+1,) int64 number of training events per dense item (events offsets[u]:train_end[u])."""
     counts = np.zeros(log_.num_items + 1, np.int64)
     for u in range(log_.num_users):
-        np.add.at(counts, log_.items[log_.offsets[u]:split.train_end[u]], 1)
+        np.add.at(counts, log_.items[log_.offsets[u] : split.train_end[u]], 1)
     return counts
 
 
@@ -38,7 +38,7 @@ def training_action_counts(log_: EventLog, split: Split) -> np.ndarray:
     """(A+1,) int64 number of training events per action id."""
     counts = np.zeros(log_.num_actions + 1, np.int64)
     for u in range(log_.num_users):
-        np.add.at(counts, log_.actions[log_.offsets[u]:split.train_end[u]], 1)
+        np.add.at(counts, log_.actions[log_.offsets[u] : split.train_end[u]], 1)
     return counts
 
 
@@ -107,7 +107,7 @@ class RepeatAware(MostPopular):
 
 
 def make_baseline(name: str, log_: EventLog, split: Split) -> MostPopular:
-    """"most-popular" | "repeat-recent" | "repeat-frequent" -> a fitted baseline."""
+    """ "most-popular" | "repeat-recent" | "repeat-frequent" -> a fitted baseline."""
     if name == "most-popular":
         return MostPopular(log_, split)
     if name in ("repeat-recent", "repeat-frequent"):
@@ -115,8 +115,9 @@ def make_baseline(name: str, log_: EventLog, split: Split) -> MostPopular:
     raise ValueError(f"unknown baseline {name!r}; valid: {list(BASELINES)}")
 
 
-def evaluate_baseline(baseline: MostPopular, log_: EventLog, split: Split, which: str, *, exclude: bool | None = None,
-                      batch_size: int = 256, ks=None) -> dict[str, float]:
+def evaluate_baseline(
+    baseline: MostPopular, log_: EventLog, split: Split, which: str, *, exclude: bool | None = None, batch_size: int = 256, ks=None
+) -> dict[str, float]:
     """Mean HR@K, NDCG@K, MRR of a baseline on ``which`` ("valid" | "test"), the same protocol
     as :func:`hstu.train.evaluate.evaluate` (full ranking, pessimistic ties, history exclusion
     per ``exclude`` or the data set's default)."""
@@ -128,7 +129,7 @@ def evaluate_baseline(baseline: MostPopular, log_: EventLog, split: Split, which
     exclude = log_.exclude_history_default if exclude is None else exclude
     ranks = []
     for s in range(0, len(users), batch_size):
-        ub = users[s:s + batch_size]
+        ub = users[s : s + batch_size]
         sc = baseline.scores(ub, targets[ub])
         if exclude:
             exclude_history(sc, log_, ub, targets[ub])

@@ -169,8 +169,7 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
     host = backend.select("cpu")
     table_device = dev.device if dev.torchrec_kernels else host.device
     # a group of its own for TorchRec's all-to-alls (the host's, gloo, when the table stays on the CPU)
-    table_pg = dist.new_group(backend=dist_backend if dev.torchrec_kernels else host.dist_backend,
-                              timeout=timedelta(seconds=timeout_s))
+    table_pg = dist.new_group(backend=dist_backend if dev.torchrec_kernels else host.dist_backend, timeout=timedelta(seconds=timeout_s))
     log.info("rank %d/%d on %s (%s); item table on %s", rank, world, dev.device, dist_backend, table_device)
     return DistContext(rank, world, local_rank, dev, dist_backend, table_device, dist.group.WORLD, table_pg, owns)
 
@@ -185,15 +184,16 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group(ctx.table_pg)
 
 
-
-
 def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the distributed trainer on top of ``hstu train``'s."""
     p.add_argument("--sharding", default="row_wise", choices=list(SHARDING_TYPES), help="TorchRec layout of the item table")
-    p.add_argument("--table-optimizer", default="rowwise_adagrad", choices=list(TABLE_OPTIMIZERS),
-                   help="fused FBGEMM optimizer of the item table (CPU: sgd, adagrad, rowwise_adagrad)")
-    p.add_argument("--table-learning-rate", type=float,
-                   help="default 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types)")
+    p.add_argument(
+        "--table-optimizer",
+        default="rowwise_adagrad",
+        choices=list(TABLE_OPTIMIZERS),
+        help="fused FBGEMM optimizer of the item table (CPU: sgd, adagrad, rowwise_adagrad)",
+    )
+    p.add_argument("--table-learning-rate", type=float, help="default 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types)")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

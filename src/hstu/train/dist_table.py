@@ -52,9 +52,18 @@ class TorchRecItemEmbedding(nn.Module):
     ``nn.Embedding(padding_idx=0)``); its gradient is therefore 0 and the row never moves.
     """
 
-    def __init__(self, sharded: nn.Module, num_embeddings: int, embedding_dim: int, *, table_dim: int | None = None,
-                 padding_idx: int | None = 0, table_device: torch.device, compute_device: torch.device,
-                 feature: str = FEATURE) -> None:
+    def __init__(
+        self,
+        sharded: nn.Module,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        table_dim: int | None = None,
+        padding_idx: int | None = 0,
+        table_device: torch.device,
+        compute_device: torch.device,
+        feature: str = FEATURE,
+    ) -> None:
         super().__init__()
         self.sharded = sharded
         self.num_embeddings = num_embeddings
@@ -133,7 +142,7 @@ class TorchRecItemEmbedding(nn.Module):
         covered = torch.zeros(1, dtype=torch.int64, device=self.compute_device)
         for (r0, c0), piece in local_shards(self.sharded):
             n, w = piece.shape
-            full[r0:r0 + n, c0:c0 + w] = piece.to(self.compute_device, torch.float32)
+            full[r0 : r0 + n, c0 : c0 + w] = piece.to(self.compute_device, torch.float32)
             covered += n * w
         dist.all_reduce(covered, group=pg)
         if int(covered) != self.num_embeddings * self.table_dim:
@@ -147,8 +156,10 @@ class TorchRecItemEmbedding(nn.Module):
         return full[:, : self.embedding_dim].to(out_device).contiguous()
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, table_dim={self.table_dim}, padding_idx={self.padding_idx}, "
-                f"table on {self.table_device}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, table_dim={self.table_dim}, padding_idx={self.padding_idx}, "
+            f"table on {self.table_device}"
+        )
 
 
 FBGEMM_DIM_MULTIPLE = 4  # FBGEMM's split tables need each shard's width to be a multiple of 4 (construct_split_state)
@@ -176,10 +187,14 @@ def table_fused_params(dcfg: DistConfig, tcfg: TrainConfig, table_device: torch.
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     if backend.for_device(table_device).is_host and dcfg.table_optimizer not in CPU_TABLE_OPTIMIZERS:
-        raise ValueError(f"table optimizer {dcfg.table_optimizer!r} has no CPU kernel in FBGEMM; "
-                         f"with the table on the CPU use one of {', '.join(CPU_TABLE_OPTIMIZERS)}")
-    fp: dict[str, Any] = {"optimizer": getattr(EmbOptimType, TABLE_OPTIMIZERS[dcfg.table_optimizer]),
-                          "learning_rate": dcfg.learning_rate(tcfg)}
+        raise ValueError(
+            f"table optimizer {dcfg.table_optimizer!r} has no CPU kernel in FBGEMM; "
+            f"with the table on the CPU use one of {', '.join(CPU_TABLE_OPTIMIZERS)}"
+        )
+    fp: dict[str, Any] = {
+        "optimizer": getattr(EmbOptimType, TABLE_OPTIMIZERS[dcfg.table_optimizer]),
+        "learning_rate": dcfg.learning_rate(tcfg),
+    }
     if dcfg.table_optimizer != "sgd":
         fp["eps"] = dcfg.table_eps
     if "adam" in dcfg.table_optimizer:
@@ -201,11 +216,15 @@ def shard_model_table(model: HSTUModel, ctx: DistContext, dcfg: DistConfig, tcfg
     if width != d:
         log.info("item table stored %d wide (FBGEMM needs a multiple of 4 per shard); columns %d.. are zero", width, d)
     dense = model.item_emb.weight.detach()
-    sharded = shard_item_collection(build_item_collection(V, width), sharding=dcfg.sharding, pg=ctx.table_pg,
-                                    device=ctx.table_device, fused_params=table_fused_params(dcfg, tcfg, ctx.table_device))
+    sharded = shard_item_collection(
+        build_item_collection(V, width),
+        sharding=dcfg.sharding,
+        pg=ctx.table_pg,
+        device=ctx.table_device,
+        fused_params=table_fused_params(dcfg, tcfg, ctx.table_device),
+    )
     load_rows(sharded, lambda a, b: F.pad(dense[a:b], (0, width - d)).to(ctx.table_device))
-    emb = TorchRecItemEmbedding(sharded, V, d, table_dim=width, padding_idx=0, table_device=ctx.table_device,
-                                compute_device=ctx.device)
+    emb = TorchRecItemEmbedding(sharded, V, d, table_dim=width, padding_idx=0, table_device=ctx.table_device, compute_device=ctx.device)
     model.item_emb = emb
     return emb
 
@@ -250,8 +269,9 @@ def shard_batch(ub: np.ndarray, lengths: np.ndarray, world: int, rank: int) -> B
     return BatchShard(ub[lo:hi], lo, len(ub), total, width, 1.0)
 
 
-def draw_negatives(shard: BatchShard, local_width: int, tcfg: TrainConfig, num_items: int, gen: torch.Generator,
-                   device: torch.device) -> tuple[torch.Tensor, int]:
+def draw_negatives(
+    shard: BatchShard, local_width: int, tcfg: TrainConfig, num_items: int, gen: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, int]:
     """Draw the negatives of the whole global batch exactly as :func:`hstu.train.losses.sampled_softmax_loss`
     does on one process, and keep this rank's.
 
@@ -271,11 +291,20 @@ def draw_negatives(shard: BatchShard, local_width: int, tcfg: TrainConfig, num_i
     B = shard.batch_size
     neg = torch.randint(1, num_items + 1, (B * nc, M), device=device, generator=gen).view(B, nc, M)  # (B, nc, M)
     nc_local = -(-(local_width - 1) // c)
-    return neg[shard.seq_offset:shard.seq_offset + len(shard.users), :nc_local], c  # (b, nc_l, M)
+    return neg[shard.seq_offset : shard.seq_offset + len(shard.users), :nc_local], c  # (b, nc_l, M)
 
 
-def sharded_sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, item_emb, neg: torch.Tensor, *,
-                                 chunk: int, temperature: float, scale: float) -> tuple[torch.Tensor, int]:
+def sharded_sampled_softmax_loss(
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    item_emb,
+    neg: torch.Tensor,
+    *,
+    chunk: int,
+    temperature: float,
+    scale: float,
+) -> tuple[torch.Tensor, int]:
     """This rank's share of the global batch's sampled-softmax loss (Zhai et al. 2024, §4.1.1).
 
     The same logits as :func:`hstu.train.losses.sampled_softmax_loss` (cosine / temperature of
@@ -322,14 +351,24 @@ class _ShardStep(nn.Module):
         self.model = model
         self.tcfg = tcfg
 
-    def forward(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor, actions: torch.Tensor,
-                categories: torch.Tensor, neg: torch.Tensor, chunk: int, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        actions: torch.Tensor,
+        categories: torch.Tensor,
+        neg: torch.Tensor,
+        chunk: int,
+        scale: float,
+    ) -> torch.Tensor:
         m, t = self.model, self.tcfg
         m.item_emb.prefetch(ids, neg)  # the step's one collective lookup
         try:
             out = m.encode(ids, timestamps, lengths, actions=actions, categories=categories)  # (b, W, d)
-            loss, _ = sharded_sampled_softmax_loss(out, ids, lengths, m.item_emb, neg, chunk=chunk,
-                                                   temperature=m.cfg.temperature, scale=scale)
+            loss, _ = sharded_sampled_softmax_loss(
+                out, ids, lengths, m.item_emb, neg, chunk=chunk, temperature=m.cfg.temperature, scale=scale
+            )
             if m.action_head is not None:  # next-action cross-entropy, same positions (hstu.train.losses.next_action_loss)
                 W = out.shape[1]
                 mask = torch.arange(W - 1, device=out.device).view(1, -1) < (lengths.view(-1, 1) - 1)
@@ -357,8 +396,17 @@ def export_model(model: HSTUModel, ctx: DistContext, *, dst: int | None = None) 
     return plain
 
 
-def evaluate_distributed(model: HSTUModel, log_: EventLog, split: Split, which: str, ctx: DistContext, *, batch_size: int = 256,
-                         ks=DEFAULT_KS, plain: HSTUModel | None = None) -> dict[str, float]:
+def evaluate_distributed(
+    model: HSTUModel,
+    log_: EventLog,
+    split: Split,
+    which: str,
+    ctx: DistContext,
+    *,
+    batch_size: int = 256,
+    ks=DEFAULT_KS,
+    plain: HSTUModel | None = None,
+) -> dict[str, float]:
     """Full-ranking metrics (as :func:`hstu.train.evaluate.evaluate`), users split over the ranks.
 
     Each rank ranks every R-th user (ordered by history length, for balance) with a plain copy of
@@ -368,7 +416,7 @@ def evaluate_distributed(model: HSTUModel, log_: EventLog, split: Split, which: 
     plain = plain.to(ctx.device)
     targets = split.targets(which)
     users = np.nonzero(targets >= 0)[0]
-    users = users[np.argsort(targets[users] - log_.offsets[users], kind="stable")][ctx.rank::ctx.world_size]
+    users = users[np.argsort(targets[users] - log_.offsets[users], kind="stable")][ctx.rank :: ctx.world_size]
     _, ranks = evaluate_ranks(plain, log_, split, which, batch_size=batch_size, device=ctx.device, users=users)
     all_ranks = gather_varlen(torch.from_numpy(ranks.astype(np.int64)).to(ctx.device), ctx.dense_pg)
     out = ranking_metrics(all_ranks.cpu().numpy(), ks)

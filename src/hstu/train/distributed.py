@@ -145,9 +145,19 @@ def epoch_batches(log_: EventLog, split: Split, tcfg: TrainConfig, max_seq_len: 
     return [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng, pool=tcfg.length_pool)]
 
 
-def train_one_epoch_distributed(step: nn.Module, model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt,
-                                gen: torch.Generator, epoch: int, ctx: DistContext, progress: bool = True,
-                                on_step: Callable[[int, int, float], None] | None = None) -> dict:
+def train_one_epoch_distributed(
+    step: nn.Module,
+    model: HSTUModel,
+    log_: EventLog,
+    split: Split,
+    tcfg: TrainConfig,
+    opt,
+    gen: torch.Generator,
+    epoch: int,
+    ctx: DistContext,
+    progress: bool = True,
+    on_step: Callable[[int, int, float], None] | None = None,
+) -> dict:
     """One epoch over the global batches; returns the stats :func:`hstu.train.loop.train_one_epoch` returns.
 
     ``loss`` is the global mean loss per step (all-reduced), averaged over sequences as on one
@@ -181,10 +191,21 @@ def train_one_epoch_distributed(step: nn.Module, model: HSTUModel, log_: EventLo
     return {"loss": total / max(n_seq, 1), "seconds": secs, "sequences_per_s": n_seq / secs, "positions": n_pos}
 
 
-def fit_distributed(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: DistConfig | None = None, *,
-                    device: str = "cpu", resume: bool = False, overwrite: bool = True, progress: bool = True,
-                    use_features: bool = True, on_step: Callable[[int, int, float], None] | None = None,
-                    data: tuple[EventLog, Split] | None = None) -> dict:
+def fit_distributed(
+    run_dir: str | Path,
+    mcfg: ModelConfig,
+    tcfg: TrainConfig,
+    spec: DataSpec,
+    dcfg: DistConfig | None = None,
+    *,
+    device: str = "cpu",
+    resume: bool = False,
+    overwrite: bool = True,
+    progress: bool = True,
+    use_features: bool = True,
+    on_step: Callable[[int, int, float], None] | None = None,
+    data: tuple[EventLog, Split] | None = None,
+) -> dict:
     """Train on all ranks of the job (see the module docstring); rank 0 writes RUN_DIR.
 
     The run directory has the layout of :func:`hstu.train.loop.fit` (config.json with an extra
@@ -213,8 +234,20 @@ def fit_distributed(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, s
         shutdown(ctx)
 
 
-def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: DistConfig, ctx: DistContext, resume: bool,
-         overwrite: bool, progress: bool, use_features: bool, on_step, data) -> dict:
+def _fit(
+    run: Path,
+    mcfg: ModelConfig,
+    tcfg: TrainConfig,
+    spec: DataSpec,
+    dcfg: DistConfig,
+    ctx: DistContext,
+    resume: bool,
+    overwrite: bool,
+    progress: bool,
+    use_features: bool,
+    on_step,
+    data,
+) -> dict:
     _prepare_run_dir(run, dcfg, tcfg, ctx, resume, overwrite)
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
@@ -225,20 +258,39 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)
     model = _build_model(mcfg, tcfg, ctx)
-    _check_same_everywhere(ctx, num_items=mcfg.num_items, users=log_.num_users, events=len(log_.items),
-                           batches=len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1)), seed=tcfg.seed)
+    _check_same_everywhere(
+        ctx,
+        num_items=mcfg.num_items,
+        users=log_.num_users,
+        events=len(log_.items),
+        batches=len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1)),
+        seed=tcfg.seed,
+    )
     shard_model_table(model, ctx, dcfg, tcfg)
     ctx.backend.manual_seed(tcfg.seed + 7919 * ctx.rank)  # independent dropout masks per rank
     ddp, opt = _dense_ddp(model, tcfg, ctx)
     gen = torch.Generator(device=ctx.device)
     gen.manual_seed(tcfg.seed)
-    dist_info = {"world_size": ctx.world_size, "backend": ctx.dist_backend, "sharding": dcfg.sharding,
-                 "table_optimizer": dcfg.table_optimizer, "table_learning_rate": dcfg.learning_rate(tcfg),
-                 "table_device": ctx.table_device.type}
+    dist_info = {
+        "world_size": ctx.world_size,
+        "backend": ctx.dist_backend,
+        "sharding": dcfg.sharding,
+        "table_optimizer": dcfg.table_optimizer,
+        "table_learning_rate": dcfg.learning_rate(tcfg),
+        "table_device": ctx.table_device.type,
+    }
     state, history = _start_state(run, resume, model, opt, gen, ctx)
     if ctx.is_main:
-        write_json(run / "config.json", {"model": asdict(mcfg), "train": asdict(tcfg), "data": asdict(spec),
-                                         "distributed": dist_info, "hstu_version": hstu.__version__})
+        write_json(
+            run / "config.json",
+            {
+                "model": asdict(mcfg),
+                "train": asdict(tcfg),
+                "data": asdict(spec),
+                "distributed": dist_info,
+                "hstu_version": hstu.__version__,
+            },
+        )
         write_json(run / "idmap.json", idmap(log_, split))  # with item_train_counts, as hstu train writes
     paper = spec.protocol == "paper"
     best: HSTUModel | None = None
@@ -261,8 +313,13 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
             else:
                 state["bad_epochs"] += 1
         if ctx.is_main:
-            log.info("epoch %d: loss %.4f, %.0f seq/s, valid %s", epoch, stats["loss"], stats["sequences_per_s"],
-                     {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")})
+            log.info(
+                "epoch %d: loss %.4f, %.0f seq/s, valid %s",
+                epoch,
+                stats["loss"],
+                stats["sequences_per_s"],
+                {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")},
+            )
         history.append(entry)
         state["epoch"] = epoch
         if ctx.is_main:
@@ -285,7 +342,8 @@ def _fit(run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, dcfg: 
     metrics = {
         "valid": evaluate_distributed(model, log_, split, "valid", ctx, batch_size=tcfg.eval_batch_size, plain=best),
         "test": evaluate_distributed(model, log_, split, "test", ctx, batch_size=tcfg.eval_batch_size, plain=best),
-        **_run_summary(state, history, paper, spec, ctx), "distributed": dist_info,
+        **_run_summary(state, history, paper, spec, ctx),
+        "distributed": dist_info,
     }
     if ctx.is_main:
         write_json(run / "metrics.json", metrics)
@@ -335,11 +393,14 @@ def _dense_ddp(model: HSTUModel, tcfg: TrainConfig, ctx: DistContext) -> tuple[D
 
 def _run_summary(state: dict, history: list[dict], paper: bool, spec: DataSpec, ctx: DistContext) -> dict:
     """metrics.json's fields besides the metrics: epochs, best epoch, training time and speed, protocol, machine."""
-    return {"epochs": state["epoch"], "best_epoch": state["epoch"] if paper else state["best_epoch"],
-            "train_seconds": round(state["train_seconds"], 2),
-            "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
-            "protocol": spec.protocol,
-            "machine": f"{platform.machine()} {torch.get_num_threads()} threads x {ctx.world_size} ranks, {ctx.device}"}
+    return {
+        "epochs": state["epoch"],
+        "best_epoch": state["epoch"] if paper else state["best_epoch"],
+        "train_seconds": round(state["train_seconds"], 2),
+        "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
+        "protocol": spec.protocol,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads x {ctx.world_size} ranks, {ctx.device}",
+    }
 
 
 def _start_state(run: Path, resume: bool, model: HSTUModel, opt, gen: torch.Generator, ctx: DistContext) -> tuple[dict, list[dict]]:
@@ -419,9 +480,10 @@ def cmd_train_distributed(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m hstu.train``: errors a user can fix print one line to stderr and exit 2 (as ``hstu``)."""
-    p = argparse.ArgumentParser(prog="python -m hstu.train",
-                                description="Distributed HSTU training (run under torchrun; TorchRec-sharded item table, "
-                                            "DDP dense layers).")
+    p = argparse.ArgumentParser(
+        prog="python -m hstu.train",
+        description="Distributed HSTU training (run under torchrun; TorchRec-sharded item table, DDP dense layers).",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_train_arguments(p)
     add_distributed_arguments(p)

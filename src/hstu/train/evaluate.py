@@ -18,7 +18,7 @@ def exclude_history(scores: torch.Tensor, log_: EventLog, users: np.ndarray, end
     """
     rows, cols = [], []
     for b, (u, e) in enumerate(zip(users, ends)):
-        h = np.unique(log_.items[log_.offsets[u]:e])
+        h = np.unique(log_.items[log_.offsets[u] : e])
         rows.append(np.full(len(h), b))
         cols.append(h)
     if rows:
@@ -28,9 +28,17 @@ def exclude_history(scores: torch.Tensor, log_: EventLog, users: np.ndarray, end
 
 
 @torch.inference_mode()
-def evaluate_ranks(model: HSTUModel, log_: EventLog, split: Split, which: str, *, batch_size: int = 256,
-                   exclude: bool | None = None, device: torch.device | str = "cpu",
-                   users: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def evaluate_ranks(
+    model: HSTUModel,
+    log_: EventLog,
+    split: Split,
+    which: str,
+    *,
+    batch_size: int = 256,
+    exclude: bool | None = None,
+    device: torch.device | str = "cpu",
+    users: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Rank every evaluated user's target among all items.
 
     Returns (users (U',) int64 rows of the EventLog, ranks (U',) int64, 1-based).
@@ -46,7 +54,7 @@ def evaluate_ranks(model: HSTUModel, log_: EventLog, split: Split, which: str, *
     order = users[np.argsort(targets[users] - log_.offsets[users], kind="stable")]  # by history length
     all_ranks = []
     for s in range(0, len(order), batch_size):
-        ub = order[s:s + batch_size]
+        ub = order[s : s + batch_size]
         b = eval_batch(log_, targets, ub, model.cfg.max_seq_len).to(device)
         seq = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         scores = model.history_scores(model.last_rows(seq, b.lengths), b.ids, b.actions, b.lengths, index)  # (B, I+1)

@@ -66,7 +66,7 @@ def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) ->
     hits = total = 0
     for u in range(log_.num_users):
         s, e = int(log_.offsets[u]), int(split.train_end[u])
-        items = log_.items[max(s, e - max_seq_len):e]
+        items = log_.items[max(s, e - max_seq_len) : e]
         last: dict[int, int] = {}
         for t, it in enumerate(items.tolist()):
             if t > 0:
@@ -79,8 +79,9 @@ def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) ->
 REPEAT_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
-def calibrate_repeat_scale(model, log_: EventLog, split: Split, *, batch_size: int = 256,
-                           device: torch.device | str = "cpu") -> tuple[dict, dict]:
+def calibrate_repeat_scale(
+    model, log_: EventLog, split: Split, *, batch_size: int = 256, device: torch.device | str = "cpu"
+) -> tuple[dict, dict]:
     """Choose the repeat head's scale (:mod:`hstu.model.repeat`) among REPEAT_SCALES by
     validation NDCG@10 (ties: the smaller scale) and set it on the model. Returns
     ({"chosen": s, "valid_NDCG@10": {s: value}}, the validation metrics at s). The test split
@@ -96,8 +97,17 @@ def calibrate_repeat_scale(model, log_: EventLog, split: Split, *, batch_size: i
     return {"chosen": best, "valid_NDCG@10": {str(k): v for k, v in grid.items()}}, valid[best]
 
 
-def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, opt, gen: torch.Generator, epoch: int,
-                    device: torch.device, progress: bool = True) -> dict:
+def train_one_epoch(
+    model: HSTUModel,
+    log_: EventLog,
+    split: Split,
+    tcfg: TrainConfig,
+    opt,
+    gen: torch.Generator,
+    epoch: int,
+    device: torch.device,
+    progress: bool = True,
+) -> dict:
     model.train()
     lengths = np.minimum(split.train_end - log_.offsets[:-1], model.cfg.max_seq_len)
     users = np.nonzero(lengths >= 2)[0]
@@ -109,12 +119,21 @@ def train_one_epoch(model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainC
         b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         if model.repeat is not None:
-            loss, n = repeat_aware_loss(out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives,
-                                        chunk=tcfg.negatives_chunk, generator=gen)
+            loss, n = repeat_aware_loss(
+                out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives, chunk=tcfg.negatives_chunk, generator=gen
+            )
         else:
-            loss, n = sampled_softmax_loss(out, b.ids, b.lengths, model.item_emb, num_negatives=tcfg.num_negatives,
-                                           temperature=model.cfg.temperature, chunk=tcfg.negatives_chunk, generator=gen,
-                                           num_items=model.cfg.num_items)
+            loss, n = sampled_softmax_loss(
+                out,
+                b.ids,
+                b.lengths,
+                model.item_emb,
+                num_negatives=tcfg.num_negatives,
+                temperature=model.cfg.temperature,
+                chunk=tcfg.negatives_chunk,
+                generator=gen,
+                num_items=model.cfg.num_items,
+            )
         if model.action_head is not None:
             loss = loss + tcfg.action_loss_weight * next_action_loss(out, b.actions, b.lengths, model.action_head)
         opt.zero_grad(set_to_none=True)
@@ -141,8 +160,17 @@ def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict)
     return list(info["history"])
 
 
-def _report(run: Path, model: HSTUModel, log_: EventLog, split: Split, tcfg: TrainConfig, spec: DataSpec, state: dict,
-            history: list[dict], device: torch.device) -> dict:
+def _report(
+    run: Path,
+    model: HSTUModel,
+    log_: EventLog,
+    split: Split,
+    tcfg: TrainConfig,
+    spec: DataSpec,
+    state: dict,
+    history: list[dict],
+    device: torch.device,
+) -> dict:
     """After the epochs: the reported weights (best, or the last epoch under --protocol paper) with
     the repeat scale calibrated on validation, evaluated on valid and test; writes and returns
     metrics.json's object."""
@@ -170,8 +198,18 @@ def _report(run: Path, model: HSTUModel, log_: EventLog, split: Split, tcfg: Tra
     return metrics
 
 
-def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu",
-        resume: bool = False, overwrite: bool = True, progress: bool = True, use_features: bool = True) -> dict:
+def fit(
+    run_dir: str | Path,
+    mcfg: ModelConfig,
+    tcfg: TrainConfig,
+    spec: DataSpec,
+    *,
+    device: str = "cpu",
+    resume: bool = False,
+    overwrite: bool = True,
+    progress: bool = True,
+    use_features: bool = True,
+) -> dict:
     """Train, checkpoint every epoch (one commit per epoch, :func:`hstu.runs.save_train_state`), evaluate;
     returns the metrics.json object. Raises ValueError for too little data (:func:`check_trainable`)
     and for malformed run files on ``resume`` (naming file and field), besides the module's."""
@@ -225,8 +263,12 @@ def fit(run_dir: str | Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpe
                 state.update(best=score, best_epoch=epoch, bad_epochs=0)
             else:
                 state["bad_epochs"] += 1
-        log.info("epoch %d: %s", epoch, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k != "valid"}
-                 | {"valid": {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")}})
+        log.info(
+            "epoch %d: %s",
+            epoch,
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k != "valid"}
+            | {"valid": {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")}},
+        )
         history.append(entry)
         state["epoch"] = epoch
         save_train_state(run, model, opt, gen, state, history)  # the epoch's commit; then its best weights:

@@ -18,9 +18,18 @@ from hstu.model.hstu import l2_normalize
 from hstu.model.repeat import windows
 
 
-def sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Tensor, item_emb, *, num_negatives: int,
-                         temperature: float, chunk: int = 16, generator: torch.Generator | None = None,
-                         num_items: int) -> tuple[torch.Tensor, int]:
+def sampled_softmax_loss(
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    item_emb,
+    *,
+    num_negatives: int,
+    temperature: float,
+    chunk: int = 16,
+    generator: torch.Generator | None = None,
+    num_items: int,
+) -> tuple[torch.Tensor, int]:
     """Mean loss over positions 0..L-2 of each sequence (row i predicts ids[i+1]).
 
     Negatives: each run of ``chunk`` consecutive positions of a sequence shares its own M
@@ -47,8 +56,15 @@ def sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Te
     neg = torch.randint(1, num_items + 1, (B * nc, num_negatives), device=ids.device, generator=generator)  # (B*nc, M)
     mask = torch.arange(nc * c, device=ids.device).view(1, -1) < (lengths.view(-1, 1) - 1)  # (B, nc*c)
     if c == 1 and int(mask.sum()) * (num_items + 1) <= DENSE_LOGITS_MAX:  # nc*c == T
-        return _per_position_dense(out[:, :-1][mask], ids[:, 1:][mask], neg.view(B, T, -1)[mask], item_emb,
-                                   temperature=temperature, num_items=num_items, zero=out.sum() * 0.0)
+        return _per_position_dense(
+            out[:, :-1][mask],
+            ids[:, 1:][mask],
+            neg.view(B, T, -1)[mask],
+            item_emb,
+            temperature=temperature,
+            num_items=num_items,
+            zero=out.sum() * 0.0,
+        )
     q = F.pad(out[:, :-1], (0, 0, 0, pad))  # (B, nc*c, d)
     tgt = F.pad(ids[:, 1:], (0, pad))  # (B, nc*c)
     pos_logit = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (B, nc*c, 1)
@@ -68,8 +84,9 @@ def sampled_softmax_loss(out: torch.Tensor, ids: torch.Tensor, lengths: torch.Te
 DENSE_LOGITS_MAX = 1 << 28
 
 
-def _per_position_dense(q: torch.Tensor, tgt: torch.Tensor, neg: torch.Tensor, item_emb, *, temperature: float, num_items: int,
-                        zero: torch.Tensor) -> tuple[torch.Tensor, int]:
+def _per_position_dense(
+    q: torch.Tensor, tgt: torch.Tensor, neg: torch.Tensor, item_emb, *, temperature: float, num_items: int, zero: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """chunk = 1 for a small catalogue: the same loss as gathering M rows per position, computed
     as q · Ênᵀ against the whole L2-normalised table (P x (I+1), two GEMMs forward and backward)
     and picking the target's and the negatives' logits, which avoids gathering and scattering
@@ -86,8 +103,17 @@ def _per_position_dense(q: torch.Tensor, tgt: torch.Tensor, neg: torch.Tensor, i
     return F.cross_entropy(logits / temperature, torch.zeros(P, dtype=torch.long, device=q.device)), P
 
 
-def repeat_aware_loss(out: torch.Tensor, ids: torch.Tensor, actions: torch.Tensor | None, lengths: torch.Tensor, model, *,
-                      num_negatives: int, chunk: int = 16, generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+def repeat_aware_loss(
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    actions: torch.Tensor | None,
+    lengths: torch.Tensor,
+    model,
+    *,
+    num_negatives: int,
+    chunk: int = 16,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, int]:
     """Sampled softmax for a model with a repeat head (:mod:`hstu.model.repeat`).
 
     At each position t (row t predicts ids[t+1]) the candidates are the target, M uniform
@@ -127,8 +153,9 @@ def repeat_aware_loss(out: torch.Tensor, ids: torch.Tensor, actions: torch.Tenso
     drop_win = (win == tgt.view(P, 1)) | (win == 0) | later_same
     drop_neg = (negP == tgt.view(P, 1)) | (negP.unsqueeze(-1) == win.unsqueeze(1)).any(dim=-1)  # (P, M)
     log_q = math.log(I / num_negatives)
-    logits = torch.cat([own[:, :1], (neg_logit / tau + log_q).masked_fill(drop_neg, float("-inf")),
-                        own[:, 1:].masked_fill(drop_win, float("-inf"))], dim=1)  # (P, 1+M+R)
+    logits = torch.cat(
+        [own[:, :1], (neg_logit / tau + log_q).masked_fill(drop_neg, float("-inf")), own[:, 1:].masked_fill(drop_win, float("-inf"))], dim=1
+    )  # (P, 1+M+R)
     return F.cross_entropy(logits, torch.zeros(P, dtype=torch.long, device=ids.device)), P
 
 

@@ -81,8 +81,18 @@ class ModelScorer:
         b = self._batch(log_, users, ends, None)
         mask = exclusion_mask(self.model.cfg.num_items, len(users), b.ids if exclude else None, b.lengths, device=self.device)
         item_category = torch.from_numpy(log_.item_category).to(self.device)
-        res = generate(self.model, b.ids, b.timestamps, b.lengths, k, request_time=b.timestamps[torch.arange(len(users)), b.lengths],
-                       exclude=mask, actions=b.actions, categories=b.categories, item_category=item_category)
+        res = generate(
+            self.model,
+            b.ids,
+            b.timestamps,
+            b.lengths,
+            k,
+            request_time=b.timestamps[torch.arange(len(users)), b.lengths],
+            exclude=mask,
+            actions=b.actions,
+            categories=b.categories,
+            item_category=item_category,
+        )
         self.model.train(was)
         return res.items.cpu().numpy()
 
@@ -118,8 +128,18 @@ class UserResults:
 
 
 @torch.inference_mode()
-def collect(scorer, log_: EventLog, split: Split, which: str, *, exclude: bool | None = None, max_history: int | None = None,
-            k: int = 10, generate: bool = True, batch_size: int = 128) -> UserResults:
+def collect(
+    scorer,
+    log_: EventLog,
+    split: Split,
+    which: str,
+    *,
+    exclude: bool | None = None,
+    max_history: int | None = None,
+    k: int = 10,
+    generate: bool = True,
+    batch_size: int = 128,
+) -> UserResults:
     """Rank every evaluated user's target (and generate next-k) with ``scorer``.
 
     exclude: drop history items (those before the target, whole history even when
@@ -129,24 +149,29 @@ def collect(scorer, log_: EventLog, split: Split, which: str, *, exclude: bool |
     users = np.nonzero(targets >= 0)[0]
     exclude = log_.exclude_history_default if exclude is None else exclude
     ranks, acts, gens, shares = [], [], [], []
-    repeat = np.array([log_.items[t] in set(log_.items[log_.offsets[u]:t].tolist()) for u, t in zip(users, targets[users])], bool)
+    repeat = np.array([log_.items[t] in set(log_.items[log_.offsets[u] : t].tolist()) for u, t in zip(users, targets[users])], bool)
     for s in range(0, len(users), batch_size):
-        ub = users[s:s + batch_size]
+        ub = users[s : s + batch_size]
         ends = targets[ub]
         scores, a = scorer.predict(log_, ub, ends, max_history)
         if exclude:
             exclude_history(scores, log_, ub, ends)
         ranks.append(target_ranks(scores, torch.from_numpy(log_.items[ends]).to(scores.device)).cpu().numpy())
         top = scores.topk(min(10, scores.shape[1] - 1), dim=1).indices.cpu().numpy()  # (B, 10)
-        shares += [np.isin(top[b], log_.items[log_.offsets[u]:e]).mean() for b, (u, e) in enumerate(zip(ub, ends))]
+        shares += [np.isin(top[b], log_.items[log_.offsets[u] : e]).mean() for b, (u, e) in enumerate(zip(ub, ends))]
         acts.append(a)
         if generate:
             gens.append(scorer.generate(log_, ub, ends, k, exclude))
     has_acts = bool(acts) and acts[0] is not None
-    return UserResults(users=users, ranks=np.concatenate(ranks).astype(np.int64), target_actions=log_.actions[targets[users]],
-                       pred_actions=np.concatenate(acts).astype(np.int64) if has_acts else None,
-                       generated=np.concatenate(gens) if generate and gens else None, repeat_target=repeat,
-                       top_history_share=np.asarray(shares, np.float64))
+    return UserResults(
+        users=users,
+        ranks=np.concatenate(ranks).astype(np.int64),
+        target_actions=log_.actions[targets[users]],
+        pred_actions=np.concatenate(acts).astype(np.int64) if has_acts else None,
+        generated=np.concatenate(gens) if generate and gens else None,
+        repeat_target=repeat,
+        top_history_share=np.asarray(shares, np.float64),
+    )
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -230,8 +255,12 @@ def ci_entropy_jackknife(items: np.ndarray, level: float = 0.95) -> dict:
     from statistics import NormalDist
 
     z = NormalDist().inv_cdf(0.5 + level / 2)
-    return {"value": value, "ci": [value - z * se, value + z * se], "method": "jackknife (delete one user)",
-            "jackknife_bias": float((U - 1) * (mean - value))}
+    return {
+        "value": value,
+        "ci": [value - z * se, value + z * se],
+        "method": "jackknife (delete one user)",
+        "jackknife_bias": float((U - 1) * (mean - value)),
+    }
 
 
 def tail_flags(items: np.ndarray, popularity: np.ndarray, head_share: float = 0.2) -> np.ndarray:
@@ -243,8 +272,17 @@ def tail_flags(items: np.ndarray, popularity: np.ndarray, head_share: float = 0.
     return (~head[items]).mean(axis=1)
 
 
-def slice_report(res: UserResults, log_: EventLog, *, weights: np.ndarray | None = None, popularity: np.ndarray | None = None,
-                 cold: dict[int, UserResults] | None = None, ks=(10, 50), resamples: int = 1000, seed: int = 0) -> dict:
+def slice_report(
+    res: UserResults,
+    log_: EventLog,
+    *,
+    weights: np.ndarray | None = None,
+    popularity: np.ndarray | None = None,
+    cold: dict[int, UserResults] | None = None,
+    ks=(10, 50),
+    resamples: int = 1000,
+    seed: int = 0,
+) -> dict:
     """Every slice metric of one scorer with 95 % bootstrap CIs (see the module docstring).
 
     Args:
@@ -276,8 +314,11 @@ def slice_report(res: UserResults, log_: EventLog, *, weights: np.ndarray | None
         sel = np.isin(res.target_actions, buy_ids)
         if sel.any():
             Ws = bootstrap_weights(int(sel.sum()), W.shape[0], seed + 1)
-            out["purchase"] = {"users": int(sel.sum()), "HR@10": ci_mean(hits(res.ranks[sel], 10), Ws),
-                               "NDCG@10": ci_mean(ndcgs(res.ranks[sel], 10), Ws)}
+            out["purchase"] = {
+                "users": int(sel.sum()),
+                "HR@10": ci_mean(hits(res.ranks[sel], 10), Ws),
+                "NDCG@10": ci_mean(ndcgs(res.ranks[sel], 10), Ws),
+            }
     if res.repeat_target is not None:
         rep = res.repeat_target
         out["repeat"] = {"share_of_targets": float(rep.mean()), "history_share_of_top10": ci_mean(res.top_history_share, W)}
@@ -311,5 +352,10 @@ def paired_comparison(a: np.ndarray, b: np.ndarray, weights: np.ndarray, level: 
     if ratio["value"] is not None and not all(np.isfinite(ratio["ci"])):
         ratio["ci"] = [None, None]
     diff = _summary(float(a.mean() - b.mean()), ma - mb, level)
-    return {"ratio": ratio, "difference": diff, "win": diff["value"] > 0, "win_beyond_ci": bool(diff["ci"][0] > 0),
-            "loss_beyond_ci": bool(diff["ci"][1] < 0)}
+    return {
+        "ratio": ratio,
+        "difference": diff,
+        "win": diff["value"] > 0,
+        "win_beyond_ci": bool(diff["ci"][0] > 0),
+        "loss_beyond_ci": bool(diff["ci"][1] < 0),
+    }

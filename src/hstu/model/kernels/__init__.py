@@ -100,16 +100,37 @@ def default_kernels(backend: str) -> str:
     return BACKENDS[backend].default_kernels
 
 
-REFERENCE = KernelSet("reference", _ref.uvqk, _ref.time_buckets, _ref.attention, _ref.ln_mul,
-                      note="PyTorch reference (oracle and fallback)", decode_bias=_ref.decode_bias,
-                      attention_bias=_ref.attention_bias)
-NPU = KernelSet("npu", _npu.uvqk, _npu.time_buckets, _npu.attention, _npu.ln_mul,
-                verified=False, note="ops with torch_npu kernels, no float64; values checked on CPU, unverified on an NPU")
-TRITON = KernelSet("triton", _ref.uvqk, _npu.time_buckets, _triton.attention, _ref.ln_mul,
-                   verified=bool(_triton.VERIFIED_ON),
-                   note=("verified on " + ", ".join(_triton.VERIFIED_ON)) if _triton.VERIFIED_ON else
-                   "Triton attention kernel, checked with the Triton CPU interpreter only; unverified on a GPU",
-                   available=lambda: _triton.available("cuda"))
+REFERENCE = KernelSet(
+    "reference",
+    _ref.uvqk,
+    _ref.time_buckets,
+    _ref.attention,
+    _ref.ln_mul,
+    note="PyTorch reference (oracle and fallback)",
+    decode_bias=_ref.decode_bias,
+    attention_bias=_ref.attention_bias,
+)
+NPU = KernelSet(
+    "npu",
+    _npu.uvqk,
+    _npu.time_buckets,
+    _npu.attention,
+    _npu.ln_mul,
+    verified=False,
+    note="ops with torch_npu kernels, no float64; values checked on CPU, unverified on an NPU",
+)
+TRITON = KernelSet(
+    "triton",
+    _ref.uvqk,
+    _npu.time_buckets,
+    _triton.attention,
+    _ref.ln_mul,
+    verified=bool(_triton.VERIFIED_ON),
+    note=("verified on " + ", ".join(_triton.VERIFIED_ON))
+    if _triton.VERIFIED_ON
+    else "Triton attention kernel, checked with the Triton CPU interpreter only; unverified on a GPU",
+    available=lambda: _triton.available("cuda"),
+)
 
 for _b in BACKENDS:
     register_kernels(_b, REFERENCE)

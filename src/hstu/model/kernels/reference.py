@@ -77,8 +77,15 @@ def _rab(rel: torch.Tensor, tb: torch.Tensor | None, pos_w: torch.Tensor | None,
     return rab
 
 
-def decode_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, tb: torch.Tensor | None,
-                pos_w: torch.Tensor | None, ts_w: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def decode_bias(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor,
+    tb: torch.Tensor | None,
+    pos_w: torch.Tensor | None,
+    ts_w: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The additive bias of :func:`attention` with its mask folded in, for every query row at once.
 
     Args:
@@ -114,9 +121,19 @@ def attention_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: t
     return out.transpose(1, 2).reshape(B, T, H * v.shape[-1])
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              k_valid: torch.Tensor | None, tb: torch.Tensor | None, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
-              n: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor | None,
+    tb: torch.Tensor | None,
+    pos_w: torch.Tensor | None,
+    ts_w: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
     """HSTU attention with the relative bias computed inside (eq. 2).
 
     rab[b, i, j] = pos_w[N - 1 + k_pos[j] - q_pos[i]] + ts_w[tb[b, i, j]]

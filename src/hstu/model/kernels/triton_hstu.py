@@ -58,13 +58,59 @@ def available(device: torch.device | str | None = None) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _hstu_attn_fwd(Q, K, V, RAB, TB, QP, KP, KVALID, POSW, TSW, OUT,
-                       s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
-                       s_rb, s_rt, s_rs, s_tbb, s_tbt, s_tbs, s_qpb, s_kpb, s_kvb, s_ob, s_ot,
-                       T, S, H, DQK, DV, inv_n, pos_off, pos_max,
-                       HAS_RAB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TS: tl.constexpr, HAS_VALID: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       PRECISION: tl.constexpr):
+    def _hstu_attn_fwd(
+        Q,
+        K,
+        V,
+        RAB,
+        TB,
+        QP,
+        KP,
+        KVALID,
+        POSW,
+        TSW,
+        OUT,
+        s_qb,
+        s_qh,
+        s_qt,
+        s_qd,
+        s_kb,
+        s_kh,
+        s_ks,
+        s_kd,
+        s_vb,
+        s_vh,
+        s_vs,
+        s_vd,
+        s_rb,
+        s_rt,
+        s_rs,
+        s_tbb,
+        s_tbt,
+        s_tbs,
+        s_qpb,
+        s_kpb,
+        s_kvb,
+        s_ob,
+        s_ot,
+        T,
+        S,
+        H,
+        DQK,
+        DV,
+        inv_n,
+        pos_off,
+        pos_max,
+        HAS_RAB: tl.constexpr,
+        HAS_POS: tl.constexpr,
+        HAS_TS: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_DQK: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         b = pid_bh // H
@@ -73,15 +119,21 @@ if triton is not None:
         offs_dq = tl.arange(0, BLOCK_DQK)
         offs_dv = tl.arange(0, BLOCK_DV)
         m_ok = offs_m < T
-        q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qt + offs_dq[None, :] * s_qd,
-                    mask=m_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)  # (M, Dqk)
+        q = tl.load(
+            Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qt + offs_dq[None, :] * s_qd,
+            mask=m_ok[:, None] & (offs_dq[None, :] < DQK),
+            other=0.0,
+        )  # (M, Dqk)
         qp = tl.load(QP + b * s_qpb + offs_m, mask=m_ok, other=0)  # (M,) query positions
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
         for n0 in range(0, S, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < S
-            k = tl.load(K + b * s_kb + h * s_kh + offs_n[:, None] * s_ks + offs_dq[None, :] * s_kd,
-                        mask=n_ok[:, None] & (offs_dq[None, :] < DQK), other=0.0)  # (N, Dqk)
+            k = tl.load(
+                K + b * s_kb + h * s_kh + offs_n[:, None] * s_ks + offs_dq[None, :] * s_kd,
+                mask=n_ok[:, None] & (offs_dq[None, :] < DQK),
+                other=0.0,
+            )  # (N, Dqk)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N) float32
             kp = tl.load(KP + b * s_kpb + offs_n, mask=n_ok, other=0)  # (N,) key positions
             rel = kp[None, :] - qp[:, None]  # (M, N)
@@ -98,11 +150,17 @@ if triton is not None:
                 tb = tl.load(TB + b * s_tbb + offs_m[:, None] * s_tbt + offs_n[None, :] * s_tbs, mask=keep, other=0)
                 s += tl.load(TSW + tb, mask=keep, other=0.0)
             a = tl.where(keep, s * tl.sigmoid(s) * inv_n, 0.0)  # SiLU(s) / n, masked
-            v = tl.load(V + b * s_vb + h * s_vh + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd,
-                        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (N, Dv)
+            v = tl.load(
+                V + b * s_vb + h * s_vh + offs_n[:, None] * s_vs + offs_dv[None, :] * s_vd,
+                mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+            )  # (N, Dv)
             acc += tl.dot(a.to(v.dtype), v, input_precision=PRECISION)
-        tl.store(OUT + b * s_ob + offs_m[:, None] * s_ot + h * DV + offs_dv[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(
+            OUT + b * s_ob + offs_m[:, None] * s_ot + h * DV + offs_dv[None, :],
+            acc.to(OUT.dtype.element_ty),
+            mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+        )
 
 
 def _pow2(x: int) -> int:
@@ -130,27 +188,67 @@ def _launch(q, k, v, *, rab=None, tb=None, q_pos, k_pos, k_valid, pos_w, ts_w, n
     BLOCK_N = 32
     grid = (triton.cdiv(T, BLOCK_M), B * H)
     _hstu_attn_fwd[grid](
-        q, k, v, rab_t, tb_t, q_pos, k_pos, kv, posw, tsw, out,
-        *q.stride(), *k.stride(), *v.stride(), *rs, *ts, q_pos.stride(0), k_pos.stride(0),
-        kv.stride(0) if k_valid is not None else 0, out.stride(0), out.stride(1),
-        T, S, H, dqk, dv, 1.0 / n, (posw.shape[0] - 1) // 2 if pos_w is not None else 0,
+        q,
+        k,
+        v,
+        rab_t,
+        tb_t,
+        q_pos,
+        k_pos,
+        kv,
+        posw,
+        tsw,
+        out,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *rs,
+        *ts,
+        q_pos.stride(0),
+        k_pos.stride(0),
+        kv.stride(0) if k_valid is not None else 0,
+        out.stride(0),
+        out.stride(1),
+        T,
+        S,
+        H,
+        dqk,
+        dv,
+        1.0 / n,
+        (posw.shape[0] - 1) // 2 if pos_w is not None else 0,
         posw.shape[0] - 1 if pos_w is not None else 0,
-        HAS_RAB=rab is not None, HAS_POS=pos_w is not None, HAS_TS=ts_w is not None, HAS_VALID=k_valid is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DQK=_pow2(dqk), BLOCK_DV=_pow2(dv), PRECISION=precision,
+        HAS_RAB=rab is not None,
+        HAS_POS=pos_w is not None,
+        HAS_TS=ts_w is not None,
+        HAS_VALID=k_valid is not None,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_DQK=_pow2(dqk),
+        BLOCK_DV=_pow2(dv),
+        PRECISION=precision,
     )
     return out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor, k_pos: torch.Tensor,
-              k_valid: torch.Tensor | None, tb: torch.Tensor | None, pos_w: torch.Tensor | None, ts_w: torch.Tensor | None,
-              n: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor | None,
+    tb: torch.Tensor | None,
+    pos_w: torch.Tensor | None,
+    ts_w: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
     """Same contract as :func:`hstu.model.kernels.reference.attention` (bias built in-kernel).
 
     Raises:
         RuntimeError: triton missing, or tensors not on CUDA outside the interpreter.
     """
-    return _launch(q, k, v, tb=tb if ts_w is not None else None, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid,
-                   pos_w=pos_w, ts_w=ts_w, n=n)
+    return _launch(q, k, v, tb=tb if ts_w is not None else None, q_pos=q_pos, k_pos=k_pos, k_valid=k_valid, pos_w=pos_w, ts_w=ts_w, n=n)
 
 
 def square_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rab: torch.Tensor, *, n: int, causal: bool = True) -> torch.Tensor:

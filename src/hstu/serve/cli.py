@@ -81,24 +81,12 @@ def bind(host: str, port: int) -> socket.socket:
 MIN_BODY_BYTES = 1024  # ServePolicy.max_body_bytes' floor
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Check every setting, bind the socket, then load the run and serve (:func:`run_server`): a
-    bad flag, a busy port or an unresolvable host fail (one line, exit 2) before any model
-    (process) is started; a model process that keeps dying or hangs while loading fails in one
-    line, exit 1."""
-    import sys
-
-    import torch
-    import uvicorn
-
+def _settings(args: argparse.Namespace):
+    """(ServeConfig, ServePolicy, explicit bucket edges or None) from the flags over a ``--config``
+    file's [serve] table; ValueError naming the flag or field when one is out of range."""
     from hstu.backend.memory_guard import parse_bytes
     from hstu.config import ServeConfig, load_config_file
-    from hstu.generate.recommend import Recommender
-    from hstu.model.checkpoint import read_json
-    from hstu.serve.app import ServePolicy, create_app
-    from hstu.serve.http_limits import http_protocol
-    from hstu.serve.popularity import popularity_for_run
-    from hstu.serve.worker import ModelProcessDied
+    from hstu.serve.app import ServePolicy
 
     cfg = ServeConfig()
     if args.config:
@@ -137,6 +125,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_workers=args.model_workers,
     )
     policy.validate()
+    return cfg, policy, explicit
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Check every setting, bind the socket, then load the run and serve (:func:`run_server`): a
+    bad flag, a busy port or an unresolvable host fail (one line, exit 2) before any model
+    (process) is started; a model process that keeps dying or hangs while loading fails in one
+    line, exit 1."""
+    import sys
+
+    import torch
+    import uvicorn
+
+    from hstu.generate.recommend import Recommender
+    from hstu.model.checkpoint import read_json
+    from hstu.serve.app import create_app
+    from hstu.serve.http_limits import http_protocol
+    from hstu.serve.popularity import popularity_for_run
+    from hstu.serve.worker import ModelProcessDied
+
+    cfg, policy, explicit = _settings(args)
     try:
         sock = bind(cfg.host, cfg.port)
     except OSError as exc:

@@ -402,3 +402,34 @@ def test_cli_serve_exits_with_one_line_when_the_model_process_keeps_dying(run_di
         "see the log above for why (memory? a killed process?)"
     )
     assert errors == [want], err
+
+
+class _SlowWarmup(LocalModel):
+    """A LocalModel over the same real runner whose bucket warm-ups wait until ``release`` is set."""
+
+    def __init__(self, local: LocalModel) -> None:
+        super().__init__(local.runner, local.guard)
+        self.release = threading.Event()
+
+    async def warmup(self, edge):
+        await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 60)
+        return await super().warmup(edge)
+
+
+def test_requests_while_warming_get_503_at_once(rec) -> None:  # noqa: F811
+    """While a bucket warms (/readyz 503 'warming'), a request for it is answered 503 'warming' with a
+    Retry-After at once (it waited behind the warm-up until its 10 s timeout, or got a 429 for a
+    predicted delay); once warm, the same request is served."""
+    app = _app(rec, delay_ms=1000)
+    svc = app.state.service
+    svc.model = slow = _SlowWarmup(svc.model)
+    with LiveServer(app, wait_ready=False) as s:
+        assert httpx.get(s.url + "/readyz").json()["status"] == "warming"
+        r = post(s.url, "/v1/generate", BODY)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "warming" and int(r.headers["retry-after"]) >= 1
+        assert metrics(s.url)[("hstu_serve_rejected_requests_total", (("reason", "warming"),))] == 1
+        slow.release.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(s.url + "/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert post(s.url, "/v1/generate", BODY).status_code == 200

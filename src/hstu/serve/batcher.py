@@ -293,6 +293,9 @@ class MicroBatcher:
         if self.model.available == 0:
             self.metrics.reject("model_restart")
             raise Rejected(503, "model_restart", "the model process is restarting; retry in a few seconds", 5)
+        if bucket not in self.model.warm:  # its first batches would wait behind the warm-up (tens of seconds)
+            self.metrics.reject("warming")
+            raise Rejected(503, "warming", f"bucket {bucket} is still warming up (see /readyz); retry in a few seconds", 5)
         q = self.queues[bucket]
         if not self.executing and not self.depth():  # an empty queue with no batch running always admits
             predicted = 0.0

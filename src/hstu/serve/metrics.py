@@ -53,6 +53,7 @@ REASONS = (
     "body_timeout",
     "unsupported_media_type",
     "model_restart",
+    "warming",
 )
 
 # Latency buckets (s): dense around the 100 ms P99 target.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -420,6 +421,10 @@ def test_serve_app_with_int8_recommender(tiny_run):
     hist = [{"item_id": it, "timestamp": 978_300_000 + 60 * i} for i, it in enumerate(raw)]
     app = create_app(ServeConfig(buckets=[20, 50]), rec, policy=ServePolicy(cold_start="reject"))
     with TestClient(app) as client:
+        for _ in range(1200):  # a bucket still warming answers 503 'warming': wait for /readyz as a client does
+            if client.get("/readyz").status_code == 200:
+                break
+            time.sleep(0.05)
         r = client.post("/v1/generate", json={"history": hist, "k": 3})
     assert r.status_code == 200, r.text
     want = ref.recommend([ref.prepare(History(raw, [e["timestamp"] for e in hist]))], 3)[0]

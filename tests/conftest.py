@@ -34,6 +34,14 @@ def need(path: Path) -> Path:
     return path
 
 
+def untrained_items(ratings: pd.DataFrame) -> set[int]:
+    """Original ids of the ML-1M catalogue that no training event of the users in ``ratings``
+    (per user in time order) names: clean protocol, each user's last two events held out."""
+    catalogue = set(pd.read_csv(ML1M / "ratings.dat", sep=":", header=None, usecols=[2], names=["item"]).item)
+    train = ratings.groupby("user", group_keys=False).apply(lambda g: g.iloc[:-2])
+    return catalogue - set(train.item)
+
+
 @pytest.fixture
 def ml1m_dir() -> Path:
     return need(ML1M / "ratings.dat").parent

@@ -2,7 +2,7 @@
 a KV cache, a full prefill of the grown sequence per step. Methods of
 :class:`hstu.generate.engine.Engine` (``Engine._decode``, ``Engine._decode_recompute``), kept in
 their own module; every write goes into the engine's preallocated buffers (no factory or growth
-op inside the loop: tests/test_engine_alloc.py).
+op inside the loop: tests/generate/test_engine_alloc.py).
 
 Symbols: Bp users in the chunk, W beams, R = Bp * W rows, k steps, I items.
 """

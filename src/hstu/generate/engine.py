@@ -16,7 +16,7 @@ API (what a server calls)::
     res: EngineResult(items (B, k), scores (B, k), actions, beam_logprob,
                       bucket (B,), truncated (B,), prefix_rows (B,), warnings)
 
-From a Recommender's prepared histories (what a server does; tests/test_engine.py)::
+From a Recommender's prepared histories (what a server does; tests/generate/test_engine.py)::
 
     b = rec.batch(preps)                                  # padded tensors on the device
     mask = exclusion_mask(I, len(preps), b["ids"] if exclude_history else None, b["lengths"],
@@ -39,7 +39,7 @@ model's fixed width, I items.
 - Buckets. A history of length L runs in the smallest bucket with E >= L, padded right to E.
   Because the attention divisor is the fixed N and padding rows are masked, padding never
   changes a live row (hstu.py), so bucketed == unbucketed up to float reassociation
-  (tests/test_engine.py checks 1e-5). Histories longer than the largest edge keep their most
+  (tests/generate/test_engine.py checks 1e-5). Histories longer than the largest edge keep their most
   recent E events; ``truncated`` reports how many were cut. Under graph capture the batch is
   padded to the next size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch; max_batch only
   under "compile") so every call has a static shape; eager runs any batch size unpadded.
@@ -49,7 +49,7 @@ model's fixed width, I items.
   slot C + s; beam search: beam r's tokens in row r of those K slots, while the history, shared
   by all the beams of a user, stays in row b's history slots; beam search reorders only the
   small generated part). No cache growth, no torch.cat, no factory call (empty / zeros /
-  arange ...) in the decode loop (tests/test_engine_alloc.py).
+  arange ...) in the decode loop (tests/generate/test_engine_alloc.py).
 - One forward. Every pass below runs the model's own HSTUModel.forward_layers (HSTULayer.forward
   with an AttentionMeta and per-layer KVView pool slices, hstu.model.meta); runners.py builds them
   per bucket, pool.py holds the buffers, decode_loop.py the loops, requests.py the checks.

@@ -11,7 +11,7 @@ vLLM's attention-backend registry (unknown names raise ValueError listing the va
     cpu      reference   PyTorch reference: the oracle and the fallback everywhere
     cuda     reference   same
     cuda     triton      Triton attention kernel (triton_hstu.py); off by default, unverified
-                         on a GPU until tests/test_kernels.py runs on one (VERIFIED_ON)
+                         on a GPU until tests/model/test_kernels.py runs on one (VERIFIED_ON)
     npu      reference   same as cpu (float64 time buckets: may fall back to the host)
     npu      npu         float32-exact time buckets, ops with torch_npu kernels only (npu.py)
 

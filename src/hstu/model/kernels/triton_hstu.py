@@ -8,7 +8,7 @@ into the accumulator. The relative bias is formed inside the kernel from the two
 
 Status: **off by default and unverified on a GPU** unless ``VERIFIED_ON`` says otherwise. The
 kernel's arithmetic is checked against the PyTorch reference on the CPU with Triton's
-interpreter (``TRITON_INTERPRET=1``, tests/test_kernels.py) where the ``triton`` package is
+interpreter (``TRITON_INTERPRET=1``, tests/model/test_kernels.py) where the ``triton`` package is
 installed; a CUDA run of the same test marks it verified for that GPU. The engine only uses it
 when asked for by name (``kernels="triton"``).
 
@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     tl = None  # type: ignore[assignment]
     _IMPORT_ERROR = f"triton is not installed ({exc}); pip install triton"
 
-# GPUs on which tests/test_kernels.py passed with this kernel; empty = unverified on any GPU.
+# GPUs on which tests/model/test_kernels.py passed with this kernel; empty = unverified on any GPU.
 VERIFIED_ON: tuple[str, ...] = ()
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_serve import BUCKETS, LiveServer, post
+from serving import BUCKETS, LiveServer, post
 
 from hstu.config import ServeConfig
 from hstu.ops._common import model_processes

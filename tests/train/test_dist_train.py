@@ -172,7 +172,7 @@ def _reference(data_dir: str, chunk: int) -> tuple[list[float], torch.nn.Module,
     return losses, model, table0
 
 
-ML1M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ml-1m"
+ML1M = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-1m"
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from hstu.model.embedding import (
 )
 from hstu.model.embedding_cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MASK63 = (1 << 63) - 1
 
 

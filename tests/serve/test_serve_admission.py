@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from test_serve import BUCKETS, REPO, LiveServer, gather, metrics, post
+from conftest import REPO
+from serving import BUCKETS, LiveServer, gather, metrics, post
 
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Prepared

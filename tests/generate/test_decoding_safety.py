@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ML1M, REPO  # noqa: F401 - the tiny run (run_dir, rec, ratings) is conftest's: 200 ML-1M users
+from conftest import ML1M, REPO, untrained_items  # noqa: F401 - the tiny run (run_dir, rec, ratings) is conftest's: 200 ML-1M users
 
 from hstu.config import ModelConfig, TrainConfig, model_config_from_preset
 from hstu.generate import exclusion_mask, generate
@@ -130,14 +130,6 @@ def test_batch_group_with_one_faulty_job_fails_only_that_job(rec) -> None:
 # ----------------------------------------------------------------------------------------------
 # fault 11: items without training events, on a --max-users run of ML-1M
 # ----------------------------------------------------------------------------------------------
-def untrained_items(ratings: pd.DataFrame) -> set[int]:
-    """Original ids of the ML-1M catalogue that no training event of the users in ``ratings``
-    (per user in time order) names: clean protocol, each user's last two events held out."""
-    catalogue = set(pd.read_csv(ML1M / "ratings.dat", sep=":", header=None, usecols=[2], names=["item"]).item)
-    train = ratings.groupby("user", group_keys=False).apply(lambda g: g.iloc[:-2])
-    return catalogue - set(train.item)
-
-
 @pytest.fixture(scope="module")
 def untrained(ratings) -> set[int]:
     return untrained_items(ratings)

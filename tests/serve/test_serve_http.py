@@ -22,7 +22,8 @@ import time
 import httpx
 import pytest
 import uvicorn
-from test_serve import REPO, LiveServer, metrics
+from conftest import REPO
+from serving import LiveServer, metrics
 
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app

@@ -19,7 +19,7 @@ from hstu.quant.checkpoint import quantized_state
 from hstu.quant.int8 import Int8Embedding, Int8Linear, dequantize_per_channel, quantize_per_channel
 from hstu.runs import load_run
 
-ML1M = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ml-1m"
+ML1M = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-1m"
 HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 

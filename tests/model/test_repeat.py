@@ -15,7 +15,7 @@ from hstu.model.hstu import build_hstu
 from hstu.model.repeat import RepeatBias, recency_bucket, windows
 from hstu.train.losses import repeat_aware_loss
 
-TAOBAO = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "taobao-userbehavior-head"
+TAOBAO = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "taobao-userbehavior-head"
 
 
 def test_recency_bucket_is_integer_log2():

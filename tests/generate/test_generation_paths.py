@@ -18,7 +18,7 @@ from hstu.config import ServeConfig, TrainConfig, DecodeOptions, model_config_fr
 from hstu.generate.recommend import History, Recommender
 from hstu.serve.app import create_app
 from conftest import TAOBAO, need
-from test_serve import LiveServer, post
+from serving import LiveServer, post
 
 DECODINGS = [DecodeOptions("greedy"), DecodeOptions("topk", top_k=20, temperature=1.5, seed=7), DecodeOptions("beam", beam_width=3)]
 K = 5

@@ -17,8 +17,8 @@ import pytest
 
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app
-from test_decoding_safety import untrained_items
-from test_serve import BUCKETS, LiveServer, direct, events, gather, post
+from conftest import untrained_items
+from serving import BUCKETS, LiveServer, direct, events, gather, post
 
 TINY = (1e-38, 1e-300, 5e-324)
 

@@ -209,7 +209,7 @@ def test_propensity_starts_at_the_prior_log_odds():
     rb = RepeatBias(window=10, num_actions=0, dim=4, temperature=0.05)
     rb.init_from_prior(0.25, 1010)
     # (0.25 / 10) / (0.75 / 1000) = 33.3 -> log = 3.5066 logits = 0.17533 in cosine units (x 0.05)
-    assert float(rb.propensity.bias) == pytest.approx(np.log((0.25 / 10) / (0.75 / 1000)) * 0.05, rel=1e-6)
+    assert float(rb.propensity.bias.detach()) == pytest.approx(np.log((0.25 / 10) / (0.75 / 1000)) * 0.05, rel=1e-6)
     bias = rb.candidates(torch.zeros(1, 4), torch.tensor([[3, 4]]), torch.tensor([[0] * 9 + [3]]), None)
     assert bias[0, 0].item() == pytest.approx(np.log(100 / 3), rel=1e-5) and bias[0, 1].item() == 0.0
 

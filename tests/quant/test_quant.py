@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -405,10 +404,10 @@ def test_cli_precision_on_eval_and_generate(tiny_run, tmp_path, capsys):
 
 
 def test_serve_app_with_int8_recommender(tiny_run):
-    """create_app over Recommender.from_run(..., precision="int8") answers like the recommender."""
-    httpx = pytest.importorskip("httpx")
+    """create_app over Recommender.from_run(..., precision="int8") answers like the recommender
+    (a real uvicorn server, tests/serving.LiveServer, ready once every bucket is warm)."""
     pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
+    from serving import LiveServer, post
 
     from hstu.config import ServeConfig
     from hstu.generate.recommend import History, Recommender
@@ -420,13 +419,8 @@ def test_serve_app_with_int8_recommender(tiny_run):
     raw = [int(x) for x in json.loads((tiny_run / "idmap.json").read_text())["item_raw_ids"][1:16]]
     hist = [{"item_id": it, "timestamp": 978_300_000 + 60 * i} for i, it in enumerate(raw)]
     app = create_app(ServeConfig(buckets=[20, 50]), rec, policy=ServePolicy(cold_start="reject"))
-    with TestClient(app) as client:
-        for _ in range(1200):  # a bucket still warming answers 503 'warming': wait for /readyz as a client does
-            if client.get("/readyz").status_code == 200:
-                break
-            time.sleep(0.05)
-        r = client.post("/v1/generate", json={"history": hist, "k": 3})
+    with LiveServer(app) as server:
+        r = post(server.url, "/v1/generate", {"history": hist, "k": 3})
     assert r.status_code == 200, r.text
     want = ref.recommend([ref.prepare(History(raw, [e["timestamp"] for e in hist]))], 3)[0]
     assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
-    assert httpx is not None

@@ -22,6 +22,9 @@ else:  # pragma: no cover
 
 
 ATTENTION_NORMS = ("fixed", "causal")
+ITEM_TABLES = ("dense", "hashed")  # [model] item_table: nn.Embedding | model.embedding.ShardedEmbedding
+TABLE_PLACEMENTS = ("device", "host")  # where a hashed table's shard lives (model/embedding.py)
+TABLE_DTYPES = ("fp32", "fp16", "bf16")  # a hashed table's row storage dtype
 INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
 MAX_WIDTH = 65_536  # max_seq_len + max_output_len: the position table and attention width N
 
@@ -61,6 +64,16 @@ class ModelConfig:
     # input: action, category, position and time only), and in training each input event loses
     # its item embedding with this probability, so that the model learns such inputs (base.embed)
     cold_item_dropout: float = 0.0
+    # The item table (issue 18): "dense" = one nn.Embedding; "hashed" = model.embedding.ShardedEmbedding:
+    # rows hash-sharded over item_table_shards shards, each on the compute "device" or in "host" memory
+    # (one value, or a comma list with one per shard), stored as item_table_dtype, with
+    # item_table_cache_bytes of device-side hot-row cache shared by the host shards. Same results for any
+    # shard count; the memory plan is checked before the table is allocated.
+    item_table: str = "dense"
+    item_table_shards: int = 1
+    item_table_placement: str = "device"
+    item_table_dtype: str = "fp32"
+    item_table_cache_bytes: int = 0
 
     @property
     def width(self) -> int:
@@ -91,6 +104,34 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_norm must be one of {ATTENTION_NORMS}, got {self.attention_norm!r}")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
+        self._validate_item_table()
+
+    def table_placements(self) -> list[str]:
+        """``item_table_placement`` as one placement per shard (item_table_shards values)."""
+        places = [p.strip() for p in self.item_table_placement.split(",")]
+        return places * self.item_table_shards if len(places) == 1 else places
+
+    def _validate_item_table(self) -> None:
+        """ValueError naming the item_table field that is out of range (see the fields' comment)."""
+        if self.item_table not in ITEM_TABLES:
+            raise ValueError(f"ModelConfig.item_table must be one of {ITEM_TABLES}, got {self.item_table!r}")
+        if self.item_table_shards < 1:
+            raise ValueError(f"ModelConfig.item_table_shards must be >= 1, got {self.item_table_shards}")
+        places = [p.strip() for p in self.item_table_placement.split(",")]
+        if len(places) not in (1, self.item_table_shards) or any(p not in TABLE_PLACEMENTS for p in places):
+            raise ValueError(
+                f"ModelConfig.item_table_placement must be one of {TABLE_PLACEMENTS} or a comma list of "
+                f"item_table_shards={self.item_table_shards} of them, got {self.item_table_placement!r}"
+            )
+        if self.item_table_dtype not in TABLE_DTYPES:
+            raise ValueError(f"ModelConfig.item_table_dtype must be one of {TABLE_DTYPES}, got {self.item_table_dtype!r}")
+        if self.item_table_cache_bytes < 0:
+            raise ValueError(f"ModelConfig.item_table_cache_bytes must be >= 0, got {self.item_table_cache_bytes}")
+        if self.item_table == "dense":
+            defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("item_table_")}
+            changed = sorted(k for k, v in defaults.items() if getattr(self, k) != v)
+            if changed:
+                raise ValueError(f"ModelConfig.{changed[0]} applies to item_table = 'hashed' only (item_table is 'dense')")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

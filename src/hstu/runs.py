@@ -351,7 +351,7 @@ def load_float_run(run_dir: str | Path, device: str = "cpu"):
     run = Path(run_dir)
     cfg, ids = read_run(run)
     dev = backend.select(device)
-    model = build_hstu(model_config_from_dict(cfg["model"])).to(dev.device)
+    model = build_hstu(model_config_from_dict(cfg["model"]), device=dev.device).to(dev.device)
     load_best_weights(run, model, dev.device)
     return model.eval(), cfg, ids
 

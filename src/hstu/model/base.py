@@ -18,27 +18,54 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp(min=eps)
 
 
+def build_item_table(cfg: ModelConfig, device: str | torch.device | None = None) -> nn.Module:
+    """The item table ``cfg.item_table`` names: ids (…) int64 in 0..num_items -> (…, d) rows, row 0
+    (padding) zero; initial rows normal(0, 0.02) (trunc_normal_ at ±2 = 100 σ: the same law).
+
+    - "dense": ``nn.Embedding(num_items + 1, d, padding_idx=0)``, initialised from the global RNG;
+    - "hashed": :class:`hstu.model.embedding.ShardedEmbedding` with ``item_table_shards`` shards,
+      ``table_placements()``, ``item_table_dtype`` rows and ``item_table_cache_bytes`` of hot-row cache,
+      its memory plan checked before allocation (MemoryPlanError), on compute ``device`` (default
+      "cpu"; ``.to()`` moves device shards later). Its init seed is drawn from the global RNG, so a
+      seeded run reproduces and the rows do not depend on the shard count. One overflow row, never
+      addressed: ids come from the run's id map (1..num_items), unknown ones are dropped before
+      the model. Built on PyTorch's "meta" device (``Recommender.mapping_only``: shapes only), the
+      hashed table is a meta ``nn.Embedding`` of the same shape, since its row index needs memory.
+    """
+    d, rows = cfg.embedding_dim, cfg.num_items + 1
+    if cfg.item_table == "hashed" and not torch.empty(0).is_meta:
+        from hstu.model.embedding import ShardedEmbedding
+
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+        placements = cfg.table_placements()
+        return ShardedEmbedding(
+            rows, d, cfg.item_table_shards, placements, cfg.item_table_dtype, num_overflow_rows=1, padding_idx=0,
+            device="cpu" if device is None else device, seed=seed, init_std=0.02, cache_bytes=cfg.item_table_cache_bytes,
+        )  # fmt: skip
+    emb = nn.Embedding(rows, d, padding_idx=0)
+    nn.init.trunc_normal_(emb.weight, std=0.02)
+    with torch.no_grad():
+        emb.weight[0].zero_()
+    return emb
+
+
 class SequentialRecommender(nn.Module):
     """Embeddings, head and scoring; subclasses add ``layers`` and ``encode`` / ``step``.
 
-    ``item_embedding`` may be passed in (e.g. a ShardedEmbedding); it maps (…) int64 ids to
-    (…, d) rows and has row 0 for padding. ``repeat`` is None unless a subclass sets a repeat
-    head (:mod:`hstu.model.repeat`).
+    The item table is built from ``cfg`` (:func:`build_item_table`, on compute ``device`` for a
+    hashed table) unless ``item_embedding`` is passed in; either maps (…) int64 ids to (…, d)
+    rows and has row 0 for padding. ``repeat`` is None unless a subclass sets a repeat head
+    (:mod:`hstu.model.repeat`).
     """
 
-    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None, device: str | torch.device | None = None) -> None:
         super().__init__()
         cfg.validate()
         if cfg.num_items <= 0:
             raise ValueError(f"ModelConfig.num_items must be set from the data (> 0), got {cfg.num_items}")
         self.cfg = cfg
         d, N = cfg.embedding_dim, cfg.width
-        if item_embedding is None:
-            item_embedding = nn.Embedding(cfg.num_items + 1, d, padding_idx=0)
-            nn.init.trunc_normal_(item_embedding.weight, std=0.02)
-            with torch.no_grad():
-                item_embedding.weight[0].zero_()
-        self.item_emb = item_embedding
+        self.item_emb = build_item_table(cfg, device) if item_embedding is None else item_embedding
         self.pos_emb = nn.Embedding(N, d)
         nn.init.trunc_normal_(self.pos_emb.weight, std=math.sqrt(1.0 / d))  # same scale as item_emb · √d
         self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
@@ -174,4 +201,4 @@ class SequentialRecommender(nn.Module):
         return torch.einsum("bd,bcd->bc", user_vecs, emb) / self.cfg.temperature
 
 
-__all__ = ["SequentialRecommender", "l2_normalize"]
+__all__ = ["SequentialRecommender", "build_item_table", "l2_normalize"]

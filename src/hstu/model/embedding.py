@@ -58,14 +58,13 @@ from hstu.backend.memory_guard import format_bytes, parse_bytes, unpin
 from hstu.model.embedding_plan import MemoryPlan, MemoryPlanError, ShardPlan, _index_itemsize, index_ranges, plan_memory
 from hstu.model.embedding_rows import (
     _DTYPE_NAMES,
-    _INIT_BLOCK_ELEMS,
     OVERFLOW_SALT,
     PLACEMENTS,
     SHARD_SALT,
     _per_shard,
     dtype_name,
+    fill_shards,
     parse_dtype,
-    read_rows_source,
     shard_of,
     shard_row_counts,
     splitmix64,
@@ -181,7 +180,7 @@ class ShardedEmbedding(nn.Module):
         self._allocate(T)
 
         # 3. one pass over global rows in blocks: build the row index and fill the shards
-        self._fill(Path(init_from) if init_from is not None else None)
+        fill_shards(self, Path(init_from) if init_from is not None else None)
         self._local_row = self._local_row.to(self.compute_device)
         for s in range(S):
             if self.placements[s] == "host" and self._pin:
@@ -232,80 +231,6 @@ class ShardedEmbedding(nn.Module):
         p = self.shards[s]
         if self.backend.pin_in_place(p.data):
             self._pinned[s] = p.data_ptr()
-
-    @torch.no_grad()
-    def _fill(self, init_from: Path | None) -> None:
-        """Build the row index and write initial values, block by block over global rows."""
-        V, O, S, d = self.num_embeddings, self.num_overflow_rows, self.num_shards, self.embedding_dim
-        T = V + O
-        read, file_rows = None, 0
-        if init_from is not None:
-            read, (file_rows, file_d) = read_rows_source(init_from)
-            if file_d != d or file_rows not in (V, T):
-                raise ValueError(
-                    f"{init_from}: table shape ({file_rows}, {file_d}) does not match embedding_dim={d} "
-                    f"and num_embeddings={V} (or {T} with overflow rows)"
-                )
-        gen_rows = max(1, _INIT_BLOCK_ELEMS // d)  # rows per random block (fixed: reproducible init)
-        # process k random blocks at a time: fewer, larger ops; scratch stays <= ~1/256 of the table
-        k = min(8, max(1, (T * d) // (256 * gen_rows * d)))
-        block = gen_rows * k
-        filled = [0] * S
-        gen = torch.Generator()
-        for start in range(0, T, block):
-            end = min(start + block, T)
-            vals = torch.empty(end - start, d)  # (rows, d) float32 scratch
-            if read is not None and start < file_rows:
-                stop = min(end, file_rows)
-                vals[: stop - start] = read(start, stop)
-                if stop < end:
-                    self._init_rows(gen, gen_rows, stop, end, vals[stop - start :])
-            else:
-                self._init_rows(gen, gen_rows, start, end, vals)
-            if self.padding_idx is not None and start <= self.padding_idx < end:
-                vals[self.padding_idx - start].zero_()
-            if S == 1:
-                self.shards[0].data[start:end].copy_(vals)
-                continue
-            by_dtype = {dt: vals if dt == torch.float32 else vals.to(dt) for dt in set(self.dtypes)}
-            del vals
-            sh = shard_of(torch.arange(start, end), S)
-            for s in range(S):
-                pos = sh.eq(s).nonzero().squeeze(1)  # block rows of shard s, in ascending global order
-                c = pos.numel()
-                if c:
-                    dst = self.shards[s].data[filled[s] : filled[s] + c]
-                    if dst.device == by_dtype[self.dtypes[s]].device:  # a host shard: gather in place
-                        torch.index_select(by_dtype[self.dtypes[s]], 0, pos, out=dst)
-                    else:  # a device shard: gather on the host, one copy over
-                        dst.copy_(by_dtype[self.dtypes[s]].index_select(0, pos))
-                    self._local_row[pos + start] = torch.arange(filled[s], filled[s] + c, dtype=self._index_dtype)
-                    filled[s] += c
-        if S > 1 and filled != self.shard_rows:
-            raise AssertionError(f"row index build mismatch: filled {filled} vs counted {self.shard_rows}")
-
-    def _init_rows(self, gen: torch.Generator, gen_rows: int, start: int, end: int, out: torch.Tensor) -> None:
-        """Write the random init of global rows [start, end) into ``out`` (end-start, d) float32.
-
-        Row g comes from random block ``g // gen_rows``, drawn from a generator seeded with
-        ``seed * 1_000_003 + block`` as normal(0, init_std). The model's
-        ``nn.init.trunc_normal_(std=0.02)`` keeps its default absolute bounds (-2, 2), i.e. 100 sigma:
-        the same distribution as this plain normal.
-        """
-        if self.init_std == 0:
-            out.zero_()
-            return
-        b0, b1 = start // gen_rows, (end - 1) // gen_rows
-        for blk in range(b0, b1 + 1):
-            lo, hi = blk * gen_rows, (blk + 1) * gen_rows
-            gen.manual_seed((self.seed * 1_000_003 + blk) % (1 << 63))
-            a, z = max(lo, start), min(hi, end)
-            if a == lo and z == hi:
-                torch.randn(hi - lo, self.embedding_dim, generator=gen, out=out[a - start : z - start])
-            else:  # partial block: draw it whole (same numbers), keep the slice
-                full = torch.randn(hi - lo, self.embedding_dim, generator=gen)
-                out[a - start : z - start] = full[a - lo : z - lo]
-        out.mul_(self.init_std)
 
     # -- lookups -------------------------------------------------------------------------------
 

@@ -231,6 +231,17 @@ def _budget_problems(
     return problems
 
 
+def _shared_memory_problems(need: int, host_budget: int | None, host_mem: int | str | None, reserve_ratio: float) -> list[str]:
+    """Why a table on a CPU compute device (device and host shards in one memory) does not fit: [] or one line."""
+    if host_budget is None or need <= host_budget:
+        return []
+    mem = format_bytes(parse_bytes(host_mem or 0))
+    return [
+        f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
+        f"{format_bytes(host_budget)} ({mem} less {reserve_ratio:.0%} reserve)"
+    ]
+
+
 def plan_memory(
     num_embeddings: int,
     embedding_dim: int,
@@ -303,15 +314,7 @@ def plan_memory(
     device_bytes = index_bytes + cache_used + sum(s.bytes for s in shards if s.placement == "device")
     host_bytes = sum(s.bytes for s in shards if s.placement == "host")
     if device_is_host:
-        need, mem = device_bytes + host_bytes, format_bytes(parse_bytes(host_mem or 0))
-        problems = (
-            []
-            if host_budget is None or need <= host_budget
-            else [
-                f"needs {format_bytes(need)} of host memory (compute device is the CPU), budget is "
-                f"{format_bytes(host_budget)} ({mem} less {reserve_ratio:.0%} reserve)"
-            ]
-        )
+        problems = _shared_memory_problems(device_bytes + host_bytes, host_budget, host_mem, reserve_ratio)
     else:
         problems = _budget_problems(shards, index_bytes, cache_used, device_bytes, host_bytes, dev_budget, host_budget)
     return MemoryPlan(

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hstu.config import TABLE_PLACEMENTS
+
 # ---------------------------------------------------------------------------------------------
 # Stable hashing (splitmix64 finaliser in torch int64 arithmetic)
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +129,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-PLACEMENTS = ("device", "host")
+PLACEMENTS = TABLE_PLACEMENTS  # "device" | "host" (defined once, in hstu.config)
 
 
 def parse_dtype(value: str | torch.dtype, *, field: str = "dtype") -> torch.dtype:
@@ -178,3 +180,86 @@ def read_rows_source(path: Path) -> tuple[Callable[[int, int], torch.Tensor], tu
             raise ValueError(f"{path}: tensor {key!r} must be 2-D (rows, d), got shape {shape}")
         return (lambda a, b: sl[a:b].float()), (shape[0], shape[1])
     raise ValueError(f"{path}: unsupported table file; use .npy or .safetensors")
+
+
+# ---------------------------------------------------------------------------------------------
+# Initial values
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def fill_shards(emb, init_from: Path | None) -> None:
+    """Build ``emb``'s row index (``_local_row``) and write the initial values of its shards
+    (``emb``: a :class:`hstu.model.embedding.ShardedEmbedding` just allocated), block by block over
+    global rows: copied from ``init_from`` or drawn by :func:`init_rows` (embedding module docstring)."""
+    V, O, S, d = emb.num_embeddings, emb.num_overflow_rows, emb.num_shards, emb.embedding_dim
+    T = V + O
+    read, file_rows = None, 0
+    if init_from is not None:
+        read, (file_rows, file_d) = read_rows_source(init_from)
+        if file_d != d or file_rows not in (V, T):
+            raise ValueError(
+                f"{init_from}: table shape ({file_rows}, {file_d}) does not match embedding_dim={d} "
+                f"and num_embeddings={V} (or {T} with overflow rows)"
+            )
+    gen_rows = max(1, _INIT_BLOCK_ELEMS // d)  # rows per random block (fixed: reproducible init)
+    # process k random blocks at a time: fewer, larger ops; scratch stays <= ~1/256 of the table
+    k = min(8, max(1, (T * d) // (256 * gen_rows * d)))
+    block = gen_rows * k
+    filled = [0] * S
+    gen = torch.Generator()
+    for start in range(0, T, block):
+        end = min(start + block, T)
+        vals = torch.empty(end - start, d)  # (rows, d) float32 scratch
+        if read is not None and start < file_rows:
+            stop = min(end, file_rows)
+            vals[: stop - start] = read(start, stop)
+            if stop < end:
+                init_rows(emb, gen, gen_rows, stop, end, vals[stop - start :])
+        else:
+            init_rows(emb, gen, gen_rows, start, end, vals)
+        if emb.padding_idx is not None and start <= emb.padding_idx < end:
+            vals[emb.padding_idx - start].zero_()
+        if S == 1:
+            emb.shards[0].data[start:end].copy_(vals)
+            continue
+        by_dtype = {dt: vals if dt == torch.float32 else vals.to(dt) for dt in set(emb.dtypes)}
+        del vals
+        sh = shard_of(torch.arange(start, end), S)
+        for s in range(S):
+            pos = sh.eq(s).nonzero().squeeze(1)  # block rows of shard s, in ascending global order
+            c = pos.numel()
+            if c:
+                dst = emb.shards[s].data[filled[s] : filled[s] + c]
+                if dst.device == by_dtype[emb.dtypes[s]].device:  # a host shard: gather in place
+                    torch.index_select(by_dtype[emb.dtypes[s]], 0, pos, out=dst)
+                else:  # a device shard: gather on the host, one copy over
+                    dst.copy_(by_dtype[emb.dtypes[s]].index_select(0, pos))
+                emb._local_row[pos + start] = torch.arange(filled[s], filled[s] + c, dtype=emb._index_dtype)
+                filled[s] += c
+    if S > 1 and filled != emb.shard_rows:
+        raise AssertionError(f"row index build mismatch: filled {filled} vs counted {emb.shard_rows}")
+
+
+def init_rows(emb, gen: torch.Generator, gen_rows: int, start: int, end: int, out: torch.Tensor) -> None:
+    """Write ``emb``'s random init of global rows [start, end) into ``out`` (end-start, d) float32.
+
+    Row g comes from random block ``g // gen_rows``, drawn from a generator seeded with
+    ``seed * 1_000_003 + block`` as normal(0, init_std). The model's
+    ``nn.init.trunc_normal_(std=0.02)`` keeps its default absolute bounds (-2, 2), i.e. 100 sigma:
+    the same distribution as this plain normal.
+    """
+    if emb.init_std == 0:
+        out.zero_()
+        return
+    b0, b1 = start // gen_rows, (end - 1) // gen_rows
+    for blk in range(b0, b1 + 1):
+        lo, hi = blk * gen_rows, (blk + 1) * gen_rows
+        gen.manual_seed((emb.seed * 1_000_003 + blk) % (1 << 63))
+        a, z = max(lo, start), min(hi, end)
+        if a == lo and z == hi:
+            torch.randn(hi - lo, emb.embedding_dim, generator=gen, out=out[a - start : z - start])
+        else:  # partial block: draw it whole (same numbers), keep the slice
+            full = torch.randn(hi - lo, emb.embedding_dim, generator=gen)
+            out[a - start : z - start] = full[a - lo : z - lo]
+    out.mul_(emb.init_std)

@@ -136,12 +136,12 @@ class HSTUModel(SequentialRecommender):
     """Embeddings + HSTU blocks + L2-normalised output, with scoring by cosine / temperature
     (embeddings, checks and scoring in :class:`hstu.model.base.SequentialRecommender`).
 
-    ``item_embedding`` may be passed in (e.g. a ShardedEmbedding); it maps (…) int64 ids to
-    (…, d) rows and has row 0 for padding.
+    The item table comes from ``cfg.item_table`` (:func:`hstu.model.base.build_item_table`) unless
+    ``item_embedding`` is passed in; it maps (…) int64 ids to (…, d) rows and has row 0 for padding.
     """
 
-    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
-        super().__init__(cfg, item_embedding=item_embedding)
+    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None, device: str | torch.device | None = None) -> None:
+        super().__init__(cfg, item_embedding=item_embedding, device=device)  # device: a hashed item table's compute device
         d, N = cfg.embedding_dim, cfg.width
         self.layers = nn.ModuleList(
             HSTULayer(
@@ -259,7 +259,8 @@ class HSTUModel(SequentialRecommender):
 
 def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:
     """The one builder; presets only fix numbers (config.PRESETS). ``cfg.architecture``
-    "sasrec" builds the SASRec baseline, which has the same interface."""
+    "sasrec" builds the SASRec baseline, which has the same interface; ``cfg.item_table`` the item
+    table (dense, or hashed on ``device=``: :func:`hstu.model.base.build_item_table`)."""
     if cfg.architecture == "sasrec":
         from hstu.model.sasrec import SASRecModel
 

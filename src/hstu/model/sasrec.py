@@ -133,8 +133,8 @@ class SASRecModel(SequentialRecommender):
     ``cfg.architecture`` must be "sasrec"; ``num_time_buckets`` and the bias switches are unused.
     """
 
-    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None) -> None:
-        super().__init__(cfg, item_embedding=item_embedding)
+    def __init__(self, cfg: ModelConfig, *, item_embedding: nn.Module | None = None, device: str | torch.device | None = None) -> None:
+        super().__init__(cfg, item_embedding=item_embedding, device=device)  # device: a hashed item table's compute device
         d = cfg.embedding_dim
         self.layers = nn.ModuleList(
             SASRecBlock(dim=d, num_heads=cfg.num_heads, d_qk=cfg.d_qk, d_v=cfg.d_v, dropout=cfg.dropout, eps=cfg.layer_norm_eps)

@@ -222,6 +222,11 @@ def fit_distributed(
             single-process run; FileExistsError, FileNotFoundError, DataFormatError as ``fit``;
         ImportError: TorchRec is missing (message gives the install command).
     """
+    if mcfg.item_table != "dense":  # the TorchRec table is this trainer's item table; a hashed one has its own shards
+        raise ValueError(
+            f"ModelConfig.item_table = {mcfg.item_table!r}: --distributed shards the item table with TorchRec "
+            "(train/dist_table.py); train a hashed table without --distributed, or set item_table = 'dense'"
+        )
     require_torchrec()
     dcfg = dcfg or DistConfig()
     dcfg.validate()

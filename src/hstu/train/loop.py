@@ -230,7 +230,7 @@ def fit(
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
-    model = build_hstu(mcfg).to(dev.device)
+    model = build_hstu(mcfg, device=dev.device).to(dev.device)
     if model.cold_items is not None and not resume:
         model.set_cold_items(train_item_counts(log_, split))
     if model.repeat is not None and not resume:

@@ -38,10 +38,15 @@ def _same_device(actual: torch.device, expected: torch.device) -> bool:
 
 
 def check_device(module: nn.Module, device: torch.device | str) -> None:
-    """Raise :class:`StrayTensorError` listing every parameter / buffer not on ``device``."""
+    """Raise :class:`StrayTensorError` listing every parameter / buffer not on ``device``, except
+    those a submodule keeps in host memory on purpose (its ``host_tensors()``: a hashed item table's
+    host-placed shards, :class:`hstu.model.embedding.ShardedEmbedding`)."""
     dev = torch.device(device)
+    host = {f"{m}.{t}" if m else t for m, sub in module.named_modules() if hasattr(sub, "host_tensors") for t in sub.host_tensors()}
     stray = [
-        f"{name} on {t.device}" for name, t in (*module.named_parameters(), *module.named_buffers()) if not _same_device(t.device, dev)
+        f"{name} on {t.device}"
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+        if not _same_device(t.device, dev) and name not in host
     ]
     if stray:
         more = f" (+{len(stray) - 5} more)" if len(stray) > 5 else ""

@@ -189,6 +189,7 @@ class ShardedEmbedding(nn.Module):
 
         # 4. hot-row caches for host shards, budget split by rows
         self.cache_policy, self.cache_ways = cache_policy, int(cache_ways)
+        self.cache_bytes = cache_total
         self.caches: dict[int, HotRowCache] = self._build_caches(cache_total)
 
     # -- construction helpers ------------------------------------------------------------------
@@ -345,6 +346,30 @@ class ShardedEmbedding(nn.Module):
     def invalidate_caches(self) -> None:
         for c in self.caches.values():
             c.invalidate()
+
+    @torch.no_grad()
+    def cast_storage(self, dtype: str | torch.dtype) -> None:
+        """Store every shard's rows in ``dtype`` ("fp32" | "fp16" | "bf16" or a torch dtype), rounded to
+        nearest, in place of the old ones: placement kept (host shards re-pinned where the backend
+        pins), hot-row caches rebuilt empty in the new dtype; the compute dtype is unchanged. What
+        quantizing a hashed table means (:mod:`hstu.quant`: the INT8 scheme's item-table storage, the
+        16-bit schemes). Raises ValueError for another dtype."""
+        dt = parse_dtype(dtype, field="dtype")
+        for s, p in enumerate(self.shards):
+            if p.dtype == dt:
+                continue
+            if s in self._pinned:
+                unpin(self._pinned.pop(s))
+            p.data = p.data.to(dt)
+            if self.placements[s] == "host" and self._pin:
+                self._pin_shard(s)
+        self.dtypes = [dt] * self.num_shards
+        self.caches = self._build_caches(self.cache_bytes)
+
+    def host_tensors(self) -> list[str]:
+        """Names (as in ``named_parameters()``) of the shards kept in host memory on purpose: an
+        inference device check (:func:`hstu.generate.hardening.check_device`) skips them."""
+        return [f"shards.{s}" for s, p in enumerate(self.placements) if p == "host"]
 
     @torch.no_grad()
     def save_dense(self, path: str | os.PathLike[str], *, dtype: str | torch.dtype = "fp32", chunk_rows: int = 1 << 16) -> None:

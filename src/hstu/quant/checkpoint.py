@@ -247,7 +247,8 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
     ids = read_json(run / IDMAP)
     from hstu.model.hstu import build_hstu
 
-    model = build_hstu(model_config_from_dict(cfg["model"]))
+    dev = backend.select(device)
+    model = build_hstu(model_config_from_dict(cfg["model"]), device=dev.device)  # a hashed table: its shards, then their dtype
     if meta["scheme"] == "int8":
         quantize_model_int8(model, embeddings=meta["embeddings"], keep_float=meta["keep_float"], structure_only=True)
     else:
@@ -262,7 +263,6 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
     torch_saved = meta.get("versions", {}).get("torch")
     if torch_saved and torch_saved != torch.__version__:
         log.info("%s was written with torch %s, loading with %s", run, torch_saved, torch.__version__)
-    dev = backend.select(device)
     model = model.to(dev.device).eval()
     for p in model.parameters():
         p.requires_grad_(False)

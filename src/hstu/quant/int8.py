@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hstu import backend
+from hstu.model.embedding import ShardedEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +422,8 @@ def quantize_model_int8(
       becomes an :class:`Int8Linear` (per-output-channel symmetric INT8 weights, float32 bias);
     - the item table is stored as ``embeddings``: "fp16" | "bf16" (kept in that dtype in memory;
       lookups are widened to float32 by the model), "int8" (:class:`Int8Embedding`, row-wise) or
-      "fp32" (unchanged);
+      "fp32" (unchanged); a hashed table (ShardedEmbedding) keeps its shards and placement and stores
+      them in "fp16" / "bf16" / "fp32" (``cast_storage``; "int8" is refused: ValueError);
     - the small tables of :func:`small_tables` are rounded through fp16 (bf16 when
       ``embeddings="bf16"``, unchanged for "fp32") and kept in float32 for compute, so that the
       saved checkpoint (which stores them in that dtype) reloads bit-identically;
@@ -436,6 +438,11 @@ def quantize_model_int8(
         raise ValueError(f"unknown INT8 kernel {kernel!r}; valid: {list(KERNELS)}")
     if model.pos_emb.weight.dtype != torch.float32:
         raise TypeError(f"INT8 quantization needs a float32 model, got {model.pos_emb.weight.dtype}")
+    if isinstance(model.item_emb, ShardedEmbedding) and embeddings == "int8":
+        raise ValueError(
+            "embeddings: 'int8' (row-wise) is for a dense item table; this run's table is hashed "
+            "(item_table = 'hashed'): use --embeddings fp16, bf16 or fp32 (its shards are stored in that dtype)"
+        )
     keep = resolve_keep_float(model, keep_float)
     quantized = []
     for name, lin in quantizable_linears(model).items():
@@ -458,6 +465,9 @@ def quantize_model_int8(
             )
         elif embeddings != "fp32":
             emb.weight.data = emb.weight.data.to(_FLOAT[embeddings])
+    elif isinstance(emb, ShardedEmbedding):
+        if embeddings != "fp32":
+            emb.cast_storage(_FLOAT[embeddings])  # every shard in the item-table dtype, placement kept
     elif embeddings != "fp32":
         log.warning(
             "item_emb is a %s, not nn.Embedding: its own storage dtypes are kept (embeddings=%s ignored)", type(emb).__name__, embeddings

@@ -1,9 +1,9 @@
 """FP16 / BF16 inference: the HSTU blocks and embeddings in a 16-bit float, similarity in float32.
 
-Every parameter except the next-action head is cast to ``dtype`` (bf16 or fp16): embeddings,
-UVQK and output projections, relative-bias tables. Activations inside the encoder, and hence
-the KV cache (``KVCache.for_model`` follows ``pos_emb``'s dtype), are in ``dtype``; layer norm
-and SiLU run in ``dtype`` with PyTorch's float32 internal accumulation ("opmath") for
+Every parameter except the next-action head is cast to ``dtype`` (bf16 or fp16): embeddings
+(a hashed item table's shards too, placement kept), UVQK and output projections, relative-bias
+tables. Activations inside the encoder, and hence the KV cache (``KVCache.for_model`` follows
+``pos_emb``'s dtype), are in ``dtype``; layer norm and SiLU run in ``dtype`` with PyTorch's float32 internal accumulation ("opmath") for
 reductions. The outputs the callers compare — user vectors from ``encode`` / ``step`` and item
 vectors from ``item_vectors`` / ``score_items`` — are widened to float32 and L2-normalised in
 float32, so similarity and ranking run in float32 (a bf16 score has 8 significant bits: at
@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from hstu.model.embedding import ShardedEmbedding
 from hstu.model.hstu import HSTUModel, l2_normalize
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ def to_low_precision(model: HSTUModel, precision: str) -> HSTUModel:
     head = model.action_head
     model.action_head = None
     model.to(dtype)
+    if isinstance(model.item_emb, ShardedEmbedding):  # .to() changes only its compute dtype: store the shards in dtype too
+        model.item_emb.cast_storage(dtype)
     model.action_head = head  # the next-action head reads the float32 user vector
     model.__class__ = LowPrecisionHSTUModel
     model.quant_meta = {

@@ -91,6 +91,17 @@ class Backend:
         return None
 
     def empty_cache(self) -> None:
+    def reset_peak_memory(self) -> None:
+        """Start :meth:`peak_memory_bytes` again from what is allocated now (no-op on the host)."""
+
+    def device_name(self) -> str:
+        """The hardware's name, e.g. "NVIDIA H100 80GB HBM3", "Ascend910B3" (the host: its CPU model)."""
+        return str(self.device)
+
+    def lowp_unavailable_reason(self, precision: str) -> str | None:
+        """Why 16-bit float ("bf16" | "fp16") matrix products have no fast kernel here, or None."""
+        return None
+
         """Release cached allocator blocks (no-op on CPU)."""
 
     def supports_pinned_memory(self) -> bool:

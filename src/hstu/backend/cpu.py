@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import torch
 
@@ -52,3 +53,15 @@ class CPUBackend(Backend):
 
     def set_current(self) -> None:
         """No-op: the host has no current device."""
+
+    def device_name(self) -> str:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+                return next(ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
+        except (OSError, StopIteration):
+            return platform.processor() or platform.machine()
+
+    def lowp_unavailable_reason(self, precision: str) -> str | None:
+        """oneDNN's own checks (ATen mkldnn matmul): bf16 needs AVX512-BF16 or AMX, fp16 AVX512-FP16 or AMX-FP16."""
+        check = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported, "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}[precision]
+        return None if check() else f"this CPU has no oneDNN {precision} matmul kernel (needs AVX512-{precision.upper()} or AMX): emulated"

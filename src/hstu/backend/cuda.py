@@ -56,6 +56,16 @@ class CUDABackend(Backend):
         return int(torch.cuda.max_memory_allocated(self.index))
 
     def synchronize(self) -> None:
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.index)
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.index)
+
+    def lowp_unavailable_reason(self, precision: str) -> str | None:
+        ok = precision != "bf16" or torch.cuda.is_bf16_supported(including_emulation=False)
+        return None if ok else f"{self.device_name()} has no native bf16 (compute capability < 8.0)"
+
         torch.cuda.synchronize(self.index)
 
     def empty_cache(self) -> None:

@@ -65,6 +65,12 @@ class NPUBackend(Backend):
     def peak_memory_bytes(self) -> int | None:
         return int(torch.npu.max_memory_allocated(self.index))  # type: ignore[attr-defined]
 
+    def reset_peak_memory(self) -> None:
+        torch.npu.reset_peak_memory_stats(self.index)  # type: ignore[attr-defined]
+
+    def device_name(self) -> str:
+        return torch.npu.get_device_name(self.index)  # type: ignore[attr-defined]
+
     def synchronize(self) -> None:
         torch.npu.synchronize(self.index)  # type: ignore[attr-defined]
 

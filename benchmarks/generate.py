@@ -46,6 +46,8 @@ import numpy as np
 import torch
 
 from hstu.backend import Backend, select
+from hstu.bench.timing import interleaved, latency_stats
+from hstu.bench.timing import percentile_ms as pct
 from hstu.config import PRESETS, ModelConfig
 from hstu.generate.engine import Engine
 from hstu.model import build_hstu
@@ -75,27 +77,9 @@ def histories(lengths: np.ndarray, width: int, num_items: int, device, seed: int
     return ids.to(device), ts.to(device), L.to(device), rt.to(device)
 
 
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs) * 1000.0, q))
-
-
-def side_by_side(fns: dict, reps: int, sync, setup=None) -> dict:
-    """Call each fn in turn, reps times; returns {name: [seconds]}."""
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            if setup is not None:
-                setup(name)
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def summary(times: list[float]) -> dict:
-    return {"p50_ms": round(pct(times, 50), 3), "p99_ms": round(pct(times, 99), 3), "min_ms": round(pct(times, 0), 3), "n": len(times)}
+def summary(times) -> dict:
+    st = latency_stats(times, 1)
+    return {"p50_ms": round(st["p50_ms"], 3), "p99_ms": round(st["p99_ms"], 3), "min_ms": round(st["min_ms"], 3), "n": st["calls"]}
 
 
 def ratio(slow: list[float], fast: list[float]) -> dict:
@@ -162,13 +146,14 @@ def _kv_vs_recompute(b: Bench, out: dict) -> None:
     for B in (1, 16):
         for L in (50, 100, 200):
             ids, ts, Ls, rt = histories(np.full(B, L), L, I, dev, seed=L + B)
-            t = side_by_side(
+            t = interleaved(
                 {
                     "cached": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
                     "recompute": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt, use_cache=False),
                 },
                 reps,
-                sync,
+                sync=sync,
+                rotate=False,
             )
             sp = pct(t["recompute"], 50) / pct(t["cached"], 50)
             kv[f"L{L}_B{B}"] = {
@@ -209,13 +194,14 @@ def _bucketed_vs_padded(b: Bench, out: dict) -> None:
             continue
         lens = np.minimum(rng.choice(pool, size=mix_users, replace=True), 200)
         ids, ts, Ls, rt = histories(lens, 200, I, dev, seed=1)
-        t = side_by_side(
+        t = interleaved(
             {
                 "bucketed": lambda: eng.generate(ids, ts, Ls, 5, request_time=rt),
                 "padded": lambda: flat.generate(ids, ts, Ls, 5, request_time=rt),
             },
             mix_reps,
-            sync,
+            sync=sync,
+            rotate=False,
         )
         edges = np.array([bucket_edge(int(n)) for n in lens])
         ideal_lin = 200.0 * len(lens) / edges.sum()
@@ -275,14 +261,15 @@ def _prefix_cache(b: Bench, out: dict) -> None:
             if name == "hit":  # the previous visit: 199 events, an earlier request time
                 peng.generate(ids, ts, prev, 1, request_time=ts[:, 198] + 30, user_ids=users)
 
-        t = side_by_side(
+        t = interleaved(
             {
                 "hit": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users),
                 "miss": lambda: peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users),
             },
             reps,
-            sync,
-            setup,
+            sync=sync,
+            rotate=False,
+            setup=setup,
         )
         chk = peng.generate(ids, ts, Ls, kk, request_time=rt, user_ids=users)  # sanity: a stored entry is reused
         assert int(chk.prefix_rows.min()) == 199, chk.prefix_rows
@@ -318,10 +305,11 @@ def _latency_growth(b: Bench, out: dict) -> float:
         e32.warmup()
     h50 = histories(np.full(32, 50), 200, I, dev, seed=50)
     h200 = histories(np.full(32, 200), 200, I, dev, seed=200)
-    t = side_by_side(
+    t = interleaved(
         {"L50": lambda: e32.generate(*h50[:3], 5, request_time=h50[3]), "L200": lambda: e32.generate(*h200[:3], 5, request_time=h200[3])},
         reps,
-        sync,
+        sync=sync,
+        rotate=False,
     )
     growth = pct(t["L200"], 50) / pct(t["L50"], 50)
     out["latency_growth_L50_to_L200_B32"] = {

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hstu.bench.timing import interleaved, latency_stats
 from hstu.config import model_config_from_preset
 from hstu.data.batching import eval_batch
 from hstu.data.prepare import DataSpec, prepare_data
@@ -128,32 +129,6 @@ def make_variants(float_model, src_run: Path, tmp: Path) -> tuple[dict, dict, di
 # ----- timing --------------------------------------------------------------------------------
 
 
-def interleaved(fns: dict, repeats: int, warmup: int) -> dict[str, np.ndarray]:
-    """Seconds per call of each fn, timed in rounds (one call each, order rotated per round)."""
-    names = list(fns)
-    for _ in range(warmup):
-        for n in names:
-            fns[n]()
-    times = {n: [] for n in names}
-    for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for n in order:
-            t0 = time.perf_counter()
-            fns[n]()
-            times[n].append(time.perf_counter() - t0)
-    return {n: np.asarray(v) for n, v in times.items()}
-
-
-def latency_stats(t: np.ndarray, batch: int) -> dict:
-    return {
-        "p50_ms": float(np.percentile(t, 50) * 1e3),
-        "p99_ms": float(np.percentile(t, 99) * 1e3),
-        "mean_ms": float(t.mean() * 1e3),
-        "qps": float(batch * len(t) / t.sum()),
-        "calls": int(len(t)),
-    }
-
-
 def generation_fns(models: dict, ids, ts, lengths, k: int, path: str = "engine") -> dict:
     """One next-k generation of the batch per call, for each variant: through the serving engine
     (hstu.generate.engine.Engine, what ``hstu serve`` runs; path="engine") or the model-level
@@ -216,9 +191,9 @@ def linear_fns(models: dict, ids, ts, lengths, k: int) -> tuple[dict, int]:
 
 def speed(models: dict, ids, ts, lengths, k: int, repeats: int, warmup: int, path: str = "engine") -> dict:
     B = ids.shape[0]
-    gen = interleaved(generation_fns(models, ids, ts, lengths, k, path), repeats, warmup)
+    gen = interleaved(generation_fns(models, ids, ts, lengths, k, path), repeats, warmup=warmup)
     lin_fns, ncalls = linear_fns(models, ids, ts, lengths, k)
-    lin = interleaved(lin_fns, repeats, warmup)
+    lin = interleaved(lin_fns, repeats, warmup=warmup)
     out = {
         "generate": {n: latency_stats(t, B) for n, t in gen.items()},
         "linear_only": {n: {"p50_ms": float(np.percentile(t, 50) * 1e3), "mean_ms": float(t.mean() * 1e3)} for n, t in lin.items()},

@@ -45,20 +45,20 @@ import json
 import os
 import platform
 import random
-import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
-import httpx
 import numpy as np
 import pandas as pd
 
+from hstu.bench import load
+from hstu.bench.load import P99_TARGET_S, Phase, ServerStartError, request_body, run_phase, scrape, step_up, stop_server
+
 REPO = Path(__file__).resolve().parents[1]
-P99_TARGET_S = 0.100
+__all__ = ["REPO", "Phase", "default_data_dir", "load_histories", "run_phase", "scrape", "start_server", "stop_server"]  # soak.py
 
 
 def load_histories(data_dir: Path, keep: int, n: int, seed: int, k: int) -> list[bytes]:
@@ -79,213 +79,16 @@ def load_histories(data_dir: Path, keep: int, n: int, seed: int, k: int) -> list
         s, e = int(starts[u]), int(ends[u])
         cut = rng.randint(s + 1, e)  # history = events before the cut (>= 1 event)
         lo = max(s, cut - keep)
-        hist = [{"item_id": int(i), "timestamp": int(t)} for i, t in zip(items[lo:cut], ts[lo:cut])]
-        bodies.append(json.dumps({"user_id": int(users[s]), "history": hist, "k": k}).encode())
+        bodies.append(request_body(users[s], items[lo:cut], ts[lo:cut], k))
     return bodies
 
 
-class Phase:
-    """Results of one offered-load phase."""
-
-    def __init__(self, name: str, offered: float, seconds: float) -> None:
-        self.name, self.offered, self.seconds = name, offered, seconds
-        self.lat: list[float] = []
-        self.codes: dict[str, int] = {}
-        self.sent = 0
-        self.dropped_client = 0  # not sent: client in-flight cap reached
-
-    def add(self, code: str, latency: float | None) -> None:
-        self.codes[code] = self.codes.get(code, 0) + 1
-        if code == "200" and latency is not None:
-            self.lat.append(latency)
-
-    server_cpu_s: float | None = None  # server process CPU seconds (user + system) during the phase
-    client_cpu_s: float | None = None  # this (load generator) process's CPU seconds during the phase
-
-    def summary(self) -> dict:
-        lat = np.array(self.lat) if self.lat else np.array([np.nan])
-        ok = self.codes.get("200", 0)
-        cpu = None if self.server_cpu_s is None or not self.sent else round(1e3 * self.server_cpu_s / self.sent, 2)
-        ccpu = None if self.client_cpu_s is None or not self.sent else round(1e3 * self.client_cpu_s / self.sent, 2)
-        pct = lambda q: None if not self.lat else round(float(np.percentile(lat, q)) * 1e3, 2)  # noqa: E731
-        return {
-            "phase": self.name,
-            "offered_qps": round(self.offered, 1),
-            "achieved_qps": round(ok / self.seconds, 1),
-            "sent": self.sent,
-            "p50_ms": pct(50),
-            "p90_ms": pct(90),
-            "p99_ms": pct(99),
-            "max_ms": pct(100),
-            "codes": dict(sorted(self.codes.items())),
-            "client_dropped": self.dropped_client,
-            "server_cpu_ms_per_request": cpu,
-            "client_cpu_ms_per_request": ccpu,
-        }
-
-    @property
-    def p99(self) -> float:
-        return float(np.percentile(self.lat, 99)) if self.lat else float("inf")
-
-    @property
-    def all_ok(self) -> bool:
-        return set(self.codes) <= {"200"} and self.dropped_client == 0
-
-
-def _cpu(server) -> float | None:
-    if server is None:
-        return None
-    t = server.cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-async def run_phase(
-    client: aiohttp.ClientSession, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int, server=None
-) -> Phase:
-    """Poisson arrivals at ``phase.offered`` per second for ``phase.seconds``; waits for every answer.
-    ``server``: a psutil.Process of the server, to record its CPU time (None: not recorded)."""
-    loop = asyncio.get_running_loop()
-    cpu0 = _cpu(server)
-    t0 = loop.time()
-    tasks: set[asyncio.Task] = set()
-    headers = {"content-type": "application/json"}
-    client_cpu0 = time.process_time()
-
-    async def one(body: bytes, scheduled: float) -> None:
-        try:
-            async with client.post("/v1/generate", data=body, headers=headers) as r:
-                await r.read()
-                phase.add(str(r.status), loop.time() - scheduled)
-        except asyncio.TimeoutError:
-            phase.add("client_timeout", None)
-        except aiohttp.ClientError as exc:
-            phase.add(f"transport_error:{type(exc).__name__}", None)
-
-    t = t0
-    end = t0 + phase.seconds
-    while True:
-        t += rng.expovariate(phase.offered)
-        if t >= end:
-            break
-        delay = t - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if len(tasks) >= max_in_flight:
-            phase.dropped_client += 1
-            continue
-        phase.sent += 1
-        task = loop.create_task(one(bodies[rng.randrange(len(bodies))], t))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.wait(tasks)
-    if cpu0 is not None:
-        phase.server_cpu_s = _cpu(server) - cpu0
-    phase.client_cpu_s = time.process_time() - client_cpu0
-    return phase
-
-
-def stop_server(proc: subprocess.Popen) -> int | str:
-    """SIGTERM (graceful drain), then the exit code; killed after 60 s (then that is the answer)."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return "killed after 60 s"
-
-
-def scrape(url: str) -> dict:
-    """Server-side view from /metrics: batches, mean batch size and model time, mean server
-    latency of answered requests, rejections by reason."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    tot: dict[str, float] = {}
-    rejected = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split("{")[0].split()[0]
-        if name in (
-            "hstu_serve_batch_size_sum",
-            "hstu_serve_batch_size_count",
-            "hstu_serve_batch_duration_seconds_sum",
-            "hstu_serve_request_duration_seconds_sum",
-            "hstu_serve_request_duration_seconds_count",
-        ):
-            tot[name] = tot.get(name, 0.0) + float(line.split()[-1])
-        elif name == "hstu_serve_rejected_requests_total":
-            rejected[re.search(r'reason="([^"]+)"', line).group(1)] = float(line.split()[-1])
-    n = tot.get("hstu_serve_batch_size_count", 0.0)
-    r = tot.get("hstu_serve_request_duration_seconds_count", 0.0)
-    return {
-        "batches": int(n),
-        "mean_batch_size": round(tot.get("hstu_serve_batch_size_sum", 0.0) / n, 2) if n else 0.0,
-        "mean_batch_ms": round(1e3 * tot.get("hstu_serve_batch_duration_seconds_sum", 0.0) / n, 2) if n else None,
-        "mean_server_latency_ms": round(1e3 * tot.get("hstu_serve_request_duration_seconds_sum", 0.0) / r, 2) if r else None,
-        "rejected": rejected,
-    }
-
-
 def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
-    if args.url:
-        return None, args.url.rstrip("/"), None
-    cmd = [
-        sys.executable,
-        "-m",
-        "hstu.cli",
-        "serve",
-        "--run",
-        args.run,
-        "--port",
-        "0",
-        "--max-batch",
-        str(args.max_batch),
-        "--max-wait-ms",
-        str(args.max_wait_ms),
-        "--cold-start",
-        "reject",
-        "--threads",
-        str(args.threads),
-    ]
-    if args.buckets:
-        cmd += ["--buckets", args.buckets]
-    if args.precision:
-        cmd += ["--precision", args.precision]
-    cmd += ["--model-workers", str(args.model_workers)] if args.model_workers else ["--no-model-process"]
-    cmd += list(getattr(args, "server_args", None) or [])  # further `hstu serve` flags of a caller (benchmarks/soak.py)
-    cpus = None
-    ncpu = os.cpu_count() or 1
-    if args.server_cpus:
-        cpus = [int(c) for c in args.server_cpus.split(",")]
-    elif ncpu > 2:
-        cpus = [0, 1]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not args.verbose else None, text=True, env=env, cwd=REPO, preexec_fn=pre
-    )
-    line = proc.stdout.readline()
-    m = re.search(r"listening on (http://\S+)", line)
-    if not m:
-        proc.kill()
-        sys.exit(f"serve_load: server did not start (got {line!r}); run `{' '.join(cmd)}` to see why")
-    url = m.group(1)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            sys.exit("serve_load: server not ready within 120 s")
-        time.sleep(0.2)
-    if cpus is not None and args.client_cpus_rest:
-        rest = [c for c in range(ncpu) if c not in cpus]
-        if rest:
-            os.sched_setaffinity(0, rest)
-    return proc, url, cpus
+    """:func:`hstu.bench.load.start_server`, exiting with its message when the server does not start."""
+    try:
+        return load.start_server(args)
+    except ServerStartError as exc:
+        sys.exit(f"serve_load: {exc}")
 
 
 async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
@@ -296,19 +99,17 @@ async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
     async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout) as client:
         # warm the connections and the server's code paths (not measured)
         await run_phase(client, bodies, Phase("warmup", min(50.0, args.steps[0]), 1.0), rng, args.max_in_flight)
-        steps: list[Phase] = []
-        misses = 0
-        for qps in args.steps:
-            if time.monotonic() - t_start > args.budget_s * 0.6:
-                break
-            ph = await run_phase(client, bodies, Phase(f"step {qps:g}", qps, args.step_s), rng, args.max_in_flight, server)
-            steps.append(ph)
-            print(json.dumps(ph.summary()), flush=True)
-            misses = misses + 1 if (ph.p99 > P99_TARGET_S or not ph.all_ok) else 0
-            if misses == 2:  # two failing steps in a row: past the knee (one alone may be a noisy neighbour)
-                break
-        good = [p for p in steps if p.p99 <= P99_TARGET_S and p.all_ok]
-        best = max(good, key=lambda p: p.summary()["achieved_qps"]) if good else None
+        steps, best = await step_up(
+            client,
+            bodies,
+            args.steps,
+            args.step_s,
+            rng,
+            max_in_flight=args.max_in_flight,
+            server=server,
+            deadline=t_start + args.budget_s * 0.6,
+            echo=True,
+        )
         best_qps = best.summary()["achieved_qps"] if best else 0.0
         over_qps = 2 * (best_qps if best_qps > 0 else args.steps[0])
         await asyncio.sleep(1.0)
@@ -436,7 +237,7 @@ def main(argv=None) -> int:
             "epochs": met.get("epochs"),
             "test_NDCG@10": (met.get("test") or {}).get("NDCG@10"),
         }
-    from _quality import git_commit  # after the run: the client never imports torch while it measures
+    from hstu.bench.env import git_commit  # after the run: the client never imports torch while it measures
 
     res.update(
         {

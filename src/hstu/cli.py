@@ -339,6 +339,7 @@ def cmd_demo(args) -> int:
     )
     print(
         f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n"
+    "hstu.bench.cli": (("bench",), "bench"),
     )
     rec = Recommender.from_run(out, args.device)
     cfg = read_json(out / "config.json")

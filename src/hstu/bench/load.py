@@ -1,0 +1,342 @@
+"""The HTTP load generator of ``hstu bench --serve``, ``benchmarks/serve_load.py`` and
+``benchmarks/soak.py``: starts ``hstu serve`` as a subprocess, offers open-loop Poisson arrivals at
+increasing rates and finds the highest rate whose answers all came back 200 with P99 <= 100 ms.
+
+Latency is measured from each request's *scheduled* send time, so a client or server that falls
+behind is charged for it (no coordinated omission: Tene, "How NOT to measure latency", 2015). The
+client is one asyncio process with aiohttp (about 1 ms of client CPU per request; httpx costs about
+5 ms, a quarter of a core at 50 QPS taken from the server under test on a small machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+
+import hstu
+
+P99_TARGET_S = 0.100
+SRC = Path(hstu.__file__).resolve().parents[1]  # the directory holding the hstu package (PYTHONPATH of the server)
+
+
+class ServerStartError(RuntimeError):
+    """``hstu serve`` did not start or did not become ready; the message says how to see why."""
+
+
+def request_body(user_id: int, items, timestamps, k: int) -> bytes:
+    """A pre-encoded ``POST /v1/generate`` body: original item ids and Unix-second timestamps, oldest first."""
+    hist = [{"item_id": int(i), "timestamp": int(t)} for i, t in zip(items, timestamps)]
+    return json.dumps({"user_id": int(user_id), "history": hist, "k": int(k)}).encode()
+
+
+class Phase:
+    """Results of one offered-load phase."""
+
+    def __init__(self, name: str, offered: float, seconds: float) -> None:
+        self.name, self.offered, self.seconds = name, offered, seconds
+        self.lat: list[float] = []
+        self.codes: dict[str, int] = {}
+        self.sent = 0
+        self.dropped_client = 0  # not sent: client in-flight cap reached
+
+    def add(self, code: str, latency: float | None) -> None:
+        self.codes[code] = self.codes.get(code, 0) + 1
+        if code == "200" and latency is not None:
+            self.lat.append(latency)
+
+    server_cpu_s: float | None = None  # server process CPU seconds (user + system) during the phase
+    client_cpu_s: float | None = None  # this (load generator) process's CPU seconds during the phase
+
+    def summary(self) -> dict:
+        lat = np.array(self.lat) if self.lat else np.array([np.nan])
+        ok = self.codes.get("200", 0)
+        cpu = None if self.server_cpu_s is None or not self.sent else round(1e3 * self.server_cpu_s / self.sent, 2)
+        ccpu = None if self.client_cpu_s is None or not self.sent else round(1e3 * self.client_cpu_s / self.sent, 2)
+        pct = lambda q: None if not self.lat else round(float(np.percentile(lat, q)) * 1e3, 2)  # noqa: E731
+        return {
+            "phase": self.name,
+            "offered_qps": round(self.offered, 1),
+            "achieved_qps": round(ok / self.seconds, 1),
+            "sent": self.sent,
+            "p50_ms": pct(50),
+            "p90_ms": pct(90),
+            "p99_ms": pct(99),
+            "max_ms": pct(100),
+            "codes": dict(sorted(self.codes.items())),
+            "client_dropped": self.dropped_client,
+            "server_cpu_ms_per_request": cpu,
+            "client_cpu_ms_per_request": ccpu,
+        }
+
+    @property
+    def p99(self) -> float:
+        return float(np.percentile(self.lat, 99)) if self.lat else float("inf")
+
+    @property
+    def all_ok(self) -> bool:
+        return set(self.codes) <= {"200"} and self.dropped_client == 0
+
+
+def _cpu(server) -> float | None:
+    if server is None:
+        return None
+    t = server.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+async def run_phase(
+    client: aiohttp.ClientSession, bodies: list[bytes], phase: Phase, rng: random.Random, max_in_flight: int, server=None
+) -> Phase:
+    """Poisson arrivals at ``phase.offered`` per second for ``phase.seconds``; waits for every answer.
+    ``server``: a psutil.Process of the server, to record its CPU time (None: not recorded)."""
+    loop = asyncio.get_running_loop()
+    cpu0 = _cpu(server)
+    t0 = loop.time()
+    tasks: set[asyncio.Task] = set()
+    headers = {"content-type": "application/json"}
+    client_cpu0 = time.process_time()
+
+    async def one(body: bytes, scheduled: float) -> None:
+        try:
+            async with client.post("/v1/generate", data=body, headers=headers) as r:
+                await r.read()
+                phase.add(str(r.status), loop.time() - scheduled)
+        except asyncio.TimeoutError:
+            phase.add("client_timeout", None)
+        except aiohttp.ClientError as exc:
+            phase.add(f"transport_error:{type(exc).__name__}", None)
+
+    t = t0
+    end = t0 + phase.seconds
+    while True:
+        t += rng.expovariate(phase.offered)
+        if t >= end:
+            break
+        delay = t - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if len(tasks) >= max_in_flight:
+            phase.dropped_client += 1
+            continue
+        phase.sent += 1
+        task = loop.create_task(one(bodies[rng.randrange(len(bodies))], t))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.wait(tasks)
+    if cpu0 is not None:
+        phase.server_cpu_s = _cpu(server) - cpu0
+    phase.client_cpu_s = time.process_time() - client_cpu0
+    return phase
+
+
+def stop_server(proc: subprocess.Popen) -> int | str:
+    """SIGTERM (graceful drain), then the exit code; killed after 60 s (then that is the answer)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "killed after 60 s"
+
+
+def scrape(url: str) -> dict:
+    """Server-side view from /metrics: batches, mean batch size and model time, mean server
+    latency of answered requests, rejections by reason."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    tot: dict[str, float] = {}
+    rejected = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{")[0].split()[0]
+        if name in (
+            "hstu_serve_batch_size_sum",
+            "hstu_serve_batch_size_count",
+            "hstu_serve_batch_duration_seconds_sum",
+            "hstu_serve_request_duration_seconds_sum",
+            "hstu_serve_request_duration_seconds_count",
+        ):
+            tot[name] = tot.get(name, 0.0) + float(line.split()[-1])
+        elif name == "hstu_serve_rejected_requests_total":
+            rejected[re.search(r'reason="([^"]+)"', line).group(1)] = float(line.split()[-1])
+    n = tot.get("hstu_serve_batch_size_count", 0.0)
+    r = tot.get("hstu_serve_request_duration_seconds_count", 0.0)
+    return {
+        "batches": int(n),
+        "mean_batch_size": round(tot.get("hstu_serve_batch_size_sum", 0.0) / n, 2) if n else 0.0,
+        "mean_batch_ms": round(1e3 * tot.get("hstu_serve_batch_duration_seconds_sum", 0.0) / n, 2) if n else None,
+        "mean_server_latency_ms": round(1e3 * tot.get("hstu_serve_request_duration_seconds_sum", 0.0) / r, 2) if r else None,
+        "rejected": rejected,
+    }
+
+
+def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
+    """``hstu serve`` on 127.0.0.1, an OS-chosen port, waited for until /readyz answers 200 (120 s), or
+    ``args.url`` when set. ``args`` fields: url, run, max_batch, max_wait_ms, threads, buckets,
+    precision, model_workers (0: no model process), server_args (more flags), server_cpus ("0,1"),
+    client_cpus_rest, verbose. Returns (process or None, base URL, the server's CPUs or None).
+
+    Raises:
+        ServerStartError: the server printed no "listening on" line or was not ready in time.
+    """
+    if args.url:
+        return None, args.url.rstrip("/"), None
+    cmd = [
+        sys.executable,
+        "-m",
+        "hstu.cli",
+        "serve",
+        "--run",
+        args.run,
+        "--port",
+        "0",
+        "--max-batch",
+        str(args.max_batch),
+        "--max-wait-ms",
+        str(args.max_wait_ms),
+        "--cold-start",
+        "reject",
+        "--threads",
+        str(args.threads),
+    ]
+    if args.buckets:
+        cmd += ["--buckets", args.buckets]
+    if args.precision:
+        cmd += ["--precision", args.precision]
+    cmd += ["--model-workers", str(args.model_workers)] if args.model_workers else ["--no-model-process"]
+    cmd += list(getattr(args, "server_args", None) or [])  # further `hstu serve` flags of a caller (benchmarks/soak.py)
+    cpus = None
+    ncpu = os.cpu_count() or 1
+    if args.server_cpus:
+        cpus = [int(c) for c in args.server_cpus.split(",")]
+    elif ncpu > 2:
+        cpus = [0, 1]
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not args.verbose else None, text=True, env=env, preexec_fn=pre
+    )
+    line = proc.stdout.readline()
+    m = re.search(r"listening on (http://\S+)", line)
+    if not m:
+        proc.kill()
+        raise ServerStartError(f"hstu serve did not start (got {line!r}); run `{' '.join(cmd)}` to see why")
+    url = m.group(1)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise ServerStartError("hstu serve was not ready within 120 s")
+        time.sleep(0.2)
+    if cpus is not None and args.client_cpus_rest:
+        rest = [c for c in range(ncpu) if c not in cpus]
+        if rest:
+            os.sched_setaffinity(0, rest)
+    return proc, url, cpus
+
+
+async def step_up(
+    client,
+    bodies: list[bytes],
+    steps: list[float],
+    step_s: float,
+    rng: random.Random,
+    *,
+    max_in_flight: int = 2000,
+    server=None,
+    deadline: float = float("inf"),
+    echo: bool = False,
+) -> tuple[list[Phase], Phase | None]:
+    """Offered loads ``steps`` (requests/s) for ``step_s`` seconds each, stopping after two steps in a
+    row with P99 > 100 ms or any answer other than 200 (one alone may be a noisy neighbour) or at
+    ``deadline`` (time.monotonic()). Returns (the phases run, the one with the highest achieved QPS
+    that kept P99 <= 100 ms with only 200s, or None)."""
+    done: list[Phase] = []
+    misses = 0
+    for qps in steps:
+        if time.monotonic() > deadline:
+            break
+        ph = await run_phase(client, bodies, Phase(f"step {qps:g}", qps, step_s), rng, max_in_flight, server)
+        done.append(ph)
+        if echo:
+            print(json.dumps(ph.summary()), flush=True)
+        misses = misses + 1 if (ph.p99 > P99_TARGET_S or not ph.all_ok) else 0
+        if misses == 2:
+            break
+    good = [p for p in done if p.p99 <= P99_TARGET_S and p.all_ok]
+    return done, (max(good, key=lambda p: p.summary()["achieved_qps"]) if good else None)
+
+
+async def _max_qps(url: str, bodies: list[bytes], steps: list[float], step_s: float, seed: int, deadline: float) -> dict:
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession(
+        base_url=url, connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(total=30)
+    ) as client:
+        await run_phase(client, bodies, Phase("warmup", min(20.0, steps[0]), 1.0), rng, 2000)
+        done, best = await step_up(client, bodies, steps, step_s, rng, deadline=deadline)
+    s = best.summary() if best else None
+    return {
+        "max_qps": s["achieved_qps"] if s else 0.0,
+        "p50_ms": s["p50_ms"] if s else None,
+        "p99_ms": s["p99_ms"] if s else None,
+        "steps": [p.summary() for p in done],
+    }
+
+
+def serve_figures(
+    run,
+    precision: str,
+    bodies: list[bytes],
+    *,
+    steps: list[float],
+    step_s: float,
+    max_batch: int = 16,
+    buckets: str | None = None,
+    threads: int = 1,
+    budget_s: float = 120.0,
+    seed: int = 0,
+) -> dict:
+    """The HTTP figures of one precision: ``hstu serve --run run --precision precision`` (one model
+    process, ``threads`` torch threads) under :func:`step_up`; returns ``max_qps`` (highest achieved
+    QPS with P99 <= 100 ms and only 200s; 0.0 when no step kept it), ``p50_ms`` / ``p99_ms`` there
+    (None then), ``steps``, ``server_exit_code``. Raises ServerStartError when the server does not start."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        url=None,
+        run=str(run),
+        max_batch=max_batch,
+        max_wait_ms=5.0,
+        threads=threads,
+        buckets=buckets,
+        precision=precision,
+        model_workers=1,
+        server_args=[],
+        server_cpus=",".join(str(c) for c in range(os.cpu_count() or 1)),  # the whole machine (no pinning)
+        client_cpus_rest=False,
+        verbose=False,
+    )
+    proc, url, _ = start_server(args)
+    try:
+        out = asyncio.run(_max_qps(url, bodies, steps, step_s, seed, time.monotonic() + budget_s))
+    finally:
+        out_rc = stop_server(proc)
+    return {**out, "server_exit_code": out_rc}

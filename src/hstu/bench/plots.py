@@ -1,0 +1,51 @@
+"""PNG plots of an ``hstu bench`` result: P50 latency per history length (the sweep at its batch
+size; one line per column) and the latency CDF per precision (every timed call at the batch size).
+matplotlib is the ``plot`` extra; without it no file is written and the reason is returned."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hstu.bench.table import columns
+
+
+def write_plots(results: list[dict], out: Path) -> tuple[list[Path], str | None]:
+    """``latency_per_length.png`` and ``latency_cdf.png`` under ``out`` for every measured column of
+    ``results``; returns (files written, None) or ([], why none were: matplotlib absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not installed (pip install 'hstu[plot]'): no PNG plots"
+    cols = [(label, c) for label, c in columns(results) if "unavailable" not in c and c.get("times_ms")]
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, c in cols:
+        pts = sorted((int(L), v["p50_ms"]) for L, v in c["sweep"]["lengths"].items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set(xlabel="history length (events)", ylabel="P50 latency per call (ms)", title="next-k latency per history length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    files.append(_save(fig, plt, out / "latency_per_length.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, c in cols:
+        t = np.sort(np.asarray(c["times_ms"]))
+        ax.step(t, np.arange(1, t.size + 1) / t.size, where="post", label=f"{label} (batch {c.get('batch', '?')})")
+    ax.set(xlabel="latency per call (ms)", ylabel="fraction of calls", title="latency CDF per precision")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    files.append(_save(fig, plt, out / "latency_cdf.png"))
+    return files, None
+
+
+def _save(fig, plt, path: Path) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(path)
+    return path

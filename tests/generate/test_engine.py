@@ -252,6 +252,25 @@ def test_decode_bias_formed_once_equals_bias_formed_every_step(norm, heads):
         close(a.scores, b.scores, rtol=1e-6)
 
 
+def test_engine_takes_the_models_kernel_set_unless_one_is_named():
+    """No ``kernels`` argument: the engine runs the model's own set (``model.kernels``, what training
+    and evaluation run), not a device default; a named set comes from the device backend's registry
+    ("auto" = that backend's default_kernels)."""
+    from dataclasses import replace
+
+    from hstu.backend import for_device
+    from hstu.model.kernels import REFERENCE, get_kernels
+
+    m = small_model(seed=4)
+    own = replace(REFERENCE, name="model-own-set")  # registered nowhere: only the model holds it
+    m.kernels = own
+    assert Engine(m, buckets=EDGES, max_batch=2, k_max=2).kernels is own
+    named = Engine(m, buckets=EDGES, max_batch=2, k_max=2, kernels="reference").kernels
+    assert named is REFERENCE
+    auto = Engine(m, buckets=EDGES, max_batch=2, k_max=2, kernels="auto").kernels
+    assert auto is get_kernels("cpu", for_device(torch.device("cpu")).default_kernels)
+
+
 def test_truncation_keeps_most_recent_events(model):
     eng = Engine(model, buckets=(10, 20), max_batch=4, k_max=6)
     ids, ts, L, rt = histories([35, 20, 3], width=40, seed=13)
@@ -321,7 +340,7 @@ def test_bad_construction(model):
         Engine(model, buckets=(20,), k_max=6, graphs="turbo")
     with pytest.raises(ValueError, match="needs a cuda device"):
         Engine(model, buckets=(20,), k_max=6, graphs="cuda_graph")
-    with pytest.raises(ValueError, match="no kernel set"):
+    with pytest.raises(ValueError, match="flash"):
         Engine(model, buckets=(20,), k_max=6, kernels="flash")
 
 

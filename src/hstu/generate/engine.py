@@ -4,7 +4,7 @@ pool per bucket, graph capture / compilation per bucket, beam search, user-prefi
 API (what a server calls)::
 
     eng = Engine(model, buckets=(20, 50, 100, 200), max_batch=16, k_max=10, device="cpu",
-                 kernels="auto", graphs="auto", prefix_cache_bytes=0)
+                 kernels=None, graphs="auto", prefix_cache_bytes=0)
     eng.bucket_for(length) -> int                     # bucket edge a history of that length runs in
     eng.warmup() -> dict[int, float]                  # capture / compile every bucket now (s per bucket)
     eng.cache_bytes_per_bucket() -> dict[int, int]    # preallocated pool bytes per bucket edge
@@ -28,7 +28,7 @@ From a Recommender's prepared histories (what a server does; tests/generate/test
 
 Inputs are padded (B, W) int64 tensors on the engine's device, rows of any lengths in one call
 (users are grouped by bucket, chunked by ``max_batch``, results returned in input order).
-``exclude`` is the (B, I+1) bool mask of :func:`hstu.generate.decode.exclusion_mask` (history,
+``exclude`` is the (B, I+1) bool mask of :func:`hstu.generate.sampler.exclusion_mask` (history,
 block lists) and gets the generated items added in place; already generated items are always
 excluded. Not thread-safe: one caller at a time (a server's batcher thread).
 
@@ -72,13 +72,14 @@ model's fixed width, I items.
   use); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "auto": cuda_graph on CUDA,
   npu_graph on NPU when available, eager on CPU (inductor compilation took ~340 s for two
   buckets on the shared 2-core dev machine; ask for it by name).
-- Kernels: a :class:`hstu.model.kernels.KernelSet` from the per-backend registry ("auto":
-  the reference on CPU / CUDA, the float64-free set on NPU; "triton" on CUDA by name).
+- Kernels: the model's own :class:`hstu.model.kernels.KernelSet` (``model.kernels``, the set
+  training and evaluation run), or one named from the device backend's registry ("auto": the
+  backend's ``default_kernels``; "triton" on CUDA by name).
 - Prefix cache (``prefix_cache_bytes`` > 0 and ``user_ids`` given): see prefix_cache.py.
   A hit copies the cached rows 0..P-1 into the pool and computes only rows P..L-1 (the new
   events and the old last row, whose time bias used the old request time).
 - Decoding: greedy; "topk" (seeded sampling among the top_k best at ``temperature``; the same
-  call with the same seed returns the same items; :func:`hstu.generate.decode.sample_topk`, finite for
+  call with the same seed returns the same items; :func:`hstu.generate.sampler.sample_topk`, finite for
   any temperature > 0); "beam" (width W, ranked by the **sum of
   log-probabilities**, log-softmax over the non-excluded items; every beam has length k, so
   length normalisation would not change the ranking; width 1 equals greedy). With a
@@ -97,18 +98,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import torch
 
-from hstu.generate.sampler import GenerationResult, check_candidates, pick
-from hstu.generate.hardening import check_inputs_on, harden
-from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.backend import for_device
 from hstu.generate import decode_loop, runners
-from hstu.generate.requests import truncate, validate_request
-from hstu.generate.pool import BucketPool, ladder
+from hstu.generate.hardening import harden
+from hstu.generate.pool import BucketPool, batch_sizes_for
+from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
+from hstu.generate.requests import EngineResult, Prepared, check_engine_sizes, prepare_request
+from hstu.generate.sampler import pick
 from hstu.model.hstu import HSTUModel
 from hstu.model.kernels import KernelSet, get_kernels
 
@@ -116,17 +116,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (20, 50, 100, 200)
 TB_CHUNK_ELEMENTS = 1 << 15  # (query, key) pairs per time-bucket call on CPU: int64 / float64 passes of 256 KB stay in L2
-
-
-@dataclass
-class EngineResult(GenerationResult):
-    """GenerationResult plus: bucket (B,) int64 edge each row ran in; truncated (B,) int64 events
-    cut from the oldest end; prefix_rows (B,) int64 rows reused from the prefix cache (0 = miss)."""
-
-    bucket: torch.Tensor | None = None
-    truncated: torch.Tensor | None = None
-    prefix_rows: torch.Tensor | None = None
-    warnings: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -139,7 +128,10 @@ class Engine:
         max_batch: pool rows per bucket (users per chunk; beam search runs max_batch // W users).
         k_max: the largest k a call may ask for (<= model max_output_len).
         device: "cpu", "cuda", "cuda:1", "npu", ... or None for the model's device.
-        kernels: kernel-set name for the backend ("auto", "reference", "triton", "npu").
+        kernels: None (default) = the model's own set (``model.kernels``, what training and
+            evaluation run); or a kernel-set name for the device's backend ("auto" = the backend's
+            ``default_kernels``, "reference", "triton", "npu"), resolved by
+            :func:`hstu.model.kernels.get_kernels` for the platform object's name.
         graphs: "auto" | "eager" | "compile" | "cuda_graph" | "npu_graph".
         batch_sizes: padded batch sizes (default: powers of two up to max_batch under graph
             capture, (max_batch,) under "compile", every size 1..max_batch in eager mode).
@@ -147,7 +139,8 @@ class Engine:
         compile_backend: torch.compile backend under graphs="compile" ("inductor"; "aot_eager"
             traces the same graphs without code generation, which the tests use).
     Raises:
-        ValueError: bad buckets / sizes / graph mode (the message quotes the value).
+        ValueError: bad buckets / sizes / graph mode / kernel-set name (the message quotes the value).
+        RuntimeError: a named kernel set that cannot run here (the reason).
     """
 
     def __init__(
@@ -158,32 +151,23 @@ class Engine:
         max_batch: int = 16,
         k_max: int = 10,
         device: torch.device | str | None = None,
-        kernels: str = "auto",
+        kernels: str | None = None,
         graphs: str = "auto",
         batch_sizes: Sequence[int] | None = None,
         prefix_cache_bytes: int = 0,
         compile_backend: str = "inductor",
     ) -> None:
-        cfg = model.cfg
-        edges = tuple(int(b) for b in buckets)
-        if not edges or any(b <= 0 for b in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
-            raise ValueError(f"buckets must be increasing positive edges, got {list(buckets)}")
-        if edges[-1] > cfg.max_seq_len:
-            raise ValueError(f"largest bucket {edges[-1]} exceeds the model max_seq_len={cfg.max_seq_len}")
-        if not 1 <= k_max <= cfg.max_output_len:
-            raise ValueError(f"k_max must be in 1..max_output_len={cfg.max_output_len}, got {k_max}")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.edges = check_engine_sizes(model.cfg, buckets, max_batch, k_max)
+        self.max_batch, self.k_max = int(max_batch), int(k_max)
         dev = torch.device(device) if device is not None else next(model.parameters()).device
-        self.platform = for_device(dev)  # graph capture, host or device memory (hstu.backend)
+        self.platform = for_device(dev)  # graph capture, host or device memory, kernel sets (hstu.backend)
         dev = dev if self.platform.is_host else self.platform.device  # "cuda" -> the current cuda:N
         self.device = dev
         self.model = harden(model.to(dev), dev)
         self.dtype = model.pos_emb.weight.dtype  # activations and KV cache
         with torch.inference_mode():  # similarity / scores: item_vectors' dtype (float32 for 16-bit models)
             self.score_dtype = self.model.item_vectors(0, 1).dtype
-        self.edges, self.max_batch, self.k_max = edges, int(max_batch), int(k_max)
-        self.kernels: KernelSet = get_kernels(dev.type, kernels)
+        self.kernels: KernelSet = self.model.kernels if kernels is None else get_kernels(self.platform.name, kernels)
         self.graphs = self.platform.resolve_graph_mode(graphs)
         # causal row blocks of a prefill's attention from 64 rows (1: one square; None: 2, or 4 from 150 rows).
         # Measured (small ML-1M model, one thread, next-5 of 16 histories at bucket 200): 4 blocks with
@@ -191,50 +175,42 @@ class Engine:
         self.prefill_blocks: int | None = None
         self.tb_chunk_elements = TB_CHUNK_ELEMENTS  # time buckets in groups of batch rows (runners.time_buckets); 0: one call
         self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
-        if batch_sizes is None:  # static batch shapes only where something is captured
-            batch_sizes = {"compile": (self.max_batch,), "eager": tuple(range(1, self.max_batch + 1))}.get(
-                self.graphs, ladder(self.max_batch)
-            )
-        self.batch_sizes = tuple(sorted(int(b) for b in batch_sizes))
-        if self.batch_sizes[-1] != self.max_batch or self.batch_sizes[0] < 1:
-            raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")
+        self.batch_sizes = batch_sizes_for(self.graphs, self.max_batch, batch_sizes)
         self.compile_backend = compile_backend
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._buckets = {E: BucketPool(self, E) for E in edges}
+        self._buckets = {E: BucketPool(self, E) for E in self.edges}
         self._recompute: dict[int, BucketPool] = {}  # use_cache=False buckets (width E + K), made on first use
-        self._arange = torch.arange(cfg.width + k_max + 2, device=dev)
-        R = self.max_batch
-        self._bidx = self._arange[:R]
-        self._excl = torch.zeros(R, cfg.num_items + 1, dtype=torch.bool, device=dev)
-        self._excl_scratch = torch.zeros_like(self._excl)
-        self._scores = torch.zeros(R, cfg.num_items + 1, dtype=self.score_dtype, device=dev)
-        self._out_items = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
-        self._out_scores = torch.zeros(R, k_max, dtype=self.score_dtype, device=dev)
-        self._out_actions = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
-        self._items_scratch = torch.zeros(R, k_max, dtype=torch.int64, device=dev)
-        self._scores_scratch = torch.zeros(R, k_max, dtype=self.score_dtype, device=dev)
-        self._zero_tb = torch.zeros(R, 1, k_max, dtype=torch.int64, device=dev)  # bucket(|rt - rt|) = 0
-        self._gen = torch.Generator(device=dev)
+        self._decode_buffers()
         self.refresh()
+        self._log_setup()
+
+    def _decode_buffers(self) -> None:
+        """The decode loop's buffers, shared by the buckets: (R, I+1) exclusion, scores; (R, k_max)
+        picks; allocated once (the loop writes them in place)."""
+        R, K, I1, dev = self.max_batch, self.k_max, self.model.cfg.num_items + 1, self.device
+        self._arange = torch.arange(self.model.cfg.width + K + 2, device=dev)
+        self._bidx = self._arange[:R]
+        self._excl = torch.zeros(R, I1, dtype=torch.bool, device=dev)
+        self._excl_scratch = torch.zeros_like(self._excl)
+        self._scores = torch.zeros(R, I1, dtype=self.score_dtype, device=dev)
+        self._out_items = torch.zeros(R, K, dtype=torch.int64, device=dev)
+        self._out_scores = torch.zeros(R, K, dtype=self.score_dtype, device=dev)
+        self._out_actions = torch.zeros(R, K, dtype=torch.int64, device=dev)
+        self._items_scratch = torch.zeros(R, K, dtype=torch.int64, device=dev)
+        self._scores_scratch = torch.zeros(R, K, dtype=self.score_dtype, device=dev)
+        self._zero_tb = torch.zeros(R, 1, K, dtype=torch.int64, device=dev)  # bucket(|rt - rt|) = 0
+        self._gen = torch.Generator(device=dev)
+
+    def _log_setup(self) -> None:
         for E, b in self._buckets.items():
             log.info(
                 "engine bucket %d: KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
-                E,
-                b.kv_bytes() / 2**20,
-                R,
-                b.C,
-                k_max,
-                cfg.num_blocks,
-                b.total_bytes() / 2**20,
+                *(E, b.kv_bytes() / 2**20, self.max_batch, b.C, self.k_max, self.model.cfg.num_blocks, b.total_bytes() / 2**20),
             )
+        cache = f"{self.prefix.max_bytes / 2**20:.1f} MiB" if self.prefix else "off"
         log.info(
             "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, prefix cache %s",
-            dev,
-            self.kernels.name,
-            self.kernels.note,
-            self.graphs,
-            list(self.batch_sizes),
-            f"{prefix_cache_bytes / 2**20:.1f} MiB" if self.prefix else "off",
+            *(self.device, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes), cache),
         )
 
     # ----- setup -----
@@ -360,92 +336,32 @@ class Engine:
         Raises:
             ValueError: see the module docstring. StrayTensorError: an input on another device.
         """
-        c = self.model.cfg
-        B = validate_request(self, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids)
-        dev = self.device
-        warnings: list[str] = []
-        lengths = lengths.clone()
-        zeros = torch.zeros_like(ids)
-        actions = actions if actions is not None else zeros
-        categories = categories if categories is not None else zeros
-        if request_time is None:
-            request_time = timestamps.gather(1, (lengths - 1).clamp(min=0).view(B, 1)).view(B)
-        check_inputs_on(dev, request_time=request_time, item_category=item_category)
-        ids, timestamps, actions, categories, lengths, truncated = truncate(
-            self.edges[-1], ids, timestamps, actions, categories, lengths, warnings
-        )
-        if exclude is None:
-            exclude = torch.zeros(B, c.num_items + 1, dtype=torch.bool, device=dev)
-        exclude[:, 0] = True
-        W = beam_width if strategy == "beam" else 1
-        check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
-        if strategy == "beam" and W > self.max_batch:
-            raise ValueError(f"beam_width={W} exceeds max_batch={self.max_batch} (pool rows)")
-        out = EngineResult(
-            items=torch.zeros(B, k, dtype=torch.int64, device=dev),
-            scores=torch.zeros(B, k, dtype=self.score_dtype, device=dev),
-            actions=torch.zeros(B, k, dtype=torch.int64, device=dev) if self.model.action_head is not None else None,
-            beam_logprob=torch.zeros(B, dtype=self.score_dtype, device=dev) if strategy == "beam" else None,
-            truncated=truncated,
-            prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev),
-            warnings=warnings,
-        )
+        r = prepare_request(
+            self, ids, timestamps, lengths, k, request_time=request_time, exclude=exclude, strategy=strategy, top_k=top_k,
+            temperature=temperature, beam_width=beam_width, actions=actions, categories=categories, item_category=item_category,
+            user_ids=user_ids, use_cache=use_cache, bucket=bucket,
+        )  # fmt: skip
         self._gen.manual_seed(seed)
-        L_host = lengths.tolist()
-        if bucket is not None:
-            if bucket not in self.edges:
-                raise ValueError(f"bucket={bucket} is not one of the engine's buckets {list(self.edges)}")
-            if max(L_host) > bucket:
-                raise ValueError(f"bucket={bucket}: row {L_host.index(max(L_host))} has {max(L_host)} events")
-        bucket_of = [bucket or self.bucket_for(L) for L in L_host]
-        out.bucket = torch.tensor(bucket_of, dtype=torch.int64, device=dev)
-        req = dict(
-            ids=ids,
-            timestamps=timestamps,
-            lengths=lengths,
-            actions=actions,
-            categories=categories,
-            request_time=request_time,
-            exclude=exclude,
-            item_category=item_category,
-        )
-        self._run_buckets(bucket_of, L_host, W, k, strategy, top_k, temperature, req, out, user_ids, use_cache)
-        return out
+        self._run_buckets(r)
+        return r.out
 
-    def _run_buckets(
-        self, bucket_of: list[int], L_host: list[int], W, k, strategy, top_k, temperature, req: dict, out: EngineResult, user_ids, use_cache
-    ) -> None:
+    def _run_buckets(self, r: Prepared) -> None:
         """Every bucket's rows, prefix-cache hits apart from misses, in chunks of max_batch // W users."""
-        per_group = max(1, self.max_batch // W)
+        per_group = max(1, self.max_batch // r.width)
         for E in self.edges:
-            rows = [i for i in range(len(bucket_of)) if bucket_of[i] == E]
-            if not rows:
-                continue
+            rows = [i for i in range(len(r.bucket_of)) if r.bucket_of[i] == E]
             hits: dict[int, PrefixEntry] = {}
-            if self.prefix is not None and user_ids is not None and use_cache:
+            if rows and self.prefix is not None and r.user_ids is not None and r.use_cache:
                 for i in rows:
-                    L = L_host[i]
-                    e = self.prefix.lookup(user_ids[i], *(req[n][i, :L] for n in ("ids", "timestamps", "actions", "categories")))
+                    e = self.prefix.lookup(
+                        r.user_ids[i], *(r.req[n][i, : r.lengths[i]] for n in ("ids", "timestamps", "actions", "categories"))
+                    )
                     if e is not None:
                         hits[i] = e
-            groups = [[i for i in rows if i not in hits], [i for i in rows if i in hits]]
-            for g in groups:
+            for g in ([i for i in rows if i not in hits], [i for i in rows if i in hits]):
                 for j in range(0, len(g), per_group):
                     chunk = g[j : j + per_group]
-                    self._run_group(
-                        E,
-                        chunk,
-                        W,
-                        k,
-                        strategy,
-                        top_k,
-                        temperature,
-                        req,
-                        out,
-                        {i: hits[i] for i in chunk if i in hits},
-                        user_ids,
-                        use_cache,
-                    )
+                    self._run_group(E, chunk, r, {i: hits[i] for i in chunk if i in hits})
 
     def _bucket(self, E: int, use_cache: bool) -> BucketPool:
         if use_cache:
@@ -461,10 +377,11 @@ class Engine:
                 return s
         return cap if W > 1 else self.max_batch
 
-    def _run_group(
-        self, E, rows, W, k, strategy, top_k, temperature, req, out: EngineResult, hits: dict[int, PrefixEntry], user_ids, use_cache
-    ) -> None:
-        c, dev = self.model.cfg, self.device
+    def _run_group(self, E: int, rows: list[int], r: Prepared, hits: dict[int, PrefixEntry]) -> None:
+        """Rows ``rows`` of the call (one bucket, at most max_batch // W users): load the bucket's
+        static inputs, prefill (or copy cached prefixes and extend), decode, write ``r.out``."""
+        c, dev, W, k, req, out, use_cache = self.model.cfg, self.device, r.width, r.k, r.req, r.out, r.use_cache
+        strategy, top_k, temperature = r.strategy, r.top_k, r.temperature
         b = self._bucket(E, use_cache)
         Bu = len(rows)
         Bp = self._pad_users(Bu, W)
@@ -496,8 +413,8 @@ class Engine:
             out.prefix_rows[ri] = P
         else:
             user = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp), True)()
-        if self.prefix is not None and user_ids is not None and use_cache:
-            self._store_prefix(b, rows, L, user_ids, req)
+        if self.prefix is not None and r.user_ids is not None and use_cache:
+            self._store_prefix(b, rows, L, r.user_ids)
         # ---- decode ----
         if W > 1:
             user = user.repeat_interleave(W, dim=0)  # (R, d)
@@ -530,7 +447,7 @@ class Engine:
             out.beam_logprob[ri] = blp[:Bu]
         req["exclude"][ri] = final_excl[:Bu]
 
-    def _store_prefix(self, b: BucketPool, rows, L: torch.Tensor, user_ids, req) -> None:
+    def _store_prefix(self, b: BucketPool, rows, L: torch.Tensor, user_ids) -> None:
         for j, i in enumerate(rows):
             if int(L[j]) >= 2:
                 self.prefix.put(user_ids[i], b.prefix_entry(j, int(L[j])))
@@ -560,9 +477,4 @@ class Engine:
     _decode_recompute = decode_loop.decode_recompute
 
 
-def engine_from_config(model: HSTUModel, serve_cfg, device: str | None = None, **kwargs) -> Engine:
-    """An Engine sized from a ServeConfig (buckets, max_batch)."""
-    return Engine(model, buckets=tuple(serve_cfg.buckets), max_batch=serve_cfg.max_batch, device=device, **kwargs)
-
-
-__all__ = ["Engine", "EngineResult", "DEFAULT_BUCKETS", "engine_from_config"]
+__all__ = ["Engine", "EngineResult", "DEFAULT_BUCKETS"]

@@ -31,6 +31,18 @@ def ladder(max_batch: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def batch_sizes_for(graphs: str, max_batch: int, batch_sizes=None) -> tuple[int, ...]:
+    """The padded batch sizes of an engine, sorted: ``batch_sizes`` when given, else static shapes only
+    where something is captured (``graphs`` "compile": (max_batch,); "eager": every size 1..max_batch;
+    a graph mode: :func:`ladder`). ValueError unless they lie in 1..max_batch and include max_batch."""
+    if batch_sizes is None:
+        batch_sizes = {"compile": (max_batch,), "eager": tuple(range(1, max_batch + 1))}.get(graphs, ladder(max_batch))
+    out = tuple(sorted(int(b) for b in batch_sizes))
+    if out[-1] != max_batch or out[0] < 1:
+        raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")
+    return out
+
+
 class BucketPool:
     """Pool and static input buffers of one bucket (edge E); see the module docstring."""
 

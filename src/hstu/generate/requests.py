@@ -1,4 +1,5 @@
-"""Argument checks and history truncation of :meth:`hstu.generate.engine.Engine.generate`.
+"""Request preparation of :meth:`hstu.generate.engine.Engine.generate`: the engine's size checks,
+argument checks, defaults, history truncation, bucket choice and the result's buffers.
 
 Symbols: B rows, W padded width, I items, E a bucket edge.
 """
@@ -6,16 +7,140 @@ Symbols: B rows, W padded width, I items, E a bucket edge.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from hstu.generate.hardening import check_inputs_on
+from hstu.generate.sampler import GenerationResult, check_candidates
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineResult(GenerationResult):
+    """GenerationResult plus: bucket (B,) int64 edge each row ran in; truncated (B,) int64 events
+    cut from the oldest end; prefix_rows (B,) int64 rows reused from the prefix cache (0 = miss)."""
+
+    bucket: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    prefix_rows: torch.Tensor | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+class Prepared(NamedTuple):
+    """One checked call: ``req`` the (B, ...) tensors the groups read (ids, timestamps, lengths,
+    actions, categories, request_time, exclude, item_category), ``bucket_of`` / ``lengths`` B host
+    ints, ``width`` beams per user (1 unless beam search), ``out`` the result to fill, and the
+    call's decoding arguments as Engine.generate takes them."""
+
+    req: dict
+    bucket_of: list[int]
+    lengths: list[int]
+    width: int
+    out: EngineResult
+    k: int
+    strategy: str
+    top_k: int
+    temperature: float
+    user_ids: Sequence[Hashable] | None
+    use_cache: bool
+
+
+def check_engine_sizes(cfg, buckets, max_batch: int, k_max: int) -> tuple[int, ...]:
+    """The bucket edges of an Engine over a model of ``cfg`` (ModelConfig), checked: increasing and
+    positive, the largest <= max_seq_len; 1 <= k_max <= max_output_len; max_batch >= 1.
+    ValueError quoting the value otherwise."""
+    edges = tuple(int(b) for b in buckets)
+    if not edges or any(b <= 0 for b in edges) or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ValueError(f"buckets must be increasing positive edges, got {list(buckets)}")
+    if edges[-1] > cfg.max_seq_len:
+        raise ValueError(f"largest bucket {edges[-1]} exceeds the model max_seq_len={cfg.max_seq_len}")
+    if not 1 <= k_max <= cfg.max_output_len:
+        raise ValueError(f"k_max must be in 1..max_output_len={cfg.max_output_len}, got {k_max}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return edges
+
+
+def prepare_request(
+    eng: Engine,
+    ids,
+    timestamps,
+    lengths,
+    k,
+    *,
+    request_time,
+    exclude,
+    strategy,
+    top_k,
+    temperature,
+    beam_width,
+    actions,
+    categories,
+    item_category,
+    user_ids,
+    use_cache,
+    bucket,
+) -> Prepared:
+    """Everything :meth:`Engine.generate` does before the first bucket runs (arguments as it
+    documents): checks, zero features and the default request time (each row's last event),
+    truncation to the largest edge, the exclusion mask with padding id 0 excluded and enough
+    candidates left, each row's bucket, and the result's (B, k) buffers on the engine's device.
+
+    Raises:
+        ValueError / TypeError / StrayTensorError: as Engine.generate documents.
+    """
+    B = validate_request(eng, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids)
+    dev, warnings = eng.device, []
+    lengths = lengths.clone()
+    zeros = torch.zeros_like(ids) if actions is None or categories is None else None
+    actions = actions if actions is not None else zeros
+    categories = categories if categories is not None else zeros
+    if request_time is None:
+        request_time = timestamps.gather(1, (lengths - 1).clamp(min=0).view(B, 1)).view(B)
+    check_inputs_on(dev, request_time=request_time, item_category=item_category)
+    ids, timestamps, actions, categories, lengths, truncated = truncate(
+        eng.edges[-1], ids, timestamps, actions, categories, lengths, warnings
+    )
+    if exclude is None:
+        exclude = torch.zeros(B, eng.model.cfg.num_items + 1, dtype=torch.bool, device=dev)
+    exclude[:, 0] = True
+    W = beam_width if strategy == "beam" else 1
+    check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
+    if strategy == "beam" and W > eng.max_batch:
+        raise ValueError(f"beam_width={W} exceeds max_batch={eng.max_batch} (pool rows)")
+    L_host = lengths.tolist()
+    bucket_of = choose_buckets(eng, L_host, bucket)
+    out = EngineResult(
+        items=torch.zeros(B, k, dtype=torch.int64, device=dev),
+        scores=torch.zeros(B, k, dtype=eng.score_dtype, device=dev),
+        actions=torch.zeros(B, k, dtype=torch.int64, device=dev) if eng.model.action_head is not None else None,
+        beam_logprob=torch.zeros(B, dtype=eng.score_dtype, device=dev) if strategy == "beam" else None,
+        bucket=torch.tensor(bucket_of, dtype=torch.int64, device=dev),
+        truncated=truncated,
+        prefix_rows=torch.zeros(B, dtype=torch.int64, device=dev),
+        warnings=warnings,
+    )
+    req = {"ids": ids, "timestamps": timestamps, "lengths": lengths, "actions": actions, "categories": categories}
+    req.update(request_time=request_time, exclude=exclude, item_category=item_category)
+    return Prepared(req, bucket_of, L_host, W, out, k, strategy, top_k, temperature, user_ids, use_cache)
+
+
+def choose_buckets(eng: Engine, lengths: list[int], bucket: int | None) -> list[int]:
+    """Each row's bucket edge: ``bucket`` for all (one of the engine's edges, every history must fit),
+    else each row's smallest (:meth:`Engine.bucket_for`). ValueError naming the bucket or the row."""
+    if bucket is not None:
+        if bucket not in eng.edges:
+            raise ValueError(f"bucket={bucket} is not one of the engine's buckets {list(eng.edges)}")
+        if max(lengths) > bucket:
+            raise ValueError(f"bucket={bucket}: row {lengths.index(max(lengths))} has {max(lengths)} events")
+    return [bucket or eng.bucket_for(n) for n in lengths]
 
 
 def validate_request(

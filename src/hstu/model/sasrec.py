@@ -28,6 +28,7 @@ from torch import nn
 
 from hstu.config import ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize
+from hstu.model.kernels import REFERENCE, KernelSet
 from hstu.model.meta import AttentionMeta, KVView
 
 
@@ -142,6 +143,9 @@ class SASRecModel(SequentialRecommender):
         )
         self.final_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.attention = sasrec_attention
+        # the set an engine's metadata carries (as HSTUModel.kernels); SASRec's blocks run their own
+        # softmax attention and read none of it
+        self.kernels: KernelSet = REFERENCE
 
     def encode(
         self,

@@ -119,7 +119,7 @@ class Service:
         self.cfg, self.rec, self.policy, self.popularity = cfg, rec, policy, popularity
         self.backend = backends.select(policy.device)
         self.model: Executor = self._executor(run_dir)
-        kinds = ("host",) if self.backend.name == "cpu" else ("device", "host")
+        kinds = ("host",) if self.backend.is_host else ("device", "host")  # one memory budget on a host backend
         self.metrics = ServeMetrics(self.model.buckets, kinds)
         self.dense = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}  # original id -> dense id
         self.max_bucket = self.model.buckets[-1]

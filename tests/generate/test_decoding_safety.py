@@ -24,7 +24,7 @@ import torch
 from conftest import ML1M, REPO, untrained_items  # noqa: F401 - the tiny run (run_dir, rec, ratings) is conftest's: 200 ML-1M users
 
 from hstu.config import ModelConfig, TrainConfig, model_config_from_preset
-from hstu.generate import exclusion_mask, generate
+from hstu.generate.decode import exclusion_mask, generate
 from hstu.generate.engine import Engine
 from hstu.generate.recommend import History
 from hstu.model import build_hstu

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hstu.config import ModelConfig
-from hstu.generate import exclusion_mask, generate, generate_recompute
+from hstu.generate.decode import exclusion_mask, generate, generate_recompute
 from hstu.generate.engine import Engine
 from hstu.generate.runners import row_blocks
 from hstu.model import build_hstu

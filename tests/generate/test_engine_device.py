@@ -9,7 +9,7 @@ import torch
 from hstu.backend import select
 from hstu.backend.base import BackendUnavailableError
 from hstu.config import ModelConfig
-from hstu.generate import exclusion_mask, generate
+from hstu.generate.decode import exclusion_mask, generate
 from hstu.generate.engine import Engine
 from hstu.model import build_hstu
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hstu.config import ModelConfig
-from hstu.generate import KVCache, exclusion_mask, generate, generate_recompute
+from hstu.generate.decode import KVCache, exclusion_mask, generate, generate_recompute
 from hstu.model import HSTUModel
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hstu.config import ModelConfig
-from hstu.generate import exclusion_mask, generate
+from hstu.generate.decode import exclusion_mask, generate
 from hstu.generate.engine import Engine
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.model import build_hstu

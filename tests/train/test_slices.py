@@ -3,6 +3,12 @@ standard evaluation, cold-start truncation equal to a direct encode of the trunc
 
 from __future__ import annotations
 
+import ast
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -140,6 +146,94 @@ def test_cold_start_truncation_equals_direct_encode(small_log, model):
             scores = model.score_all(seq[0, e - s - 1].view(1, -1))[0]
         target = small_log.items[e]
         assert rank == int((scores >= scores[target]).sum())
+
+
+def _hand_batch(log_: EventLog, users: np.ndarray, ends: np.ndarray, width: int):
+    """The histories before ``ends`` padded right to ``width``, built from the log's arrays directly
+    (not through eval_batch): ids, timestamps, actions, categories (B, width), lengths, request time."""
+    B = len(users)
+    out = {n: torch.zeros(B, width, dtype=torch.int64) for n in ("ids", "timestamps", "actions", "categories")}
+    for r, (u, e) in enumerate(zip(users, ends)):
+        s = log_.offsets[u]
+        for n, a in (("ids", log_.items), ("timestamps", log_.timestamps), ("actions", log_.actions), ("categories", log_.categories)):
+            out[n][r, : e - s] = torch.tensor(a[s:e])
+    lengths = torch.from_numpy((ends - log_.offsets[users]).astype(np.int64))
+    return out, lengths, torch.from_numpy(log_.timestamps[ends])
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_model_scorer_generates_through_the_engine(small_log, model, exclude, monkeypatch):
+    """ModelScorer.generate runs the one engine (a spy counts Engine.generate calls), and its items
+    equal an Engine of other buckets and batch size fed hand-built histories, and the decode.py oracle."""
+    from hstu.generate.decode import generate as oracle_generate
+    from hstu.generate.engine import Engine
+    from hstu.generate.sampler import exclusion_mask
+
+    split = make_split(small_log, "clean")
+    t = split.test_target
+    users = np.nonzero(t >= 0)[0]
+    ends = t[users]
+    calls = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    got = ModelScorer(copy.deepcopy(model)).generate(small_log, users, ends, 4, exclude)
+    assert calls and got.shape == (len(users), 4)
+    b, lengths, rt = _hand_batch(small_log, users, ends, width=17)  # max_seq_len 16 + the oracle's query-time slot
+    I = model.cfg.num_items
+    feats = dict(actions=b["actions"], categories=b["categories"], item_category=torch.from_numpy(small_log.item_category))
+
+    def mask():
+        return exclusion_mask(I, len(users), b["ids"] if exclude else None, lengths)
+
+    eng = Engine(copy.deepcopy(model), buckets=(8, 16), max_batch=3, k_max=4)
+    other = real(eng, b["ids"], b["timestamps"], lengths, 4, request_time=rt, exclude=mask(), **feats)
+    assert np.array_equal(got, other.items.numpy())
+    ts = b["timestamps"].clone()
+    ts[torch.arange(len(users)), lengths] = rt  # the oracle reads the query time at position L
+    want = oracle_generate(copy.deepcopy(model), b["ids"], ts, lengths, 4, request_time=rt, exclude=mask(), **feats)
+    assert np.array_equal(got, want.items.numpy())
+    if exclude:
+        for r, (u, e) in enumerate(zip(users, ends)):
+            assert not set(got[r].tolist()) & set(small_log.items[small_log.offsets[u] : e].tolist())
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "hstu"
+ORACLE = ("hstu.generate.decode", "hstu.generate.kv_cache")
+
+
+def test_src_imports_the_generation_oracle_nowhere():
+    """decode.py / kv_cache.py are the engine's test oracle: no module of src imports them (at module
+    level or inside a function), and importing every src module leaves them unloaded. The one
+    exception is hstu.generate's lazy PEP 562 alias for tests, which loads them on attribute access only."""
+    found = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = p.relative_to(SRC).as_posix()
+        if rel in ("generate/decode.py", "generate/kv_cache.py"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                if node.module == "hstu.generate" or (node.level and node.module in ("decode", "kv_cache")):
+                    names += [f"hstu.generate.{a.name}" for a in node.names if a.name in ("generate", "generate_recompute", "KVCache")]
+            hit = [
+                n for n in names if n in ORACLE or n.startswith(tuple(o + "." for o in ORACLE)) or n.startswith("hstu.generate.generate")
+            ]
+            hit += [n for n in names if n.startswith("hstu.generate.KVCache")]
+            found += [f"{rel}:{node.lineno} {n}" for n in hit]
+    assert not found, found
+    code = (
+        "import importlib, pkgutil, sys, hstu\n"
+        "for m in pkgutil.walk_packages(hstu.__path__, 'hstu.'):\n"
+        f"    if m.name not in {ORACLE!r} and not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        f"print(sorted(n for n in sys.modules if n in {ORACLE!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_slice_report_on_a_baseline(small_log):

@@ -12,8 +12,8 @@ For one scorer (a trained model, or a baseline of :mod:`hstu.train.baselines`) o
   ("users with < 3 prior events"), the target unchanged (it stays held out);
 - diversity: Shannon entropy (nats) of the generated next-k items pooled across users, and
   long-tail coverage: the share of generated items outside the 20 % most popular items (by
-  training events). Models generate with :func:`hstu.generate.generate` (greedy, KV cache);
-  baselines' next-k are their top-k.
+  training events). Models generate through the one engine (:class:`hstu.generate.engine.Engine`:
+  greedy, KV cache), as ``hstu generate`` and ``hstu serve`` do; baselines' next-k are their top-k.
 
 Bootstrap: percentile intervals (Efron & Tibshirani 1993, §13.3) from ``R`` resamples of the
 evaluated users with replacement (seeded); macro-F1 is recomputed on each resample. The pooled
@@ -35,18 +35,25 @@ import torch
 from hstu.data.batching import eval_batch
 from hstu.data.ecommerce import PURCHASE_ACTIONS
 from hstu.data.sequences import EventLog, Split
+from hstu.generate.engine import Engine
+from hstu.generate.recommend import default_buckets
+from hstu.generate.sampler import exclusion_mask
 from hstu.train.evaluate import exclude_history
 from hstu.train.metrics import target_ranks
 
 COLD_START_LENGTHS = (1, 2)
+SCORER_MAX_BATCH = 32  # pool rows of a ModelScorer's engine (users per engine chunk)
 
 
 # ----------------------------------------------------------------------------- scorers
 class ModelScorer:
-    """Wraps an HSTUModel / SASRecModel as a scorer: scores (B, I+1) and next actions (B,)."""
+    """Wraps an HSTUModel / SASRecModel as a scorer: scores (B, I+1) and next actions (B,), and
+    next-k generation through the engine. For a trained model: the first :meth:`generate` builds
+    the engine, which hardens the model in place (eval, frozen; :func:`hstu.generate.hardening.harden`)."""
 
     def __init__(self, model, name: str = "model", device: torch.device | str = "cpu") -> None:
         self.model, self.name, self.device = model, name, torch.device(device)
+        self._engine: Engine | None = None
 
     def _batch(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, max_history: int | None):
         L = self.model.cfg.max_seq_len if max_history is None else min(max_history, self.model.cfg.max_seq_len)
@@ -71,29 +78,41 @@ class ModelScorer:
         self.model.train(was)
         return scores, acts
 
+    @property
+    def engine(self) -> Engine:
+        """The scorer's engine, built on first use: the Recommender's default buckets for the model's
+        max_seq_len, SCORER_MAX_BATCH rows, k_max = max_output_len, eager, the model's kernels."""
+        if self._engine is None:
+            c = self.model.cfg
+            self._engine = Engine(
+                self.model,
+                buckets=default_buckets(c.max_seq_len),
+                max_batch=SCORER_MAX_BATCH,
+                k_max=c.max_output_len,
+                device=self.device,
+                graphs="eager",
+            )
+        return self._engine
+
     @torch.inference_mode()
     def generate(self, log_: EventLog, users: np.ndarray, ends: np.ndarray, k: int, exclude: bool) -> np.ndarray:
-        """(B, k) dense items generated greedily (KV cache), request time = the target's time."""
-        from hstu.generate.decode import exclusion_mask, generate
-
-        was = self.model.training
-        self.model.eval()
+        """(B, k) int64 dense items generated greedily by :attr:`engine` from the (at most
+        max_seq_len) events before ``ends``; request time = the target's time; ``exclude``: the
+        history's items are never generated. ValueError as Engine.generate (k > max_output_len)."""
+        eng, B = self.engine, len(users)
         b = self._batch(log_, users, ends, None)
-        mask = exclusion_mask(self.model.cfg.num_items, len(users), b.ids if exclude else None, b.lengths, device=self.device)
-        item_category = torch.from_numpy(log_.item_category).to(self.device)
-        res = generate(
-            self.model,
+        mask = exclusion_mask(self.model.cfg.num_items, B, b.ids if exclude else None, b.lengths, device=eng.device)
+        res = eng.generate(
             b.ids,
             b.timestamps,
             b.lengths,
             k,
-            request_time=b.timestamps[torch.arange(len(users)), b.lengths],
+            request_time=b.timestamps[torch.arange(B, device=eng.device), b.lengths],  # the target's time (eval_batch)
             exclude=mask,
             actions=b.actions,
             categories=b.categories,
-            item_category=item_category,
+            item_category=torch.from_numpy(log_.item_category).to(eng.device),
         )
-        self.model.train(was)
         return res.items.cpu().numpy()
 
 

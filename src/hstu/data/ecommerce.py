@@ -28,14 +28,12 @@ Errors: a missing file raises FileNotFoundError; a malformed row raises
 :class:`~hstu.data.errors.DataFormatError` naming the file and 1-based line (Parquet: row index),
 unless ``skip_bad_rows`` (then rows are dropped, counted in ``EventLog.skipped_rows`` and logged).
 Files are parsed with pandas' C parser first; only when that fails or a value is out of range does a
-line-by-line pass run to name the first bad line.
+line-by-line pass run to name the first bad line (the shared parsing: :mod:`hstu.data.parsing`).
 """
 
 from __future__ import annotations
 
-import csv
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -43,8 +41,9 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError
+from hstu.data.parsing import MAPPING_KEYS, Column, parse_lines, read_columns, resolve_path, to_event_log
 from hstu.data.sequences import EventLog
-from hstu.data.times import TIME_UNITS, exact_times, split_time, to_time, unit_of
+from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
 
 log = logging.getLogger(__name__)
 
@@ -52,168 +51,6 @@ TAOBAO_ACTIONS = ("pv", "cart", "fav", "buy")
 RETAILROCKET_ACTIONS = ("view", "addtocart", "transaction")
 # Action names that mean a purchase, for the "HR@10 on purchase targets" slice.
 PURCHASE_ACTIONS = frozenset({"buy", "transaction", "purchase", "order"})
-MAPPING_KEYS = ("user", "item", "time", "action", "category")
-OUT_NAMES = {"user": "user_id", "item": "item_id", "time": "timestamp", "action": "action", "category": "category"}
-
-
-@dataclass(frozen=True)
-class Column:
-    """One input column: ``key`` (user | item | time | action | category), its position in a
-    headerless file or its header name, and for actions the allowed values (None: any)."""
-
-    key: str
-    source: int | str
-    allowed: tuple[str, ...] | None = None
-
-
-# ----------------------------------------------------------------------------- file discovery
-def _resolve(data_dir: str | Path, names: tuple[str, ...], what: str, exts: tuple[str, ...] = (".csv",)) -> Path:
-    """``data_dir`` itself if it is a file; else the first of ``names`` in it; else its only file
-    with one of ``exts``. FileNotFoundError says what was looked for."""
-    p = Path(data_dir)
-    if p.is_file():
-        return p
-    if not p.is_dir():
-        raise FileNotFoundError(f"{p}: not found (expected {what}: a file, or a directory holding {' or '.join(names)})")
-    for n in names:
-        if (p / n).is_file():
-            return p / n
-    found = sorted(q for q in p.iterdir() if q.is_file() and q.name.lower().endswith(exts))
-    if len(found) == 1:
-        return found[0]
-    listed = ", ".join(q.name for q in found[:5]) or "none"
-    raise FileNotFoundError(f"{p}: no {' or '.join(names)} found (files with {'/'.join(exts)}: {listed}); pass the file path instead")
-
-
-# ----------------------------------------------------------------------------- row parsing
-def _to_int(s: str) -> int:
-    return int(s.strip())
-
-
-def _parse_slow(path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
-    """Line-by-line parse naming the first bad line; returns (frame, skipped rows)."""
-    out: dict[str, list] = {c.key: [] for c in cols}
-    rest: list[int] = []
-    skipped, first = 0, None
-    idx: dict[str, int] = {}
-    width = len(cols)
-    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
-        reader = csv.reader(fh, delimiter=sep)
-        for row in reader:
-            line = reader.line_num
-            if header and not idx:
-                idx, width = _header_index(path, row, cols), len(row)
-                continue
-            if not row or all(not f.strip() for f in row):
-                continue
-            try:
-                vals = _parse_row(path, line, row, cols, idx, width, time_unit)
-            except DataFormatError as exc:
-                if not skip_bad_rows:
-                    raise
-                skipped += 1
-                first = first or str(exc)
-                continue
-            for c, v in zip(cols, vals):
-                if c.key == "time":
-                    v, r = v
-                    rest.append(r)
-                out[c.key].append(v)
-    if skipped:
-        log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
-    frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key == "action" else np.int64) for c in cols})
-    frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
-    return frame, skipped
-
-
-def _header_index(path: Path, row: list[str], cols: list[Column]) -> dict[str, int]:
-    names = [h.strip() for h in row]
-    idx = {}
-    for c in cols:
-        if c.source not in names:
-            raise DataFormatError(path, 1, f"column {c.source!r} (for {c.key}) not in the header; columns: {names}")
-        idx[c.key] = names.index(c.source)
-    return idx
-
-
-def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: dict[str, int], width: int, time_unit: int) -> list:
-    if len(row) != width:
-        what = f"{width} fields" + (" (as the header)" if idx else "")
-        raise DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
-    vals = []
-    for j, c in enumerate(cols):
-        raw = row[idx[c.key] if idx else j]
-        if c.key == "action":
-            v = raw.strip()
-            if not v:
-                raise DataFormatError(path, line, "action is empty")
-            if c.allowed is not None and v not in c.allowed:
-                raise DataFormatError(path, line, f"unknown action {v!r}; valid: {list(c.allowed)}")
-            vals.append(v)
-            continue
-        try:
-            vals.append(to_time(raw, time_unit) if c.key == "time" else _to_int(raw))
-        except (ValueError, OverflowError):
-            kind = "a time (integer or ISO 8601)" if c.key == "time" else "an integer"
-            raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is not {kind}: {raw[:40]!r}") from None
-    return vals
-
-
-def _parse_fast(path: Path, cols: list[Column], *, header: bool, sep: str) -> pd.DataFrame | None:
-    """pandas C parser with integer dtypes; None if anything is off (the slow pass names it)."""
-    dtypes = {c.source: (str if c.key == "action" else np.int64) for c in cols}
-    if not header and _first_row_width(path, sep) != len(cols):
-        return None  # pandas would turn extra leading fields into an index and shift the columns
-    try:
-        if header:
-            # no usecols: with it pandas silently accepts rows with extra fields
-            df = pd.read_csv(path, sep=sep, dtype=dtypes, engine="c")[[c.source for c in cols]]
-        else:
-            df = pd.read_csv(path, sep=sep, header=None, names=[c.source for c in cols], dtype=dtypes, engine="c")
-    except (KeyError, ValueError, TypeError, OverflowError, pd.errors.ParserError, UnicodeDecodeError):
-        return None
-    df = df.rename(columns={c.source: c.key for c in cols})
-    for c in cols:
-        if c.key == "action":
-            col = df["action"]
-            if col.isna().any() or (col.str.strip() == "").any():
-                return None
-            if c.allowed is not None and not col.isin(c.allowed).all():
-                return None
-    return df[[c.key for c in cols]]
-
-
-def _first_row_width(path: Path, sep: str) -> int:
-    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
-        for row in csv.reader(fh, delimiter=sep):
-            if row and any(f.strip() for f in row):
-                return len(row)
-    return 0
-
-
-def _read(
-    path: Path, cols: list[Column], *, header: bool, sep: str = ",", time_unit: int = 1, skip_bad_rows: bool = False
-) -> tuple[pd.DataFrame, int]:
-    """(frame with columns = keys of ``cols``, skipped rows). Times are converted with ``time_unit``."""
-    df = _parse_fast(path, cols, header=header, sep=sep)
-    if df is not None:
-        df["time"], df["subsecond_ns"] = split_time(df["time"], time_unit)
-        return df, 0
-    log.info("%s: the fast parser failed; checking line by line", path)
-    return _parse_slow(path, cols, header=header, sep=sep, time_unit=time_unit, skip_bad_rows=skip_bad_rows)
-
-
-def _to_log(df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int) -> EventLog:
-    frame = df.rename(columns=OUT_NAMES)
-    if frame.empty:
-        raise ValueError(f"{name}: no events left after parsing (skipped {skipped} malformed rows)")
-    return EventLog.from_frame(
-        frame,
-        name=name,
-        action_names=action_names,
-        exclude_history_default=bool(exclude_history) if exclude_history is not None else False,
-        skipped_rows=skipped,
-    )
 
 
 def _no_options(loader: str, options: dict) -> None:
@@ -236,10 +73,10 @@ def load_taobao(data_dir: str | Path, skip_bad_rows: bool = False, *, exclude_hi
         ValueError: unknown options.
     """
     _no_options("taobao", options)
-    path = _resolve(data_dir, ("UserBehavior.csv", "UserBehavior_head.csv"), "the Taobao UserBehavior CSV")
+    path = resolve_path(data_dir, ("UserBehavior.csv", "UserBehavior_head.csv"), "the Taobao UserBehavior CSV")
     cols = [Column("user", 0), Column("item", 1), Column("category", 2), Column("action", 3, TAOBAO_ACTIONS), Column("time", 4)]
-    df, skipped = _read(path, cols, header=False, skip_bad_rows=skip_bad_rows)
-    return _to_log(df, name="taobao", action_names=list(TAOBAO_ACTIONS), exclude_history=exclude_history, skipped=skipped)
+    df, skipped = read_columns(path, cols, header=False, skip_bad_rows=skip_bad_rows)
+    return to_event_log(df, name="taobao", action_names=list(TAOBAO_ACTIONS), exclude_history=exclude_history, skipped=skipped)
 
 
 def _retailrocket_categories(directory: Path) -> dict[int, int] | None:
@@ -280,21 +117,21 @@ def load_retailrocket(
         ``skip_bad_rows``. ValueError: unknown options.
     """
     _no_options("retailrocket", options)
-    path = _resolve(data_dir, ("events.csv",), "Retailrocket events.csv")
+    path = resolve_path(data_dir, ("events.csv",), "Retailrocket events.csv")
     cols = [
         Column("time", "timestamp"),
         Column("user", "visitorid"),
         Column("action", "event", RETAILROCKET_ACTIONS),
         Column("item", "itemid"),
     ]
-    df, skipped = _read(path, cols, header=True, time_unit=TIME_UNITS["ms"], skip_bad_rows=skip_bad_rows)
+    df, skipped = read_columns(path, cols, header=True, time_unit=TIME_UNITS["ms"], skip_bad_rows=skip_bad_rows)
     cats = _retailrocket_categories(path.parent) if item_properties else None
     if cats is not None:
         df["category"] = df["item"].map(cats).fillna(-1).astype(np.int64)
         missing = int((df["category"] < 0).sum())
         if missing:
             log.info("retailrocket: %d events on items without a categoryid property (category: none)", missing)
-    out = _to_log(df, name="retailrocket", action_names=list(RETAILROCKET_ACTIONS), exclude_history=exclude_history, skipped=skipped)
+    out = to_event_log(df, name="retailrocket", action_names=list(RETAILROCKET_ACTIONS), exclude_history=exclude_history, skipped=skipped)
     if cats is not None:
         _drop_unknown_category(out)
     return out
@@ -495,12 +332,12 @@ def load_csv(
     unit = time_unit or unit_from_map
     if unit is not None and unit not in TIME_UNITS:
         raise ValueError(f"csv: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
-    path = _resolve(data_dir, (), "an event log (.csv or .parquet)", exts=(".csv", ".parquet", ".pq", ".tsv"))
+    path = resolve_path(data_dir, (), "an event log (.csv or .parquet)", exts=(".csv", ".parquet", ".pq", ".tsv"))
     if path.suffix.lower() in (".parquet", ".pq"):
         df, skipped = _read_parquet(path, mapping, unit, skip_bad_rows)
     else:
         df, skipped = _read_csv_mapped(path, mapping, unit, sep, skip_bad_rows)
-    return _to_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped)
+    return to_event_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped)
 
 
 def _read_csv_mapped(path: Path, mapping: dict[str, str], unit: str | None, sep: str, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
@@ -532,7 +369,7 @@ def _read_csv_mapped(path: Path, mapping: dict[str, str], unit: str | None, sep:
         return _frame_checks(raw, mapping, unit, lambda i: (int(lines[i]), ""), path, skip_bad_rows)
     # a row with too many fields stops the C parser: the line-by-line pass names it
     cols = [Column(k, mapping[k]) for k in keys]
-    df, skipped = _parse_slow(path, cols, header=True, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows)
+    df, skipped = parse_lines(path, cols, header=True, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows)
     if unit is None and len(df):  # integer times were read as seconds; ISO ones are seconds already (auto only
         auto = unit_of(df["time"], None, path)  # turns to ms when every value is >= 1e11, far past ISO's range)
         if auto != 1:

@@ -1,0 +1,188 @@
+"""Shared parsing of the e-commerce event logs (:mod:`hstu.data.ecommerce`): file discovery, the
+column description, the two CSV passes and the frame -> :class:`~hstu.data.sequences.EventLog` step.
+
+Files are parsed with pandas' C parser first (:func:`read_columns`); only when that fails or a
+value is out of range does a line-by-line pass (:func:`parse_lines`) run, naming the first bad
+line in a :class:`~hstu.data.errors.DataFormatError` (file, 1-based line) unless ``skip_bad_rows``
+(then the row is dropped, counted and logged). Times are split into whole seconds and the
+sub-second remainder (:mod:`hstu.data.times`) so that events sort on the exact time.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from hstu.data.errors import DataFormatError
+from hstu.data.sequences import EventLog
+from hstu.data.times import split_time, to_time
+
+log = logging.getLogger(__name__)
+
+MAPPING_KEYS = ("user", "item", "time", "action", "category")  # the columns a log may have
+OUT_NAMES = {"user": "user_id", "item": "item_id", "time": "timestamp", "action": "action", "category": "category"}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One input column: ``key`` (user | item | time | action | category), its position in a
+    headerless file or its header name, and for actions the allowed values (None: any)."""
+
+    key: str
+    source: int | str
+    allowed: tuple[str, ...] | None = None
+
+
+# ----------------------------------------------------------------------------- file discovery
+def resolve_path(data_dir: str | Path, names: tuple[str, ...], what: str, exts: tuple[str, ...] = (".csv",)) -> Path:
+    """``data_dir`` itself if it is a file; else the first of ``names`` in it; else its only file
+    with one of ``exts``. FileNotFoundError says what was looked for."""
+    p = Path(data_dir)
+    if p.is_file():
+        return p
+    if not p.is_dir():
+        raise FileNotFoundError(f"{p}: not found (expected {what}: a file, or a directory holding {' or '.join(names)})")
+    for n in names:
+        if (p / n).is_file():
+            return p / n
+    found = sorted(q for q in p.iterdir() if q.is_file() and q.name.lower().endswith(exts))
+    if len(found) == 1:
+        return found[0]
+    listed = ", ".join(q.name for q in found[:5]) or "none"
+    raise FileNotFoundError(f"{p}: no {' or '.join(names)} found (files with {'/'.join(exts)}: {listed}); pass the file path instead")
+
+
+# ----------------------------------------------------------------------------- row parsing
+def _to_int(s: str) -> int:
+    return int(s.strip())
+
+
+def parse_lines(path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
+    """Line-by-line parse naming the first bad line; returns (frame, skipped rows)."""
+    out: dict[str, list] = {c.key: [] for c in cols}
+    rest: list[int] = []
+    skipped, first = 0, None
+    idx: dict[str, int] = {}
+    width = len(cols)
+    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+        reader = csv.reader(fh, delimiter=sep)
+        for row in reader:
+            line = reader.line_num
+            if header and not idx:
+                idx, width = _header_index(path, row, cols), len(row)
+                continue
+            if not row or all(not f.strip() for f in row):
+                continue
+            try:
+                vals = _parse_row(path, line, row, cols, idx, width, time_unit)
+            except DataFormatError as exc:
+                if not skip_bad_rows:
+                    raise
+                skipped += 1
+                first = first or str(exc)
+                continue
+            for c, v in zip(cols, vals):
+                if c.key == "time":
+                    v, r = v
+                    rest.append(r)
+                out[c.key].append(v)
+    if skipped:
+        log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
+    frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key == "action" else np.int64) for c in cols})
+    frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
+    return frame, skipped
+
+
+def _header_index(path: Path, row: list[str], cols: list[Column]) -> dict[str, int]:
+    names = [h.strip() for h in row]
+    idx = {}
+    for c in cols:
+        if c.source not in names:
+            raise DataFormatError(path, 1, f"column {c.source!r} (for {c.key}) not in the header; columns: {names}")
+        idx[c.key] = names.index(c.source)
+    return idx
+
+
+def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: dict[str, int], width: int, time_unit: int) -> list:
+    if len(row) != width:
+        what = f"{width} fields" + (" (as the header)" if idx else "")
+        raise DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
+    vals = []
+    for j, c in enumerate(cols):
+        raw = row[idx[c.key] if idx else j]
+        if c.key == "action":
+            v = raw.strip()
+            if not v:
+                raise DataFormatError(path, line, "action is empty")
+            if c.allowed is not None and v not in c.allowed:
+                raise DataFormatError(path, line, f"unknown action {v!r}; valid: {list(c.allowed)}")
+            vals.append(v)
+            continue
+        try:
+            vals.append(to_time(raw, time_unit) if c.key == "time" else _to_int(raw))
+        except (ValueError, OverflowError):
+            kind = "a time (integer or ISO 8601)" if c.key == "time" else "an integer"
+            raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is not {kind}: {raw[:40]!r}") from None
+    return vals
+
+
+def _parse_fast(path: Path, cols: list[Column], *, header: bool, sep: str) -> pd.DataFrame | None:
+    """pandas C parser with integer dtypes; None if anything is off (the slow pass names it)."""
+    dtypes = {c.source: (str if c.key == "action" else np.int64) for c in cols}
+    if not header and _first_row_width(path, sep) != len(cols):
+        return None  # pandas would turn extra leading fields into an index and shift the columns
+    try:
+        if header:
+            # no usecols: with it pandas silently accepts rows with extra fields
+            df = pd.read_csv(path, sep=sep, dtype=dtypes, engine="c")[[c.source for c in cols]]
+        else:
+            df = pd.read_csv(path, sep=sep, header=None, names=[c.source for c in cols], dtype=dtypes, engine="c")
+    except (KeyError, ValueError, TypeError, OverflowError, pd.errors.ParserError, UnicodeDecodeError):
+        return None
+    df = df.rename(columns={c.source: c.key for c in cols})
+    for c in cols:
+        if c.key == "action":
+            col = df["action"]
+            if col.isna().any() or (col.str.strip() == "").any():
+                return None
+            if c.allowed is not None and not col.isin(c.allowed).all():
+                return None
+    return df[[c.key for c in cols]]
+
+
+def _first_row_width(path: Path, sep: str) -> int:
+    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+        for row in csv.reader(fh, delimiter=sep):
+            if row and any(f.strip() for f in row):
+                return len(row)
+    return 0
+
+
+def read_columns(
+    path: Path, cols: list[Column], *, header: bool, sep: str = ",", time_unit: int = 1, skip_bad_rows: bool = False
+) -> tuple[pd.DataFrame, int]:
+    """(frame with columns = keys of ``cols``, skipped rows). Times are converted with ``time_unit``."""
+    df = _parse_fast(path, cols, header=header, sep=sep)
+    if df is not None:
+        df["time"], df["subsecond_ns"] = split_time(df["time"], time_unit)
+        return df, 0
+    log.info("%s: the fast parser failed; checking line by line", path)
+    return parse_lines(path, cols, header=header, sep=sep, time_unit=time_unit, skip_bad_rows=skip_bad_rows)
+
+
+def to_event_log(df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int) -> EventLog:
+    frame = df.rename(columns=OUT_NAMES)
+    if frame.empty:
+        raise ValueError(f"{name}: no events left after parsing (skipped {skipped} malformed rows)")
+    return EventLog.from_frame(
+        frame,
+        name=name,
+        action_names=action_names,
+        exclude_history_default=bool(exclude_history) if exclude_history is not None else False,
+        skipped_rows=skipped,
+    )

@@ -65,120 +65,11 @@ NO_DATA = (
 )
 
 
-def _model_cfg(args):
-    from hstu.config import load_config_file, model_config_from_preset
-
-    if getattr(args, "config", None):
-        cfgs = load_config_file(args.config)
-        return cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
-    return model_config_from_preset(args.preset or "small"), None
-
-
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "int8")
 PRECISION_HELP = (
     "inference precision: a float run is converted in memory (int8 = per-channel INT8 Linears, FP16 "
     "item table); a quantized run (hstu quantize) loads as saved and refuses another scheme"
 )
-
-
-def _check_out_dir(args) -> None:
-    """FileExistsError when --out already holds a run and neither --resume nor --overwrite is given;
-    with --overwrite, ``fit`` deletes the old run's files once the data and device are good (so
-    nothing of it can be resumed or reported, and a failed start loses nothing)."""
-    from hstu.runs import RUN_FILES
-
-    out = Path(args.out)
-    found = [f for f in RUN_FILES if (out / f).exists()]
-    if not found or args.resume:
-        return
-    if not args.overwrite:
-        raise FileExistsError(
-            f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
-            "--overwrite to replace it, or choose another --out"
-        )
-    log.warning("--overwrite: the run in %s (%s) is replaced once the data and device are ready", out, ", ".join(found))
-
-
-def _check_resume_flags(args) -> None:
-    """ValueError when --resume comes with a model choice: the run continues its saved model
-    (config.json), so --preset or a [model] table would be silently ignored."""
-    if not args.resume:
-        return
-    if args.preset is not None:
-        raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --preset {args.preset}")
-    if args.config:
-        from hstu.config import load_config_file
-
-        if "model" in load_config_file(args.config):
-            raise ValueError(
-                f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); "
-                f"{args.config} has a [model] table (only [train] applies to a resumed run)"
-            )
-
-
-def _resume_defaults(args) -> dict:
-    """With --resume: the run's saved config.json ({"train": ..., "data": ...}), whose train
-    settings and data options stand in for the flags not given (empty dict otherwise). The data
-    flags left unset become the run's; flags given that contradict the run are refused by
-    :func:`hstu.train.loop.fit`."""
-    path = Path(args.out) / "config.json"
-    if args.resume and not path.exists():
-        raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
-    from hstu.model.checkpoint import read_json
-
-    saved = read_json(path) if args.resume else {}  # checked field by field: a malformed one is named
-    data = saved.get("data", {})
-    from hstu.train.loop import check_resume_data
-
-    given = {
-        "dataset": args.dataset,
-        "protocol": args.protocol,
-        "max_users": args.max_users,
-        "options": {"columns": args.columns} if getattr(args, "columns", None) else None,
-    }
-    check_resume_data(path, data, {k: v for k, v in given.items() if v is not None})  # before any data is read
-    args.dataset = args.dataset or data.get("dataset") or "ml-1m"
-    args.protocol = args.protocol or data.get("protocol") or "clean"
-    if args.max_users is None:
-        args.max_users = data.get("max_users")
-    args.skip_bad_rows = args.skip_bad_rows or bool(data.get("skip_bad_rows", False))
-    if not getattr(args, "columns", None):
-        args.columns = data.get("options", {}).get("columns")
-    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data.get("data_dir") and Path(data["data_dir"]).exists():
-        args.data_dir = data["data_dir"]
-    return saved
-
-
-def cmd_train(args) -> int:
-    _check_out_dir(args)
-    _check_resume_flags(args)
-    saved = _resume_defaults(args)
-    if args.distributed:
-        from hstu.train.distributed import cmd_train_distributed
-
-        return cmd_train_distributed(args)
-    from hstu.config import TrainConfig, load_config_tables, train_config_from_dict
-    from hstu.train.loop import DataSpec, fit
-
-    data_dir = args.data_dir or default_data_dir()
-    if data_dir is None:
-        raise FileNotFoundError(NO_DATA)
-    mcfg, tcfg = _model_cfg(args)
-    if "train" in saved:  # the run's settings, then a --config [train] table's fields, then flags
-        given = load_config_tables(args.config).get("train", {}) if args.config else {}
-        tcfg = train_config_from_dict({**saved["train"], **given})
-    tcfg = tcfg or TrainConfig()
-    for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
-        v = getattr(args, name, None)
-        if v is not None:
-            setattr(tcfg, name, v)
-    options = {}
-    if getattr(args, "columns", None):
-        options["columns"] = args.columns
-    spec = DataSpec(args.dataset, str(data_dir), args.protocol, args.max_users, args.skip_bad_rows, options)
-    metrics = fit(args.out, mcfg, tcfg, spec, device=args.device, resume=args.resume, progress=not args.quiet)
-    print(json.dumps(metrics, indent=2))
-    return 0
 
 
 def cmd_eval(args) -> int:
@@ -339,7 +230,6 @@ def cmd_demo(args) -> int:
     )
     print(
         f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n"
-    "hstu.bench.cli": (("bench",), "bench"),
     )
     rec = Recommender.from_run(out, args.device)
     cfg = read_json(out / "config.json")
@@ -354,46 +244,18 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hstu`` parser: one builder per command, then the feature modules' commands (:data:`FEATURES`)."""
     p = argparse.ArgumentParser(prog="hstu", description="HSTU generative recommender: train, evaluate, generate, serve, operate.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
+    from hstu.train.cli import add_train_parser
 
-    t = sub.add_parser("train", help="train a model on a data set")
-    t.add_argument("--dataset", help="ml-1m | taobao | retailrocket | csv (default ml-1m; with --resume: the run's)")
-    t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
-    g = t.add_mutually_exclusive_group()
-    g.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
-    g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
-    t.add_argument("--epochs", type=number_in(int, 1))
-    t.add_argument("--batch-size", type=number_in(int, 1))
-    t.add_argument("--learning-rate", type=number_in(float, 0, lo_open=True))
-    t.add_argument("--num-negatives", type=number_in(int, 1))
-    t.add_argument("--out", required=True, help="run directory")
-    t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
-    t.add_argument("--seed", type=int)
-    t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu")
-    t.add_argument(
-        "--protocol",
-        choices=["clean", "paper"],
-        help="(default clean; with --resume: the run's) clean: train/valid/test = all but last 2 / 2nd-to-last / last; paper: all but last / last",
-    )
-    t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
-    t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
-    r = t.add_mutually_exclusive_group()
-    r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
-    r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.add_argument(
-        "--distributed",
-        action="store_true",
-        help="item table sharded by TorchRec, dense layers under DDP; start with "
-        "torchrun --nproc-per-node N --no-python hstu train --distributed ...",
-    )
-    from hstu.train.distributed import add_distributed_arguments
+    for add in (add_train_parser, _add_eval, _add_generate, _add_demo, _add_features):
+        add(sub)
+    return p
 
-    add_distributed_arguments(t)  # --sharding, --table-optimizer, --table-learning-rate
-    t.set_defaults(func=cmd_train)
 
+def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a run (full ranking)")
     e.add_argument("--run", required=True)
     e.add_argument("--split", default="test", choices=["valid", "test"])
@@ -407,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     e.set_defaults(func=cmd_eval)
 
+
+def _add_generate(sub) -> None:
     q = sub.add_parser("generate", help="next-k items for a user or a history file")
     q.add_argument("--run", required=True)
     q.add_argument("--user", type=int, help="original user id in the run's data set")
@@ -441,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_generate)
 
+
+def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="train on ML-1M, evaluate, and show next-5 titles for three users")
     d.add_argument("--data-dir")
     d.add_argument("--epochs", type=number_in(int, 1), default=12, help="training epochs, >= 1 (default 12)")
@@ -450,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--quiet", action="store_true")
     d.set_defaults(func=cmd_demo)
 
+
+def _add_features(sub) -> None:
+    """The commands of the feature modules present in this build (a missing optional dependency: a stub saying how to install it)."""
     for mod, (commands, extra) in FEATURES.items():
         try:
             module = __import__(mod, fromlist=["add_subcommands"])
@@ -463,7 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
                 stub.set_defaults(func=_missing_extra(name, extra, exc.name), stub=True)
             continue
         module.add_subcommands(sub)
-    return p
 
 
 FEATURES = {  # module -> (its commands, the extra that brings its dependencies)
@@ -471,6 +339,7 @@ FEATURES = {  # module -> (its commands, the extra that brings its dependencies)
     "hstu.model.embedding_cli": (("plan-memory",), "ops"),
     "hstu.quant.cli": (("quantize",), "ops"),
     "hstu.serve.cli": (("serve",), "serve"),
+    "hstu.bench.cli": (("bench",), "bench"),
 }
 
 
@@ -487,22 +356,22 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "stub", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hstu.backend import BackendUnavailableError
+
+    where = f"hstu {args.command}"
     try:
+        from hstu.train.cli import torchrun_rank
+
+        rank = torchrun_rank(args)  # under --distributed: a rank other than 0 logs warnings only
+        where += f" (rank {rank})" if getattr(args, "distributed", False) else ""
+        level = logging.DEBUG if args.verbose else (logging.INFO if rank == 0 else logging.WARNING)
+        tag = f"[rank {rank}] " if getattr(args, "distributed", False) else ""
+        logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
         return int(args.func(args) or 0)
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as exc:
-        from hstu.backend import BackendUnavailableError  # noqa: F401
-
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError, BackendUnavailableError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"hstu {args.command}: error: {msg}", file=sys.stderr)
+        print(f"{where}: error: {msg}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
-        from hstu.backend import BackendUnavailableError
-
-        if isinstance(exc, BackendUnavailableError):
-            print(f"hstu {args.command}: error: {exc}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
-"""``python -m hstu.train``: distributed training, one process per device, started by torchrun.
+"""``python -m hstu.train ARGS``: distributed training, one process per device, started by torchrun;
+the same command as ``hstu train --distributed ARGS`` (one parser: :mod:`hstu.train.cli`).
 
     torchrun --nproc-per-node 2 -m hstu.train --dataset ml-1m --data-dir DIR --preset small \\
         --epochs 10 --out RUN [--max-users N] [--sharding row_wise|column_wise|table_wise]
 
-Takes the options of ``hstu train`` plus ``--sharding``, ``--table-optimizer`` and
-``--table-learning-rate``; see :mod:`hstu.train.distributed`.
+Without torchrun it trains as a world of one process. See :mod:`hstu.train.distributed`.
 """
 
 import sys
 
-from hstu.train.distributed import main
+from hstu.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["train", "--distributed", *sys.argv[1:]]))

@@ -4,18 +4,16 @@ Backends: gloo on CPU, nccl on CUDA, hccl on Ascend NPU (PyTorch docs, torch.dis
 "Backends"; torch_npu for hccl), each platform's ``Backend.dist_backend`` (:mod:`hstu.backend`).
 TorchRec's kernels exist for CPU and CUDA only (``Backend.torchrec_kernels``), so on other devices
 the table lives on the CPU with its own gloo group and its rows are moved to the device. The
-trainer itself is :mod:`hstu.train.distributed`.
+trainer itself is :mod:`hstu.train.distributed`; its flags are ``hstu train``'s
+(:mod:`hstu.train.cli`, argument group "distributed").
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,12 +118,6 @@ class DistContext:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -140,7 +132,7 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
     """Join (or create) the process group and pick this rank's device.
 
     Reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK; without them (a plain ``python -m``) it
-    starts a world of one on 127.0.0.1. If ``torch.distributed`` is already initialised (e.g.
+    starts a world of one (an in-memory HashStore, no port). If ``torch.distributed`` is already initialised (e.g.
     by a test's spawn), that group is used and not destroyed by :func:`shutdown`.
 
     Args:
@@ -157,12 +149,12 @@ def init_distributed(device: str = "cpu", *, timeout_s: float = 1800.0) -> DistC
     if owns:
         world = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
+        store = None
         if "MASTER_ADDR" not in os.environ:
             if world > 1:
                 raise ValueError("WORLD_SIZE > 1 but MASTER_ADDR is not set: start the job with torchrun")
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group(dist_backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+            store = dist.HashStore()  # a world of one needs no rendezvous port (a free port can be taken before it is bound)
+        dist.init_process_group(dist_backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), store=store)
     else:
         dist_backend = str(dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -182,50 +174,3 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()  # all groups
     else:
         dist.destroy_process_group(ctx.table_pg)
-
-
-def add_distributed_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of the distributed trainer on top of ``hstu train``'s."""
-    p.add_argument("--sharding", default="row_wise", choices=list(SHARDING_TYPES), help="TorchRec layout of the item table")
-    p.add_argument(
-        "--table-optimizer",
-        default="rowwise_adagrad",
-        choices=list(TABLE_OPTIMIZERS),
-        help="fused FBGEMM optimizer of the item table (CPU: sgd, adagrad, rowwise_adagrad)",
-    )
-    p.add_argument("--table-learning-rate", type=float, help="default 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types)")
-
-
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``hstu train``, same names and defaults, except that under torchrun
-    ``--resume`` does not take unset data flags from the run nor refuse a contradicting
-    ``--preset`` (``hstu train --resume`` does: hstu.cli._resume_defaults)."""
-    p.add_argument("--dataset", default="ml-1m", help="ml-1m | taobao | retailrocket | csv")
-    p.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", default="small", choices=["small", "large", "prod"])
-    g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--batch-size", type=int, help="global batch (split over the ranks)")
-    p.add_argument("--learning-rate", type=float)
-    p.add_argument("--num-negatives", type=int)
-    p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--max-users", type=int, help="use only the first N users")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu (rank r uses index LOCAL_RANK)")
-    p.add_argument("--protocol", default="clean", choices=["clean", "paper"])
-    p.add_argument("--skip-bad-rows", action="store_true")
-    p.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _default_data_dir() -> str | None:
-    env = os.environ.get("HSTU_DATA_DIR")
-    if env:
-        return env
-    for base in (Path.cwd(), Path(__file__).resolve().parents[3]):
-        cand = base.parent / "shared" / "data" / "ml-1m"
-        if (cand / "ratings.dat").exists():
-            return str(cand)
-    return None

@@ -1,4 +1,4 @@
-"""The TorchRec-sharded item table of distributed training, the batch split over ranks and the sharded loss.
+"""The TorchRec-sharded item table of distributed training, the batch split over ranks and each rank's step.
 
 Layout, gradients and optimizers: see :mod:`hstu.train.distributed`. Symbols as there (R ranks, B
 sequences of a global batch, P supervised positions, M negatives, V table rows, d width).
@@ -19,7 +19,7 @@ from torch import nn
 from hstu import backend
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data import EventLog, Split
-from hstu.model.hstu import HSTUModel, build_hstu, l2_normalize
+from hstu.model.hstu import HSTUModel, build_hstu
 from hstu.model.torchrec_tables import (
     FEATURE,
     build_item_collection,
@@ -30,6 +30,8 @@ from hstu.model.torchrec_tables import (
 )
 from hstu.train.dist_setup import CPU_TABLE_OPTIMIZERS, TABLE_OPTIMIZERS, DistConfig, DistContext
 from hstu.train.evaluate import evaluate_ranks
+from hstu.train.losses import draw_negatives as draw_negatives_global
+from hstu.train.losses import training_loss, uses_dense_logits
 from hstu.train.metrics import DEFAULT_KS, ranking_metrics
 
 log = logging.getLogger(__name__)
@@ -272,79 +274,38 @@ def shard_batch(ub: np.ndarray, lengths: np.ndarray, world: int, rank: int) -> B
 def draw_negatives(
     shard: BatchShard, local_width: int, tcfg: TrainConfig, num_items: int, gen: torch.Generator, device: torch.device
 ) -> tuple[torch.Tensor, int]:
-    """Draw the negatives of the whole global batch exactly as :func:`hstu.train.losses.sampled_softmax_loss`
-    does on one process, and keep this rank's.
-
-    On one process, with the global batch padded to width W_g, each run of c = min(chunk, W_g - 1)
-    consecutive positions of a sequence shares M negatives: one (B * nc, M) draw, nc = ceil((W_g - 1) / c),
-    sequence-major. Every rank makes that draw from its copy of the generator (same seed, so the
-    generators stay in step without communication) and keeps the chunks of its own sequences
-    that its (narrower or equal) width ``local_width`` reaches.
+    """The negatives of the whole global batch, drawn exactly as one process draws them
+    (:func:`hstu.train.losses.draw_negatives` for B sequences padded to the global width W_g), and
+    this rank's share: every rank makes that draw from its copy of the generator (same seed, so the
+    generators stay in step without communication) and keeps the runs of its own sequences that
+    its (narrower or equal) width ``local_width`` reaches.
 
     Returns:
         (neg (b, nc_l, M) int64 in [1, I], nc_l = ceil((local_width - 1) / c); c).
     """
-    M = tcfg.num_negatives
-    T = shard.width - 1  # supervised slots of the global batch
-    c = min(tcfg.negatives_chunk, max(T, 1))
-    nc = -(-T // c)
-    B = shard.batch_size
-    neg = torch.randint(1, num_items + 1, (B * nc, M), device=device, generator=gen).view(B, nc, M)  # (B, nc, M)
+    neg, c = draw_negatives_global(
+        shard.batch_size,
+        shard.width,
+        num_negatives=tcfg.num_negatives,
+        chunk=tcfg.negatives_chunk,
+        num_items=num_items,
+        generator=gen,
+        device=device,
+    )  # (B, nc, M)
     nc_local = -(-(local_width - 1) // c)
     return neg[shard.seq_offset : shard.seq_offset + len(shard.users), :nc_local], c  # (b, nc_l, M)
 
 
-def sharded_sampled_softmax_loss(
-    out: torch.Tensor,
-    ids: torch.Tensor,
-    lengths: torch.Tensor,
-    item_emb,
-    neg: torch.Tensor,
-    *,
-    chunk: int,
-    temperature: float,
-    scale: float,
-) -> tuple[torch.Tensor, int]:
-    """This rank's share of the global batch's sampled-softmax loss (Zhai et al. 2024, §4.1.1).
-
-    The same logits as :func:`hstu.train.losses.sampled_softmax_loss` (cosine / temperature of
-    the L2-normalised row and item embeddings, the next item as positive, a run of ``chunk``
-    positions sharing its negatives, clashing negatives masked to -inf), with the negatives drawn
-    for the global batch (:func:`draw_negatives`).
-
-    Args:
-        out: (b, W, d) L2-normalised encoder rows; ids (b, W) int64; lengths (b,) int64.
-        neg: (b, nc, M) int64, nc = ceil((W - 1) / chunk): the negatives of each run of positions.
-        chunk: c, the run length the negatives were drawn for (the global batch's, not recomputed from W).
-        scale: multiplies the summed cross-entropy (R / P for the global mean, times the shard weight).
-    Returns:
-        (scale * sum of this rank's cross-entropies, p = its supervised positions).
-    Raises:
-        ValueError: ``neg`` does not have (b, nc, M) rows of runs.
-    """
-    b, W, d = out.shape
-    T, c = W - 1, chunk
-    nc = -(-T // c)
-    if neg.dim() != 3 or neg.shape[:2] != (b, nc):
-        raise ValueError(f"negatives of shape {tuple(neg.shape)} do not match {b} sequences x {nc} runs of {c} positions")
-    M = neg.shape[2]
-    pad = nc * c - T
-    q = F.pad(out[:, :-1], (0, 0, 0, pad))  # (b, nc*c, d)
-    tgt = F.pad(ids[:, 1:], (0, pad))  # (b, nc*c)
-    pos_logit = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (b, nc*c, 1)
-    neg = neg.reshape(b * nc, M)  # (b*nc, M)
-    neg_logit = torch.bmm(q.reshape(b * nc, c, d), l2_normalize(item_emb(neg)).transpose(1, 2))  # (b*nc, c, M)
-    clash = tgt.reshape(b * nc, c, 1) == neg.unsqueeze(1)  # (b*nc, c, M)
-    neg_logit = neg_logit.masked_fill(clash, float("-inf")).reshape(b, nc * c, M)  # (b, nc*c, M)
-    mask = torch.arange(nc * c, device=ids.device).view(1, -1) < (lengths.view(-1, 1) - 1)  # (b, nc*c)
-    logits = torch.cat([pos_logit, neg_logit], dim=-1)[mask]  # (p, 1+M)
-    n = logits.shape[0]
-    ce = F.cross_entropy(logits / temperature, torch.zeros(n, dtype=torch.long, device=ids.device), reduction="sum")
-    return ce * scale, n
-
-
 class _ShardStep(nn.Module):
-    """The module DDP wraps: one rank's forward of a step, returning its loss share (a scalar)."""
+    """The module DDP wraps: one rank's forward of a step, returning its share of the global mean loss.
+
+    The loss is the single-process one (:func:`hstu.train.losses.training_loss`) on the rank's
+    sequences with its share of the global negatives: its mean over the rank's p positions,
+    times ``scale`` * p (``scale`` = weight * R / P), so that summing the shares over the ranks
+    and dividing by R (DDP's averaging) gives the mean over the P positions of the global batch.
+    The item rows come from one prefetch of the step's ids (the whole table when the loss scores
+    dense logits, :func:`hstu.train.losses.uses_dense_logits`).
+    """
 
     def __init__(self, model: HSTUModel, tcfg: TrainConfig) -> None:
         super().__init__()
@@ -362,21 +323,18 @@ class _ShardStep(nn.Module):
         chunk: int,
         scale: float,
     ) -> torch.Tensor:
-        m, t = self.model, self.tcfg
-        m.item_emb.prefetch(ids, neg)  # the step's one collective lookup
+        m = self.model
+        p = int((lengths - 1).clamp(min=0).sum())
+        if uses_dense_logits(p, chunk, m.cfg.num_items):
+            m.item_emb.prefetch(torch.arange(m.cfg.num_items + 1, device=ids.device))
+        else:
+            m.item_emb.prefetch(ids, neg)  # the step's one collective lookup
         try:
             out = m.encode(ids, timestamps, lengths, actions=actions, categories=categories)  # (b, W, d)
-            loss, _ = sharded_sampled_softmax_loss(
-                out, ids, lengths, m.item_emb, neg, chunk=chunk, temperature=m.cfg.temperature, scale=scale
-            )
-            if m.action_head is not None:  # next-action cross-entropy, same positions (hstu.train.losses.next_action_loss)
-                W = out.shape[1]
-                mask = torch.arange(W - 1, device=out.device).view(1, -1) < (lengths.view(-1, 1) - 1)
-                ce = F.cross_entropy(m.action_head(out[:, :-1][mask]), actions[:, 1:][mask], reduction="sum")
-                loss = loss + t.action_loss_weight * ce * scale
+            loss, n = training_loss(m, out, ids, lengths, actions, self.tcfg, neg=neg, chunk=chunk)
         finally:
             m.item_emb.release()
-        return loss
+        return loss * (scale * n)
 
 
 def export_model(model: HSTUModel, ctx: DistContext, *, dst: int | None = None) -> HSTUModel | None:

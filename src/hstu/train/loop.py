@@ -1,6 +1,14 @@
 """Training recipe: setup → epochs (sampled softmax, AdamW) → validation / early stopping →
 checkpoint every epoch → final evaluation of the best weights.
 
+One recipe for one process and for torchrun: :func:`fit` runs the epochs, evaluation, checkpoints
+and early stopping and calls a strategy's hooks for what differs (the PyTorch Lightning "strategy"
+idea): :class:`LocalStrategy` here (one device, the whole batch, AdamW on every parameter) and
+:class:`hstu.train.distributed.DistributedStrategy` (process group, TorchRec-sharded item table with
+its fused optimizer, DDP, each rank's slice of the global batch, all-reduced metrics, rank-0 writes).
+Both draw the same batches (:func:`epoch_batches`) and compute the same loss
+(:func:`hstu.train.losses.training_loss`).
+
 Features: deterministic with a seed (batch order, negatives, init); length-bucketed batches
 (padding costs little; results do not depend on the width since the divisor N is fixed);
 tqdm progress with loss and sequences/s; ``resume`` continues from RUN_DIR/last.*.
@@ -16,6 +24,7 @@ import logging
 import math
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -52,7 +61,7 @@ from hstu.runs import (  # noqa: F401
 from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.train.loop.load_run)
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate
-from hstu.train.losses import next_action_loss, repeat_aware_loss, sampled_softmax_loss
+from hstu.train.losses import training_loss
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
 # hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
@@ -80,16 +89,25 @@ REPEAT_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
 def calibrate_repeat_scale(
-    model, log_: EventLog, split: Split, *, batch_size: int = 256, device: torch.device | str = "cpu"
+    model,
+    log_: EventLog,
+    split: Split,
+    *,
+    batch_size: int = 256,
+    device: torch.device | str = "cpu",
+    evaluate_fn: Callable[..., dict] | None = None,
 ) -> tuple[dict, dict]:
     """Choose the repeat head's scale (:mod:`hstu.model.repeat`) among REPEAT_SCALES by
     validation NDCG@10 (ties: the smaller scale) and set it on the model. Returns
     ({"chosen": s, "valid_NDCG@10": {s: value}}, the validation metrics at s). The test split
-    is never read."""
+    is never read. ``evaluate_fn(model, which)``: the evaluation to use (default
+    :func:`hstu.train.evaluate.evaluate`; the distributed strategy splits the users over ranks)."""
+    if evaluate_fn is None:
+        evaluate_fn = lambda m, which: evaluate(m, log_, split, which, batch_size=batch_size, device=device)  # noqa: E731
     valid = {}
     for s in REPEAT_SCALES:
         model.repeat.scale.fill_(s)
-        valid[s] = evaluate(model, log_, split, "valid", batch_size=batch_size, device=device)
+        valid[s] = evaluate_fn(model, "valid")
     grid = {s: m["NDCG@10"] for s, m in valid.items()}
     best = max(REPEAT_SCALES, key=lambda s: (grid[s], -s))
     model.repeat.scale.fill_(best)
@@ -97,7 +115,100 @@ def calibrate_repeat_scale(
     return {"chosen": best, "valid_NDCG@10": {str(k): v for k, v in grid.items()}}, valid[best]
 
 
+def train_lengths(log_: EventLog, split: Split, max_seq_len: int) -> np.ndarray:
+    """(U,) int64: each user's training events the model sees (at most ``max_seq_len``)."""
+    return np.minimum(split.train_end - log_.offsets[:-1], max_seq_len)
+
+
+def epoch_batches(log_: EventLog, split: Split, tcfg: TrainConfig, max_seq_len: int, epoch: int) -> list[np.ndarray]:
+    """The (global) batches of ``epoch`` as arrays of EventLog rows: users with >= 2 training
+    events, length-bucketed (:func:`hstu.data.batching.length_bucketed_batches`) from seed
+    ``tcfg.seed * 1000 + epoch``; the same for every strategy and rank."""
+    lengths = train_lengths(log_, split, max_seq_len)
+    users = np.nonzero(lengths >= 2)[0]
+    rng = np.random.default_rng(tcfg.seed * 1000 + epoch)
+    return [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng, pool=tcfg.length_pool)]
+
+
+def dense_adamw(params, tcfg: TrainConfig) -> torch.optim.AdamW:
+    """The recipe's AdamW (TrainConfig learning_rate, beta1, beta2, weight_decay) over ``params``."""
+    return torch.optim.AdamW(params, lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+
+
+class LocalStrategy:
+    """One process on one device: the whole batch, the model's own item table, AdamW on every
+    parameter; the hooks :func:`fit` calls (:class:`hstu.train.distributed.DistributedStrategy`
+    implements the same ones). ``extra``: tables added to config.json, the last checkpoint's
+    manifest and metrics.json (none here)."""
+
+    rank, world_size, is_main = 0, 1, True
+    extra: dict = {}
+
+    def start(self, device: str, tcfg: TrainConfig) -> None:
+        """Select the device (BackendUnavailableError if unusable)."""
+        self.backend = backend.select(device)
+
+    def stop(self) -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def check_resume(self, run: Path, saved: dict) -> None:
+        """ValueError when RUN_DIR (config.json ``saved``) is a distributed run."""
+        if "distributed" in saved:
+            raise ValueError(f"{run} holds a distributed run: resume it with `hstu train --distributed --resume` (or torchrun)")
+
+    def check_setup(self, mcfg: ModelConfig, log_: EventLog, split: Split, tcfg: TrainConfig) -> None:
+        pass
+
+    def prepare(self, model: HSTUModel, tcfg: TrainConfig) -> torch.optim.Optimizer:
+        """The optimizer of the model about to be trained (on :attr:`device`)."""
+        return dense_adamw(model.parameters(), tcfg)
+
+    def train(self, model: HSTUModel) -> None:
+        model.train()
+
+    def step(self, model: HSTUModel, log_: EventLog, split: Split, ub: np.ndarray, tcfg: TrainConfig, gen) -> tuple[torch.Tensor, int]:
+        """Forward and loss of the batch ``ub`` (B,) EventLog rows; returns (loss to backpropagate, P positions)."""
+        b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(self.device)
+        out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
+        return training_loss(model, out, b.ids, b.lengths, b.actions, tcfg, generator=gen)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The batch's mean loss (every rank's, all-reduced, in the distributed strategy)."""
+        return loss.item()
+
+    def snapshot(self, model: HSTUModel) -> HSTUModel:
+        """A plain HSTUModel with the current weights (here the model itself)."""
+        return model
+
+    def evaluate(self, plain: HSTUModel, log_: EventLog, split: Split, which: str, tcfg: TrainConfig) -> dict:
+        return evaluate(plain, log_, split, which, batch_size=tcfg.eval_batch_size, device=self.device)
+
+    def load_state(self, run: Path, model: HSTUModel, opt, gen: torch.Generator) -> tuple[dict, HSTUModel]:
+        """Load the last committed epoch (:func:`hstu.runs.load_train_state`); returns (manifest, plain model)."""
+        return load_train_state(run, model, opt, gen), model
+
+    def keep_best(self, run: Path, plain: HSTUModel) -> None:
+        """The reported weights so far: model.safetensors (rank 0)."""
+        save_best_weights(run, plain)
+
+    def best_model(self, run: Path, model: HSTUModel) -> HSTUModel:
+        """A plain model holding the reported weights, for the final evaluation."""
+        load_best_weights(run, model, self.device)
+        return model
+
+    def barrier(self) -> None:
+        pass
+
+    def machine(self) -> str:
+        return f"{platform.machine()} {torch.get_num_threads()} threads, {self.device}"
+
+
 def train_one_epoch(
+    strategy: LocalStrategy,
     model: HSTUModel,
     log_: EventLog,
     split: Split,
@@ -105,96 +216,71 @@ def train_one_epoch(
     opt,
     gen: torch.Generator,
     epoch: int,
-    device: torch.device,
     progress: bool = True,
+    on_step: Callable[[int, int, float], None] | None = None,
 ) -> dict:
-    model.train()
-    lengths = np.minimum(split.train_end - log_.offsets[:-1], model.cfg.max_seq_len)
-    users = np.nonzero(lengths >= 2)[0]
-    rng = np.random.default_rng(tcfg.seed * 1000 + epoch)
-    batches = [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng, pool=tcfg.length_pool)]
+    """One epoch over :func:`epoch_batches`; returns {"loss": mean batch loss weighted by sequences,
+    "seconds", "sequences_per_s", "positions"}. ``on_step(epoch, step, loss)`` sees each step's loss."""
+    strategy.train(model)
+    batches = epoch_batches(log_, split, tcfg, model.cfg.max_seq_len, epoch)
     t0, total, n_pos, n_seq = time.perf_counter(), 0.0, 0, 0
-    bar = tqdm(batches, desc=f"epoch {epoch}", disable=not progress, leave=False, mininterval=2.0)
-    for ub in bar:
-        b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(device)
-        out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        if model.repeat is not None:
-            loss, n = repeat_aware_loss(
-                out, b.ids, b.actions, b.lengths, model, num_negatives=tcfg.num_negatives, chunk=tcfg.negatives_chunk, generator=gen
-            )
-        else:
-            loss, n = sampled_softmax_loss(
-                out,
-                b.ids,
-                b.lengths,
-                model.item_emb,
-                num_negatives=tcfg.num_negatives,
-                temperature=model.cfg.temperature,
-                chunk=tcfg.negatives_chunk,
-                generator=gen,
-                num_items=model.cfg.num_items,
-            )
-        if model.action_head is not None:
-            loss = loss + tcfg.action_loss_weight * next_action_loss(out, b.actions, b.lengths, model.action_head)
+    bar = tqdm(batches, desc=f"epoch {epoch}", disable=not (progress and strategy.is_main), leave=False, mininterval=2.0)
+    for i, ub in enumerate(bar):
+        loss, n = strategy.step(model, log_, split, ub, tcfg, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        total += loss.item() * len(ub)
+        gl = strategy.global_loss(loss)
+        if on_step is not None:
+            on_step(epoch, i, gl)
+        total += gl * len(ub)
         n_pos += n
         n_seq += len(ub)
-        bar.set_postfix(loss=f"{loss.item():.4f}", seq_s=f"{n_seq / (time.perf_counter() - t0):.0f}")
+        bar.set_postfix(loss=f"{gl:.4f}", seq_s=f"{n_seq / (time.perf_counter() - t0):.0f}")
     secs = time.perf_counter() - t0
     return {"loss": total / max(n_seq, 1), "seconds": secs, "sequences_per_s": n_seq / secs, "positions": n_pos}
 
 
-def _resume(run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict) -> list[dict]:
+def _resume(strategy: LocalStrategy, run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict, paper: bool) -> list[dict]:
     """Load the last committed epoch into ``model``, ``opt``, ``gen`` and ``state``; returns its
     history. Files a kill left behind the commit are rewritten: last.json and history.json, and
-    model.safetensors when that epoch was the best (its weights are the ones just loaded)."""
-    info = load_train_state(run, model, opt, gen)
-    state.update({k: v for k, v in info.items() if k not in ("param_groups", "history")})
-    repair_run_files(run, info)
-    if state["epoch"] and state["best_epoch"] == state["epoch"]:
-        save_best_weights(run, model)
+    model.safetensors when that epoch holds the reported weights (its weights are the ones just loaded)."""
+    info, plain = strategy.load_state(run, model, opt, gen)
+    state.update({k: v for k, v in info.items() if k not in ("param_groups", "history", *strategy.extra)})
+    if strategy.is_main:
+        repair_run_files(run, info)
+    if state["epoch"] and (paper or state["best_epoch"] == state["epoch"]):
+        strategy.keep_best(run, plain)
     log.info("resumed %s at epoch %d", run, state["epoch"])
     return list(info["history"])
 
 
-def _report(
-    run: Path,
-    model: HSTUModel,
-    log_: EventLog,
-    split: Split,
-    tcfg: TrainConfig,
-    spec: DataSpec,
-    state: dict,
-    history: list[dict],
-    device: torch.device,
-) -> dict:
+def _report(strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, tcfg: TrainConfig, spec: DataSpec, state, history) -> dict:
     """After the epochs: the reported weights (best, or the last epoch under --protocol paper) with
-    the repeat scale calibrated on validation, evaluated on valid and test; writes and returns
-    metrics.json's object."""
+    the repeat scale calibrated on validation, evaluated on valid and test; writes (rank 0) and
+    returns metrics.json's object."""
     paper = spec.protocol == "paper"
-    if paper:  # report the last epoch, as the published protocol does
-        save_best_weights(run, model)
-    load_best_weights(run, model, device)
+    best = strategy.best_model(run, model)
     calibration = valid = None
-    if model.repeat is not None and not paper:
-        calibration, valid = calibrate_repeat_scale(model, log_, split, batch_size=tcfg.eval_batch_size, device=device)
-        save_best_weights(run, model)
+    if best.repeat is not None and not paper:
+        calibration, valid = calibrate_repeat_scale(best, log_, split, evaluate_fn=lambda m, w: strategy.evaluate(m, log_, split, w, tcfg))
+        strategy.keep_best(run, best)
     metrics = {
-        "valid": valid or evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=device),
-        "test": evaluate(model, log_, split, "test", batch_size=tcfg.eval_batch_size, device=device),
+        "valid": valid or strategy.evaluate(best, log_, split, "valid", tcfg),
+        "test": strategy.evaluate(best, log_, split, "test", tcfg),
         "epochs": state["epoch"],
         "best_epoch": state["epoch"] if paper else state["best_epoch"],
         "train_seconds": round(state["train_seconds"], 2),
         "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
         "protocol": spec.protocol,
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {device}",
+        "machine": strategy.machine(),
+        **strategy.extra,
     }
     if calibration is not None:
         metrics["repeat_scale"] = calibration
-    write_metrics(run, metrics)
+    if strategy.is_main:
+        write_metrics(run, metrics)
+    strategy.barrier()
     return metrics
 
 
@@ -209,56 +295,83 @@ def fit(
     overwrite: bool = True,
     progress: bool = True,
     use_features: bool = True,
+    strategy: LocalStrategy | None = None,
+    data: tuple[EventLog, Split] | None = None,
+    on_step: Callable[[int, int, float], None] | None = None,
 ) -> dict:
     """Train, checkpoint every epoch (one commit per epoch, :func:`hstu.runs.save_train_state`), evaluate;
-    returns the metrics.json object. Raises ValueError for too little data (:func:`check_trainable`)
-    and for malformed run files on ``resume`` (naming file and field), besides the module's."""
+    returns the metrics.json object (on every rank). ``strategy``: :class:`LocalStrategy` (default) or
+    :class:`hstu.train.distributed.DistributedStrategy`; ``data``: the (EventLog, Split) of ``spec`` if
+    already loaded; ``on_step(epoch, step, loss)``: called after every step.
+    Raises ValueError for too little data (:func:`check_trainable`), for malformed run files on
+    ``resume`` (naming file and field) and for resuming a run of the other strategy, besides the module's."""
     tcfg.validate()
     run = Path(run_dir)
     if has_train_state(run) and not resume and not overwrite:
         raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
-    dev = backend.select(device)
+    strategy = strategy or LocalStrategy()
+    strategy.start(device, tcfg)
+    try:
+        return _fit(strategy, run, mcfg, tcfg, spec, resume, use_features, progress, data, on_step)
+    finally:
+        strategy.stop()
+
+
+def _setup(
+    strategy: LocalStrategy, run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features: bool, data
+):
+    """Data, model configuration and the initial model on the strategy's device (same seed: the same
+    init for every strategy and rank). Nothing is written. Returns (log_, split, mcfg, model)."""
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
-    dev.manual_seed(tcfg.seed)
-    log_, split = prepare_data(spec)
+    log_, split = data if data is not None else prepare_data(spec)
     if resume:
         saved = read_config(run)
+        strategy.check_resume(run, saved)
         mcfg = ModelConfig(**saved["model"])
         check_resume_data(run / CONFIG, saved.get("data", {}), asdict(spec))
         check_resume_items(run, log_)
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
-    model = build_hstu(mcfg, device=dev.device).to(dev.device)
+    strategy.check_setup(mcfg, log_, split, tcfg)
+    strategy.backend.manual_seed(tcfg.seed)
+    model = build_hstu(mcfg, device=strategy.device).to(strategy.device)
     if model.cold_items is not None and not resume:
         model.set_cold_items(train_item_counts(log_, split))
     if model.repeat is not None and not resume:
         model.repeat.init_from_prior(repeat_share(log_, split, mcfg.repeat_window, mcfg.max_seq_len), mcfg.num_items)
-    opt = torch.optim.AdamW(model.parameters(), lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
-    gen = torch.Generator(device=dev.device)
+    return log_, split, mcfg, model
+
+
+def _fit(
+    strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features, progress, data, on_step
+) -> dict:
+    log_, split, mcfg, model = _setup(strategy, run, mcfg, tcfg, spec, resume, use_features, data)
+    opt = strategy.prepare(model, tcfg)
+    gen = torch.Generator(device=strategy.device)
     gen.manual_seed(tcfg.seed)
-    cfg_json = config_json(mcfg, tcfg, spec)
     state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
-    history: list[dict] = []
-    if resume and has_train_state(run):
-        history = _resume(run, model, opt, gen, state)
-    run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
-    if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
-        remove_run_files(run)
-    write_config(run, cfg_json)
-    write_idmap(run, log_, split)
     paper = spec.protocol == "paper"
+    history = _resume(strategy, run, model, opt, gen, state, paper) if resume and has_train_state(run) else []
+    if strategy.is_main:
+        run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
+        if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
+            remove_run_files(run)
+        write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
+        write_idmap(run, log_, split)
+    strategy.barrier()
     while state["epoch"] < tcfg.epochs:
         epoch = state["epoch"] + 1
-        stats = train_one_epoch(model, log_, split, tcfg, opt, gen, epoch, dev.device, progress)
+        stats = train_one_epoch(strategy, model, log_, split, tcfg, opt, gen, epoch, progress, on_step)
         state["train_seconds"] += stats["seconds"]
         entry = {"epoch": epoch, **stats}
+        plain = strategy.snapshot(model)
         if epoch % tcfg.eval_every == 0 or epoch == tcfg.epochs:
-            entry["valid"] = evaluate(model, log_, split, "valid", batch_size=tcfg.eval_batch_size, device=dev.device)
+            entry["valid"] = strategy.evaluate(plain, log_, split, "valid", tcfg)
             if paper:
                 entry["test"] = entry["valid"]  # the paper protocol evaluates on the last item
-            score = entry["valid"]["NDCG@10"]
+            score = entry["valid"]["NDCG@10"]  # the same on every rank (metrics are gathered)
             if score > state["best"]:
                 state.update(best=score, best_epoch=epoch, bad_epochs=0)
             else:
@@ -266,15 +379,17 @@ def fit(
         log.info(
             "epoch %d: %s",
             epoch,
-            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k != "valid"}
+            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k not in ("valid", "test")}
             | {"valid": {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")}},
         )
         history.append(entry)
         state["epoch"] = epoch
-        save_train_state(run, model, opt, gen, state, history)  # the epoch's commit; then its best weights:
-        if state["best_epoch"] == epoch:  # a kill in between is repaired by _resume
-            save_best_weights(run, model)
+        if strategy.is_main:  # the epoch's commit; then its reported weights (a kill in between is repaired by _resume)
+            save_train_state(run, plain, opt, gen, {**state, **strategy.extra}, history)
+        if paper or state["best_epoch"] == epoch:
+            strategy.keep_best(run, plain)
+        strategy.barrier()
         if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
             log.info("early stopping at epoch %d (best %d)", epoch, state["best_epoch"])
             break
-    return _report(run, model, log_, split, tcfg, spec, state, history, dev.device)
+    return _report(strategy, run, model, log_, split, tcfg, spec, state, history)

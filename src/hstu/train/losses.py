@@ -18,6 +18,53 @@ from hstu.model.hstu import l2_normalize
 from hstu.model.repeat import windows
 
 
+def draw_negatives(
+    batch_size: int,
+    width: int,
+    *,
+    num_negatives: int,
+    chunk: int,
+    num_items: int,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, int]:
+    """The uniform negatives of a batch of ``batch_size`` sequences padded to ``width``: each run of
+    c = min(chunk, max(width - 1, 1)) consecutive supervised positions of a sequence shares its own
+    M = ``num_negatives`` ids drawn from 1..I (one ``torch.randint`` of (B * nc, M), sequence-major,
+    nc = ceil((width - 1) / c)).
+
+    Returns (neg (B, nc, M) int64, c). Raises ValueError for chunk < 1. The distributed trainer makes
+    this draw for the global batch on every rank and keeps its own sequences' rows
+    (:func:`hstu.train.dist_table.draw_negatives`), so both recipes see the same negatives.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    T = width - 1  # supervised slots
+    c = min(chunk, max(T, 1))
+    nc = -(-T // c)  # runs per sequence
+    neg = torch.randint(1, num_items + 1, (batch_size * nc, num_negatives), device=device, generator=generator)
+    return neg.view(batch_size, nc, num_negatives), c
+
+
+def _negatives(neg, B: int, W: int, chunk: int, num_negatives: int, num_items: int, generator, device) -> tuple[torch.Tensor, int, int]:
+    """The loss's negatives as (B * nc, M) rows, c and nc: drawn here (:func:`draw_negatives`) when
+    ``neg`` is None, else pre-drawn (B, nc, M) for runs of ``chunk`` positions (ValueError if not)."""
+    if neg is None:
+        neg, c = draw_negatives(B, W, num_negatives=num_negatives, chunk=chunk, num_items=num_items, generator=generator, device=device)
+    else:
+        c = chunk
+        if neg.dim() != 3 or tuple(neg.shape[:2]) != (B, -(-(W - 1) // c)):
+            raise ValueError(f"negatives of shape {tuple(neg.shape)} do not match {B} sequences x {-(-(W - 1) // c)} runs of {c} positions")
+    nc = neg.shape[1]
+    return neg.reshape(B * nc, neg.shape[2]), c, nc
+
+
+def uses_dense_logits(positions: int, chunk: int, num_items: int) -> bool:
+    """Whether :func:`sampled_softmax_loss` scores ``positions`` rows against the whole table
+    (per-position negatives, c = 1, and P x (I + 1) <= DENSE_LOGITS_MAX): it then reads every row."""
+    return chunk == 1 and positions * (num_items + 1) <= DENSE_LOGITS_MAX
+
+
 def sampled_softmax_loss(
     out: torch.Tensor,
     ids: torch.Tensor,
@@ -29,12 +76,14 @@ def sampled_softmax_loss(
     chunk: int = 16,
     generator: torch.Generator | None = None,
     num_items: int,
+    neg: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Mean loss over positions 0..L-2 of each sequence (row i predicts ids[i+1]).
 
     Negatives: each run of ``chunk`` consecutive positions of a sequence shares its own M
-    uniform negatives, scored with one batched GEMM. chunk = 1 gives independent negatives
-    per position (the reference's scheme); chunk >= W one set per sequence. Measured on ML-1M:
+    uniform negatives (:func:`draw_negatives`), scored with one batched GEMM. chunk = 1 gives
+    independent negatives per position (the reference's scheme; for a small catalogue scored as
+    dense logits, :func:`uses_dense_logits`); chunk >= W one set per sequence. Measured on ML-1M:
     the number of distinct negatives per batch drives learning speed, and chunks of 16 keep
     most of the per-position benefit at the cost of the per-sequence GEMM.
 
@@ -43,19 +92,21 @@ def sampled_softmax_loss(
         ids: (B, W) int64 item ids (0 padding); lengths (B,) int64.
         item_emb: callable (…) int64 -> (…, d) rows.
         chunk: positions per negative set (>= 1).
+        neg: (B, nc, M) int64 negatives drawn beforehand (the distributed trainer's share of its
+            global batch's draw); ``chunk`` is then the run length they were drawn for, used as is,
+            and ``num_negatives`` / ``generator`` are not read.
     Returns:
         (loss scalar, number of supervised positions P).
+    Raises:
+        ValueError: chunk < 1; ``neg`` not (B, nc, M).
     """
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
     B, W, d = out.shape
     T = W - 1  # supervised slots
-    c = min(chunk, max(T, 1))
-    nc = -(-T // c)  # chunks per sequence
+    neg, c, nc = _negatives(neg, B, W, chunk, num_negatives, num_items, generator, ids.device)  # (B*nc, M)
+    M = neg.shape[1]
     pad = nc * c - T
-    neg = torch.randint(1, num_items + 1, (B * nc, num_negatives), device=ids.device, generator=generator)  # (B*nc, M)
     mask = torch.arange(nc * c, device=ids.device).view(1, -1) < (lengths.view(-1, 1) - 1)  # (B, nc*c)
-    if c == 1 and int(mask.sum()) * (num_items + 1) <= DENSE_LOGITS_MAX:  # nc*c == T
+    if uses_dense_logits(int(mask.sum()), c, num_items):  # nc*c == T
         return _per_position_dense(
             out[:, :-1][mask],
             ids[:, 1:][mask],
@@ -70,7 +121,7 @@ def sampled_softmax_loss(
     pos_logit = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (B, nc*c, 1)
     neg_logit = torch.bmm(q.reshape(B * nc, c, d), l2_normalize(item_emb(neg)).transpose(1, 2))  # (B*nc, c, M)
     clash = tgt.reshape(B * nc, c, 1) == neg.unsqueeze(1)  # (B*nc, c, M)
-    neg_logit = neg_logit.masked_fill(clash, float("-inf")).reshape(B, nc * c, num_negatives)
+    neg_logit = neg_logit.masked_fill(clash, float("-inf")).reshape(B, nc * c, M)
     logits = torch.cat([pos_logit, neg_logit], dim=-1)[mask]  # (P, 1+M)
     n = logits.shape[0]
     if n == 0:
@@ -113,6 +164,7 @@ def repeat_aware_loss(
     num_negatives: int,
     chunk: int = 16,
     generator: torch.Generator | None = None,
+    neg: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Sampled softmax for a model with a repeat head (:mod:`hstu.model.repeat`).
 
@@ -126,15 +178,15 @@ def repeat_aware_loss(
     (the sampled-softmax importance correction, Bengio & Senecal 2008; Jean et al. 2015):
     without it the softmax over-weights history items M/I-fold against the full-ranking one and
     the model learns to push revisits down.
-    Returns (mean loss, P supervised positions).
+    ``neg``: (B, nc, M) negatives drawn beforehand, with ``chunk`` their run length (as
+    :func:`sampled_softmax_loss`). Returns (mean loss, P supervised positions).
     """
     rep, I, tau = model.repeat, model.cfg.num_items, model.cfg.temperature
     B, W, d = out.shape
     T, R = W - 1, rep.window
-    c = min(chunk, max(T, 1))
-    nc = -(-T // c)
+    neg, c, nc = _negatives(neg, B, W, chunk, num_negatives, I, generator, ids.device)  # (B*nc, M)
+    num_negatives = neg.shape[1]
     mask = torch.arange(T, device=ids.device).view(1, T) < (lengths.view(B, 1) - 1)  # (B, T)
-    neg = torch.randint(1, I + 1, (B * nc, num_negatives), device=ids.device, generator=generator)  # (B*nc, M)
     q_pad = F.pad(out[:, :-1], (0, 0, 0, nc * c - T))  # (B, nc*c, d)
     neg_logit = torch.bmm(q_pad.reshape(B * nc, c, d), l2_normalize(model.item_emb(neg)).transpose(1, 2))  # (B*nc, c, M)
     neg_logit = neg_logit.reshape(B, nc * c, num_negatives)[:, :T][mask]  # (P, M)
@@ -167,3 +219,52 @@ def next_action_loss(out: torch.Tensor, actions: torch.Tensor, lengths: torch.Te
     if logits.shape[0] == 0:
         return out.sum() * 0.0
     return F.cross_entropy(logits, actions[:, 1:][mask])
+
+
+def training_loss(
+    model,
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    actions: torch.Tensor | None,
+    tcfg,
+    *,
+    generator: torch.Generator | None = None,
+    neg: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, int]:
+    """The recipe's loss on one batch, for single-process and distributed training alike:
+    :func:`repeat_aware_loss` with a repeat head, else :func:`sampled_softmax_loss` (Zhai et al.
+    2024, §4.1.1), plus ``tcfg.action_loss_weight`` x :func:`next_action_loss` with an action head.
+
+    Args:
+        model: the HSTUModel (its ``item_emb`` supplies the rows: an ``nn.Embedding`` or the
+            TorchRec-sharded table inside its step's prefetch).
+        out: (B, W, d) encoder rows; ids (B, W) int64; lengths (B,) int64; actions (B, W) int64 or None.
+        tcfg: TrainConfig (num_negatives, negatives_chunk, action_loss_weight).
+        neg, chunk: pre-drawn negatives (B, nc, M) and their run length; None: drawn here from
+            ``generator`` with ``tcfg.negatives_chunk``.
+    Returns:
+        (mean loss over the P supervised positions, P).
+    """
+    c = tcfg.negatives_chunk if chunk is None else chunk
+    if model.repeat is not None:
+        loss, n = repeat_aware_loss(
+            out, ids, actions, lengths, model, num_negatives=tcfg.num_negatives, chunk=c, generator=generator, neg=neg
+        )
+    else:
+        loss, n = sampled_softmax_loss(
+            out,
+            ids,
+            lengths,
+            model.item_emb,
+            num_negatives=tcfg.num_negatives,
+            temperature=model.cfg.temperature,
+            chunk=c,
+            generator=generator,
+            num_items=model.cfg.num_items,
+            neg=neg,
+        )
+    if model.action_head is not None:
+        loss = loss + tcfg.action_loss_weight * next_action_loss(out, actions, lengths, model.action_head)
+    return loss, n

@@ -1,0 +1,205 @@
+"""The ``hstu train`` command: its parser and handler, one for single-process and distributed training.
+
+``hstu train ARGS`` trains in this process; ``hstu train --distributed ARGS`` (started by torchrun,
+or as a world of one without it) and ``python -m hstu.train ARGS`` (:mod:`hstu.train.__main__`, the
+same as ``hstu train --distributed ARGS``) run the same recipe, :func:`hstu.train.loop.fit`, with
+:class:`hstu.train.distributed.DistributedStrategy`. So the flags, defaults, help and errors are
+the same: the distributed-only flags are this parser's argument group "distributed". :mod:`hstu.cli`
+adds the command to ``hstu`` and turns the errors a user can fix into one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from hstu.cli import NO_DATA, default_data_dir, number_in
+
+log = logging.getLogger("hstu")
+
+
+def add_train_parser(sub) -> None:
+    """``hstu train``; ``python -m hstu.train`` parses with it too (as ``hstu train --distributed``)."""
+    t = sub.add_parser("train", help="train a model on a data set")
+    t.add_argument("--dataset", help="ml-1m | taobao | retailrocket | csv (default ml-1m; with --resume: the run's)")
+    t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
+    g = t.add_mutually_exclusive_group()
+    g.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
+    g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
+    t.add_argument("--epochs", type=number_in(int, 1))
+    t.add_argument(
+        "--batch-size", type=number_in(int, 1), help="sequences per step (under --distributed: the global batch, split over the ranks)"
+    )
+    t.add_argument("--learning-rate", type=number_in(float, 0, lo_open=True))
+    t.add_argument("--num-negatives", type=number_in(int, 1))
+    t.add_argument("--out", required=True, help="run directory")
+    t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu (under --distributed rank r uses index LOCAL_RANK)")
+    t.add_argument(
+        "--protocol",
+        choices=["clean", "paper"],
+        help="(default clean; with --resume: the run's) clean: train/valid/test = all but last 2 / 2nd-to-last / last; "
+        "paper: all but last / last",
+    )
+    t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
+    t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
+    r = t.add_mutually_exclusive_group()
+    r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
+    r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    from hstu.train.dist_setup import SHARDING_TYPES, TABLE_OPTIMIZERS
+
+    d = t.add_argument_group("distributed", "TorchRec-sharded item table, DDP dense layers (hstu.train.distributed)")
+    d.add_argument(
+        "--distributed",
+        action="store_true",
+        help="start with torchrun --nproc-per-node N --no-python hstu train --distributed ... (or torchrun ... -m hstu.train ...)",
+    )
+    d.add_argument(
+        "--sharding", choices=list(SHARDING_TYPES), help="TorchRec layout of the item table (default row_wise; with --resume: the run's)"
+    )
+    d.add_argument(
+        "--table-optimizer",
+        choices=list(TABLE_OPTIMIZERS),
+        help="fused FBGEMM optimizer of the item table (CPU: sgd, adagrad, rowwise_adagrad; default rowwise_adagrad; --resume: the run's)",
+    )
+    d.add_argument(
+        "--table-learning-rate",
+        type=number_in(float, 0, lo_open=True),
+        help="default 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types); with --resume and the run's optimizer: the run's",
+    )
+    t.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    """``hstu train`` and ``hstu train --distributed`` / ``python -m hstu.train`` (torchrun): one recipe,
+    :func:`hstu.train.loop.fit`, with the distributed strategy under --distributed; rank 0 prints metrics.json."""
+    _check_out_dir(args)
+    _check_resume_flags(args)
+    saved = _resume_defaults(args)
+    from hstu.config import TrainConfig, load_config_tables, train_config_from_dict
+    from hstu.train.loop import DataSpec, fit
+
+    data_dir = args.data_dir or default_data_dir()
+    if data_dir is None:
+        raise FileNotFoundError(NO_DATA)
+    mcfg, tcfg = _model_cfg(args)
+    if "train" in saved:  # the run's settings, then a --config [train] table's fields, then flags
+        given = load_config_tables(args.config).get("train", {}) if args.config else {}
+        tcfg = train_config_from_dict({**saved["train"], **given})
+    tcfg = tcfg or TrainConfig()
+    for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
+        if getattr(args, name, None) is not None:
+            setattr(tcfg, name, getattr(args, name))
+    spec = DataSpec(
+        args.dataset, str(data_dir), args.protocol, args.max_users, args.skip_bad_rows, {"columns": args.columns} if args.columns else {}
+    )
+    strategy = _distributed_strategy(args, saved.get("distributed", {})) if args.distributed else None
+    metrics = fit(args.out, mcfg, tcfg, spec, device=args.device, resume=args.resume, progress=not args.quiet, strategy=strategy)
+    if not torchrun_rank(args):
+        print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def torchrun_rank(args) -> int:
+    """This process's torchrun RANK under --distributed, else 0."""
+    from hstu.train.dist_setup import _env_int
+
+    return _env_int("RANK", 0) if getattr(args, "distributed", False) else 0
+
+
+def _distributed_strategy(args, saved: dict):
+    """The --distributed strategy from the group's flags, those not given from the resumed run's
+    config.json ``distributed`` table (``saved``); a missing TorchRec is an error a user can fix (exit 2)."""
+    from hstu.train.dist_setup import DistConfig
+
+    opt = args.table_optimizer or saved.get("table_optimizer", "rowwise_adagrad")
+    lr = args.table_learning_rate
+    if lr is None and opt == saved.get("table_optimizer"):
+        lr = saved.get("table_learning_rate")
+    try:
+        from hstu.train.distributed import DistributedStrategy
+
+        return DistributedStrategy(DistConfig(args.sharding or saved.get("sharding", "row_wise"), opt, lr))
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _model_cfg(args):
+    from hstu.config import load_config_file, model_config_from_preset
+
+    if getattr(args, "config", None):
+        cfgs = load_config_file(args.config)
+        return cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
+    return model_config_from_preset(args.preset or "small"), None
+
+
+def _check_out_dir(args) -> None:
+    """FileExistsError when --out already holds a run and neither --resume nor --overwrite is given;
+    with --overwrite, ``fit`` deletes the old run's files once the data and device are good (so
+    nothing of it can be resumed or reported, and a failed start loses nothing)."""
+    from hstu.runs import RUN_FILES
+
+    out = Path(args.out)
+    found = [f for f in RUN_FILES if (out / f).exists()]
+    if not found or args.resume:
+        return
+    if not args.overwrite:
+        raise FileExistsError(
+            f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+            "--overwrite to replace it, or choose another --out"
+        )
+    log.warning("--overwrite: the run in %s (%s) is replaced once the data and device are ready", out, ", ".join(found))
+
+
+def _check_resume_flags(args) -> None:
+    """ValueError when --resume comes with a model choice: the run continues its saved model
+    (config.json), so --preset or a [model] table would be silently ignored."""
+    if not args.resume:
+        return
+    if args.preset is not None:
+        raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --preset {args.preset}")
+    if args.config:
+        from hstu.config import load_config_file
+
+        if "model" in load_config_file(args.config):
+            raise ValueError(
+                f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); "
+                f"{args.config} has a [model] table (only [train] applies to a resumed run)"
+            )
+
+
+def _resume_defaults(args) -> dict:
+    """With --resume: the run's saved config.json ({"train": ..., "data": ...}), whose train
+    settings and data options stand in for the flags not given (empty dict otherwise). The data
+    flags left unset become the run's; flags given that contradict the run are refused by
+    :func:`hstu.train.loop.fit`."""
+    path = Path(args.out) / "config.json"
+    if args.resume and not path.exists():
+        raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
+    from hstu.model.checkpoint import read_json
+
+    saved = read_json(path) if args.resume else {}  # checked field by field: a malformed one is named
+    data = saved.get("data", {})
+    from hstu.train.loop import check_resume_data
+
+    given = {
+        "dataset": args.dataset,
+        "protocol": args.protocol,
+        "max_users": args.max_users,
+        "options": {"columns": args.columns} if getattr(args, "columns", None) else None,
+    }
+    check_resume_data(path, data, {k: v for k, v in given.items() if v is not None})  # before any data is read
+    args.dataset = args.dataset or data.get("dataset") or "ml-1m"
+    args.protocol = args.protocol or data.get("protocol") or "clean"
+    if args.max_users is None:
+        args.max_users = data.get("max_users")
+    args.skip_bad_rows = args.skip_bad_rows or bool(data.get("skip_bad_rows", False))
+    if not getattr(args, "columns", None):
+        args.columns = data.get("options", {}).get("columns")
+    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data.get("data_dir") and Path(data["data_dir"]).exists():
+        args.data_dir = data["data_dir"]
+    return saved

@@ -22,6 +22,7 @@ else:  # pragma: no cover
 
 
 ATTENTION_NORMS = ("fixed", "causal")
+ATTENTION_KERNELS = ("auto", "reference", "triton", "npu")  # [model] attention: kernel sets (hstu.model.kernels)
 ITEM_TABLES = ("dense", "hashed")  # [model] item_table: nn.Embedding | model.embedding.ShardedEmbedding
 TABLE_PLACEMENTS = ("device", "host")  # where a hashed table's shard lives (model/embedding.py)
 TABLE_DTYPES = ("fp32", "fp16", "bf16")  # a hashed table's row storage dtype
@@ -55,6 +56,10 @@ class ModelConfig:
     # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
     # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
     attention_norm: str = "fixed"
+    # attention kernel set (hstu.model.kernels), for training, evaluation, generation and serving alike:
+    # "auto" = the device's default where it can run ("triton" on CUDA, "npu" on NPU, else "reference");
+    # a named set that cannot run on the device is an error. Runs saved without it load as "auto".
+    attention: str = "auto"
     layer_norm_eps: float = 1e-6
     temperature: float = 0.05  # cosine-similarity temperature (recipe: 0.05)
     num_actions: int = 0  # >0: action-type embedding summed into the input + next-action head
@@ -102,6 +107,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.cold_item_dropout must be in [0, 1), got {self.cold_item_dropout}")
         if self.attention_norm not in ATTENTION_NORMS:
             raise ValueError(f"ModelConfig.attention_norm must be one of {ATTENTION_NORMS}, got {self.attention_norm!r}")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"ModelConfig.attention ([model] attention) must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
         self._validate_item_table()

@@ -65,7 +65,7 @@ def test_accelerator_class_attributes_need_no_device():
     assert {n: c.dist_backend for n, c in backend.BACKENDS.items()} == {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
     assert [n for n, c in backend.BACKENDS.items() if c.torchrec_kernels] == ["cpu", "cuda"]
     assert {n: c.graph_mode for n, c in backend.BACKENDS.items()} == {"cpu": None, "cuda": "cuda_graph", "npu": "npu_graph"}
-    assert {n: c.default_kernels for n, c in backend.BACKENDS.items()} == {"cpu": "reference", "cuda": "reference", "npu": "npu"}
+    assert {n: c.default_kernels for n, c in backend.BACKENDS.items()} == {"cpu": "reference", "cuda": "triton", "npu": "npu"}
     assert CUDABackend.int8_gemms == ("int_mm",) and NPUBackend.int8_gemms == ()
     assert [n for n, c in backend.BACKENDS.items() if c.is_host] == ["cpu"]
     assert [n for n, c in backend.BACKENDS.items() if c.triton_kernels] == ["cuda"]
@@ -164,7 +164,7 @@ def test_kernel_and_int8_defaults_come_from_the_backend():
     from hstu.model.kernels import default_kernels
     from hstu.quant import select_int8_kernel
 
-    assert [default_kernels(n) for n in ("cpu", "cuda", "npu")] == ["reference", "reference", "npu"]
+    assert [default_kernels(n) for n in ("cpu", "cuda", "npu")] == ["reference", "triton", "npu"]
     with pytest.raises(ValueError, match="unknown backend"):
         default_kernels("tpu")
     assert select_int8_kernel("cpu").name in (*CPUBackend.int8_gemms, "dequant")

@@ -34,6 +34,7 @@ class CUDABackend(Backend):
     torchrec_kernels = True
     graph_mode = "cuda_graph"
     triton_kernels = True
+    default_kernels = "triton"  # "auto": the Triton attention where triton imports (else "reference"); unverified on a GPU
     int8_gemms = ("int_mm",)
 
     @classmethod

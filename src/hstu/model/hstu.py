@@ -20,16 +20,21 @@ of a KV-cache pool. The attention itself runs through the kernel registry (model
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hstu.backend import Backend, for_device
 from hstu.config import ATTENTION_NORMS, ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
-from hstu.model.kernels import REFERENCE, KernelSet
+from hstu.model.kernels import REFERENCE, KernelSet, get_kernels
 from hstu.model.meta import AttentionMeta, KVView, hstu_attention
 from hstu.model.repeat import RepeatBias
+
+log = logging.getLogger(__name__)
 
 
 class HSTULayer(nn.Module):
@@ -160,7 +165,28 @@ class HSTUModel(SequentialRecommender):
             )
             for i in range(cfg.num_blocks)
         )
-        self.kernels: KernelSet = REFERENCE  # the attention backend of encode / step (kernel registry)
+        self._kernels: tuple[Backend, KernelSet] | None = None  # (platform, set) resolved for; see ``kernels``
+
+    @property
+    def kernels(self) -> KernelSet:
+        """The kernel set of :meth:`encode` / :meth:`step` and the engine's default: ``cfg.attention``
+        ([model] attention) resolved by :func:`hstu.model.kernels.get_kernels` for the backend of the
+        device the parameters are on, again after a move to another device; or the set assigned here.
+
+        Raises:
+            ValueError / RuntimeError naming ``[model] attention``: no such set on this backend, or
+            a named set that cannot run here (e.g. "triton" on the CPU without TRITON_INTERPRET=1).
+        """
+        platform = for_device(self.pos_emb.weight.device)
+        if self._kernels is None or self._kernels[0] is not platform:
+            kset = get_kernels(platform.name, self.cfg.attention, field="[model] attention")
+            log.info("[model] attention = %r on %s: kernel set %r (%s)", self.cfg.attention, platform.device, kset.name, kset.note)
+            self._kernels = (platform, kset)
+        return self._kernels[1]
+
+    @kernels.setter
+    def kernels(self, kset: KernelSet) -> None:
+        self._kernels = (for_device(self.pos_emb.weight.device), kset)
 
     def _init_extra_heads(self) -> None:
         c = self.cfg

@@ -75,14 +75,3 @@ def time_buckets(t_q: torch.Tensor, t_k: torch.Tensor, *, num_buckets: int, log_
 uvqk = reference.uvqk
 ln_mul = reference.ln_mul
 attention = reference.attention
-
-
-def square_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rab: torch.Tensor, *, n: int, causal: bool = True) -> torch.Tensor:
-    """The model-registry signature (hstu.model.attention) with masked_fill instead of a bool
-    multiply and no ``torch.ones(...).tril()`` per call: (B, H, W, d) -> (B, W, H*d_v)."""
-    B, H, W, _ = q.shape
-    S = k.shape[2]
-    a = torch.nn.functional.silu(torch.matmul(q, k.transpose(-1, -2)) + rab.unsqueeze(1)) / n  # (B, H, W, S)
-    if causal:
-        a = a.masked_fill(torch.triu(torch.ones(W, S, dtype=torch.bool, device=q.device), diagonal=1), 0.0)
-    return torch.matmul(a, v).transpose(1, 2).reshape(B, W, H * v.shape[-1])  # (B, W, H*d_v)

@@ -206,14 +206,7 @@ def _needs_extra(handler):
     return wrapped
 
 
-def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``doctor``, ``diagnose``, ``monitor`` and ``watchdog`` to the ``hstu`` command."""
-    p = subparsers.add_parser(
-        "doctor",
-        help="check Python/torch/torch_npu/CANN/driver/CUDA/Triton against the known-good table",
-        description="Check this host against the shipped compatibility table; print pass/warn/fail with the fix. "
-        "Exit 1 if any check fails.",
-    )
+def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output (checks + raw environment)")
     p.add_argument(
         "--ascend-root",
@@ -223,90 +216,92 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--compat", metavar="FILE", help="use another compatibility table (TOML, same schema)")
     p.add_argument(
-        "--no-import-probes",
-        action="store_true",
-        help="skip the subprocess `import torch_npu` / autoload probes (faster, less precise)",
+        "--no-import-probes", action="store_true", help="skip the subprocess `import torch_npu` / autoload probes (faster, less precise)"
     )
-    p.set_defaults(func=_needs_extra(cmd_doctor), command="doctor")
 
-    p = subparsers.add_parser(
-        "diagnose",
-        help="explain errors in Ascend plog/slog logs, tracebacks and dmesg",
-        description="Match logs against the knowledge base; print likely causes with a verify command and "
-        "a fix each, and the evidence lines. Exit 1 if anything was found, 2 on bad input.",
-    )
-    p.add_argument(
-        "paths",
-        nargs="+",
-        metavar="PATH",
-        help="log files or directories (e.g. ~/ascend/log /var/log/npu/slog); - for stdin",
-    )
+
+def _diagnose_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files or directories (e.g. ~/ascend/log /var/log/npu/slog); - for stdin")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--cann-version",
-        metavar="VER",
-        help="CANN release the logs come from (default: the one installed here, if any)",
-    )
+    p.add_argument("--cann-version", metavar="VER", help="CANN release the logs come from (default: the one installed here, if any)")
     p.add_argument("--kb", metavar="FILE", help="use another knowledge base (YAML, same schema)")
-    p.set_defaults(func=_needs_extra(cmd_diagnose), command="diagnose")
 
-    p = subparsers.add_parser(
-        "monitor",
-        help="Prometheus exporter of device/host metrics with composite alert rules",
-        description="Serve /metrics, /alerts and /health; evaluate alert rules on every sample.",
-    )
+
+def _monitor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--listen",
-        default="127.0.0.1:9400",
-        metavar="HOST:PORT",
-        help="address to serve on (default %(default)s; port 0 = any)",
+        "--listen", default="127.0.0.1:9400", metavar="HOST:PORT", help="address to serve on (default %(default)s; port 0 = any)"
     )
     p.add_argument("--interval", type=_duration, default=1.0, metavar="DUR", help="sampling interval, e.g. 1s, 500ms (default 1s)")
     p.add_argument("--rules", metavar="FILE", help="alert rules (YAML/TOML/JSON); default: the packaged default_alerts.yaml")
     p.add_argument("--no-rules", action="store_true", help="evaluate no alert rules")
-    p.add_argument(
-        "--export-rules",
-        metavar="FILE",
-        help="write the rules as a Prometheus alerting-rules file (- for stdout) and exit",
-    )
+    p.add_argument("--export-rules", metavar="FILE", help="write the rules as a Prometheus alerting-rules file (- for stdout) and exit")
     p.add_argument("--once", action="store_true", help="take one sample, print it in Prometheus text format, exit")
     p.add_argument("--duration", type=_duration, metavar="DUR", help="stop after this long (default: run until Ctrl-C / SIGTERM)")
-    p.set_defaults(func=_needs_extra(cmd_monitor), command="monitor")
 
-    p = subparsers.add_parser(
-        "watchdog",
-        help="follow device logs for resets and run the recovery with a cool-down",
-        description="On a reset marker: stop service -> reset command -> wait -> health check -> start "
-        "service; never more often than the cool-down.",
-    )
-    p.add_argument(
-        "--log-dir",
-        required=True,
-        metavar="DIR",
-        help="directory (or file) of device logs to follow, e.g. /var/log/npu/slog",
-    )
+
+def _watchdog_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-dir", required=True, metavar="DIR", help="directory (or file) of device logs to follow, e.g. /var/log/npu/slog")
     p.add_argument("--on-reset", required=True, metavar="CMD", help="device reset command, e.g. 'npu-smi set -t reset -i 0 -c 0'")
     p.add_argument("--stop-cmd", metavar="CMD", help="stop the service first, e.g. 'systemctl stop hstu-serve'")
     p.add_argument("--start-cmd", metavar="CMD", help="start the service after a healthy check")
     p.add_argument("--health-cmd", metavar="CMD", help="exit 0 when the device is healthy, e.g. 'npu-smi info -t health -i 0'")
-    p.add_argument("--wait", type=_duration, default=30.0, metavar="DUR", help="wait after the reset (default 30s)")
-    p.add_argument("--cooldown", type=_duration, default=300.0, metavar="DUR", help="minimum time between recoveries (default 5m)")
+    for flag, default, what in (
+        ("--wait", 30.0, "wait after the reset (default 30s)"),
+        ("--cooldown", 300.0, "minimum time between recoveries (default 5m)"),
+        ("--health-interval", 10.0, "between health checks (default 10s)"),
+        ("--step-timeout", 600.0, "timeout of each command (default 10m)"),
+        ("--poll", 1.0, "log polling interval (default 1s)"),
+    ):
+        p.add_argument(flag, type=_duration, default=default, metavar="DUR", help=what)
     p.add_argument("--health-retries", type=int, default=3, metavar="N", help="health-check attempts (default 3)")
-    p.add_argument("--health-interval", type=_duration, default=10.0, metavar="DUR", help="between health checks (default 10s)")
-    p.add_argument("--step-timeout", type=_duration, default=600.0, metavar="DUR", help="timeout of each command (default 10m)")
-    p.add_argument(
-        "--max-attempts",
-        type=int,
-        default=3,
-        metavar="N",
-        help="give up after N unhealthy recoveries in a row (default 3)",
-    )
+    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="give up after N unhealthy recoveries in a row (default 3)")
     p.add_argument("--marker", action="append", metavar="REGEX", help="extra reset-marker regex (repeatable)")
     p.add_argument("--no-default-markers", action="store_true", help="use only --marker patterns")
     p.add_argument("--from-start", action="store_true", help="also scan lines already in the logs (default: only new lines)")
-    p.add_argument("--poll", type=_duration, default=1.0, metavar="DUR", help="log polling interval (default 1s)")
     p.add_argument("--once", action="store_true", help="check the logs once, recover if needed, exit")
-    p.set_defaults(func=_needs_extra(cmd_watchdog), command="watchdog")
+
+
+# (command, handler, help, description, arguments) of the operating tools
+_COMMANDS = (
+    (
+        "doctor",
+        cmd_doctor,
+        "check Python/torch/torch_npu/CANN/driver/CUDA/Triton against the known-good table",
+        "Check this host against the shipped compatibility table; print pass/warn/fail with the fix. Exit 1 if any check fails.",
+        _doctor_arguments,
+    ),
+    (
+        "diagnose",
+        cmd_diagnose,
+        "explain errors in Ascend plog/slog logs, tracebacks and dmesg",
+        "Match logs against the knowledge base; print likely causes with a verify command and a fix each, and the evidence lines. "
+        "Exit 1 if anything was found, 2 on bad input.",
+        _diagnose_arguments,
+    ),
+    (
+        "monitor",
+        cmd_monitor,
+        "Prometheus exporter of device/host metrics with composite alert rules",
+        "Serve /metrics, /alerts and /health; evaluate alert rules on every sample.",
+        _monitor_arguments,
+    ),
+    (
+        "watchdog",
+        cmd_watchdog,
+        "follow device logs for resets and run the recovery with a cool-down",
+        "On a reset marker: stop service -> reset command -> wait -> health check -> start service; never more often than the cool-down.",
+        _watchdog_arguments,
+    ),
+)
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``doctor``, ``diagnose``, ``monitor`` and ``watchdog`` to the ``hstu`` command (optional
+    dependencies checked when one runs)."""
+    for name, handler, help_, description, add_arguments in _COMMANDS:
+        p = subparsers.add_parser(name, help=help_, description=description)
+        add_arguments(p)
+        p.set_defaults(func=_needs_extra(handler), command=name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,17 @@ def _rab(rel: torch.Tensor, tb: torch.Tensor | None, pos_w: torch.Tensor | None,
     return rab
 
 
+def _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(drop, rab) of every (query, key) pair, shapes and arguments as :func:`attention`: drop (B, T, S)
+    or (T, S) bool, True where key j is after query i (k_pos[j] > q_pos[i]) or invalid; rab the summed
+    bias of :func:`_rab` (None without tables). The one mask of :func:`attention` and :func:`decode_bias`."""
+    rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # (B, T, S) or (T, S): k_pos[j] - q_pos[i]
+    drop = rel > 0
+    if k_valid is not None:
+        drop = drop | ~k_valid.unsqueeze(1)  # (B, T, S)
+    return drop, _rab(rel, tb, pos_w, ts_w)
+
+
 def decode_bias(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
@@ -97,11 +108,9 @@ def decode_bias(
         (B, T, S) ``dtype``: rab where key j is valid and k_pos[j] <= q_pos[i], else
         :func:`masked_bias` (SiLU of the masked score is exactly -0.0).
     """
-    rel = k_pos.unsqueeze(1) - q_pos.unsqueeze(-1)  # (B, T, S)
-    drop = (rel > 0) | ~k_valid.unsqueeze(1)
-    rab = _rab(rel, tb, pos_w, ts_w)
+    drop, rab = _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w)  # (B, T, S) each
     if rab is None:
-        return torch.zeros(rel.shape, dtype=dtype, device=rel.device).masked_fill_(drop, masked_bias(dtype))
+        return torch.zeros(drop.shape, dtype=dtype, device=drop.device).masked_fill_(drop, masked_bias(dtype))
     return torch.where(drop, masked_bias(dtype), rab.to(dtype))
 
 
@@ -156,11 +165,7 @@ def attention(
     """
     B, H, T, _ = q.shape
     s = torch.matmul(q, k.transpose(-1, -2))  # (B, H, T, S)
-    rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # (B, T, S) or (T, S): k_pos[j] - q_pos[i]
-    drop = rel > 0  # (B, T, S) or (T, S)
-    if k_valid is not None:
-        drop = drop | ~k_valid.unsqueeze(1)  # (B, T, S)
-    rab = _rab(rel, tb, pos_w, ts_w)  # (B, T, S) or (T, S) or None: both biases summed once, added to every head
+    drop, rab = _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w)  # rab summed once, added to every head
     if s.requires_grad:
         if rab is not None:
             s = s + rab.unsqueeze(-3)  # (B, H, T, S)

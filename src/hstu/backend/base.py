@@ -53,7 +53,8 @@ class Backend:
         torchrec_kernels: FBGEMM / TorchRec have embedding kernels here (else the table stays on the CPU).
         graph_mode: the engine graph mode that captures on this device ("cuda_graph", ...), or None.
         triton_kernels: Triton compiles kernels for this device (outside the CPU interpreter).
-        default_kernels: the HSTU kernel set "auto" picks here (``hstu.model.kernels``).
+        default_kernels: the HSTU kernel set ``[model] attention = "auto"`` picks here where that set can
+            run, else "reference" (``hstu.model.kernels.get_kernels``).
         int8_gemms: integer GEMMs ``hstu.quant`` tries for "auto", in order (empty: float fallback).
     """
 
@@ -90,7 +91,6 @@ class Backend:
         """Peak bytes allocated by torch on this device since start (or the last reset); None on the host."""
         return None
 
-    def empty_cache(self) -> None:
     def reset_peak_memory(self) -> None:
         """Start :meth:`peak_memory_bytes` again from what is allocated now (no-op on the host)."""
 
@@ -102,6 +102,7 @@ class Backend:
         """Why 16-bit float ("bf16" | "fp16") matrix products have no fast kernel here, or None."""
         return None
 
+    def empty_cache(self) -> None:
         """Release cached allocator blocks (no-op on CPU)."""
 
     def supports_pinned_memory(self) -> bool:

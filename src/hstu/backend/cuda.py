@@ -56,7 +56,6 @@ class CUDABackend(Backend):
     def peak_memory_bytes(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self.index))
 
-    def synchronize(self) -> None:
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.index)
 
@@ -67,6 +66,7 @@ class CUDABackend(Backend):
         ok = precision != "bf16" or torch.cuda.is_bf16_supported(including_emulation=False)
         return None if ok else f"{self.device_name()} has no native bf16 (compute capability < 8.0)"
 
+    def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
 
     def empty_cache(self) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from hstu.config import ModelConfig
 from hstu.model.item_index import item_scores
+from hstu.model.meta import KVView
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -143,6 +144,67 @@ class SequentialRecommender(nn.Module):
         pos = torch.arange(W, device=ids.device)
         valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).to(self.pos_emb.weight.dtype)  # (B, W, 1)
         return self.input_dropout(self.embed(ids, pos.expand(B, W), actions, categories)) * valid, valid
+
+    def encode(
+        self,
+        ids: torch.Tensor,
+        timestamps: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        """Run the encoder over padded sequences: the subclass's ``attention_meta`` (one full
+        causal pass) and ``forward_layers``; padding rows 0 (SASRec's final LayerNorm would not
+        keep them 0; HSTU's layers already do).
+
+        Args:
+            ids: (B, W) int64 dense item ids, oldest first, 0 after the sequence.
+            timestamps: (B, W) int64 Unix seconds; position ``length`` (when < W) holds the
+                query time used by the last live row's time bias (HSTU; SASRec checks the shape
+                only); other padding is ignored.
+            lengths: (B,) int64 live lengths (1..W).
+            actions, categories: optional (B, W) int64 feature ids (0 = none).
+            kv_cache: optional per-layer (k, v) views (B, H, S, d), S >= W, written in place.
+            normalize: L2-normalise the output rows.
+        Returns:
+            (B, W, d) output rows (padding rows 0).
+        Raises:
+            TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
+        """
+        x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
+        W = x.shape[1]
+        kv = None if kv_cache is None else [KVView(k[:, :, :W], v[:, :, :W]) for k, v in kv_cache]
+        x = self.forward_layers(x, self.attention_meta(timestamps, valid), kv) * valid  # (B, W, d)
+        return l2_normalize(x) if normalize else x
+
+    def step(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        timestamps: torch.Tensor,
+        t_query: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        actions: torch.Tensor | None = None,
+        categories: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append one token per sequence through every layer using the KV cache (the oracle's
+        decode step, :mod:`hstu.generate.decode`; the subclass's ``step_meta``).
+
+        Args:
+            ids: (B,) int64 new item ids; pos: (B,) int64 their positions.
+            timestamps: (B, S) int64 cache timestamps, with the new token's time already at ``pos``.
+            t_query: (B,) int64 the time the new row's bias compares against (its t[i+1]).
+            kv_cache: per-layer (k, v) caches (B, H, S, d), rows < pos filled; row pos written.
+        Returns:
+            (B, d) L2-normalised output row of the new token.
+        """
+        x = self.embed(ids, pos, actions, categories)  # (B, d)
+        x = self.forward_layers(x.unsqueeze(1), self.step_meta(pos, timestamps, t_query), [KVView(k, v) for k, v in kv_cache])  # (B, 1, d)
+        return l2_normalize(x.squeeze(1))  # (B, d)
 
     def last_rows(self, seq: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(B, W, d), (B,) -> (B, d) the rows at lengths - 1 (the user vectors)."""

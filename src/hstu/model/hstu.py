@@ -28,7 +28,7 @@ from torch import nn
 
 from hstu.backend import Backend, for_device
 from hstu.config import ATTENTION_NORMS, ModelConfig
-from hstu.model.base import SequentialRecommender, l2_normalize
+from hstu.model.base import SequentialRecommender, l2_normalize  # noqa: F401 (l2_normalize: imported from here by model, train, quant)
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
 from hstu.model.kernels import REFERENCE, KernelSet, get_kernels
 from hstu.model.meta import AttentionMeta, KVView, hstu_attention
@@ -204,40 +204,7 @@ class HSTUModel(SequentialRecommender):
         tb = self.buckets(timestamps) if self.cfg.use_time_bias else None  # (B, W, W)
         return AttentionMeta(q_pos=pos, k_pos=pos, tb=tb, valid=valid, kernels=self.kernels)
 
-    # ----- encoder -----
-    def encode(
-        self,
-        ids: torch.Tensor,
-        timestamps: torch.Tensor,
-        lengths: torch.Tensor,
-        *,
-        actions: torch.Tensor | None = None,
-        categories: torch.Tensor | None = None,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        normalize: bool = True,
-    ) -> torch.Tensor:
-        """Run the encoder over padded sequences.
-
-        Args:
-            ids: (B, W) int64 dense item ids, oldest first, 0 after the sequence.
-            timestamps: (B, W) int64 Unix seconds; position ``length`` (when < W) holds the
-                query time used by the last live row's time bias; other padding is ignored.
-            lengths: (B,) int64 live lengths (1..W).
-            actions, categories: optional (B, W) int64 feature ids (0 = none).
-            kv_cache: optional per-layer (k, v) views (B, H, S, d), S >= W, written in place.
-            normalize: L2-normalise the output rows.
-        Returns:
-            (B, W, d) output rows (padding rows 0).
-        Raises:
-            TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
-        """
-        x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
-        meta = self.attention_meta(timestamps, valid)
-        W = x.shape[1]
-        kv = None if kv_cache is None else [KVView(k[:, :, :W], v[:, :, :W]) for k, v in kv_cache]
-        x = self.forward_layers(x, meta, kv)  # (B, W, d)
-        return l2_normalize(x) if normalize else x
-
+    # ----- encoder (encode: SequentialRecommender.encode over attention_meta and forward_layers) -----
     def forward_layers(
         self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None, last: AttentionMeta | None = None
     ) -> torch.Tensor:
@@ -250,37 +217,15 @@ class HSTUModel(SequentialRecommender):
             x = layer(x, last if last is not None and li == n - 1 else meta, None if kv is None else kv[li])
         return x
 
-    def step(
-        self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        timestamps: torch.Tensor,
-        t_query: torch.Tensor,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        actions: torch.Tensor | None = None,
-        categories: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append one token per sequence through every layer using the KV cache.
-
-        Args:
-            ids: (B,) int64 new item ids; pos: (B,) int64 their positions.
-            timestamps: (B, S) int64 cache timestamps, with the new token's time already at ``pos``.
-            t_query: (B,) int64 the time the new row's bias compares against (its t[i+1]).
-            kv_cache: per-layer (k, v) caches (B, H, S, d), rows < pos filled; row pos written.
-        Returns:
-            (B, d) L2-normalised output row of the new token.
-        """
-        x = self.embed(ids, pos, actions, categories)  # (B, d)
-        S = timestamps.shape[1]
+    def step_meta(self, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor) -> AttentionMeta:
+        """The metadata of :meth:`SequentialRecommender.step` (the oracle's decode step): one query row
+        per sequence at ``pos`` (B,) int64, written there, against the S cached keys; time buckets of
+        t_query (B,) against timestamps (B, S) int64 seconds (the new token's time already at pos)."""
         tb = None
         if self.cfg.use_time_bias:
             tb = time_buckets_row(t_query, timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base).unsqueeze(1)  # (B, 1, S)
-        meta = AttentionMeta(
-            q_pos=pos.view(-1, 1), k_pos=torch.arange(S, device=x.device), tb=tb, write_rows=pos.view(-1, 1), kernels=self.kernels
-        )
-        x = self.forward_layers(x.unsqueeze(1), meta, [KVView(k, v) for k, v in kv_cache])  # (B, 1, d)
-        return l2_normalize(x.squeeze(1))  # (B, d)
+        k_pos = torch.arange(timestamps.shape[1], device=pos.device)
+        return AttentionMeta(q_pos=pos.view(-1, 1), k_pos=k_pos, tb=tb, write_rows=pos.view(-1, 1), kernels=self.kernels)
 
 
 def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:

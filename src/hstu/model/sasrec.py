@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hstu.config import ModelConfig
-from hstu.model.base import SequentialRecommender, l2_normalize
+from hstu.model.base import SequentialRecommender
 from hstu.model.kernels import REFERENCE, KernelSet
 from hstu.model.meta import AttentionMeta, KVView
 
@@ -147,37 +147,11 @@ class SASRecModel(SequentialRecommender):
         # softmax attention and read none of it
         self.kernels: KernelSet = REFERENCE
 
-    def encode(
-        self,
-        ids: torch.Tensor,
-        timestamps: torch.Tensor,
-        lengths: torch.Tensor,
-        *,
-        actions: torch.Tensor | None = None,
-        categories: torch.Tensor | None = None,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-        normalize: bool = True,
-    ) -> torch.Tensor:
-        """Run the encoder over padded sequences (same contract as HSTUModel.encode).
-
-        Args:
-            ids: (B, W) int64 dense item ids, oldest first, 0 after the sequence.
-            timestamps: (B, W) int64, checked for shape and ignored (no time features).
-            lengths: (B,) int64 live lengths (1..W).
-            actions, categories: optional (B, W) int64 feature ids (0 = none).
-            kv_cache: optional per-layer (k, v) views (B, H, S, d), S >= W, written in place.
-            normalize: L2-normalise the output rows.
-        Returns:
-            (B, W, d) output rows (padding rows 0).
-        Raises:
-            TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
-        """
-        x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
-        W = x.shape[1]
-        pos = torch.arange(W, device=x.device)
-        kv = None if kv_cache is None else [KVView(k[:, :, :W], v[:, :, :W]) for k, v in kv_cache]
-        x = self.forward_layers(x, AttentionMeta(q_pos=pos, k_pos=pos, valid=valid), kv) * valid  # (B, W, d)
-        return l2_normalize(x) if normalize else x
+    def attention_meta(self, timestamps: torch.Tensor, valid: torch.Tensor) -> AttentionMeta:
+        """The metadata of a full padded pass (as HSTUModel's; no time buckets): row i attends rows
+        0..i. timestamps (B, W) int64 (shape only); valid (B, W, 1) float, 1 at live rows."""
+        pos = torch.arange(timestamps.shape[1], device=timestamps.device)  # (W,)
+        return AttentionMeta(q_pos=pos, k_pos=pos, valid=valid)
 
     def forward_layers(
         self, x: torch.Tensor, meta: AttentionMeta, kv: list[KVView] | None = None, last: AttentionMeta | None = None
@@ -189,21 +163,6 @@ class SASRecModel(SequentialRecommender):
             x = layer(x, last if last is not None and li == n - 1 else meta, None if kv is None else kv[li])
         return self.final_norm(x)
 
-    def step(
-        self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        timestamps: torch.Tensor,
-        t_query: torch.Tensor,
-        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-        *,
-        actions: torch.Tensor | None = None,
-        categories: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Append one token per sequence using the KV cache (eval mode; same contract as
-        HSTUModel.step, timestamps ignored). ids, pos: (B,) int64. Returns (B, d) L2-normalised."""
-        x = self.embed(ids, pos, actions, categories)  # (B, d)
-        S = kv_cache[0][0].shape[2]
-        meta = AttentionMeta(q_pos=pos.view(-1, 1), k_pos=torch.arange(S, device=x.device), write_rows=pos.view(-1, 1))
-        x = self.forward_layers(x.unsqueeze(1), meta, [KVView(k, v) for k, v in kv_cache])  # (B, 1, d)
-        return l2_normalize(x.squeeze(1))
+    def step_meta(self, pos: torch.Tensor, timestamps: torch.Tensor, t_query: torch.Tensor) -> AttentionMeta:
+        """As HSTUModel.step_meta without time buckets (timestamps (B, S): the key count only)."""
+        return AttentionMeta(q_pos=pos.view(-1, 1), k_pos=torch.arange(timestamps.shape[1], device=pos.device), write_rows=pos.view(-1, 1))

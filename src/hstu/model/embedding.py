@@ -252,8 +252,13 @@ class ShardedEmbedding(nn.Module):
     def _lookup_global(self, g: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         """(n,) global rows on the compute device -> (n, d) compute-dtype rows in the same order.
 
-        ``pad``: optional (p,) positions to zero (padding ids). Each shard's rows are written straight
-        into the output at their positions (one gather, one cast, one scatter per shard; no sort).
+        ``pad``: optional (p,) positions to zero (padding ids). Each shard gathers its rows (one
+        gather and one cast per shard, S masks instead of a sort). Without autograd they are written
+        straight into the output; with it the pieces are concatenated and put back in input order by
+        one gather with the inverse permutation, since autograd copies the whole (n, d) gradient once
+        per in-place write (IndexCopyBackward). Measured on an ML-1M training batch's lookups (25.6k +
+        213k ids, S = 4, 1 thread, busy 2-core VM, old and new alternating): forward + backward 945 ->
+        655-705 ms (dense table: ~400); a cat would make lookups without autograd slower instead.
         """
         S = self.num_shards
         if S == 1:
@@ -262,15 +267,24 @@ class ShardedEmbedding(nn.Module):
         n = g.numel()
         sh = shard_of(g, S)  # (n,)
         local = self._local_row[g]  # (n,) int32/int64
-        out = torch.empty(n, self.embedding_dim, dtype=self.compute_dtype, device=g.device)  # (n, d)
-        for s in range(S):  # S masks instead of a sort: cheaper for the few shards a table has
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.shards)
+        out = None if grad else torch.empty(n, self.embedding_dim, dtype=self.compute_dtype, device=g.device)  # (n, d)
+        parts, where = [], []
+        for s in range(S):
             pos = sh.eq(s).nonzero().squeeze(1)  # (c,) input positions served by shard s
             if pos.numel():
-                rows = self._shard_rows_for(s, local.index_select(0, pos).long())  # (c, d) shard dtype
-                out.index_copy_(0, pos, rows.to(self.compute_dtype))
-        if pad is not None and pad.numel():
-            out.index_fill_(0, pad, 0)
-        return out
+                rows = self._shard_rows_for(s, local.index_select(0, pos).long()).to(self.compute_dtype)  # (c, d)
+                if out is None:
+                    parts.append(rows)
+                    where.append(pos)
+                else:
+                    out.index_copy_(0, pos, rows)
+        if out is None:
+            order = torch.cat(where)  # (n,) input position of each gathered row
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(n, device=order.device)
+            out = torch.cat(parts).index_select(0, inverse)
+        return out if pad is None or pad.numel() == 0 else out.index_fill(0, pad, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Look up ``ids``.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -390,11 +390,7 @@ class Recommender:
             categories=b["categories"],
             item_category=self.item_category,
             bucket=bucket,
-            strategy=d.strategy,
-            top_k=d.top_k,
-            temperature=d.temperature,
-            beam_width=d.beam_width,
-            seed=d.seed,
+            **asdict(d),  # strategy, top_k, temperature, beam_width, seed
         )
         return self.results(res.items, res.scores, res.actions, k)
 

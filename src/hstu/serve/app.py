@@ -184,28 +184,31 @@ def _arrival(request: Request) -> float:
 def _add_model_routes(app: FastAPI, svc: Service) -> None:
     """/v1/generate and /v1/score: the body read and validated here, the rest in the service."""
     errors = {code: {"model": ErrorBody} for code in (408, 413, 415, 422, 429, 503)}
+    for name, body, response, summary, handle in (
+        ("generate", GenerateRequest, GenerateResponse, "next-k items for a history", svc.generate),
+        ("score", ScoreRequest, ScoreResponse, "target-aware scores of candidate items for a history, in input order", svc.score),
+    ):
+        app.add_api_route(
+            f"/v1/{name}",
+            _model_endpoint(body, handle),
+            methods=["POST"],
+            name=name,
+            response_model=response,
+            responses=errors,
+            summary=summary,
+            openapi_extra=_json_body(body),
+        )
 
-    @app.post(
-        "/v1/generate",
-        response_model=GenerateResponse,
-        responses=errors,
-        summary="next-k items for a history",
-        openapi_extra=_json_body(GenerateRequest),
-    )
-    async def generate(request: Request) -> Any:
-        req: GenerateRequest = await read_body(request, GenerateRequest)
-        return JSONResponse(await svc.generate(req, _arrival(request)))
 
-    @app.post(
-        "/v1/score",
-        response_model=ScoreResponse,
-        responses=errors,
-        summary="target-aware scores of candidate items for a history, in input order",
-        openapi_extra=_json_body(ScoreRequest),
-    )
-    async def score(request: Request) -> Any:
-        req: ScoreRequest = await read_body(request, ScoreRequest)
-        return JSONResponse(await svc.score(req, _arrival(request)))
+def _model_endpoint(body: type[BaseModel], handle):
+    """The endpoint that reads a ``body`` request (:func:`read_body`: strict, size-limited) and
+    answers ``await handle(req, arrival)`` as JSON."""
+
+    async def endpoint(request: Request) -> Any:
+        req = await read_body(request, body)
+        return JSONResponse(await handle(req, _arrival(request)))
+
+    return endpoint
 
 
 def _json_body(model: type[BaseModel]) -> dict:

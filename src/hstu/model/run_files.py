@@ -81,22 +81,9 @@ def check_idmap(where: str, obj: Any) -> dict:
         where, obj, "item_raw_ids", lambda v: _ints(v) and len(v) >= 1 and v[0] == 0, "a list of integer ids starting with 0 (padding)"
     )
     n = len(raw)
-    _field(
-        where,
-        obj,
-        "item_category",
-        lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
-        f"a list of {n} integers >= 0 (one per item_raw_ids entry)",
-        optional=True,
-    )
-    _field(
-        where,
-        obj,
-        "item_train_counts",
-        lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0,
-        f"a list of {n} integers >= 0 (one per item_raw_ids entry)",
-        optional=True,
-    )
+    for name in ("item_category", "item_train_counts"):  # one entry per item
+        per_item = f"a list of {n} integers >= 0 (one per item_raw_ids entry)"
+        _field(where, obj, name, lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0, per_item, optional=True)
     _field(where, obj, "category_raw_ids", lambda v: v is None or _ints(v), "a list of integers or null", optional=True)
     _field(
         where, obj, "action_names", lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v), "a list of texts", optional=True

@@ -11,10 +11,28 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def load_document(path: str | Path | None, packaged: str, parse, what: str, errors: type[Exception] | tuple) -> tuple[object, str]:
+    """Read and parse a data file of the ops tools: ``path``, or the file ``packaged`` shipped in
+    hstu/ops when ``path`` is None. Returns (``parse(text)``, where: the name for messages).
+
+    Raises:
+        ValueError: ``parse`` raised one of ``errors`` ("<where>: invalid <what>: ...").
+        OSError: an unreadable file.
+    """
+    if path is None:
+        text, where = resources.files("hstu.ops").joinpath(packaged).read_text(encoding="utf-8"), f"hstu/ops/{packaged}"
+    else:
+        text, where = Path(path).read_text(encoding="utf-8"), str(path)
+    try:
+        return parse(text), where
+    except errors as exc:
+        raise ValueError(f"{where}: invalid {what}: {exc}") from exc
 
 
 @dataclass(frozen=True)

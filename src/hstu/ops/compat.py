@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hstu.ops._common import ascend_release, ascend_version_key, base_version, major_minor, version_tuple
+from hstu.ops._common import ascend_release, ascend_version_key, base_version, load_document, major_minor, version_tuple
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,13 +115,5 @@ def load_compat(path: str | Path | None = None) -> CompatTable:
 
     Raises ValueError (bad content) or OSError (unreadable file).
     """
-    if path is None:
-        ref = resources.files("hstu.ops").joinpath("compat.toml")
-        text, where = ref.read_text(encoding="utf-8"), "hstu/ops/compat.toml"
-    else:
-        text, where = Path(path).read_text(encoding="utf-8"), str(path)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{where}: invalid TOML: {exc}") from exc
+    data, where = load_document(path, "compat.toml", tomllib.loads, "TOML", tomllib.TOMLDecodeError)
     return validate(data, where)

@@ -22,13 +22,12 @@ import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hstu.ops._common import ascend_release, ascend_version_key
+from hstu.ops._common import ascend_release, ascend_version_key, load_document
 
 log = logging.getLogger(__name__)
 
@@ -184,17 +183,7 @@ def validate_knowledge_base(data: Any, where: str) -> KnowledgeBase:
 
 def load_knowledge_base(path: str | Path | None = None) -> KnowledgeBase:
     """Load and validate the knowledge base (the packaged one when ``path`` is None)."""
-    if path is None:
-        text, where = (
-            resources.files("hstu.ops").joinpath("knowledge_base.yaml").read_text("utf-8"),
-            "hstu/ops/knowledge_base.yaml",
-        )
-    else:
-        text, where = Path(path).read_text(encoding="utf-8"), str(path)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{where}: invalid YAML: {exc}") from exc
+    data, where = load_document(path, "knowledge_base.yaml", yaml.safe_load, "YAML", yaml.YAMLError)
     return validate_knowledge_base(data, where)
 
 

@@ -224,26 +224,9 @@ def gpu_samples(readings: list[GpuReading]) -> list[Sample]:
             temp=g.temperature_celsius,
             power=g.power_watts,
         )
-        if g.pcie_tx_bytes_per_second is not None:
-            out.append(
-                Sample.of(
-                    "hstu_device_copy_bandwidth_bytes_per_second",
-                    g.pcie_tx_bytes_per_second,
-                    backend="cuda",
-                    device=dev,
-                    direction="d2h",
-                )
-            )
-        if g.pcie_rx_bytes_per_second is not None:
-            out.append(
-                Sample.of(
-                    "hstu_device_copy_bandwidth_bytes_per_second",
-                    g.pcie_rx_bytes_per_second,
-                    backend="cuda",
-                    device=dev,
-                    direction="h2d",
-                )
-            )
+        for rate, direction in ((g.pcie_tx_bytes_per_second, "d2h"), (g.pcie_rx_bytes_per_second, "h2d")):
+            if rate is not None:
+                out.append(Sample.of("hstu_device_copy_bandwidth_bytes_per_second", rate, backend="cuda", device=dev, direction=direction))
         out.append(Sample.of("hstu_device_info", 1, backend="cuda", device=dev, name=g.name, health=""))
     return out
 

@@ -340,6 +340,7 @@ FEATURES = {  # module -> (its commands, the extra that brings its dependencies)
     "hstu.quant.cli": (("quantize",), "ops"),
     "hstu.serve.cli": (("serve",), "serve"),
     "hstu.bench.cli": (("bench",), "bench"),
+    "hstu.export.cli": (("export",), "export"),
 }
 
 

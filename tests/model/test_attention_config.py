@@ -68,8 +68,10 @@ def test_model_resolves_its_kernels_from_the_config(monkeypatch):
     assert m.kernels is ks.REFERENCE  # auto on the CPU
     m.kernels = ks.NPU  # assigned: kept while the model stays on this device
     assert m.kernels is ks.NPU
-    with pytest.raises(RuntimeError, match=r"\[model\] attention = 'triton'.*cannot run on cpu.*TRITON_INTERPRET=1"):
-        _ = build_hstu(ModelConfig(**TINY, attention="triton")).kernels
+    triton = build_hstu(ModelConfig(**TINY, attention="triton"))  # built: nothing resolved yet
+    for use in (lambda: triton.kernels, lambda: triton.to("cpu")):  # the move resolves it (before a job writes anything)
+        with pytest.raises(RuntimeError, match=r"\[model\] attention = 'triton'.*cannot run on cpu.*TRITON_INTERPRET=1"):
+            use()
     with pytest.raises(ValueError, match=r"\[model\] attention = 'npu': no such kernel set for backend 'cpu'; valid: \['auto', .*'ref"):
         _ = build_hstu(ModelConfig(**TINY, attention="npu")).kernels
     assert config.ATTENTION_KERNELS == ("auto", ks.REFERENCE.name, ks.TRITON.name, ks.NPU.name)  # every built-in set

@@ -174,8 +174,8 @@ class HSTUModel(SequentialRecommender):
         device the parameters are on, again after a move to another device; or the set assigned here.
 
         Raises:
-            ValueError / RuntimeError naming ``[model] attention``: no such set on this backend, or
-            a named set that cannot run here (e.g. "triton" on the CPU without TRITON_INTERPRET=1).
+            ValueError / BackendUnavailableError naming ``[model] attention``: no such set on this backend,
+            or a named set that cannot run here (e.g. "triton" on the CPU without TRITON_INTERPRET=1).
         """
         platform = for_device(self.pos_emb.weight.device)
         if self._kernels is None or self._kernels[0] is not platform:
@@ -187,6 +187,14 @@ class HSTUModel(SequentialRecommender):
     @kernels.setter
     def kernels(self, kset: KernelSet) -> None:
         self._kernels = (for_device(self.pos_emb.weight.device), kset)
+
+    def to(self, *args, **kwargs) -> HSTUModel:
+        """``nn.Module.to``, then :attr:`kernels` resolved for the new device, so that a ``[model]
+        attention`` that cannot run there fails at the move (train, eval, generate and serve all move
+        the built model to their device before anything is written), not at the first batch."""
+        out = super().to(*args, **kwargs)
+        _ = out.kernels
+        return out
 
     def _init_extra_heads(self) -> None:
         c = self.cfg

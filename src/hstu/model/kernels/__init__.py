@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hstu.backend import BACKENDS
+from hstu.backend import BACKENDS, BackendUnavailableError
 from hstu.model.kernels import npu as _npu
 from hstu.model.kernels import reference as _ref
 from hstu.model.kernels import triton_hstu as _triton
@@ -82,7 +82,8 @@ def get_kernels(backend: str, name: str = "auto", *, field: str = "kernels") -> 
 
     Raises:
         ValueError: unknown backend, or no set ``name`` for it (lists the valid names).
-        RuntimeError: a set named explicitly that cannot run here, with the reason.
+        BackendUnavailableError (a RuntimeError; the CLI prints it as one line): a set named explicitly
+            that cannot run here, with the reason.
     """
     if backend not in _KERNELS:
         raise ValueError(f"unknown backend {backend!r}; valid: {sorted(_KERNELS)}")
@@ -101,7 +102,7 @@ def get_kernels(backend: str, name: str = "auto", *, field: str = "kernels") -> 
     kset = _KERNELS[backend][name]
     why = kset.available(backend)
     if why is not None:
-        raise RuntimeError(f"{field} = {name!r}: kernel set {name!r} cannot run on {backend}: {why}")
+        raise BackendUnavailableError(f"{field} = {name!r}: kernel set {name!r} cannot run on {backend}: {why}")
     return kset
 
 

@@ -8,6 +8,7 @@ RUN_DIR/ (``hstu train``)
   model.safetensors       best weights (by valid NDCG@10; last epoch under --protocol paper)
   metrics.json            {"valid": {...}, "test": {...}, "epochs": n, "train_seconds": s, ...}
   history.json            per-epoch loss, throughput and metrics
+  metrics.csv             the same per-epoch history as a table (:mod:`hstu.model.curves`)
   last.safetensors/.json  last epoch's weights, AdamW moments and RNG state (for --resume); the
                           manifest (epoch, early-stopping state, param_groups, history) is in
                           last.safetensors' metadata, written in one rename: last.json and
@@ -53,6 +54,7 @@ from hstu.model.checkpoint import (
     save_weights,
     write_json,
 )
+from hstu.model.curves import METRICS_CSV, render, write_curves
 from hstu.model.run_files import CONFIG, HISTORY, IDMAP, LAST_JSON, LAST_WEIGHTS, METRICS, WEIGHTS, check_history, check_last
 from hstu.quant.checkpoint import META as QUANT_META
 from hstu.quant.checkpoint import (  # noqa: F401 (check_quantized_out, save_quantized_run: the quantized variant, re-exported)
@@ -68,7 +70,7 @@ from hstu.quant.checkpoint import WEIGHTS as QUANT_WEIGHTS
 
 log = logging.getLogger(__name__)
 
-RUN_FILES = (WEIGHTS, LAST_JSON, LAST_WEIGHTS, HISTORY, METRICS)  # what training writes per epoch / at the end
+RUN_FILES = (WEIGHTS, LAST_JSON, LAST_WEIGHTS, HISTORY, METRICS_CSV, METRICS)  # what training writes per epoch / at the end
 MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifest
 __all__ = [
     "CONFIG",
@@ -240,7 +242,7 @@ def save_train_state(
 ) -> None:
     """Commit one epoch: weights, AdamW moments and RNG states as tensors, and the manifest
     ``{**info, "param_groups", "history"}`` in the same file's metadata (one rename), then its
-    copies last.json and history.json. ``info``: epoch, best, best_epoch, bad_epochs,
+    copies last.json, history.json and metrics.csv (:mod:`hstu.model.curves`). ``info``: epoch, best, best_epoch, bad_epochs,
     train_seconds (+ optional distributed); ``history``: one entry per epoch 1..epoch."""
     run = Path(run)
     tensors = {f"model.{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -257,6 +259,7 @@ def save_train_state(
     os.replace(tmp, run / LAST_WEIGHTS)  # the commit
     write_json(run / LAST_JSON, manifest)
     write_json(run / HISTORY, history)
+    write_curves(run, history)  # metrics.csv: the same history as a table (hstu.model.curves)
 
 
 def _read_manifest(run: Path) -> dict:
@@ -306,7 +309,7 @@ def load_train_state(run: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
 
 
 def repair_run_files(run: Path, info: dict) -> None:
-    """Rewrite last.json and history.json from a loaded manifest (:func:`load_train_state`) where
+    """Rewrite last.json, history.json and metrics.csv from a loaded manifest (:func:`load_train_state`) where
     a kill left them behind it (call from one process only: the temp-file names are fixed)."""
     run = Path(run)
     for name, want in ((LAST_JSON, info), (HISTORY, info["history"])):
@@ -318,6 +321,9 @@ def repair_run_files(run: Path, info: dict) -> None:
         if not same:
             log.warning("%s did not match the last committed epoch (%d, in %s): rewritten from it", path, info["epoch"], run / LAST_WEIGHTS)
             write_json(path, want)
+    csv_path = run / METRICS_CSV
+    if not csv_path.exists() or csv_path.read_text(encoding="utf-8") != render(info["history"]):
+        write_curves(run, info["history"])
 
 
 # -- loading a run for eval / generate / serve ----------------------------------------------------------------------

@@ -39,12 +39,17 @@ def crash_point(tmp: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename)."""
+def write_text(path: Path, text: str) -> None:
+    """Write UTF-8 text atomically (``path.tmp``, :func:`crash_point`, rename)."""
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     crash_point(tmp)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    write_text(path, json.dumps(obj, indent=2))
 
 
 def read_json(path: Path) -> Any:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from hstu.cli import NO_DATA, default_data_dir, number_in
 
+ARCHITECTURES = ("hstu", "sasrec")  # ModelConfig.architecture (hstu.model.hstu.build_hstu)
+
 log = logging.getLogger("hstu")
 
 
@@ -28,6 +30,12 @@ def add_train_parser(sub) -> None:
     g = t.add_mutually_exclusive_group()
     g.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
     g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
+    t.add_argument(
+        "--arch",
+        choices=list(ARCHITECTURES),
+        help="model architecture: hstu (default) or the SASRec baseline (Kang & McAuley 2018), at the --preset's sizes "
+        "(or the --config [model] table's); not with --resume",
+    )
     t.add_argument("--epochs", type=number_in(int, 1))
     t.add_argument(
         "--batch-size", type=number_in(int, 1), help="sequences per step (under --distributed: the global batch, split over the ranks)"
@@ -49,7 +57,14 @@ def add_train_parser(sub) -> None:
     r = t.add_mutually_exclusive_group()
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
     r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--quiet", action="store_true", help="no progress (a bar on a terminal, a few log lines otherwise)")
+    t.add_argument(
+        "--max-minutes",
+        type=number_in(float, 0, lo_open=True),
+        help="stop after the epoch during which M minutes of wall time have passed (committed; continue with --resume); "
+        "metrics.json status says why it stopped",
+    )
+    t.add_argument("--tensorboard", metavar="DIR", help="also write epoch scalars for TensorBoard to DIR (pip install 'hstu[tensorboard]')")
     from hstu.train.dist_setup import SHARDING_TYPES, TABLE_OPTIMIZERS
 
     d = t.add_argument_group("distributed", "TorchRec-sharded item table, DDP dense layers (hstu.train.distributed)")
@@ -98,7 +113,18 @@ def cmd_train(args) -> int:
         args.dataset, str(data_dir), args.protocol, args.max_users, args.skip_bad_rows, {"columns": args.columns} if args.columns else {}
     )
     strategy = _distributed_strategy(args, saved.get("distributed", {})) if args.distributed else None
-    metrics = fit(args.out, mcfg, tcfg, spec, device=args.device, resume=args.resume, progress=not args.quiet, strategy=strategy)
+    metrics = fit(
+        args.out,
+        mcfg,
+        tcfg,
+        spec,
+        device=args.device,
+        resume=args.resume,
+        progress=not args.quiet,
+        strategy=strategy,
+        max_minutes=args.max_minutes,
+        tensorboard=args.tensorboard,
+    )
     if not torchrun_rank(args):
         print(json.dumps(metrics, indent=2))
     return 0
@@ -129,12 +155,19 @@ def _distributed_strategy(args, saved: dict):
 
 
 def _model_cfg(args):
+    """(ModelConfig, TrainConfig or None) from --config or --preset (default small), with --arch's
+    architecture when given (the sizes stay the preset's or the [model] table's)."""
     from hstu.config import load_config_file, model_config_from_preset
 
+    tcfg = None
     if getattr(args, "config", None):
         cfgs = load_config_file(args.config)
-        return cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
-    return model_config_from_preset(args.preset or "small"), None
+        mcfg, tcfg = cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
+    else:
+        mcfg = model_config_from_preset(args.preset or "small")
+    if getattr(args, "arch", None):
+        mcfg.architecture = args.arch
+    return mcfg, tcfg
 
 
 def _check_out_dir(args) -> None:
@@ -160,6 +193,8 @@ def _check_resume_flags(args) -> None:
     (config.json), so --preset or a [model] table would be silently ignored."""
     if not args.resume:
         return
+    if getattr(args, "arch", None):
+        raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --arch {args.arch}")
     if args.preset is not None:
         raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --preset {args.preset}")
     if args.config:

@@ -11,7 +11,10 @@ Both draw the same batches (:func:`epoch_batches`) and compute the same loss
 
 Features: deterministic with a seed (batch order, negatives, init); length-bucketed batches
 (padding costs little; results do not depend on the width since the divisor N is fixed);
-tqdm progress with loss and sequences/s; ``resume`` continues from RUN_DIR/last.*.
+progress with loss and sequences/s (a bar on a terminal only) and one line per epoch
+(:mod:`hstu.train.logs`); metrics.csv written with each epoch's commit (:mod:`hstu.model.curves`);
+``resume`` continues from RUN_DIR/last.*; ``max_minutes`` stops after the epoch in which that much
+wall time has passed (committed, resumable; metrics.json ``status`` says so).
 
 Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs;
 BackendUnavailableError for a missing device; FileExistsError when RUN_DIR holds a run and
@@ -30,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from hstu import backend
 from hstu.config import ModelConfig, TrainConfig
@@ -61,12 +63,14 @@ from hstu.runs import (  # noqa: F401
 from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.train.loop.load_run)
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate
+from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import training_loss
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
 # hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
 
 log = logging.getLogger(__name__)
+clock = time.monotonic  # the wall clock of --max-minutes (a test seam)
 
 
 def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) -> float:
@@ -216,7 +220,7 @@ def train_one_epoch(
     opt,
     gen: torch.Generator,
     epoch: int,
-    progress: bool = True,
+    progress_on: bool = True,
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> dict:
     """One epoch over :func:`epoch_batches`; returns {"loss": mean batch loss weighted by sequences,
@@ -224,8 +228,7 @@ def train_one_epoch(
     strategy.train(model)
     batches = epoch_batches(log_, split, tcfg, model.cfg.max_seq_len, epoch)
     t0, total, n_pos, n_seq = time.perf_counter(), 0.0, 0, 0
-    bar = tqdm(batches, desc=f"epoch {epoch}", disable=not (progress and strategy.is_main), leave=False, mininterval=2.0)
-    for i, ub in enumerate(bar):
+    for i, ub, bar in progress(batches, f"epoch {epoch}", progress_on and strategy.is_main):
         loss, n = strategy.step(model, log_, split, ub, tcfg, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -255,10 +258,12 @@ def _resume(strategy: LocalStrategy, run: Path, model: HSTUModel, opt, gen: torc
     return list(info["history"])
 
 
-def _report(strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, tcfg: TrainConfig, spec: DataSpec, state, history) -> dict:
+def _report(
+    strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, tcfg: TrainConfig, spec: DataSpec, state, history, status: str
+) -> dict:
     """After the epochs: the reported weights (best, or the last epoch under --protocol paper) with
     the repeat scale calibrated on validation, evaluated on valid and test; writes (rank 0) and
-    returns metrics.json's object."""
+    returns metrics.json's object (``status``: "completed", or why training stopped before ``tcfg.epochs``)."""
     paper = spec.protocol == "paper"
     best = strategy.best_model(run, model)
     calibration = valid = None
@@ -273,6 +278,7 @@ def _report(strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, t
         "train_seconds": round(state["train_seconds"], 2),
         "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
         "protocol": spec.protocol,
+        "status": status,
         "machine": strategy.machine(),
         **strategy.extra,
     }
@@ -298,21 +304,30 @@ def fit(
     strategy: LocalStrategy | None = None,
     data: tuple[EventLog, Split] | None = None,
     on_step: Callable[[int, int, float], None] | None = None,
+    max_minutes: float | None = None,
+    tensorboard: str | Path | None = None,
 ) -> dict:
     """Train, checkpoint every epoch (one commit per epoch, :func:`hstu.runs.save_train_state`), evaluate;
     returns the metrics.json object (on every rank). ``strategy``: :class:`LocalStrategy` (default) or
     :class:`hstu.train.distributed.DistributedStrategy`; ``data``: the (EventLog, Split) of ``spec`` if
-    already loaded; ``on_step(epoch, step, loss)``: called after every step.
+    already loaded; ``on_step(epoch, step, loss)``: called after every step; ``max_minutes``: stop after
+    the epoch during which this many minutes of wall time (this call's, :data:`clock`) have passed, with
+    that epoch committed (``resume`` continues; metrics.json ``status`` says why it stopped);
+    ``tensorboard``: a directory for TensorBoard epoch scalars (:class:`hstu.train.logs.TensorBoardCurves`).
     Raises ValueError for too little data (:func:`check_trainable`), for malformed run files on
-    ``resume`` (naming file and field) and for resuming a run of the other strategy, besides the module's."""
+    ``resume`` (naming file and field), for resuming a run of the other strategy, for ``max_minutes`` <= 0
+    and for ``tensorboard`` without the tensorboard package, besides the module's."""
     tcfg.validate()
+    if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes > 0):
+        raise ValueError(f"--max-minutes must be a number > 0, got {max_minutes}")
     run = Path(run_dir)
     if has_train_state(run) and not resume and not overwrite:
         raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
     strategy = strategy or LocalStrategy()
     strategy.start(device, tcfg)
+    opts = {"progress": progress, "on_step": on_step, "max_minutes": max_minutes, "tensorboard": tensorboard}
     try:
-        return _fit(strategy, run, mcfg, tcfg, spec, resume, use_features, progress, data, on_step)
+        return _fit(strategy, run, mcfg, tcfg, spec, resume, use_features, data, opts)
     finally:
         strategy.stop()
 
@@ -344,9 +359,7 @@ def _setup(
     return log_, split, mcfg, model
 
 
-def _fit(
-    strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features, progress, data, on_step
-) -> dict:
+def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features, data, opts) -> dict:
     log_, split, mcfg, model = _setup(strategy, run, mcfg, tcfg, spec, resume, use_features, data)
     opt = strategy.prepare(model, tcfg)
     gen = torch.Generator(device=strategy.device)
@@ -354,6 +367,7 @@ def _fit(
     state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
     paper = spec.protocol == "paper"
     history = _resume(strategy, run, model, opt, gen, state, paper) if resume and has_train_state(run) else []
+    board = TensorBoardCurves(opts["tensorboard"], state["epoch"] + 1) if opts["tensorboard"] and strategy.is_main else None
     if strategy.is_main:
         run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
         if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
@@ -361,35 +375,61 @@ def _fit(
         write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
         write_idmap(run, log_, split)
     strategy.barrier()
-    while state["epoch"] < tcfg.epochs:
-        epoch = state["epoch"] + 1
-        stats = train_one_epoch(strategy, model, log_, split, tcfg, opt, gen, epoch, progress, on_step)
-        state["train_seconds"] += stats["seconds"]
-        entry = {"epoch": epoch, **stats}
-        plain = strategy.snapshot(model)
-        if epoch % tcfg.eval_every == 0 or epoch == tcfg.epochs:
-            entry["valid"] = strategy.evaluate(plain, log_, split, "valid", tcfg)
-            if paper:
-                entry["test"] = entry["valid"]  # the paper protocol evaluates on the last item
-            score = entry["valid"]["NDCG@10"]  # the same on every rank (metrics are gathered)
-            if score > state["best"]:
-                state.update(best=score, best_epoch=epoch, bad_epochs=0)
-            else:
-                state["bad_epochs"] += 1
-        log.info(
-            "epoch %d: %s",
-            epoch,
-            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in entry.items() if k not in ("valid", "test")}
-            | {"valid": {k: round(v, 4) for k, v in entry.get("valid", {}).items() if k in ("HR@10", "NDCG@10")}},
-        )
-        history.append(entry)
-        state["epoch"] = epoch
-        if strategy.is_main:  # the epoch's commit; then its reported weights (a kill in between is repaired by _resume)
-            save_train_state(run, plain, opt, gen, {**state, **strategy.extra}, history)
-        if paper or state["best_epoch"] == epoch:
-            strategy.keep_best(run, plain)
-        strategy.barrier()
-        if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
-            log.info("early stopping at epoch %d (best %d)", epoch, state["best_epoch"])
-            break
-    return _report(strategy, run, model, log_, split, tcfg, spec, state, history)
+    started, status = clock(), "completed"
+    try:
+        while state["epoch"] < tcfg.epochs:
+            entry = _epoch(strategy, run, model, log_, split, tcfg, opt, gen, state, history, paper, opts)
+            if board is not None:
+                board.epoch(entry)
+            if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
+                status = f"early stopping at epoch {entry['epoch']} (best {state['best_epoch']})"
+                log.info(status)
+                break
+            if state["epoch"] < tcfg.epochs and _time_is_up(strategy, started, opts["max_minutes"]):
+                status = (
+                    f"stopped by --max-minutes {opts['max_minutes']:g} after epoch {state['epoch']} of {tcfg.epochs} "
+                    f"({(clock() - started) / 60:.1f} min); continue with --resume"
+                )
+                log.warning(status)
+                break
+    finally:
+        if board is not None:
+            board.close()
+    return _report(strategy, run, model, log_, split, tcfg, spec, state, history, status)
+
+
+def _time_is_up(strategy: LocalStrategy, started: float, max_minutes: float | None) -> bool:
+    """Whether ``max_minutes`` of :data:`clock` time have passed since ``started`` on any rank (the
+    ranks' flags are averaged by :meth:`LocalStrategy.global_loss`, an all-reduce under torchrun, so all stop together)."""
+    if max_minutes is None:
+        return False
+    up = torch.tensor(float(clock() - started >= 60.0 * max_minutes), device=strategy.device)
+    return strategy.global_loss(up) > 0
+
+
+def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainConfig, opt, gen, state, history, paper, opts) -> dict:
+    """Train and evaluate one epoch, log its line, commit it (rank 0) and keep its weights if best;
+    updates ``state`` and ``history``; returns the epoch's history entry."""
+    epoch = state["epoch"] + 1
+    stats = train_one_epoch(strategy, model, log_, split, tcfg, opt, gen, epoch, opts["progress"], opts["on_step"])
+    state["train_seconds"] += stats["seconds"]
+    entry = {"epoch": epoch, **stats}
+    plain = strategy.snapshot(model)
+    if epoch % tcfg.eval_every == 0 or epoch == tcfg.epochs:
+        entry["valid"] = strategy.evaluate(plain, log_, split, "valid", tcfg)
+        if paper:
+            entry["test"] = entry["valid"]  # the paper protocol evaluates on the last item
+        score = entry["valid"]["NDCG@10"]  # the same on every rank (metrics are gathered)
+        if score > state["best"]:
+            state.update(best=score, best_epoch=epoch, bad_epochs=0)
+        else:
+            state["bad_epochs"] += 1
+    log.info(epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch))
+    history.append(entry)
+    state["epoch"] = epoch
+    if strategy.is_main:  # the epoch's commit; then its reported weights (a kill in between is repaired by _resume)
+        save_train_state(run, plain, opt, gen, {**state, **strategy.extra}, history)
+    if paper or state["best_epoch"] == epoch:
+        strategy.keep_best(run, plain)
+    strategy.barrier()
+    return entry

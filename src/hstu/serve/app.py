@@ -16,7 +16,8 @@ Endpoints
                        the last few seconds); 503 (with the reason) while warming, after a failed
                        warm-up, or while draining.
 ``GET /metrics``       Prometheus text format from the app's own registry (:mod:`hstu.serve.metrics`).
-``GET /docs``          OpenAPI UI (``/openapi.json``).
+``GET /docs``          OpenAPI UI (``/openapi.json``), Swagger UI from local files (``fastapi-offline``: works
+                       offline); ``GET /redoc`` the same with ReDoc.
 
 Request path: parse and validate (pydantic, strict) → map the history to the run's dense ids
 (``Recommender.prepare``: unknown ids dropped with a warning or rejected; out-of-order
@@ -44,6 +45,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -90,7 +92,8 @@ def create_app(
             raise ValueError("create_app: give recommender or run_dir")
         recommender = Recommender.from_run(run_dir, policy.device)
     svc = Service(cfg, recommender, policy, popularity if policy.cold_start == "popular" else None, run_dir)
-    app = FastAPI(title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION)
+    # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI / ReDoc from files it serves (no CDN)
+    app = FastAPIOffline(title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION)
     app.state.service = svc
     app.add_middleware(
         EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s, reject_early=svc.reject_early

@@ -1,5 +1,5 @@
 """Shared pieces of the quality benchmarks (reproduce_ml1m.py, taobao.py): resumable training runs,
-provenance (machine, git commit, exact command) and the validation-curve plot."""
+provenance (machine, git commit, exact command); the validation-curve plot is hstu.report.plots.plot_curves."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data.prepare import DataSpec
 from hstu.model.checkpoint import read_json
+from hstu.report.plots import plot_curves  # noqa: F401 (the benchmarks' curve plot, re-exported)
 from hstu.train.loop import fit
 
 log = logging.getLogger("benchmarks")
@@ -137,36 +138,3 @@ def interim_metrics(run_dir: Path, spec: DataSpec, *, device: str = "cpu") -> tu
         "status": f"in progress: interrupted after epoch {history[-1]['epoch']}; rerun the run's command to resume",
     }
     return metrics, history
-
-
-def plot_curves(
-    path: Path,
-    curves: dict[str, tuple[list[int], list[float]]],
-    *,
-    title: str,
-    ylabel: str = "validation NDCG@10",
-    hlines: dict[str, float] | None = None,
-    points: dict[str, tuple[list[int], list[float]]] | None = None,
-) -> None:
-    """Line per run (epoch -> value), optional horizontal reference lines and marker series; PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    for name, (x, y) in curves.items():
-        ax.plot(x, y, label=name, linewidth=1.6)
-    for name, (x, y) in (points or {}).items():
-        ax.plot(x, y, "o", label=name, markersize=5)
-    for i, (name, y) in enumerate((hlines or {}).items()):
-        ax.axhline(y, linestyle="--", linewidth=1.0, color=f"C{len(curves) + len(points or {}) + i}", label=name)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)

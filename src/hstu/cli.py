@@ -243,10 +243,37 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def version_text() -> str:
+    """``hstu --version``: hstu's version, torch's, and each backend (:data:`hstu.backend.BACKENDS`)
+    with "available" or the reason it is not (``Backend.unavailable_reason``)."""
+    import torch
+
+    import hstu
+    from hstu.backend import BACKENDS
+
+    lines = [f"hstu {hstu.__version__}", f"torch {torch.__version__}"]
+    for name, cls in BACKENDS.items():
+        why = cls.unavailable_reason()
+        lines.append(f"backend {name}: " + ("available" if why is None else f"unavailable ({why})"))
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (it imports torch and probes the devices)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hstu`` parser: one builder per command, then the feature modules' commands (:data:`FEATURES`)."""
     p = argparse.ArgumentParser(prog="hstu", description="HSTU generative recommender: train, evaluate, generate, serve, operate.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action=_Version, help="print hstu's and torch's versions and the backends available, and exit")
     sub = p.add_subparsers(dest="command", required=True)
     from hstu.train.cli import add_train_parser
 
@@ -340,6 +367,7 @@ FEATURES = {  # module -> (its commands, the extra that brings its dependencies)
     "hstu.quant.cli": (("quantize",), "ops"),
     "hstu.serve.cli": (("serve",), "serve"),
     "hstu.bench.cli": (("bench",), "bench"),
+    "hstu.report.cli": (("report",), "plot"),
     "hstu.export.cli": (("export",), "export"),
 }
 

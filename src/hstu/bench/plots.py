@@ -9,18 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from hstu.bench.table import columns
+from hstu.report.plots import pyplot, save_png
 
 
 def write_plots(results: list[dict], out: Path) -> tuple[list[Path], str | None]:
     """``latency_per_length.png`` and ``latency_cdf.png`` under ``out`` for every measured column of
     ``results``; returns (files written, None) or ([], why none were: matplotlib absent)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed (pip install 'hstu[plot]'): no PNG plots"
+        plt = pyplot()
+    except ImportError as exc:
+        return [], f"{exc}: no PNG plots"
     cols = [(label, c) for label, c in columns(results) if "unavailable" not in c and c.get("times_ms")]
     files = []
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -30,7 +28,7 @@ def write_plots(results: list[dict], out: Path) -> tuple[list[Path], str | None]
     ax.set(xlabel="history length (events)", ylabel="P50 latency per call (ms)", title="next-k latency per history length")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    files.append(_save(fig, plt, out / "latency_per_length.png"))
+    files.append(save_png(fig, out / "latency_per_length.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, c in cols:
         t = np.sort(np.asarray(c["times_ms"]))
@@ -38,14 +36,5 @@ def write_plots(results: list[dict], out: Path) -> tuple[list[Path], str | None]
     ax.set(xlabel="latency per call (ms)", ylabel="fraction of calls", title="latency CDF per precision")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    files.append(_save(fig, plt, out / "latency_cdf.png"))
+    files.append(save_png(fig, out / "latency_cdf.png"))
     return files, None
-
-
-def _save(fig, plt, path: Path) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(path)
-    return path

@@ -1,0 +1,63 @@
+"""``hstu report --run RUN --out DIR [--vs RUN2 ...]``: training curves as PNG files and a Markdown
+summary (:mod:`hstu.report.summary`) of a run, or of several overlaid and side by side.
+
+Writes into DIR: ``loss.png`` (mean training loss per epoch), ``valid_hr10.png`` and
+``valid_ndcg10.png`` (validation HR@10 / NDCG@10 per epoch), one line per run, and ``report.md``.
+Every run is read and checked before anything is written; each file is written atomically.
+Errors a user can fix (a missing run or file, a malformed one, matplotlib absent) are one line and
+exit 2 (:func:`hstu.cli.main`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hstu.model.checkpoint import write_text
+from hstu.report.plots import plot_curves
+from hstu.report.summary import CURVE_METRICS, markdown, read_run_facts
+
+REPORT = "report.md"
+
+
+def add_subcommands(sub) -> None:
+    r = sub.add_parser("report", help="PNG training curves and a Markdown summary of a run (or several: --vs)")
+    r.add_argument("--run", required=True, help="run directory (hstu train --out)")
+    r.add_argument("--vs", nargs="+", default=[], metavar="RUN", help="other run directories, overlaid and side by side")
+    r.add_argument("--out", required=True, help="directory for report.md and the PNG files (created)")
+    r.set_defaults(func=cmd_report)
+
+
+def _labels(paths: list[str]) -> list[str]:
+    """Each run's directory name; the whole path where two names are the same."""
+    names = [Path(p).name or str(p) for p in paths]
+    return [str(p) if names.count(n) > 1 else n for p, n in zip(paths, names)]
+
+
+def write_report(runs: list[str], out: str | Path) -> list[Path]:
+    """Read ``runs`` (the first is the report's subject), write the plots and report.md into ``out``;
+    returns the files written. Raises FileNotFoundError / ValueError (a run's files), ImportError
+    (matplotlib absent: ``pip install 'hstu[plot]'``)."""
+    facts = [read_run_facts(p, label) for p, label in zip(runs, _labels(runs))]
+    from hstu.report.plots import pyplot
+
+    pyplot()  # ImportError before anything is written
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    what = facts[0].label if len(facts) == 1 else f"{len(facts)} runs"
+    plots = [plot_curves(out / "loss.png", {f.label: f.curve("loss") for f in facts}, title=f"{what}: training loss", ylabel="mean loss")]
+    for k in CURVE_METRICS:
+        name = "valid_" + k.lower().replace("@", "") + ".png"
+        curves = {f.label: f.curve(k, "valid") for f in facts}
+        plots.append(plot_curves(out / name, curves, title=f"{what}: validation {k} per epoch", ylabel=f"validation {k}"))
+    write_text(out / REPORT, markdown(facts, plots))
+    return [*plots, out / REPORT]
+
+
+def cmd_report(args) -> int:
+    try:
+        files = write_report([args.run, *args.vs], args.out)
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+    for f in files:
+        print(f)
+    return 0

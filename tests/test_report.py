@@ -1,0 +1,115 @@
+"""Issue 23 item 3: ``hstu report`` writes PNG curves and a Markdown summary whose numbers are the
+run's own (metrics.json, history.json); --vs puts runs side by side; errors are one line and write nothing."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from hstu.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("loss.png", "valid_hr10.png", "valid_ndcg10.png")
+METRICS = ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "MRR")
+
+
+def _summary(md: str) -> dict[str, list[str]]:
+    """The summary table (the first table of report.md): row name -> cells, one per run."""
+    rows = {}
+    for line in md.split("\n## ")[0].splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def _epochs(md: str, label: str) -> list[list[str]]:
+    part = md.split(f"## Per epoch: {label}\n")[1].split("\n## ")[0]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in part.splitlines() if line.startswith("| ") and line[2].isdigit()]
+
+
+def _check_run_column(rows: dict, col: int, run) -> None:
+    m = json.loads((run / "metrics.json").read_text())
+    for split in ("test", "valid"):
+        for k in METRICS:
+            assert rows[f"{split} {k}"][col] == f"{m[split][k]:.4f}", (split, k)
+    assert rows["epochs (best)"][col] == f"{m['epochs']} ({m['best_epoch']})"
+    assert rows["train seconds"][col] == f"{m['train_seconds']:.1f}"
+    assert rows["status"][col] == m["status"]
+    cfg = json.loads((run / "config.json").read_text())["model"]
+    assert rows["blocks × heads × d"][col] == f"{cfg['num_blocks']} × {cfg['num_heads']} × {cfg['embedding_dim']}"
+
+
+def test_report_of_the_tiny_run(run_dir, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["report", "--run", str(run_dir), "--out", str(out)]) == 0
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 2000, name
+    md = (out / "report.md").read_text()
+    rows = _summary(md)
+    _check_run_column(rows, 0, run_dir)
+    hist = json.loads((run_dir / "history.json").read_text())
+    table = _epochs(md, run_dir.name)
+    assert [r[0] for r in table] == [str(h["epoch"]) for h in hist]
+    assert [r[1] for r in table] == [f"{h['loss']:.4f}" for h in hist]
+    assert [r[3] for r in table] == [f"{h['valid']['NDCG@10']:.4f}" for h in hist]
+    for name in PLOTS:
+        assert f"]({name})" in md
+    assert capsys.readouterr().out.split() == [str(out / n) for n in (*PLOTS, "report.md")]
+
+
+def test_report_vs_puts_two_runs_side_by_side(run_dir, tmp_path):
+    """A second, different run (a 30-user CSV, tiny model, 2 epochs) beside the tiny ML-1M run: a
+    column each with that run's own numbers and per-epoch tables for both."""
+    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(8)]
+    (tmp_path / "log.csv").write_text("u,i,t\n" + "\n".join(rows) + "\n")
+    (tmp_path / "tiny.toml").write_text(
+        "[model]\nmax_seq_len = 8\nembedding_dim = 8\nd_qk = 8\nd_v = 8\nnum_blocks = 1\nnum_heads = 1\n"
+        "[train]\nbatch_size = 8\nnum_negatives = 4\nepochs = 2\n"
+    )
+    other = tmp_path / "csvrun"
+    flags = ["--dataset", "csv", "--data-dir", str(tmp_path / "log.csv"), "--columns", "user=u,item=i,time=t"]
+    assert main(["train", *flags, "--config", str(tmp_path / "tiny.toml"), "--out", str(other), "--quiet"]) == 0
+    out = tmp_path / "rep"
+    assert main(["report", "--run", str(run_dir), "--vs", str(other), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    table = _summary(md)
+    assert table[""] == [run_dir.name, "csvrun"]
+    _check_run_column(table, 0, run_dir)
+    _check_run_column(table, 1, other)
+    assert table["dataset"] == ["ml-1m (clean protocol)", "csv (clean protocol)"]
+    assert len(_epochs(md, "csvrun")) == 2 and len(_epochs(md, run_dir.name)) == 1
+    assert all((out / n).read_bytes().startswith(PNG) for n in PLOTS)
+
+
+def test_report_of_a_missing_run_is_one_line_and_writes_nothing(tmp_path, run_dir, capsys):
+    out = tmp_path / "rep"
+    assert main(["report", "--run", str(run_dir), "--vs", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"hstu report: error: {tmp_path / 'nope'}: run directory not found"
+    assert not out.exists()
+
+
+def test_report_without_matplotlib_names_the_extra(tmp_path, run_dir, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "rep"
+    assert main(["report", "--run", str(run_dir), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "hstu report: error: matplotlib is not installed: pip install 'hstu[plot]'"
+    assert not out.exists()
+
+
+def test_version(capsys):
+    import torch
+
+    import hstu
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [f"hstu {hstu.__version__}", f"torch {torch.__version__}", "backend cpu: available"]
+    cuda = next(x for x in lines if x.startswith("backend cuda: "))
+    assert (cuda == "backend cuda: available") == torch.cuda.is_available()
+    assert any(x.startswith("backend npu: ") for x in lines)

@@ -45,7 +45,7 @@ from hstu.config import TrainConfig, model_config_from_preset
 from hstu.data.prepare import DataSpec, prepare_data
 from hstu.model.checkpoint import read_json
 from hstu.runs import load_run
-from hstu.train.slices import COLD_START_LENGTHS, ModelScorer, collect, slice_report
+from hstu.train.slices import ModelScorer, scorer_slices
 
 log = logging.getLogger("benchmarks.ml1m")
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ml-1m"
@@ -238,12 +238,10 @@ def main(argv=None) -> int:
                 model, _, _ = load_run(run, args.device)
                 log_, split = prepare_data(spec)
                 scorer = ModelScorer(model, name, args.device)
-                full = collect(scorer, log_, split, "test", k=10)
-                cold = {n: collect(scorer, log_, split, "test", max_history=n, generate=False) for n in COLD_START_LENGTHS}
                 from hstu.train.baselines import training_counts
 
-                res["slices"] = slice_report(
-                    full, log_, popularity=training_counts(log_, split), cold=cold, resamples=args.resamples, seed=args.seed
+                res["slices"], _ = scorer_slices(
+                    scorer, log_, split, "test", popularity=training_counts(log_, split), resamples=args.resamples, seed=args.seed
                 )
             entry[protocol] = res
         results[name] = entry

@@ -39,14 +39,12 @@ from hstu.runs import load_run
 from hstu.train.baselines import BASELINES, evaluate_baseline, make_baseline, training_counts
 from hstu.train.evaluate import evaluate
 from hstu.train.slices import (
-    COLD_START_LENGTHS,
     BaselineScorer,
     ModelScorer,
     bootstrap_weights,
-    collect,
     hits,
     paired_comparison,
-    slice_report,
+    scorer_slices,
 )
 
 log = logging.getLogger("benchmarks.taobao")
@@ -91,9 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def scorer_results(scorer, log_, split, exclude: bool, weights: np.ndarray, popularity: np.ndarray) -> tuple[dict, np.ndarray]:
     """Slice report of one scorer on test, and its per-user HR@10 hits (for paired comparisons)."""
-    res = collect(scorer, log_, split, "test", exclude=exclude, k=10)
-    cold = {n: collect(scorer, log_, split, "test", exclude=exclude, max_history=n, generate=False) for n in COLD_START_LENGTHS}
-    return slice_report(res, log_, weights=weights, popularity=popularity, cold=cold), hits(res.ranks, 10)
+    report, res = scorer_slices(scorer, log_, split, "test", exclude=exclude, weights=weights, popularity=popularity)
+    return report, hits(res.ranks, 10)
 
 
 def main(argv=None) -> int:

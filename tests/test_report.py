@@ -113,3 +113,26 @@ def test_version(capsys):
     cuda = next(x for x in lines if x.startswith("backend cuda: "))
     assert (cuda == "backend cuda: available") == torch.cuda.is_available()
     assert any(x.startswith("backend npu: ") for x in lines)
+
+
+def test_report_slices_agree_with_the_runs_own_evaluation(run_dir, tmp_path):
+    """--slices: the all-users HR@10 / NDCG@10 (slices.collect: the model's scores, ranks by the
+    slice code) equal metrics.json's test metrics (train.evaluate, another path); each interval
+    holds its value; the table and slices.png are written."""
+    out = tmp_path / "rep"
+    assert main(["report", "--run", str(run_dir), "--out", str(out), "--slices", "--resamples", "50"]) == 0
+    m = json.loads((run_dir / "metrics.json").read_text())
+    rep = json.loads((out / "slices.json").read_text())[run_dir.name]
+    assert rep["users"] == m["test"]["users"]
+    for k in ("HR@10", "NDCG@10"):
+        cell = rep["next_item"][k]
+        assert cell["value"] == pytest.approx(m["test"][k], abs=1e-9)
+        assert cell["ci"][0] <= cell["value"] <= cell["ci"][1]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in (out / "report.md").read_text().splitlines()
+        if "all users" in line
+    }
+    v, (lo, hi) = rep["next_item"]["HR@10"]["value"], rep["next_item"]["HR@10"]["ci"]
+    assert rows["HR@10, all users"] == f"{v:.4f} [{lo:.4f}, {hi:.4f}]"
+    assert (out / "slices.png").read_bytes().startswith(PNG)

@@ -99,15 +99,17 @@ def epoch_table(r: RunFacts) -> list[str]:
     return _table(["epoch", "loss", *(f"valid {k}" for k in CURVE_METRICS), "seq/s", "seconds"], body)
 
 
-def markdown(runs: list[RunFacts], plots: list[Path]) -> str:
+def markdown(runs: list[RunFacts], plots: list[Path], slices: list[str] | None = None) -> str:
     """The report's Markdown: the summary table (a column per run), the plots (file names relative
-    to the report), the per-epoch tables."""
+    to the report), the ``slices`` table lines if given, the per-epoch tables."""
     rows = [summary_rows(r) for r in runs]
     title = runs[0].label if len(runs) == 1 else " vs ".join(r.label for r in runs)
     lines = [f"# hstu report: {title}", ""]
     lines += _table(["", *(r.label for r in runs)], [[name, *(row[name] for row in rows)] for name in rows[0]])
     lines += ["", "Test and validation metrics: full ranking over all items (metrics.json, reported weights).", "", "## Curves", ""]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
+    if slices:
+        lines += ["", "## Slices", "", *slices]
     for r in runs:
         lines += ["", f"## Per epoch: {r.label}", "", *epoch_table(r)]
     return "\n".join(lines) + "\n"

@@ -359,6 +359,26 @@ def slice_report(
     return out
 
 
+def scorer_slices(
+    scorer,
+    log_: EventLog,
+    split: Split,
+    which: str = "test",
+    *,
+    exclude: bool | None = None,
+    weights: np.ndarray | None = None,
+    popularity: np.ndarray | None = None,
+    resamples: int = 1000,
+    seed: int = 0,
+) -> tuple[dict, UserResults]:
+    """Every slice of one scorer on ``which``: :func:`collect` on full histories (with next-10
+    generation) and on histories cut to each of :data:`COLD_START_LENGTHS`, then :func:`slice_report`.
+    Returns (the report, the full-history results)."""
+    res = collect(scorer, log_, split, which, exclude=exclude, k=10)
+    cold = {n: collect(scorer, log_, split, which, exclude=exclude, max_history=n, generate=False) for n in COLD_START_LENGTHS}
+    return slice_report(res, log_, weights=weights, popularity=popularity, cold=cold, resamples=resamples, seed=seed), res
+
+
 def paired_comparison(a: np.ndarray, b: np.ndarray, weights: np.ndarray, level: float = 0.95) -> dict:
     """Per-user values of two scorers on the same users (U,) -> ratio and difference of the means
     with paired bootstrap CIs. ``win_beyond_ci``: the difference's interval lies above 0;

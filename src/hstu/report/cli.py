@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hstu.cli import number_in
 from hstu.model.checkpoint import write_text
 from hstu.report.plots import plot_curves
 from hstu.report.slices import plot_slices, run_slices, slice_table
@@ -24,6 +23,8 @@ REPORT = "report.md"
 
 
 def add_subcommands(sub) -> None:
+    from hstu.cli import number_in  # lazy: report -> cli (hstu.cli loads this module)
+
     r = sub.add_parser("report", help="PNG training curves and a Markdown summary of a run (or several: --vs)")
     r.add_argument("--run", required=True, help="run directory (hstu train --out)")
     r.add_argument("--vs", nargs="+", default=[], metavar="RUN", help="other run directories, overlaid and side by side")

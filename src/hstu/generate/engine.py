@@ -107,7 +107,7 @@ from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
 from hstu.generate.pool import BucketPool, batch_sizes_for
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
-from hstu.generate.requests import EngineResult, Prepared, check_engine_sizes, prepare_request
+from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, smallest_edge
 from hstu.generate.sampler import pick
 from hstu.model.hstu import HSTUModel
 from hstu.model.kernels import KernelSet, get_kernels
@@ -225,10 +225,7 @@ class Engine:
         histories, which are truncated). ValueError for length < 1."""
         if length < 1:
             raise ValueError(f"history length must be >= 1 (empty history), got {length}")
-        for E in self.edges:
-            if length <= E:
-                return E
-        return self.edges[-1]
+        return smallest_edge(self.edges, length, truncate=True)
 
     def cache_bytes_per_bucket(self) -> dict[int, int]:
         """Preallocated KV-pool bytes per bucket edge (history + generated K/V + beam scratch)."""
@@ -345,7 +342,7 @@ class Engine:
         self._run_buckets(r)
         return r.out
 
-    def _run_buckets(self, r: Prepared) -> None:
+    def _run_buckets(self, r: EngineCall) -> None:
         """Every bucket's rows, prefix-cache hits apart from misses, in chunks of max_batch // W users."""
         per_group = max(1, self.max_batch // r.width)
         for E in self.edges:
@@ -377,7 +374,7 @@ class Engine:
                 return s
         return cap if W > 1 else self.max_batch
 
-    def _run_group(self, E: int, rows: list[int], r: Prepared, hits: dict[int, PrefixEntry]) -> None:
+    def _run_group(self, E: int, rows: list[int], r: EngineCall, hits: dict[int, PrefixEntry]) -> None:
         """Rows ``rows`` of the call (one bucket, at most max_batch // W users): load the bucket's
         static inputs, prefill (or copy cached prefixes and extend), decode, write ``r.out``."""
         c, dev, W, k, req, out, use_cache = self.model.cfg, self.device, r.width, r.k, r.req, r.out, r.use_cache

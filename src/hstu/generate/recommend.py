@@ -31,6 +31,7 @@ from hstu import backend
 from hstu.config import DecodeOptions
 from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.hardening import harden
+from hstu.generate.requests import smallest_edge
 from hstu.generate.sampler import exclusion_mask
 from hstu.model.hstu import HSTUModel
 
@@ -118,7 +119,7 @@ class Recommender:
         bucket), and the same results (each row runs in that bucket either way)."""
         W = decoding.beam_width if decoding.strategy == "beam" else 1
         L = max(len(p.ids) for p in preps)
-        E = next(b for b in default_buckets(self.max_len) if b >= L)
+        E = smallest_edge(default_buckets(self.max_len), L)  # prepared histories fit: max_len is the last edge
         return self.build_engine((E,), max_batch=max(W, min(len(preps), ENGINE_MAX_BATCH // W) * W), graphs="eager")
 
     @property

@@ -33,7 +33,7 @@ class EngineResult(GenerationResult):
     warnings: list[str] = field(default_factory=list)
 
 
-class Prepared(NamedTuple):
+class EngineCall(NamedTuple):
     """One checked call: ``req`` the (B, ...) tensors the groups read (ids, timestamps, lengths,
     actions, categories, request_time, exclude, item_category), ``bucket_of`` / ``lengths`` B host
     ints, ``width`` beams per user (1 unless beam search), ``out`` the result to fill, and the
@@ -87,7 +87,7 @@ def prepare_request(
     user_ids,
     use_cache,
     bucket,
-) -> Prepared:
+) -> EngineCall:
     """Everything :meth:`Engine.generate` does before the first bucket runs (arguments as it
     documents): checks, zero features and the default request time (each row's last event),
     truncation to the largest edge, the exclusion mask with padding id 0 excluded and enough
@@ -129,7 +129,19 @@ def prepare_request(
     )
     req = {"ids": ids, "timestamps": timestamps, "lengths": lengths, "actions": actions, "categories": categories}
     req.update(request_time=request_time, exclude=exclude, item_category=item_category)
-    return Prepared(req, bucket_of, L_host, W, out, k, strategy, top_k, temperature, user_ids, use_cache)
+    return EngineCall(req, bucket_of, L_host, W, out, k, strategy, top_k, temperature, user_ids, use_cache)
+
+
+def smallest_edge(edges, length: int, *, truncate: bool = False) -> int:
+    """The smallest of ascending bucket ``edges`` >= ``length`` (the one bucket choice of the engine,
+    the Recommender and the server). A longer history: the largest edge when ``truncate`` (the engine
+    keeps its most recent events), else ValueError naming the length."""
+    for E in edges:
+        if length <= E:
+            return E
+    if truncate:
+        return edges[-1]
+    raise ValueError(f"history length {length} exceeds the largest bucket {edges[-1]}")
 
 
 def choose_buckets(eng: Engine, lengths: list[int], bucket: int | None) -> list[int]:

@@ -46,6 +46,7 @@ import torch
 
 from hstu.config import DecodeOptions  # re-exported: the one decoding-options type (hstu.serve.schemas.Decoding maps onto it)
 from hstu.generate.recommend import Prepared, Recommender
+from hstu.generate.requests import smallest_edge
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,6 @@ class Job:
     future: Any = None
     enqueued_at: float = 0.0
     expired: bool = False
-
-
-def smallest_bucket(buckets: list[int], length: int) -> int:
-    """The smallest edge of ascending ``buckets`` >= ``length``; ValueError if none."""
-    for b in buckets:
-        if length <= b:
-            return b
-    raise ValueError(f"history length {length} exceeds the largest bucket {buckets[-1]}")
 
 
 class BatchRunner:
@@ -138,7 +131,7 @@ class BatchRunner:
 
     def bucket_for(self, length: int) -> int:
         """The smallest edge >= ``length``; ValueError if none (the app truncates first)."""
-        return smallest_bucket(self.buckets, length)
+        return smallest_edge(self.buckets, length)
 
     # ----- execution -----
     @torch.inference_mode()
@@ -298,4 +291,4 @@ class BatchRunner:
         gc.collect()
 
 
-__all__ = ["BatchRunner", "DecodeOptions", "Job", "smallest_bucket"]
+__all__ = ["BatchRunner", "DecodeOptions", "Job"]

@@ -35,7 +35,8 @@ from typing import Any
 
 from hstu.serve.admission import BucketCost
 from hstu.serve.executor import BatchOutcome, LocalModel, ModelRestart, batch_guard, execute, warm_and_measure
-from hstu.serve.runner import BatchRunner, Job, smallest_bucket
+from hstu.generate.requests import smallest_edge
+from hstu.serve.runner import BatchRunner, Job
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +348,7 @@ class ProcessModel:
         return self.channels[i].proc.pid
 
     def bucket_for(self, length: int) -> int:
-        return smallest_bucket(self.buckets, length)
+        return smallest_edge(self.buckets, length)
 
     @property
     def available(self) -> int:

@@ -1,0 +1,227 @@
+"""Batch inference (hstu.generate.batch, ``hstu generate --all-users --out``; issue 23 item 4) on the
+tiny 200-user ML-1M run:
+
+- the output equals per-user ``Recommender.recommend`` on histories rebuilt from ratings.dat
+  (items exactly, scores to float32 reassociation), for greedy, beam and seeded top-k;
+- files hold the same users, ranks, items and titles for any --workers and --chunk-users, and the
+  same scores up to one float32 ulp (another process may sum in another order; batch.py's
+  docstring); within one process a chunk size changes no bit;
+- a job stopped after some chunks resumes: finished chunks are not recomputed (counted), the
+  final file equals an uninterrupted one, the parts are removed, no OUT exists before the end;
+- Ray Data on a local Ray instance gives the single-process file;
+- bad flags: one line, exit 2, nothing written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from hstu.cli import main
+from hstu.config import DecodeOptions
+from hstu.generate import batch
+from hstu.generate.recommend import History
+
+K = 5
+BATCH = ["--batch-users", "16", "--threads", "2"]
+
+
+def _gen(run_dir: Path, out: Path, *extra: str, k: int = K) -> int:
+    return main(["generate", "--run", str(run_dir), "--all-users", "--out", str(out), "-k", str(k), *BATCH, *extra])
+
+
+def _users_file(path: Path, users) -> Path:
+    path.write_text("# users of the test\n" + "\n".join(str(u) for u in users) + "\n")
+    return path
+
+
+def _read(path: Path) -> pd.DataFrame:
+    if path.suffix == ".jsonl":
+        return pd.read_json(path, lines=True, dtype={"score": "float32", "rank": "int32"})
+    return pd.read_parquet(path)
+
+
+def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    """Equal files: every column exactly, scores to float32 rounding (rtol 1e-6: ~1 ulp at 8..12)."""
+    pd.testing.assert_frame_equal(a.drop(columns="score"), b.drop(columns="score"), check_exact=True)
+    assert a.score.dtype == b.score.dtype == np.float32
+    np.testing.assert_allclose(a.score.to_numpy(), b.score.to_numpy(), rtol=1e-6, atol=0)
+
+
+def _expected(ref, ratings: pd.DataFrame, users, k: int, d: DecodeOptions) -> dict[int, list[dict]]:
+    """Per-user Recommender.recommend (a second instance, batches of one) on each user's full
+    history rebuilt from ratings.dat in time order."""
+    out = {}
+    for u in users:
+        g = ratings[ratings.user == u]
+        prep = ref.prepare(History(g.item.tolist(), g.ts.tolist()))
+        out[u] = ref.recommend([prep], k, decoding=d)[0]
+    return out
+
+
+def _check_against(df: pd.DataFrame, expected: dict[int, list[dict]]) -> None:
+    for u, items in expected.items():
+        rows = df[df.user_id == u].sort_values("rank")
+        assert rows["rank"].tolist() == list(range(1, len(items) + 1))
+        assert rows.item_id.tolist() == [it["item_id"] for it in items], u
+        np.testing.assert_allclose(rows.score.to_numpy(np.float64), [it["score"] for it in items], rtol=1e-5, atol=1e-5)
+        assert rows.title.tolist() == [it.get("title") for it in items]
+
+
+@pytest.fixture(scope="module")
+def full(run_dir, tmp_path_factory) -> Path:
+    """Every user, greedy, one process, chunks of 50."""
+    out = tmp_path_factory.mktemp("batch") / "recs.parquet"
+    assert _gen(run_dir, out, "--chunk-users", "50") == 0
+    return out
+
+
+def test_all_users_equal_per_user_recommend(full, ref, ratings):
+    df = _read(full)
+    users = np.sort(ratings.user.unique())
+    assert list(df.columns) == ["user_id", "rank", "item_id", "score", "title"]
+    assert str(df.score.dtype) == "float32" and str(df["rank"].dtype) == "int32"
+    assert df.user_id.tolist() == np.repeat(users, K).tolist()  # data-set order, k rows each
+    assert not Path(str(full) + ".parts").exists()
+    for u, g in df.groupby("user_id"):  # ML-1M excludes the (kept: last max_seq_len = 50) history; no repeats
+        assert len(set(g.item_id)) == K and not set(g.item_id) & set(ratings.item[ratings.user == u].tail(50))
+    sample = users[[0, 1, 7, 50, 99, 123, 150, 199]]
+    _check_against(df, _expected(ref, ratings, sample, K, DecodeOptions("greedy")))
+
+
+def test_workers_and_chunk_size_do_not_change_the_file(full, run_dir, ratings, tmp_path):
+    users = np.sort(ratings.user.unique())[:100]
+    out = tmp_path / "w2.parquet"
+    assert _gen(run_dir, out, "--users-file", str(_users_file(tmp_path / "u.txt", users)), "--chunk-users", "7", "--workers", "2") == 0
+    _same(_read(out), _read(full).iloc[: 100 * K].reset_index(drop=True))
+
+
+def test_beam_any_chunking_equals_per_user(run_dir, ref, ratings, tmp_path):
+    users = np.sort(ratings.user.unique())[::8][::-1]  # 25 users, file order reversed
+    f = _users_file(tmp_path / "users.txt", users)
+    files = []
+    for chunk in ("4", "25"):
+        files.append(tmp_path / f"beam{chunk}.jsonl")
+        assert _gen(run_dir, files[-1], "--users-file", str(f), "--chunk-users", chunk, "--strategy", "beam", "--beam-width", "3", k=4) == 0
+    a, b = _read(files[0]), _read(files[1])
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert a.user_id.drop_duplicates().tolist() == users.tolist()  # --users-file order
+    _check_against(a, _expected(ref, ratings, users[:6], 4, DecodeOptions("beam", beam_width=3)))
+
+
+def test_topk_is_seeded_per_user(run_dir, ref, ratings, tmp_path):
+    users = np.sort(ratings.user.unique())[:9]
+    f = _users_file(tmp_path / "users.txt", users)
+    files = []
+    for chunk in ("2", "9"):
+        files.append(tmp_path / f"topk{chunk}.parquet")
+        args = ["--users-file", str(f), "--chunk-users", chunk, "--strategy", "topk", "--top-k", "20", "--temperature", "1.5"]
+        args += ["--seed", "7"]
+        assert _gen(run_dir, files[-1], *args) == 0
+    a = _read(files[0])
+    pd.testing.assert_frame_equal(a, _read(files[1]), check_exact=True)
+    _check_against(a, _expected(ref, ratings, users, K, DecodeOptions("topk", top_k=20, temperature=1.5, seed=7)))
+
+
+def test_parquet_and_jsonl_hold_the_same_rows(full, run_dir, ratings, tmp_path):
+    users = np.sort(ratings.user.unique())[:30]
+    out = tmp_path / "recs.jsonl"
+    assert _gen(run_dir, out, "--users-file", str(_users_file(tmp_path / "u.txt", users))) == 0
+    want = _read(full).iloc[: 30 * K].reset_index(drop=True)
+    pd.testing.assert_frame_equal(_read(out), want, check_exact=True)  # float32 scores round-trip through JSON
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_stopped_job_resumes_without_recomputing(full, run_dir, ratings, tmp_path):
+    from hstu.cli import _run_data
+    from hstu.model.checkpoint import read_json
+
+    log_ = _run_data(read_json(run_dir / "config.json"))[0]
+    users = [int(u) for u in np.sort(ratings.user.unique())[:60]]
+    spec = batch.BatchSpec(str(run_dir), K, DecodeOptions("greedy"), batch_users=16)
+    out = tmp_path / "recs.parquet"
+    seen: list[int] = []
+
+    def stop_after_3(i, n):
+        seen.append(i)
+        if len(seen) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        batch.run_batch(spec, out, log_, users, chunk_users=7, on_chunk=stop_after_3)
+    parts = out.with_name(out.name + ".parts")
+    assert not out.exists() and sorted(p.name for p in parts.glob("chunk-*")) == [f"chunk-{i:06d}.parquet" for i in seen]
+    again: list[int] = []
+    res = batch.run_batch(spec, out, log_, users, chunk_users=7, on_chunk=lambda i, n: again.append(i))
+    assert res["chunks"] == 9 and res["computed"] == 6 and sorted(again) == sorted(set(range(9)) - set(seen))
+    assert not parts.exists()
+    pd.testing.assert_frame_equal(_read(out), _read(full).iloc[: 60 * K].reset_index(drop=True), check_exact=True)
+
+    # the same OUT.parts with other flags is another job: refused, naming the field
+    def stop(i, n):
+        raise Stop
+
+    with pytest.raises(Stop):
+        batch.run_batch(spec, tmp_path / "b.parquet", log_, users, chunk_users=7, on_chunk=stop)
+    other = batch.BatchSpec(str(run_dir), 3, DecodeOptions("greedy"), batch_users=16)
+    with pytest.raises(ValueError, match=r"another job \(.*\bk\b"):
+        batch.run_batch(other, tmp_path / "b.parquet", log_, users, chunk_users=7)
+
+
+def test_a_job_failing_at_once_leaves_nothing(run_dir, tmp_path, monkeypatch, capsys):
+    def boom(self, users, histories):
+        raise ValueError("user 1: broken on purpose")
+
+    monkeypatch.setattr(batch.ChunkGenerator, "__call__", boom)
+    out = tmp_path / "recs.parquet"
+    assert _gen(run_dir, out) == 2
+    assert "broken on purpose" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", "recs.parquet", "--user", "1"], "without --user"),
+        ([], "--all-users needs --out"),
+        (["--out", "recs.csv"], "unknown output suffix '.csv'"),
+        (["--out", "recs.parquet", "--users-file", "USERS"], "USERS:3: user 999999 is not among"),
+        (["--out", "recs.parquet", "--ray-address", "auto"], "only with --engine ray"),
+    ],
+)
+def test_bad_batch_flags_exit_2_with_one_line(run_dir, tmp_path, capsys, extra, message, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "USERS").write_text("1\n2\n999999\n")
+    assert main(["generate", "--run", str(run_dir), "--all-users", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["USERS"]
+
+
+def test_batch_flags_need_all_users(run_dir, capsys):
+    assert main(["generate", "--run", str(run_dir), "--user", "1", "--out", "x.parquet", "--workers", "2"]) == 2
+    assert "--out, --workers: only with --all-users" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--run", str(run_dir), "--all-users", "--out", "x.parquet", "--workers", "0"])
+    assert exc.value.code == 2
+
+
+@pytest.mark.filterwarnings("ignore:.*deprecated:DeprecationWarning")  # Ray Data's own DataContext fields
+def test_ray_data_job_equals_the_local_file(full, run_dir, ratings, tmp_path):
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    users = np.sort(ratings.user.unique())[:40]
+    out = tmp_path / "ray.parquet"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        f = _users_file(tmp_path / "u.txt", users)
+        assert _gen(run_dir, out, "--users-file", str(f), "--chunk-users", "9", "--engine", "ray", "--workers", "2") == 0
+    finally:
+        ray.shutdown()
+    _same(_read(out), _read(full).iloc[: 40 * K].reset_index(drop=True))

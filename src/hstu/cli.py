@@ -152,27 +152,21 @@ def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = Non
     return log_, split, spec
 
 
-def _user_history(rec, cfg, user: int, data_dir: str | None = None):
-    from hstu.generate.recommend import History
-
-    log_, _, _ = _run_data(cfg, data_dir)
-    u = log_.user_index(user)
-    s, e = log_.offsets[u], log_.offsets[u + 1]
-    raw = log_.item_raw_ids[log_.items[s:e]].tolist()
-    acts = [log_.action_names[a - 1] for a in log_.actions[s:e]] if log_.num_actions else None
-    return History(raw, log_.timestamps[s:e].tolist(), acts)
-
-
 def cmd_generate(args) -> int:
+    from hstu.generate.batch import history_of
+    from hstu.generate.batch_cli import cmd_all_users, reject_batch_flags
     from hstu.generate.recommend import Recommender
     from hstu.model.checkpoint import read_json
 
+    if args.all_users:  # the batch job (hstu.generate.batch): the data set read once
+        return cmd_all_users(args, lambda cfg: _run_data(cfg, args.data_dir)[0])
+    reject_batch_flags(args)
     if (args.user is None) == (args.history is None):
-        raise ValueError("give exactly one of --user USER_ID or --history FILE")
+        raise ValueError("give exactly one of --user USER_ID, --history FILE or --all-users")
     rec = Recommender.from_run(args.run, args.device, args.precision)
     check_k(args.k, rec.model.cfg.max_output_len, "-k")
     cfg = read_json(Path(args.run) / "config.json")
-    hist = _history_from_file(args.history) if args.history else _user_history(rec, cfg, args.user, args.data_dir)
+    hist = _history_from_file(args.history) if args.history else history_of(_run_data(cfg, args.data_dir)[0], args.user)
     if args.request_time is not None:
         hist.request_time = args.request_time
     prep = rec.prepare(hist, unknown=args.unknown_items)
@@ -231,10 +225,12 @@ def cmd_demo(args) -> int:
     print(
         f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n"
     )
+    from hstu.generate.batch import history_of
+
     rec = Recommender.from_run(out, args.device)
-    cfg = read_json(out / "config.json")
+    log_ = _run_data(read_json(out / "config.json"), str(data_dir))[0]  # read once for the three users
     for user in (1, 2, 3):
-        hist = _user_history(rec, cfg, user, str(data_dir))
+        hist = history_of(log_, user)
         items = rec.recommend([rec.prepare(hist)], 5)[0]
         last = [rec.titles.get(str(i), str(i)) for i in hist.items[-3:]]
         print(f"user {user}: last watched: " + " | ".join(last))
@@ -298,7 +294,7 @@ def _add_eval(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    q = sub.add_parser("generate", help="next-k items for a user or a history file")
+    q = sub.add_parser("generate", help="next-k items for a user, a history file, or every user (--all-users)")
     q.add_argument("--run", required=True)
     q.add_argument("--user", type=int, help="original user id in the run's data set")
     q.add_argument("--history", help='JSON list of {"item_id", "timestamp"[, "action"]} events')
@@ -330,6 +326,9 @@ def _add_generate(sub) -> None:
     q.add_argument("--device", default="cpu")
     q.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     q.add_argument("--json", action="store_true")
+    from hstu.generate.batch_cli import add_arguments
+
+    add_arguments(q)  # --all-users --out ... (batch inference)
     q.set_defaults(func=cmd_generate)
 
 

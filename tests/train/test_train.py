@@ -49,9 +49,9 @@ def test_loss_falls_and_run_loads_back(ml1m_dir, tmp_path):
     log_, split = prepare_data(DataSpec(**cfg["data"]))
     again = evaluate(model, log_, split, "test")
     assert again["HR@10"] == pytest.approx(m["test"]["HR@10"])
-    # the files are safetensors + JSON only
+    # the files are safetensors + JSON only, and the history as CSV
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == sorted(
-        ["config.json", "history.json", "idmap.json", "last.json", "last.safetensors", "metrics.json", "model.safetensors"]
+        ["config.json", "history.json", "idmap.json", "last.json", "last.safetensors", "metrics.csv", "metrics.json", "model.safetensors"]
     )
 
 

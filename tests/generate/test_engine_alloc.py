@@ -122,7 +122,7 @@ def test_work_per_step_is_constant(engine, monkeypatch, strategy):
 
 def test_pool_is_written_in_place(engine):
     def snapshot():
-        bufs = [t for b in engine._buckets.values() for t in b.pool_tensors()]
+        bufs = [*engine.kv_pool.buffers(), *(t for b in engine._buckets.values() for t in (*b.hk, *b.hv))]
         bufs += [engine._excl, engine._scores, engine._out_items]
         return [(t.data_ptr(), tuple(t.shape)) for t in bufs]
 
@@ -135,3 +135,22 @@ def test_pool_is_written_in_place(engine):
             ts = torch.sort(torch.randint(0, 10**7, (len(lengths), 40), generator=g), dim=1).values
             engine.generate(ids, ts, L, 6, strategy=strategy, beam_width=2)
     assert snapshot() == before
+
+
+def test_one_kv_pool_viewed_by_every_bucket(engine):
+    """The buckets' K/V are views of the engine's one KVPool (non-persistent buffers of an nn.Module):
+    it holds the largest bucket's C + K slots per row, not the sum over the buckets."""
+    pool, c = engine.kv_pool, engine.model.cfg
+    assert isinstance(pool, torch.nn.Module) and pool.state_dict() == {}  # non-persistent: never in a checkpoint
+    keys = [getattr(pool, f"k{i}") for i in range(c.num_blocks)]
+    values = [getattr(pool, f"v{i}") for i in range(c.num_blocks)]
+    for b in engine._buckets.values():
+        assert [t.data_ptr() for t in b.hk + b.hv] == [t.data_ptr() for t in keys + values]  # slot 0 of the pool
+        assert all(t.shape[2] == b.C + engine.k_max for t in b.hk + b.hv)
+        assert b.gk_scratch is pool.k_scratch and b.gv_scratch is pool.v_scratch
+    widest = max(engine.edges) + 1 + engine.k_max
+    per_slot = engine.max_batch * c.num_heads * (c.d_qk + c.d_v) * c.num_blocks * torch.finfo(engine.dtype).bits // 8
+    scratch = engine.max_batch * c.num_heads * engine.k_max * (c.d_qk + c.d_v) * torch.finfo(engine.dtype).bits // 8
+    assert pool.nbytes() == widest * per_slot + scratch  # by hand
+    assert engine.memory_report()["kv_pool"] == pool.nbytes() == max(engine.cache_bytes_per_bucket().values())
+    assert pool.nbytes() < sum(engine.cache_bytes_per_bucket().values())

@@ -7,7 +7,7 @@ API (what a server calls)::
                  kernels=None, graphs="auto", prefix_cache_bytes=0)
     eng.bucket_for(length) -> int                     # bucket edge a history of that length runs in
     eng.warmup() -> dict[int, float]                  # capture / compile every bucket now (s per bucket)
-    eng.cache_bytes_per_bucket() -> dict[int, int]    # preallocated pool bytes per bucket edge
+    eng.cache_bytes_per_bucket() -> dict[int, int]    # bytes of each bucket's view of the one KV pool
     eng.memory_report() -> dict; eng.release_caches() -> int   # drop the prefix cache (bytes freed)
     res = eng.generate(ids, timestamps, lengths, k, request_time=None, exclude=None,
                        strategy="greedy"|"topk"|"beam", top_k=50, temperature=1.0, beam_width=4,
@@ -105,7 +105,7 @@ import torch
 from hstu.backend import for_device
 from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
-from hstu.generate.pool import BucketPool, batch_sizes_for
+from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, smallest_edge
 from hstu.generate.sampler import pick
@@ -178,7 +178,8 @@ class Engine:
         self.batch_sizes = batch_sizes_for(self.graphs, self.max_batch, batch_sizes)
         self.compile_backend = compile_backend
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        self._buckets = {E: BucketPool(self, E) for E in self.edges}
+        self.kv_pool = kv_pool_for(self, max(self.edges) + 1)  # one KV cache, viewed by every bucket
+        self._buckets = {E: BucketPool(self, E, self.kv_pool) for E in self.edges}
         self._recompute: dict[int, BucketPool] = {}  # use_cache=False buckets (width E + K), made on first use
         self._decode_buffers()
         self.refresh()
@@ -204,13 +205,13 @@ class Engine:
     def _log_setup(self) -> None:
         for E, b in self._buckets.items():
             log.info(
-                "engine bucket %d: KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
+                "engine bucket %d: view of the KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
                 *(E, b.kv_bytes() / 2**20, self.max_batch, b.C, self.k_max, self.model.cfg.num_blocks, b.total_bytes() / 2**20),
             )
         cache = f"{self.prefix.max_bytes / 2**20:.1f} MiB" if self.prefix else "off"
         log.info(
-            "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, prefix cache %s",
-            *(self.device, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes), cache),
+            "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, KV pool %.2f MiB (one, viewed by every bucket), prefix cache %s",
+            *(self.device, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes), self.kv_pool.nbytes() / 2**20, cache),
         )
 
     # ----- setup -----
@@ -228,13 +229,16 @@ class Engine:
         return smallest_edge(self.edges, length, truncate=True)
 
     def cache_bytes_per_bucket(self) -> dict[int, int]:
-        """Preallocated KV-pool bytes per bucket edge (history + generated K/V + beam scratch)."""
+        """Bytes of each bucket's view of the one preallocated KV pool (history + generated K/V + beam
+        scratch); the pool itself is :attr:`kv_pool` (``memory_report()["kv_pool"]``), the largest view."""
         return {E: b.kv_bytes() for E, b in self._buckets.items()}
 
     def memory_report(self) -> dict:
-        """Bytes per bucket (kv, total with static inputs), decode buffers and the prefix cache."""
+        """Bytes of the one KV pool, per bucket (kv: its view of the pool, total: with its static
+        inputs), decode buffers and the prefix cache."""
         shared = sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores)) + self._index.nbytes
         return {
+            "kv_pool": self.kv_pool.nbytes(),
             "buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
             "shared_decode_buffers": shared,
             "prefix_cache": self.prefix.bytes if self.prefix else 0,
@@ -364,7 +368,7 @@ class Engine:
         if use_cache:
             return self._buckets[E]
         if E not in self._recompute:
-            self._recompute[E] = BucketPool(self, E + self.k_max)
+            self._recompute[E] = BucketPool(self, E + self.k_max, kv_pool_for(self, E + self.k_max + 1))
         return self._recompute[E]
 
     def _pad_users(self, n: int, W: int) -> int:

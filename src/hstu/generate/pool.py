@@ -5,7 +5,10 @@ is a scratch row for padding writes), K = k_max generated slots, R = max_batch p
 layers, H heads, d_qk / d_v per-head widths.
 
 Everything is allocated once at engine construction and written in place afterwards (the
-torchtune KVCache habit): no growth, no factory call in a decode loop.
+torchtune KVCache habit): no growth, no factory call in a decode loop. The K/V themselves live in
+one :class:`KVPool` (an ``nn.Module`` of non-persistent buffers, sized for the largest bucket) that
+every bucket views: the engine runs one request group at a time, so the buckets never hold live
+K/V at once, and the pool costs max(E) + 1 + K slots per row instead of the sum over the buckets.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from hstu.generate.prefix_cache import PrefixEntry
 
@@ -43,26 +47,72 @@ def batch_sizes_for(graphs: str, max_batch: int, batch_sizes=None) -> tuple[int,
     return out
 
 
-class BucketPool:
-    """Pool and static input buffers of one bucket (edge E); see the module docstring."""
+class KVPool(nn.Module):
+    """The engine's KV cache: per layer one key and one value buffer (R, H, S, d_qk / d_v) with S
+    slots, plus the beam-reorder scratch (R, H, K, ·), all non-persistent buffers (not in a
+    state_dict; ``.to`` moves them). Buckets take views of the first C + K slots (:meth:`views`).
 
-    def __init__(self, eng: Engine, E: int) -> None:
+    Args: layers Ly, rows R (max_batch), heads H, slots S (the largest bucket's C + K), generated
+    slots K (k_max), widths d_qk / d_v, dtype and device of the model's activations.
+    """
+
+    def __init__(self, *, layers: int, rows: int, heads: int, slots: int, k_max: int, d_qk: int, d_v: int, dtype, device) -> None:
+        super().__init__()
+        self.layers, self.slots = layers, slots
+        for i in range(layers):
+            self.register_buffer(f"k{i}", torch.zeros(rows, heads, slots, d_qk, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(rows, heads, slots, d_v, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k_scratch", torch.zeros(rows, heads, k_max, d_qk, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_scratch", torch.zeros(rows, heads, k_max, d_v, dtype=dtype, device=device), persistent=False)
+
+    def views(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer the keys and values of slots 0 .. n-1, (R, H, n, ·) views (ValueError past S)."""
+        if not 0 < n <= self.slots:
+            raise ValueError(f"a bucket of {n} slots does not fit the pool's {self.slots}")
+        keys = [getattr(self, f"k{i}")[:, :, :n] for i in range(self.layers)]
+        return keys, [getattr(self, f"v{i}")[:, :, :n] for i in range(self.layers)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+def kv_pool_for(eng: Engine, widest: int) -> KVPool:
+    """A pool for buckets of up to ``widest`` history slots (C = E + 1) plus the engine's k_max."""
+    c = eng.model.cfg
+    return KVPool(
+        layers=c.num_blocks,
+        rows=eng.max_batch,
+        heads=c.num_heads,
+        slots=widest + eng.k_max,
+        k_max=eng.k_max,
+        d_qk=c.d_qk,
+        d_v=c.d_v,
+        dtype=eng.dtype,
+        device=eng.device,
+    )
+
+
+class BucketPool:
+    """Views of the engine's :class:`KVPool` and the static input buffers of one bucket (edge E);
+    see the module docstring."""
+
+    def __init__(self, eng: Engine, E: int, kv: KVPool) -> None:
         m, c = eng.model, eng.model.cfg
-        R, K, H, dev = eng.max_batch, eng.k_max, c.num_heads, eng.device
+        R, K, dev = eng.max_batch, eng.k_max, eng.device
         dt = eng.dtype
         self.E, self.C = E, E + 1
         C = self.C
         z = lambda *s, d=dt: torch.zeros(*s, dtype=d, device=dev)
-        # KV-cache pool per layer: history slots 0 .. C-1, then K slots for generated rows. One-beam
+        # KV cache per layer: history slots 0 .. C-1, then K slots for generated rows. One-beam
         # decoding (greedy, top-k) writes user b's generated row s to [b, :, C + s], so a decode step
         # attends to history and generated keys in one call; beam search keeps each beam's generated
         # rows in gk / gv = the same K slots viewed per beam row (beam r = user * W + w; the history of
-        # user b stays in [b, :, :C]), so both share one allocation
-        self.hk = [z(R, H, C + K, c.d_qk) for _ in range(c.num_blocks)]
-        self.hv = [z(R, H, C + K, c.d_v) for _ in range(c.num_blocks)]
+        # user b stays in [b, :, :C]), so both share one allocation, itself a view of the engine's pool
+        self.kv = kv
+        self.hk, self.hv = kv.views(C + K)  # (R, H, C + K, ·) per layer
         self.gk = [t[:, :, C:] for t in self.hk]  # (R, H, K, d_qk) views
         self.gv = [t[:, :, C:] for t in self.hv]
-        self.gk_scratch, self.gv_scratch = z(R, H, K, c.d_qk), z(R, H, K, c.d_v)  # beam reorder
+        self.gk_scratch, self.gv_scratch = kv.k_scratch, kv.v_scratch  # beam reorder (R, H, K, ·)
         # static inputs (prefill / extend)
         i64 = torch.int64
         self.ids = z(R, E, d=i64)
@@ -96,11 +146,10 @@ class BucketPool:
         self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
         self.has_features = (m.action_emb is not None, m.category_emb is not None)
 
-    def pool_tensors(self) -> list[torch.Tensor]:
-        return [*self.hk, *self.hv, self.gk_scratch, self.gv_scratch]  # gk / gv are views into hk / hv
-
     def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pool_tensors())
+        """Bytes of this bucket's K/V views and the beam scratch (a share of the engine's one pool)."""
+        views = [*self.hk, *self.hv, self.gk_scratch, self.gv_scratch]  # gk / gv are views into hk / hv
+        return sum(t.numel() * t.element_size() for t in views)
 
     def total_bytes(self) -> int:
         io = [

@@ -92,8 +92,11 @@ def create_app(
             raise ValueError("create_app: give recommender or run_dir")
         recommender = Recommender.from_run(run_dir, policy.device)
     svc = Service(cfg, recommender, policy, popularity if policy.cold_start == "popular" else None, run_dir)
-    # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI / ReDoc from files it serves (no CDN)
-    app = FastAPIOffline(title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION)
+    # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI / ReDoc from files it serves (no CDN);
+    # validatorUrl None: Swagger UI does not send the spec's URL to its online validator (swagger.io)
+    app = FastAPIOffline(
+        title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION, swagger_ui_parameters={"validatorUrl": None}
+    )
     app.state.service = svc
     app.add_middleware(
         EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s, reject_early=svc.reject_early

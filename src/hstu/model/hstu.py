@@ -180,7 +180,8 @@ class HSTUModel(SequentialRecommender):
         platform = for_device(self.pos_emb.weight.device)
         if self._kernels is None or self._kernels[0] is not platform:
             kset = get_kernels(platform.name, self.cfg.attention, field="[model] attention")
-            log.info("[model] attention = %r on %s: kernel set %r (%s)", self.cfg.attention, platform.device, kset.name, kset.note)
+            level = logging.DEBUG if kset.name == "reference" else logging.INFO  # a fused set is worth a line
+            log.log(level, "[model] attention = %r on %s: kernel set %r (%s)", self.cfg.attention, platform.device, kset.name, kset.note)
             self._kernels = (platform, kset)
         return self._kernels[1]
 

@@ -204,12 +204,12 @@ class Engine:
 
     def _log_setup(self) -> None:
         for E, b in self._buckets.items():
-            log.info(
+            log.debug(
                 "engine bucket %d: view of the KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
                 *(E, b.kv_bytes() / 2**20, self.max_batch, b.C, self.k_max, self.model.cfg.num_blocks, b.total_bytes() / 2**20),
             )
         cache = f"{self.prefix.max_bytes / 2**20:.1f} MiB" if self.prefix else "off"
-        log.info(
+        log.debug(
             "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, KV pool %.2f MiB (one, viewed by every bucket), prefix cache %s",
             *(self.device, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes), self.kv_pool.nbytes() / 2**20, cache),
         )

@@ -144,7 +144,7 @@ def test_hashed_equals_a_dense_model_holding_its_rows_in_training_and_scoring():
         loss, _ = sampled_softmax_loss(seq, ids, L, m.item_emb, num_negatives=8, temperature=0.05, chunk=4, generator=gen, num_items=60)
         loss.backward()
         opt.step()
-        m.loss = float(loss)
+        m.loss = float(loss.detach())
     assert h.loss == pytest.approx(d.loss, rel=1e-5)
     assert torch.allclose(h.item_emb.rows(0, 61), d.item_emb.weight, atol=1e-6)
     assert not torch.equal(h.item_emb.rows(0, 61), dense_twin(build_hstu(cfg(**HASHED))).item_emb.weight)

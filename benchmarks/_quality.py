@@ -106,7 +106,7 @@ def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: D
     resume = (run_dir / "last.json").exists() and (run_dir / "config.json").exists()
     if resume:
         log.info("%s: resuming an interrupted run", run_dir)
-    metrics = fit(run_dir, mcfg, tcfg, spec, device=device, resume=resume, progress=False)
+    metrics = fit(run_dir, mcfg, tcfg, spec, device=device, resume=resume, overwrite=True, progress=False)
     return metrics, read_json(run_dir / "history.json")
 
 

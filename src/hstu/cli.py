@@ -213,8 +213,9 @@ def cmd_demo(args) -> int:
         out,
         model_config_from_preset("small"),
         TrainConfig(epochs=args.epochs, seed=args.seed),
-        DataSpec("ml-1m", str(data_dir)),
+        DataSpec("ml-1m", str(data_dir.resolve())),
         device=args.device,
+        overwrite=True,  # each demo replaces the previous one in --out
         progress=not args.quiet,
     )
     t = metrics["test"]
@@ -275,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for add in (add_train_parser, _add_eval, _add_generate, _add_demo, _add_features):
         add(sub)
+    for parser in (p, *sub.choices.values()):  # --epoch is not --epochs: no prefix matching of long flags
+        parser.allow_abbrev = False
     return p
 
 
@@ -400,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{where}: error: {msg}", file=sys.stderr)
         return 2
+    except FloatingPointError as exc:  # a diverged training (train.loop._epoch): a failure, not a usage error
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        resume = "; the run keeps its last committed epoch: continue with --resume" if args.command == "train" else ""
+        print(f"{where}: interrupted{resume}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

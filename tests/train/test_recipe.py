@@ -72,7 +72,7 @@ def test_rank_shares_of_the_loss_add_up_to_the_single_process_loss(chunk) -> Non
         w = int(lengths[rows].max())  # the rank's batch is padded to its own longest sequence
         neg, c = draw_negatives(sh, w, tcfg, I, torch.Generator().manual_seed(5), torch.device("cpu"))
         share, p = training_loss(model, out[rows, :w], ids[rows, :w], torch.from_numpy(lengths[rows]), None, tcfg, neg=neg, chunk=c)
-        total += float(share) * p * R / sh.positions
+        total += float(share.detach()) * p * R / sh.positions
     assert total / R == pytest.approx(float(want), rel=1e-12)
 
 

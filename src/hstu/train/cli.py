@@ -110,7 +110,12 @@ def cmd_train(args) -> int:
         if getattr(args, name, None) is not None:
             setattr(tcfg, name, getattr(args, name))
     spec = DataSpec(
-        args.dataset, str(data_dir), args.protocol, args.max_users, args.skip_bad_rows, {"columns": args.columns} if args.columns else {}
+        args.dataset,
+        str(Path(data_dir).resolve()),  # absolute: the run is read from any directory later
+        args.protocol,
+        args.max_users,
+        args.skip_bad_rows,
+        {"columns": args.columns} if args.columns else {},
     )
     strategy = _distributed_strategy(args, saved.get("distributed", {})) if args.distributed else None
     metrics = fit(
@@ -120,6 +125,7 @@ def cmd_train(args) -> int:
         spec,
         device=args.device,
         resume=args.resume,
+        overwrite=args.overwrite,
         progress=not args.quiet,
         strategy=strategy,
         max_minutes=args.max_minutes,

@@ -298,7 +298,7 @@ def fit(
     *,
     device: str = "cpu",
     resume: bool = False,
-    overwrite: bool = True,
+    overwrite: bool = False,
     progress: bool = True,
     use_features: bool = True,
     strategy: LocalStrategy | None = None,
@@ -332,6 +332,18 @@ def fit(
         strategy.stop()
 
 
+def check_table_trainable(mcfg: ModelConfig) -> None:
+    """ValueError for an item table that the recipe cannot train: fp16 rows under AdamW (the second
+    moment of small gradients underflows to 0 in fp16 and eps = 1e-8 is below fp16's smallest
+    subnormal, 6e-8, so updates divide by zero: the loss is nan after the first steps). bf16 has
+    float32's range and trains; fp16 storage is for serving (``hstu quantize --scheme fp16``)."""
+    if mcfg.item_table == "hashed" and mcfg.item_table_dtype == "fp16":
+        raise ValueError(
+            "[model] item_table_dtype = 'fp16' cannot be trained (AdamW's second moment underflows in fp16: the loss "
+            "becomes nan); train with 'fp32' or 'bf16' and store fp16 rows for serving with `hstu quantize --scheme fp16`"
+        )
+
+
 def _setup(
     strategy: LocalStrategy, run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features: bool, data
 ):
@@ -339,11 +351,13 @@ def _setup(
     init for every strategy and rank). Nothing is written. Returns (log_, split, mcfg, model)."""
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
+    check_table_trainable(mcfg)  # before the data is read
     log_, split = data if data is not None else prepare_data(spec)
     if resume:
         saved = read_config(run)
         strategy.check_resume(run, saved)
         mcfg = ModelConfig(**saved["model"])
+        check_table_trainable(mcfg)
         check_resume_data(run / CONFIG, saved.get("data", {}), asdict(spec))
         check_resume_items(run, log_)
     else:
@@ -412,6 +426,11 @@ def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainCo
     updates ``state`` and ``history``; returns the epoch's history entry."""
     epoch = state["epoch"] + 1
     stats = train_one_epoch(strategy, model, log_, split, tcfg, opt, gen, epoch, opts["progress"], opts["on_step"])
+    if not math.isfinite(stats["loss"]):  # diverged: commit nothing of this epoch (the run resumes from the last good one)
+        raise FloatingPointError(
+            f"epoch {epoch}: the training loss is {stats['loss']} (diverged); nothing of this epoch was written. "
+            "Lower [train] learning_rate, or check the data and [model] settings, then --resume from the last epoch"
+        )
     state["train_seconds"] += stats["seconds"]
     entry = {"epoch": epoch, **stats}
     plain = strategy.snapshot(model)

@@ -43,3 +43,11 @@ def test_api_flow_equals_the_cli(run_dir, ratings, tmp_path, capsys) -> None:
         cli_items = json.loads(capsys.readouterr().out)["items"]
         assert [i["item_id"] for i in got] == [i["item_id"] for i in cli_items]
         assert [i["score"] for i in got] == [i["score"] for i in cli_items]
+
+
+def test_recommend_of_no_histories_is_empty_and_subpackage_names(rec) -> None:
+    assert rec.recommend([], k=3) == []
+    from hstu.generate import Engine, History, Recommender
+
+    assert (Recommender, History) == (hstu.Recommender, hstu.History) and Engine.__name__ == "Engine"
+    assert dir(hstu) == sorted(hstu.__all__)

@@ -55,4 +55,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
+    return sorted(__all__)

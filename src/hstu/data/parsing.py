@@ -45,8 +45,9 @@ def resolve_path(data_dir: str | Path, names: tuple[str, ...], what: str, exts: 
     p = Path(data_dir)
     if p.is_file():
         return p
+    holding = " or ".join(names) if names else f"exactly one {'/'.join(exts)} file"
     if not p.is_dir():
-        raise FileNotFoundError(f"{p}: not found (expected {what}: a file, or a directory holding {' or '.join(names)})")
+        raise FileNotFoundError(f"{p}: not found (expected {what}: a file, or a directory holding {holding})")
     for n in names:
         if (p / n).is_file():
             return p / n
@@ -54,7 +55,8 @@ def resolve_path(data_dir: str | Path, names: tuple[str, ...], what: str, exts: 
     if len(found) == 1:
         return found[0]
     listed = ", ".join(q.name for q in found[:5]) or "none"
-    raise FileNotFoundError(f"{p}: no {' or '.join(names)} found (files with {'/'.join(exts)}: {listed}); pass the file path instead")
+    seen = f"no {holding} found (files with {'/'.join(exts)}: {listed})" if names else f"expected {holding}, found {len(found)} ({listed})"
+    raise FileNotFoundError(f"{p}: {seen}; pass the file path instead")
 
 
 # ----------------------------------------------------------------------------- row parsing

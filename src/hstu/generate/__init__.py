@@ -12,14 +12,15 @@ benchmarks that still import them from this package, so importing ``hstu.generat
 from hstu.generate.sampler import GenerationResult, exclusion_mask
 
 _ORACLE = {"generate": "hstu.generate.decode", "generate_recompute": "hstu.generate.decode", "KVCache": "hstu.generate.kv_cache"}
+_ENGINE = {"Recommender": "hstu.generate.recommend", "History": "hstu.generate.recommend", "Engine": "hstu.generate.engine"}
 
 
 def __getattr__(name: str):
-    if name in _ORACLE:
+    if name in _ORACLE or name in _ENGINE:
         import importlib
 
-        return getattr(importlib.import_module(_ORACLE[name]), name)
+        return getattr(importlib.import_module({**_ORACLE, **_ENGINE}[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GenerationResult", "KVCache", "exclusion_mask", "generate", "generate_recompute"]
+__all__ = ["Engine", "GenerationResult", "History", "KVCache", "Recommender", "exclusion_mask", "generate", "generate_recompute"]

@@ -376,6 +376,8 @@ class Recommender:
         """
         if decoding is not None and decode_kwargs:
             raise ValueError(f"give decoding or its fields {sorted(decode_kwargs)}, not both")
+        if not preps:
+            return []
         d = decoding if decoding is not None else DecodeOptions(**decode_kwargs)
         eng = engine if engine is not None else self.engine
         b = self.batch(preps, width=bucket)  # (B, E) or (B, longest)

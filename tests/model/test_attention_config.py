@@ -70,7 +70,8 @@ def test_model_resolves_its_kernels_from_the_config(monkeypatch):
     assert m.kernels is ks.NPU
     triton = build_hstu(ModelConfig(**TINY, attention="triton"))  # built: nothing resolved yet
     for use in (lambda: triton.kernels, lambda: triton.to("cpu")):  # the move resolves it (before a job writes anything)
-        with pytest.raises(RuntimeError, match=r"\[model\] attention = 'triton'.*cannot run on cpu.*TRITON_INTERPRET=1"):
+        why = r"cannot run on cpu: (.*TRITON_INTERPRET=1|triton is not installed)"  # the interpreter is off / no triton
+        with pytest.raises(RuntimeError, match=r"\[model\] attention = 'triton'.*" + why):
             use()
     with pytest.raises(ValueError, match=r"\[model\] attention = 'npu': no such kernel set for backend 'cpu'; valid: \['auto', .*'ref"):
         _ = build_hstu(ModelConfig(**TINY, attention="npu")).kernels

@@ -73,7 +73,7 @@ def test_rank_shares_of_the_loss_add_up_to_the_single_process_loss(chunk) -> Non
         neg, c = draw_negatives(sh, w, tcfg, I, torch.Generator().manual_seed(5), torch.device("cpu"))
         share, p = training_loss(model, out[rows, :w], ids[rows, :w], torch.from_numpy(lengths[rows]), None, tcfg, neg=neg, chunk=c)
         total += float(share.detach()) * p * R / sh.positions
-    assert total / R == pytest.approx(float(want), rel=1e-12)
+    assert total / R == pytest.approx(float(want.detach()), rel=1e-12)
 
 
 def _tiny(data_dir):

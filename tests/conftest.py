@@ -28,6 +28,25 @@ USERS = 200  # users of the tiny run
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+TINY_MODEL = dict(max_seq_len=8, embedding_dim=8, d_qk=8, d_v=8, num_blocks=1, num_heads=1)  # the tiny CSV runs' model
+
+
+def tiny_csv(d: Path) -> Path:
+    """d/log.csv: 30 users x 8 events over 20 items (columns u, i, t; integer times), the tiny CSV runs' data."""
+    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(8)]
+    (d / "log.csv").write_text("u,i,t\n" + "\n".join(rows) + "\n")
+    return d / "log.csv"
+
+
+def tiny_csv_flags(d: Path, *, model: dict | None = None, train: dict | None = None) -> list[str]:
+    """`hstu train` data and --config flags for :func:`tiny_csv` and d/tiny.toml: TINY_MODEL (+ ``model``),
+    batch 8, 4 negatives, patience 99 (+ ``train``)."""
+    base_train = {"batch_size": 8, "num_negatives": 4, "early_stopping_patience": 99}
+    tables = {"model": {**TINY_MODEL, **(model or {})}, "train": {**base_train, **(train or {})}}
+    (d / "tiny.toml").write_text("".join(f"[{t}]\n" + "".join(f"{k} = {v}\n" for k, v in f.items()) for t, f in tables.items()))
+    return ["--dataset", "csv", "--data-dir", str(tiny_csv(d)), "--columns", "user=u,item=i,time=t", "--config", str(d / "tiny.toml")]
+
+
 def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent (shared data is provided beside the repo in CI and dev sessions)")

@@ -20,33 +20,16 @@ import sys
 import pandas as pd
 import pytest
 import torch
+from conftest import tiny_csv_flags
 
 from hstu.cli import main
 from hstu.model.checkpoint import KILL_AT_ENV
 from hstu.train import logs, loop
 
-TINY = """[model]
-max_seq_len = 8
-embedding_dim = 8
-d_qk = 8
-d_v = 8
-num_blocks = 1
-num_heads = 1
-[train]
-batch_size = 8
-num_negatives = 4
-epochs = 3
-eval_every = 2
-early_stopping_patience = 99
-"""
-
 
 def _flags(d):
     """A 30-user CSV data set and a tiny model (3 epochs, validation at epochs 2 and 3)."""
-    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(8)]
-    (d / "log.csv").write_text("u,i,t\n" + "\n".join(rows) + "\n")
-    (d / "tiny.toml").write_text(TINY)
-    return ["--dataset", "csv", "--data-dir", str(d / "log.csv"), "--columns", "user=u,item=i,time=t", "--config", str(d / "tiny.toml")]
+    return tiny_csv_flags(d, train={"epochs": 3, "eval_every": 2})
 
 
 def _history(run):

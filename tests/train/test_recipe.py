@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_csv_flags
 
 from hstu.model.torchrec_tables import INSTALL_HINT
 
@@ -139,22 +140,6 @@ def test_world_of_one_runs_the_single_process_recipe(ml1m_dir, tmp_path) -> None
     assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == sorted(p.name for p in (tmp_path / "local").iterdir())
 
 
-TINY = """[model]
-max_seq_len = 8
-embedding_dim = 8
-d_qk = 8
-d_v = 8
-num_blocks = 1
-num_heads = 1
-dropout = 0.0
-[train]
-batch_size = 8
-num_negatives = 4
-epochs = 2
-early_stopping_patience = 99
-"""
-
-
 @needs_torchrec
 def test_killed_distributed_run_resumes_to_the_uninterrupted_one(tmp_path) -> None:
     """``python -m hstu.train`` (a world of one) SIGKILLed after epoch 1's commit but before its best
@@ -164,11 +149,7 @@ def test_killed_distributed_run_resumes_to_the_uninterrupted_one(tmp_path) -> No
 
     from hstu.model.checkpoint import KILL_AT_ENV
 
-    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(8)]
-    (tmp_path / "log.csv").write_text("u,i,t\n" + "\n".join(rows) + "\n")
-    (tmp_path / "tiny.toml").write_text(TINY)
-    flags = ["--dataset", "csv", "--data-dir", str(tmp_path / "log.csv"), "--columns", "user=u,item=i,time=t"]
-    flags += ["--config", str(tmp_path / "tiny.toml"), "--table-optimizer", "sgd", "--quiet"]
+    flags = tiny_csv_flags(tmp_path, model={"dropout": 0.0}, train={"epochs": 2}) + ["--table-optimizer", "sgd", "--quiet"]
     ref = _py("-m", "hstu.train", *flags, "--out", str(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     killed = _py("-m", "hstu.train", *flags, "--out", str(tmp_path / "run"), env={KILL_AT_ENV: "model.safetensors.tmp:1"})

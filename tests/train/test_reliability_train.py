@@ -12,32 +12,16 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_csv_flags
 from safetensors.torch import load_file, save_file
 
 from hstu.cli import main
 from hstu.model.checkpoint import KILL_AT_ENV
 from hstu.runs import load_run
 
-TINY = """[model]
-max_seq_len = 8
-embedding_dim = 8
-d_qk = 8
-d_v = 8
-num_blocks = 1
-num_heads = 1
-[train]
-batch_size = 8
-num_negatives = 4
-epochs = 2
-early_stopping_patience = 99
-"""
-
 
 def _data(d):
-    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(8)]
-    (d / "log.csv").write_text("u,i,t\n" + "\n".join(rows) + "\n")
-    (d / "tiny.toml").write_text(TINY)
-    return ["--dataset", "csv", "--data-dir", str(d / "log.csv"), "--columns", "user=u,item=i,time=t", "--config", str(d / "tiny.toml")]
+    return tiny_csv_flags(d, train={"epochs": 2})
 
 
 @pytest.fixture(scope="module")

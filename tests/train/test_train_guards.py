@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from conftest import TINY_MODEL, tiny_csv
 
 from hstu.cli import main
 from hstu.config import ModelConfig, TrainConfig
@@ -16,13 +17,11 @@ from hstu.data.prepare import DataSpec
 from hstu.runs import read_history
 from hstu.train import loop
 
-CFG = dict(max_seq_len=8, embedding_dim=8, d_qk=8, d_v=8, num_blocks=1, num_heads=1)
+CFG = TINY_MODEL
 
 
 def _log(d):
-    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(8)]
-    (d / "log.csv").write_text("u,i,t\n" + "\n".join(rows) + "\n")
-    return DataSpec("csv", str(d / "log.csv"), options={"columns": "user=u,item=i,time=t"})
+    return DataSpec("csv", str(tiny_csv(d)), options={"columns": "user=u,item=i,time=t"})
 
 
 def _fit(run, spec, epochs=1, **kw):

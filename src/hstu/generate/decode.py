@@ -27,7 +27,17 @@ from __future__ import annotations
 import torch
 
 from hstu.generate.kv_cache import KVCache
-from hstu.generate.sampler import TEMPERATURE_FLOOR, GenerationResult, check_candidates, exclusion_mask, next_scores, pick, sample_topk
+from hstu.generate.sampler import (
+    TEMPERATURE_FLOOR,
+    GenerationResult,
+    check_candidates,
+    exclusion_mask,
+    next_scores,
+    pick,
+    pick_streamed,
+    sample_topk,
+    streams,
+)
 from hstu.model.hstu import HSTUModel
 
 
@@ -131,11 +141,16 @@ def generate(
     out_actions = torch.zeros(B, k, dtype=torch.int64, device=ids.device) if model.action_head is not None else None
     bidx = torch.arange(B, device=ids.device)
     pos = lengths.clone()
+    stream = streams(index, B)  # a (B, I+1) score matrix too large: streamed top candidates (model/item_index.py)
     for step in range(k):
-        scores = next_scores(index, user, model.cfg.temperature, exclude, repeat=rep)  # (B, I+1)
-        choice = pick(scores, strategy, top_k, temperature, gen)
+        if stream:
+            choice, score = pick_streamed(index, user, model.cfg.temperature, exclude, strategy, top_k, temperature, gen, rep)
+        else:
+            scores = next_scores(index, user, model.cfg.temperature, exclude, repeat=rep)  # (B, I+1)
+            choice = pick(scores, strategy, top_k, temperature, gen)
+            score = scores[bidx, choice]
         out_items[:, step] = choice
-        out_scores[:, step] = scores[bidx, choice]
+        out_scores[:, step] = score
         exclude[bidx, choice] = True
         act = None
         if out_actions is not None:

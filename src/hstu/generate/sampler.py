@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstu.model.item_index import item_scores
+from hstu.model.item_index import item_scores, stream_topk, streams
 
 # the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
 TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
@@ -113,10 +113,44 @@ def sample_topk(scores: torch.Tensor, top_k: int, temperature: float, gen: torch
         (R,) int64 column ids of the picks.
     """
     vals, idx = scores.topk(min(top_k, scores.shape[1]), dim=1)  # (R, k') descending
+    return sample_from_top(vals, idx, temperature, gen)
+
+
+def sample_from_top(vals: torch.Tensor, idx: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+    """The draw of :func:`sample_topk` from its candidates: ``vals`` (R, k') float descending
+    (finite first entry) at ids ``idx`` (R, k') int64 -> (R,) int64 picked ids. Shared by the
+    full path (``scores.topk``) and the streamed one (:func:`pick_streamed`)."""
     z = vals.float() if vals.dtype in (torch.float16, torch.bfloat16) else vals
     z = (z - z[:, :1]).div_(max(float(temperature), TEMPERATURE_FLOOR))  # (R, k') in [-inf, 0]
     probs = torch.softmax(z, dim=1)
     return idx.gather(1, torch.multinomial(probs, 1, generator=gen)).squeeze(1)
+
+
+def pick_streamed(
+    index,
+    user: torch.Tensor,
+    model_temperature: float,
+    exclude: torch.Tensor,
+    strategy: str,
+    top_k: int,
+    temperature: float,
+    gen,
+    repeat=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pick` for a catalogue whose (R, I+1) scores are too large to form
+    (:func:`hstu.model.item_index.streams`): the candidates come from
+    :func:`hstu.model.item_index.stream_topk` (the :func:`next_scores` of every item, excluded ones
+    and padding at -inf, taken block by block). Arguments as :func:`next_scores` and :func:`pick`;
+    returns (choice (R,) int64, its score (R,) float32). Greedy takes the best (the lowest id among exact ties, as ``argmax``); "topk" draws
+    with :func:`sample_from_top` among the ``top_k`` best. Raises ValueError for another strategy."""
+    if strategy not in ("greedy", "topk"):
+        raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
+    k = 1 if strategy == "greedy" else min(top_k, index.num_rows)
+    vals, idx = stream_topk(index, user, model_temperature, k, exclude=exclude, repeat=repeat)  # (R, k)
+    if strategy == "greedy":
+        return idx[:, 0], vals[:, 0]
+    choice = sample_from_top(vals, idx, temperature, gen)
+    return choice, vals.gather(1, (idx == choice.view(-1, 1)).to(torch.int64).argmax(dim=1, keepdim=True)).squeeze(1)
 
 
 def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -129,4 +163,15 @@ def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, ge
     raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
 
 
-__all__ = ["GenerationResult", "TEMPERATURE_FLOOR", "check_candidates", "exclusion_mask", "next_scores", "pick", "sample_topk"]
+__all__ = [
+    "GenerationResult",
+    "TEMPERATURE_FLOOR",
+    "check_candidates",
+    "exclusion_mask",
+    "next_scores",
+    "pick",
+    "pick_streamed",
+    "sample_from_top",
+    "sample_topk",
+    "streams",
+]

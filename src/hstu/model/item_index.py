@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 HALF_BLOCK_ROWS = 2048  # rows widened per block: 2 MB of float32 at d = 256
 TABLE_MAJOR_MIN_ELEMENTS = 1 << 20  # float tables from 4 MB: table-major GEMM
+STREAM_BYTES = 256 << 20  # a (B, V) float32 score matrix above this is streamed (:func:`streams`)
+STREAM_CHUNK_BYTES = 32 << 20  # one streamed block of (B, rows) float32 scores
+ROWS_INDEX_BYTES = 256 << 20  # a hashed table whose float32 copy exceeds this is read by range (RowsIndex)
 
 
 class ItemIndex:
@@ -47,6 +50,12 @@ class ItemIndex:
 
     def cosine(self, user: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def cosine_rows(self, user: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """(B, d) float32 -> (B, end - start) float32: the cosine with rows [start, end) only
+        (the streamed scoring's block, :func:`stream_topk`). Raises NotImplementedError where the
+        storage has no row-range product (the INT8 index)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a range of rows; streamed scoring needs a float or 16-bit table")
 
 
 class FloatIndex(ItemIndex):
@@ -64,6 +73,11 @@ class FloatIndex(ItemIndex):
         y = torch.mm(self.vecs, user.T)  # (V, B)
         return y.T.contiguous() if out is None else out.copy_(y.T)
 
+    def cosine_rows(self, user, start, end):
+        if not self.table_major:
+            return torch.matmul(user, self.vecs[:, start:end])
+        return torch.mm(self.vecs[start:end], user.T).T.contiguous()
+
 
 class HalfIndex(ItemIndex):
     def __init__(self, rows: torch.Tensor, block: int = HALF_BLOCK_ROWS) -> None:
@@ -75,16 +89,43 @@ class HalfIndex(ItemIndex):
         self.num_rows = rows.shape[0]
         self.nbytes = self.inv_norm.numel() * 4 + self.buf.numel() * 4  # beyond the model's table
 
-    def cosine(self, user, out=None):
-        V = self.num_rows
-        if out is None:
-            out = torch.empty(user.shape[0], V, dtype=torch.float32, device=user.device)
-        for a in range(0, V, self.block):
-            b = min(V, a + self.block)
+    def _into(self, user: torch.Tensor, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        for a in range(start, end, self.block):
+            b = min(end, a + self.block)
             w = self.buf[: b - a]
             w.copy_(self.rows[a:b])  # (rows, d) widened to float32
-            out[:, a:b].copy_(torch.mm(w, user.T).T)  # (B, rows) dot products
-        return out.mul_(self.inv_norm)  # cosine
+            out[:, a - start : b - start].copy_(torch.mm(w, user.T).T)  # (B, rows) dot products
+        return out.mul_(self.inv_norm[start:end])  # cosine
+
+    def cosine(self, user, out=None):
+        if out is None:
+            out = torch.empty(user.shape[0], self.num_rows, dtype=torch.float32, device=user.device)
+        return self._into(user, 0, self.num_rows, out)
+
+    def cosine_rows(self, user, start, end):
+        return self._into(user, start, end, torch.empty(user.shape[0], end - start, dtype=torch.float32, device=user.device))
+
+
+class RowsIndex(ItemIndex):
+    """A table read range by range, never whole: ``rows(start, end)`` -> (end - start, d) float32
+    L2-normalised rows (``model.item_vectors``; the hashed table's ``ShardedEmbedding.rows``), for
+    catalogues whose float32 copy would not fit (120M x 32 rows: 15 GB). ``nbytes`` is 0: the
+    rows of one block live only while it is scored."""
+
+    def __init__(self, rows, num_rows: int, block: int = 1 << 16) -> None:
+        self.rows, self.num_rows, self.block, self.nbytes = rows, num_rows, block, 0
+
+    def _into(self, user: torch.Tensor, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
+        for a in range(start, end, self.block):
+            b = min(end, a + self.block)
+            out[:, a - start : b - start].copy_(torch.mm(self.rows(a, b).to(torch.float32), user.T).T)  # (B, rows)
+        return out
+
+    def cosine_rows(self, user, start, end):
+        return self._into(user, start, end, torch.empty(user.shape[0], end - start, dtype=torch.float32, device=user.device))
+
+    def cosine(self, user, out=None):
+        return self.cosine_rows(user, 0, self.num_rows) if out is None else self._into(user, 0, self.num_rows, out)
 
 
 class Int8Index(ItemIndex):
@@ -130,6 +171,126 @@ def item_scores(
     return scores
 
 
+def streams(index: ItemIndex, batch: int) -> bool:
+    """True when scoring ``batch`` users against ``index`` would build a (batch, V) float32 matrix
+    over :data:`STREAM_BYTES`: the callers (evaluation's ranks, generation's picks) then stream
+    (:func:`stream_topk`, :func:`stream_ranks`); below it they keep the full (B, V) path."""
+    return batch * index.num_rows * 4 > STREAM_BYTES
+
+
+def chunk_rows(batch: int, k: int = 1, chunk_bytes: int | None = None) -> int:
+    """Rows per streamed block: (batch, rows) float32 within ``chunk_bytes`` (default
+    :data:`STREAM_CHUNK_BYTES`), a multiple of the 16-bit index's widening block, at least ``k``."""
+    rows = (STREAM_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * max(batch, 1))
+    rows = max(HALF_BLOCK_ROWS, rows - rows % HALF_BLOCK_ROWS)
+    return max(rows, k)
+
+
+def top_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of each row of ``x`` (B, C), ties by lower column: (values (B, k)
+    descending, columns (B, k) int64), equal to the first k of ``x.sort(descending=True,
+    stable=True)``. (CPU ``torch.topk`` leaves the order of ties unspecified; -inf ties too.)"""
+    v = x.topk(k, dim=1).values  # (B, k): the k-th value is exact, which of its ties is not
+    thr = v[:, -1:]
+    gt, eq = x > thr, x == thr
+    need = k - gt.sum(dim=1, keepdim=True)  # ties at the k-th value to keep, lowest columns first
+    take = gt | (eq & (eq.cumsum(dim=1) <= need))  # exactly k per row
+    cols = take.nonzero()[:, 1].view(x.shape[0], k)  # ascending
+    vals = x.gather(1, cols)
+    order = vals.argsort(dim=1, descending=True, stable=True)
+    return vals.gather(1, order), cols.gather(1, order)
+
+
+def _block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat) -> torch.Tensor:
+    """(B, b - a) item_scores of rows [a, b) with -inf at padding row 0 and the exclusions."""
+    s = index.cosine_rows(user, a, b).div_(temperature)
+    if repeat is not None:
+        module, static, inwin = repeat
+        module.add_to(s, user, static[:, a:b], inwin[:, a:b])
+    if a == 0:
+        s[:, 0] = float("-inf")
+    if exclude is not None:
+        s.masked_fill_(exclude[:, a:b], float("-inf"))
+    if exclude_pairs is not None:
+        rows, ids = exclude_pairs
+        hit = (ids >= a) & (ids < b)
+        s[rows[hit], ids[hit] - a] = float("-inf")
+    return s
+
+
+def stream_topk(
+    index: ItemIndex,
+    user: torch.Tensor,
+    temperature: float,
+    k: int,
+    *,
+    exclude: torch.Tensor | None = None,
+    exclude_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    repeat: tuple | None = None,
+    rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of :func:`item_scores` without the (B, V) matrix: blocks of ``rows`` table
+    rows (default :func:`chunk_rows`) scored one at a time, excluded items and the padding row 0
+    at -inf, merged into a running top-k (ties by lower item id, :func:`top_rows`).
+
+    Args:
+        index, user, temperature, repeat: as :func:`item_scores`.
+        k: 1 <= k <= V candidates per row.
+        exclude: optional (B, V) bool, True = excluded (sliced per block).
+        exclude_pairs: optional (rows (n,), ids (n,)) int64: item ``ids[j]`` excluded for user
+            ``rows[j]``; the sparse form for catalogues whose (B, V) mask is itself too large.
+    Returns:
+        (values (B, k) float32 descending, item ids (B, k) int64): equal to the first k of
+        ``scores.sort(descending=True, stable=True)`` on the full scores.
+    Raises:
+        ValueError: k outside [1, V].
+    """
+    V = index.num_rows
+    if not 1 <= k <= V:
+        raise ValueError(f"stream_topk: k={k} outside [1, {V}] (the table's rows)")
+    step = chunk_rows(user.shape[0], k) if rows is None else rows
+    best_v = best_i = None
+    for a in range(0, V, step):
+        b = min(V, a + step)
+        v, i = top_rows(_block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat), min(k, b - a))
+        if best_v is None:
+            best_v, best_i = v, i + a
+            continue
+        v, pos = top_rows(torch.cat([best_v, v], dim=1), k)  # earlier blocks first: position order = id order
+        best_i, best_v = torch.cat([best_i, i + a], dim=1).gather(1, pos), v
+    return best_v, best_i
+
+
+def stream_ranks(
+    index: ItemIndex,
+    user: torch.Tensor,
+    temperature: float,
+    targets: torch.Tensor,
+    *,
+    exclude: torch.Tensor | None = None,
+    exclude_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    repeat: tuple | None = None,
+    rows: int | None = None,
+) -> torch.Tensor:
+    """(B,) int64 pessimistic 1-based ranks of ``targets`` (B,) int64 among the scores
+    :func:`stream_topk` streams: the count of items scoring >= the target, equal to
+    :func:`hstu.train.metrics.target_ranks` on the full (B, V) scores. The target scores are read
+    first from the blocks that hold them (the same block calls, so the same float values), then
+    every block is counted: V / rows + (distinct target blocks) block products."""
+    V = index.num_rows
+    step = chunk_rows(user.shape[0]) if rows is None else rows
+    block = lambda a: _block_scores(index, user, temperature, a, min(V, a + step), exclude, exclude_pairs, repeat)  # noqa: E731
+    t = torch.empty(user.shape[0], 1, dtype=torch.float32, device=user.device)
+    starts = targets - targets % step
+    for a in starts.unique().tolist():
+        sel = (starts == a).nonzero().view(-1)
+        t[sel] = block(a)[sel].gather(1, (targets[sel] - a).view(-1, 1))
+    ranks = torch.zeros(user.shape[0], dtype=torch.int64, device=user.device)
+    for a in range(0, V, step):
+        ranks += (block(a) >= t).sum(dim=1)
+    return ranks
+
+
 def build_item_index(model) -> ItemIndex:
     """The index for ``model``'s item table (``model.item_emb``): see the module docstring."""
     emb = model.item_emb
@@ -144,4 +305,7 @@ def build_item_index(model) -> ItemIndex:
     w = getattr(emb, "weight", None)
     if isinstance(w, torch.Tensor) and w.dtype in (torch.float16, torch.bfloat16):
         return HalfIndex(w.detach())
+    rows = model.cfg.num_items + 1
+    if hasattr(emb, "rows") and rows * model.cfg.embedding_dim * 4 > ROWS_INDEX_BYTES:
+        return RowsIndex(lambda a, b: model.item_vectors(a, b).detach().to(torch.float32), rows)
     return FloatIndex(model.item_vectors())

@@ -8,7 +8,19 @@ import torch
 from hstu.data.batching import eval_batch
 from hstu.data.sequences import EventLog, Split
 from hstu.model.hstu import HSTUModel
+from hstu.model.item_index import stream_ranks, streams
 from hstu.train.metrics import DEFAULT_KS, ranking_metrics, target_ranks
+
+
+def history_pairs(log_: EventLog, users: np.ndarray, ends: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows (n,), items (n,)) int64 on ``device``: item items[j] was seen by batch row rows[j]
+    (user ``users[b]``) before ``ends[b]``, each once."""
+    rows, cols = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for b, (u, e) in enumerate(zip(users, ends)):
+        h = np.unique(log_.items[log_.offsets[u] : e])
+        rows.append(np.full(len(h), b))
+        cols.append(h)
+    return torch.from_numpy(np.concatenate(rows)).to(device), torch.from_numpy(np.concatenate(cols).astype(np.int64)).to(device)
 
 
 def exclude_history(scores: torch.Tensor, log_: EventLog, users: np.ndarray, ends: np.ndarray, keep: torch.Tensor | None = None) -> None:
@@ -16,15 +28,8 @@ def exclude_history(scores: torch.Tensor, log_: EventLog, users: np.ndarray, end
 
     keep: optional (B,) ids that must stay scorable (never used for the reported protocol).
     """
-    rows, cols = [], []
-    for b, (u, e) in enumerate(zip(users, ends)):
-        h = np.unique(log_.items[log_.offsets[u] : e])
-        rows.append(np.full(len(h), b))
-        cols.append(h)
-    if rows:
-        r = torch.from_numpy(np.concatenate(rows)).to(scores.device)
-        c = torch.from_numpy(np.concatenate(cols)).to(scores.device)
-        scores[r, c] = float("-inf")
+    r, c = history_pairs(log_, users, ends, scores.device)
+    scores[r, c] = float("-inf")
 
 
 @torch.inference_mode()
@@ -57,7 +62,14 @@ def evaluate_ranks(
         ub = order[s : s + batch_size]
         b = eval_batch(log_, targets, ub, model.cfg.max_seq_len).to(device)
         seq = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        scores = model.history_scores(model.last_rows(seq, b.lengths), b.ids, b.actions, b.lengths, index)  # (B, I+1)
+        user = model.last_rows(seq, b.lengths)
+        if streams(index, len(ub)):  # the (B, I+1) matrix too large: counted block by block (model/item_index.py)
+            parts = model.repeat_parts(b.ids, b.actions, b.lengths)
+            pairs = history_pairs(log_, ub, targets[ub], user.device) if exclude else None
+            rep = None if parts is None else (model.repeat, *parts)
+            all_ranks.append(stream_ranks(index, user, model.cfg.temperature, b.targets, exclude_pairs=pairs, repeat=rep).cpu().numpy())
+            continue
+        scores = model.history_scores(user, b.ids, b.actions, b.lengths, index)  # (B, I+1)
         if exclude:
             exclude_history(scores, log_, ub, targets[ub])
         all_ranks.append(target_ranks(scores, b.targets).cpu().numpy())

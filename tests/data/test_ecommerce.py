@@ -182,7 +182,7 @@ def test_parse_columns():
     assert m == {"user": "a", "item": "b", "time": "c"} and unit == "ms"
     assert parse_columns({"user": "a", "item": "b", "time": "c"}) == ({"user": "a", "item": "b", "time": "c"}, None)
     for bad, msg in [
-        ("user=a,item=b", "missing \\['time'\\]"),
+        ("user=a,time=b", "missing \\['item'\\]"),  # time is optional: order-only data (tests/data/test_loaders_formats.py)
         ("user=a,item=b,time=c,price=d", "unknown key 'price'"),
         ("user=a,item=b,time=c,user=e", "given twice"),
         ("user,item=b,time=c", "not key=column"),

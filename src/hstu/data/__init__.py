@@ -8,16 +8,21 @@ __all__ = ["DataFormatError", "EventLog", "SequenceBatch", "Split", "eval_batch"
 
 
 def load_dataset(name: str, data_dir, skip_bad_rows: bool = False, **kwargs) -> EventLog:
-    """Load a named data set ("ml-1m" | "taobao" | "retailrocket" | "csv") from ``data_dir``."""
-    if name in ("ml-1m", "movielens", "ml1m"):
-        from hstu.data.movielens import load_movielens
+    """Load a named data set from ``data_dir``: a MovieLens release (``ml-100k`` | ``ml-1m`` (alias
+    ``movielens``, ``ml1m``) | ``ml-10m`` | ``ml-20m`` | ``ml-25m`` | ``ml-latest`` | ``ml-latest-small``,
+    :mod:`hstu.data.movielens`, no options) or one of ``hstu.data.ecommerce.LOADERS`` (``taobao``,
+    ``retailrocket``, ``csv``, ...; ``kwargs`` are their options). ValueError for an unknown name."""
+    from hstu.data.movielens import ALIASES, LAYOUTS, load_movielens
 
-        return load_movielens(data_dir, skip_bad_rows=skip_bad_rows)
+    if name in LAYOUTS or name in ALIASES:
+        if kwargs:
+            raise ValueError(f"{name}: unknown option(s) {sorted(kwargs)} (MovieLens has a fixed layout)")
+        return load_movielens(data_dir, skip_bad_rows=skip_bad_rows, dataset=name)
     try:
         from hstu.data import ecommerce
     except ImportError:  # pragma: no cover
         ecommerce = None
     if ecommerce is not None and name in getattr(ecommerce, "LOADERS", {}):
         return ecommerce.LOADERS[name](data_dir, skip_bad_rows=skip_bad_rows, **kwargs)
-    valid = ["ml-1m"] + sorted(getattr(ecommerce, "LOADERS", {}) if ecommerce else [])
+    valid = sorted(LAYOUTS) + sorted(getattr(ecommerce, "LOADERS", {}) if ecommerce else [])
     raise ValueError(f"unknown dataset {name!r}; valid: {valid}")

@@ -64,13 +64,18 @@ def _to_int(s: str) -> int:
     return int(s.strip())
 
 
-def parse_lines(path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
-    """Line-by-line parse naming the first bad line; returns (frame, skipped rows)."""
+def parse_lines(
+    path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool, width: int | None = None
+) -> tuple[pd.DataFrame, int]:
+    """Line-by-line parse naming the first bad line; returns (frame, skipped rows). Without a
+    header, a column's ``source`` is its 0-based position and every row holds ``width`` fields
+    (default: as many as ``cols``); with one, as many as the header. No ``time`` column: the frame
+    has none (order-only data)."""
     out: dict[str, list] = {c.key: [] for c in cols}
     rest: list[int] = []
     skipped, first = 0, None
     idx: dict[str, int] = {}
-    width = len(cols)
+    width = width or len(cols)
     with open(path, newline="", encoding="utf-8", errors="replace") as fh:
         reader = csv.reader(fh, delimiter=sep)
         for row in reader:
@@ -96,7 +101,8 @@ def parse_lines(path: Path, cols: list[Column], *, header: bool, sep: str, time_
     if skipped:
         log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
     frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key == "action" else np.int64) for c in cols})
-    frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
+    if "time" in out:
+        frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
     return frame, skipped
 
 
@@ -115,8 +121,8 @@ def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: d
         what = f"{width} fields" + (" (as the header)" if idx else "")
         raise DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
     vals = []
-    for j, c in enumerate(cols):
-        raw = row[idx[c.key] if idx else j]
+    for c in cols:
+        raw = row[idx[c.key] if idx else c.source]
         if c.key == "action":
             v = raw.strip()
             if not v:

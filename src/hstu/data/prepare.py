@@ -9,6 +9,7 @@ padding).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from hstu.config import ModelConfig
 from hstu.data import EventLog, Split, load_dataset, make_split
 
+log = logging.getLogger(__name__)
 PROTOCOLS = ("clean", "paper")
 
 
@@ -105,9 +107,15 @@ def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:
 
 
 def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> ModelConfig:
-    """``cfg`` with the sizes the data fixes (in place): num_items and, with ``use_features``,
-    num_actions (0 for a single action type) and num_categories."""
+    """``cfg`` with what the data fixes (in place): num_items and, with ``use_features``,
+    num_actions (0 for a single action type) and num_categories. Order-only data
+    (``facts["order_only"]``: no time column, the position is the order) turns the time bias off
+    (``use_time_bias = False``, logged): its timestamps carry nothing, and the time term of the
+    relative bias (Zhai et al. 2024, §3, rab^{p,t}) would only repeat the position term."""
     cfg.num_items = log_.num_items
+    if log_.facts.get("order_only") and cfg.use_time_bias:
+        log.info("%s: order-only data (no time column): the time bias is off (use_time_bias = false)", log_.name)
+        cfg.use_time_bias = False
     if use_features:
         cfg.num_actions = log_.num_actions if log_.num_actions > 1 else 0
         cfg.num_categories = log_.num_categories

@@ -1,0 +1,409 @@
+"""Generic event logs: delimited text (CSV, TSV, any separator, header or none) or Parquet, one
+file or several files of one log, mapped onto (user, item[, time][, action][, category]).
+
+Column mapping (``--columns``): ``user=…,item=…[,time=…][,action=…][,category=…][,time_unit=s|ms|us|ns]``;
+each value is a header name or a 0-based position (a headerless file: positions only; with a
+header, a value that is not a header name but a number is a position). Without ``time`` the data
+is **order-only**: the file order is the order (timestamps all 0, ``facts["order_only"]``), and
+:func:`hstu.data.prepare.model_config_for` switches the time bias off (§3's rab^t would only
+repeat the position bias, rab^p).
+
+File format (``--format``): ``sep=…`` (a character, or ``tab`` / ``comma`` / ``semicolon`` /
+``pipe`` / ``space``; default ``\t`` for .tsv, else ``,``) and ``header=yes|none``, as
+comma-separated ``key=value`` pairs (e.g. ``sep=;,header=none``).
+
+Several files as one log: ``data_dir`` a directory (every .csv / .tsv / .parquet / .pq in it, in
+natural name order: part2 before part10), a glob (``logs/2024-*.csv``, the same order) or a list
+of paths (the order given). Rows are concatenated in that order and then sorted per user on the
+exact time, ties in that order (:meth:`~hstu.data.sequences.EventLog.from_frame`): the same log
+as one file holding the rows in that order.
+
+user / item / category must be integers (exact int64); time is integer Unix time (``time_unit``,
+default s, or ms when every value is >= 1e11) or ISO 8601 (UTC unless it carries an offset), see
+:mod:`hstu.data.times`. Errors name the file and 1-based line (Parquet: row index).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from hstu.data.errors import DataFormatError
+from hstu.data.parsing import MAPPING_KEYS, Column, parse_lines, to_event_log
+from hstu.data.sequences import EventLog
+from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
+
+log = logging.getLogger(__name__)
+
+LOG_EXTS = (".csv", ".tsv", ".parquet", ".pq")
+SEPARATORS = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|", "space": " "}
+HEADER_VALUES = {"yes": True, "true": True, "first": True, "none": False, "no": False, "false": False}
+
+
+@dataclass(frozen=True)
+class Format:
+    """How a delimited file is laid out: ``sep`` (None: by suffix, tab for .tsv, else comma) and
+    whether its first row is a header."""
+
+    sep: str | None = None
+    header: bool = True
+
+    def sep_for(self, path: Path) -> str:
+        return self.sep if self.sep is not None else ("\t" if path.suffix.lower() == ".tsv" else ",")
+
+
+def parse_format(spec: str | dict | None) -> Format:
+    """``"sep=;,header=none"`` (or a dict, or None) -> :class:`Format`. ValueError names a bad pair."""
+    if spec is None or spec == "":
+        return Format()
+    if isinstance(spec, dict):
+        pairs = [(str(k), str(v)) for k, v in spec.items()]
+    else:
+        text = re.sub(r"sep\s*=\s*,(?=\s*(?:,|$))", "sep=comma", str(spec).strip())  # 'sep=,' is the comma
+        pairs = []
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise ValueError(f"--format: {part.strip()!r} is not key=value (e.g. sep=;,header=none)")
+            k, v = part.split("=", 1)
+            pairs.append((k.strip(), v.strip() or v))  # 'sep= ' is the space
+    out: dict = {}
+    for k, v in pairs:
+        if k == "sep":
+            sep = SEPARATORS.get(v.lower(), v) if len(v) > 1 else v
+            if len(sep) != 1:
+                raise ValueError(f"--format: sep must be one character or one of {sorted(SEPARATORS)}, got {v!r}")
+            out["sep"] = sep
+        elif k == "header":
+            if v.lower() not in HEADER_VALUES:
+                raise ValueError(f"--format: header must be one of {sorted(HEADER_VALUES)}, got {v!r}")
+            out["header"] = HEADER_VALUES[v.lower()]
+        else:
+            raise ValueError(f"--format: unknown key {k!r}; valid: sep, header")
+    return Format(**out)
+
+
+def parse_columns(spec: str | dict) -> tuple[dict[str, str], str | None]:
+    """``"user=uid,item=iid[,time=ts][,action=ev][,category=cat][,time_unit=ms]"`` (or a dict)
+    -> (mapping key -> column name or position, time_unit or None). No ``time``: order-only data.
+
+    Raises:
+        ValueError: not ``key=value`` pairs, an unknown key, a duplicate, or user/item missing.
+    """
+    if isinstance(spec, dict):
+        pairs = [(str(k), str(v)) for k, v in spec.items()]
+    else:
+        pairs = []
+        for part in str(spec).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(f"--columns: {part!r} is not key=column (e.g. user=uid,item=iid,time=ts)")
+            k, v = part.split("=", 1)
+            pairs.append((k.strip(), v.strip()))
+    mapping: dict[str, str] = {}
+    unit = None
+    for k, v in pairs:
+        if k == "time_unit":
+            unit = v
+            continue
+        if k not in MAPPING_KEYS:
+            raise ValueError(f"--columns: unknown key {k!r}; valid: {list(MAPPING_KEYS) + ['time_unit']}")
+        if k in mapping:
+            raise ValueError(f"--columns: {k!r} given twice")
+        if not v:
+            raise ValueError(f"--columns: {k}= needs a column name or position")
+        mapping[k] = v
+    missing = [k for k in ("user", "item") if k not in mapping]
+    if missing:
+        raise ValueError(f"--columns: missing {missing} (user and item are required; time too unless the data is order-only), got {spec!r}")
+    if unit is not None and unit not in TIME_UNITS:
+        raise ValueError(f"--columns: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
+    if unit is not None and "time" not in mapping:
+        raise ValueError("--columns: time_unit without a time column")
+    return mapping, unit
+
+
+def _natural_key(p: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def log_files(data_dir: str | Path | list | tuple) -> list[Path]:
+    """The files of one log, in order: a file; a directory's LOG_EXTS files (natural name order);
+    a glob (same order); a list of these (the order given). FileNotFoundError says what was sought."""
+    if isinstance(data_dir, (list, tuple)):
+        if not data_dir:
+            raise FileNotFoundError("an empty list of event-log files")
+        return [f for d in data_dir for f in log_files(d)]
+    p = Path(data_dir)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        found = sorted((q for q in p.iterdir() if q.is_file() and q.name.lower().endswith(LOG_EXTS)), key=_natural_key)
+        if not found:
+            raise FileNotFoundError(f"{p}: no event-log file in it (looked for {'/'.join(LOG_EXTS)}); pass the file path instead")
+        return found
+    if glob.has_magic(str(data_dir)):
+        found = sorted((Path(q) for q in glob.glob(str(data_dir)) if Path(q).is_file()), key=_natural_key)
+        if not found:
+            raise FileNotFoundError(f"{data_dir}: no file matches")
+        return found
+    raise FileNotFoundError(f"{p}: not found (expected an event log: a file, a directory of parts, or a glob)")
+
+
+def _exact_int(v) -> int | None:
+    """An id value as an exact Python int, or None: ints as they are, whole floats below 2^53
+    (where float64 is still exact), strings such as '12' or '12.0'; anything else None."""
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return int(v) if float(v).is_integer() and abs(v) < 2**53 else None
+    try:
+        return int(str(v).strip())
+    except ValueError:
+        try:
+            f = float(str(v))
+        except ValueError:
+            return None
+        return int(f) if f.is_integer() and abs(f) < 2**53 else None
+
+
+def _exact_ids(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
+    """(int64 ids, bad-row mask) of an id column, exactly: an int64 column (or strings that
+    pandas reads as int64) as it is, anything else value by value (:func:`_exact_int`), so an
+    id past int64 is a bad row instead of a float rounded onto another id or a wrapped integer."""
+    if col.dtype == object:
+        try:
+            num = pd.to_numeric(col)
+        except (ValueError, TypeError, OverflowError):
+            num = None
+        col = num if num is not None and num.dtype == np.int64 else col
+    if pd.api.types.is_signed_integer_dtype(col):
+        return col.astype(np.int64), np.zeros(len(col), bool)
+    vals = [_exact_int(v) for v in col.tolist()]
+    bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)
+    return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
+
+
+def _frame_checks(
+    df: pd.DataFrame,
+    mapping: dict[str, str],
+    unit: str | None,
+    where: Callable[[int], tuple[int | None, str]],
+    path: Path,
+    skip_bad_rows: bool,
+) -> tuple[pd.DataFrame, int]:
+    """Vectorised checks and conversion of a frame read with inferred dtypes (Parquet, or a CSV
+    with a header). ``where(i)`` gives (line, prefix) of frame row i for error messages.
+
+    Returns (frame with the mapping keys as columns, skipped rows). Raises DataFormatError at
+    the first bad row unless ``skip_bad_rows`` (then bad rows are dropped, counted, logged).
+    """
+    problems: list[tuple[np.ndarray, Callable[[int], str]]] = []
+    out: dict[str, pd.Series] = {}
+    for key in ("user", "item", "category"):
+        if key not in mapping:
+            continue
+        col = df[mapping[key]]
+        num, bad = _exact_ids(col)
+        problems.append(
+            (
+                bad,
+                lambda i, key=key, col=col: (
+                    f"{key} ({mapping[key]!r}) is "
+                    + ("missing" if pd.isna(col.iloc[i]) else f"not an integer in the int64 range: {str(col.iloc[i])[:40]!r}")
+                ),
+            )
+        )
+        out[key] = num
+    if "action" in mapping:
+        col = df[mapping["action"]]
+        text = col.astype(str).str.strip()
+        bad = (col.isna() | (text == "")).to_numpy()
+        problems.append((bad, lambda i: f"action ({mapping['action']!r}) is empty"))
+        out["action"] = text
+    if "time" in mapping:
+        _time_checks(df[mapping["time"]], mapping, unit, path, out, problems)
+    any_bad = np.zeros(len(df), bool)
+    for bad, _ in problems:
+        any_bad |= bad
+    skipped = 0
+    if any_bad.any():
+        i = int(np.argmax(any_bad))
+        msg = next(m(i) for bad, m in problems if bad[i])
+        line, prefix = where(i)
+        exc = DataFormatError(path, line, prefix + msg)
+        if not skip_bad_rows:
+            raise exc
+        skipped = int(any_bad.sum())
+        log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, exc)
+    keep = ~any_bad
+    frame = pd.DataFrame({k: (v[keep].astype(np.int64) if k != "action" else v[keep]) for k, v in out.items()}).reset_index(drop=True)
+    return frame, skipped
+
+
+def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path: Path, out: dict, problems: list) -> None:
+    """The time column's part of :func:`_frame_checks`: ``out["time"]``, ``out["subsecond_ns"]`` and its problem."""
+    secs, out["subsecond_ns"], bad = exact_times(col, unit, path)
+    problems.append(
+        (
+            bad,
+            lambda i: (
+                f"time ({mapping['time']!r}) is "
+                + (
+                    "missing"
+                    if pd.isna(col.iloc[i])
+                    else f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}"
+                )
+            ),
+        )
+    )
+    out["time"] = secs
+
+
+def load_csv(
+    data_dir: str | Path | list,
+    skip_bad_rows: bool = False,
+    *,
+    columns: str | dict | None = None,
+    format: str | dict | None = None,  # noqa: A002 - the --format option's name
+    sep: str | None = None,
+    time_unit: str | None = None,
+    exclude_history: bool | None = None,
+    name: str = "csv",
+    **options,
+) -> EventLog:
+    """A generic event log: delimited text or Parquet (``.parquet`` / ``.pq``), one file or several.
+
+    Args:
+        data_dir: a file, a directory of parts, a glob or a list (:func:`log_files`).
+        columns: mapping ``user=…,item=…[,time=…][,action=…][,category=…][,time_unit=…]``
+            (string, as ``--columns`` gives it, or a dict), names or 0-based positions.
+        format: ``sep=…,header=yes|none`` (:func:`parse_format`); ``sep`` overrides its separator.
+        time_unit: unit of integer times (s | ms | us | ns); default s, or ms when every
+            value is >= 1e11. Date-time strings are parsed as ISO 8601 (UTC if no offset).
+        exclude_history: the data set's candidate-exclusion default (default False).
+    Returns:
+        EventLog named ``name``; action names in order of first appearance; without a time
+        column ``facts["order_only"] = True`` and all timestamps 0.
+    Raises:
+        ValueError: no or bad ``columns`` / ``format``, unknown options. FileNotFoundError.
+        DataFormatError: a mapped column missing from the header (line 1) or past a row's last
+        field, a row with too few or many fields, a non-integer user/item/category, an empty
+        action, an unparsable time (file:line; Parquet: row index), unless ``skip_bad_rows``.
+    """
+    if options:
+        raise ValueError(f"csv: unknown option(s) {sorted(options)}; valid: columns, format, sep, time_unit, exclude_history")
+    if columns is None:
+        raise ValueError("csv: a column mapping is needed, e.g. --columns user=user_id,item=item_id,time=timestamp,action=event")
+    mapping, unit_from_map = parse_columns(columns)
+    fmt = parse_format(format)
+    if sep is not None:
+        fmt = Format(sep, fmt.header)
+    unit = time_unit or unit_from_map
+    if unit is not None and unit not in TIME_UNITS:
+        raise ValueError(f"csv: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
+    frames, skipped = [], 0
+    for path in log_files(data_dir):
+        if path.suffix.lower() in (".parquet", ".pq"):
+            df, n = _read_parquet(path, mapping, unit, skip_bad_rows)
+        else:
+            df, n = _read_delimited(path, mapping, unit, fmt, skip_bad_rows)
+        frames.append(df)
+        skipped += n
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    order_only = "time" not in mapping
+    if order_only:
+        df["time"] = np.zeros(len(df), np.int64)  # the file order is the order (a stable sort keeps it)
+    out = to_event_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped)
+    if len(frames) > 1:
+        out.facts["files"] = len(frames)
+    if order_only:
+        out.facts["order_only"] = True
+        log.info("%s: no time column: order-only data (the file order is the order; the time bias is off)", name)
+    return out
+
+
+def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width: int) -> dict[str, str]:
+    """Mapping values -> column labels of the frame: header names, or '#k' for position k."""
+    out = {}
+    for k, v in mapping.items():
+        if names is not None and v in names:
+            out[k] = v
+        elif v.isdigit() and int(v) < width:
+            out[k] = names[int(v)] if names is not None else f"#{v}"
+        elif names is not None:
+            raise DataFormatError(path, 1, f"column {v!r} (for {k}) not in the header; columns: {names}")
+        else:
+            what = "not a position (no header: columns by 0-based position)" if not v.isdigit() else f"past the last field (#{width - 1})"
+            raise DataFormatError(path, 1, f"column {v!r} (for {k}) is {what}")
+    return out
+
+
+def _read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
+    keys = [k for k in MAPPING_KEYS if k in mapping]
+    sep, hdr = fmt.sep_for(path), 0 if fmt.header else None
+    try:
+        head = pd.read_csv(path, sep=sep, nrows=1 if hdr is None else 0, header=hdr)
+    except pd.errors.EmptyDataError:
+        raise DataFormatError(path, None, "empty file") from None
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise DataFormatError(path, 1, f"cannot read the {'header' if fmt.header else 'first row'}: {exc}") from None
+    names = [str(c).strip() for c in head.columns] if fmt.header else None
+    labels = _labels(path, mapping, names, head.shape[1])
+    given = None if fmt.header else [f"#{i}" for i in range(head.shape[1])]
+    read = dict(sep=sep, engine="c", skip_blank_lines=False, header=hdr, names=given)
+    try:
+        # blank lines kept as all-NaN rows, so frame index i is file line i + 1 + header
+        # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
+        raw = pd.read_csv(path, dtype={labels["action"]: str} if "action" in labels else None, **read)[[labels[k] for k in keys]]
+        for k in ("user", "item", "category"):  # an id column pandas did not read as int64 (one id past int64 makes
+            c = labels.get(k)  # it float64, rounding every id above 2^53): again as text, parsed exactly
+            if c is not None and not pd.api.types.is_signed_integer_dtype(raw[c]):
+                raw[c] = pd.read_csv(path, usecols=[c], dtype=str, **read)[c]
+    except (ValueError, pd.errors.ParserError, UnicodeDecodeError):
+        raw = None
+    if raw is not None:
+        raw = raw.dropna(how="all")
+        lines = raw.index.to_numpy() + 1 + int(fmt.header)
+        raw = raw.reset_index(drop=True)
+        return _frame_checks(raw, labels, unit, lambda i: (int(lines[i]), ""), path, skip_bad_rows)
+    # a row with too many fields stops the C parser: the line-by-line pass names it
+    cols = [Column(k, labels[k] if fmt.header else int(labels[k][1:])) for k in keys]
+    df, skipped = parse_lines(
+        path, cols, header=fmt.header, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows, width=head.shape[1]
+    )
+    if "time" in mapping and unit is None and len(df):  # integer times were read as seconds; ISO ones are seconds already
+        auto = unit_of(df["time"], None, path)  # (auto only turns to ms when every value is >= 1e11, far past ISO's range)
+        if auto != 1:
+            df["time"], df["subsecond_ns"] = split_time(df["time"], auto)
+    return df, skipped
+
+
+def _read_parquet(path: Path, mapping: dict[str, str], unit: str | None, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.ParquetFile(path).schema_arrow.names
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError
+        raise DataFormatError(path, None, f"not a readable Parquet file: {exc}") from None
+    labels = {k: v for k, v in mapping.items()}
+    for k, v in mapping.items():
+        if v not in names:
+            if not v.isdigit() or int(v) >= len(names):
+                raise DataFormatError(path, None, f"column {v!r} (for {k}) not in the file; columns: {names}")
+            labels[k] = names[int(v)]
+    keys = [k for k in MAPPING_KEYS if k in labels]
+    raw = pd.read_parquet(path, columns=[labels[k] for k in keys]).reset_index(drop=True)
+    return _frame_checks(raw, labels, unit, lambda i: (None, f"row {i}: "), path, skip_bad_rows)

@@ -1,0 +1,156 @@
+"""Generic logs (hstu.data.delimited): --format (separator, header or none), columns by position,
+several files of one log, and order-only data (no time column: the time bias is off)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from hstu.config import ModelConfig
+from hstu.data import DataFormatError, load_dataset
+from hstu.data.delimited import Format, log_files, parse_format
+from hstu.data.ecommerce import load_csv
+from hstu.data.prepare import DataSpec, model_config_for, prepare_data
+from hstu.model.hstu import build_hstu
+
+FIELDS = ("users", "offsets", "items", "timestamps", "actions", "categories", "item_raw_ids", "category_raw_ids")
+
+
+def _write(p: Path, text: str) -> Path:
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def _same(a, b) -> None:
+    for f in FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or x.tolist() == y.tolist(), f
+    assert a.action_names == b.action_names
+
+
+def _by_hand(rows: list[tuple]) -> dict[int, list[int]]:
+    """user -> items in time order, ties in row order (a second method: Python's stable sort)."""
+    out: dict[int, list[int]] = {}
+    for u, i, _t in sorted(rows, key=lambda r: (r[0], r[2])):
+        out.setdefault(u, []).append(i)
+    return out
+
+
+def _sequences(log_) -> dict[int, list[int]]:
+    return {int(u): log_.item_raw_ids[log_.items[log_.offsets[k] : log_.offsets[k + 1]]].tolist() for k, u in enumerate(log_.users)}
+
+
+def test_parse_format():
+    assert parse_format(None) == Format() and parse_format("") == Format()
+    assert parse_format("sep=;,header=none") == Format(";", False)
+    assert parse_format("sep=tab") == Format("\t", True) and parse_format("sep=\\t") == Format("\t", True)
+    assert parse_format("header=none,sep=,") == Format(",", False) and parse_format("sep=,") == Format(",", True)
+    assert parse_format("sep=|") == Format("|") and parse_format({"sep": ";", "header": "yes"}) == Format(";", True)
+    assert Format().sep_for(Path("a.tsv")) == "\t" and Format().sep_for(Path("a.csv")) == ","
+    for bad, msg in [("sep=ab", "one character"), ("header=maybe", "header must be"), ("quote='", "unknown key"), ("sep", "key=value")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_format(bad)
+
+
+def test_headerless_semicolon_file_by_position(tmp_path: Path):
+    rows = [(1, 10, 300, "view"), (2, 11, 100, "buy"), (1, 12, 200, "view"), (2, 10, 100, "view")]
+    semi = _write(tmp_path / "log.txt", "".join(f"{a};{t};{u};{i}\n" for u, i, t, a in rows))  # action;time;user;item
+    log_ = load_csv(semi, columns="user=2,item=3,time=1,action=0", format="sep=;,header=none")
+    with_header = _write(tmp_path / "log.csv", "u,i,t,a\n" + "".join(f"{u},{i},{t},{a}\n" for u, i, t, a in rows))
+    _same(log_, load_csv(with_header, columns="user=u,item=i,time=t,action=a"))
+    assert _sequences(log_) == _by_hand([r[:3] for r in rows]) == {1: [12, 10], 2: [11, 10]}
+    assert [log_.action_names[a - 1] for a in log_.actions] == ["view", "view", "buy", "view"]
+    # positions with a header too, and a .tsv split on tabs without being told
+    tsv = _write(tmp_path / "log.tsv", "u\ti\tt\ta\n" + "".join(f"{u}\t{i}\t{t}\t{a}\n" for u, i, t, a in rows))
+    _same(log_, load_csv(tsv, columns="user=0,item=1,time=t,action=3"))
+    spec = DataSpec("csv", str(semi), options={"columns": "user=2,item=3,time=1", "format": "sep=;,header=none"})
+    assert prepare_data(spec)[0].num_events == 4  # the options as a run stores them
+
+
+def test_headerless_malformed_lines_are_named(tmp_path: Path):
+    p = _write(tmp_path / "log.txt", "1;10;100\n1;x;101\n2;11;102\n")
+    with pytest.raises(DataFormatError, match=r"log.txt:2: item \('#1'\) is not an integer"):
+        load_csv(p, columns="user=0,item=1,time=2", format="sep=;,header=none")
+    assert load_csv(p, columns="user=0,item=1,time=2", format="sep=;,header=none", skip_bad_rows=True).num_events == 2
+    p = _write(tmp_path / "wide.txt", "1;10;100\n1;11;101;7\n")
+    with pytest.raises(DataFormatError, match=r"wide.txt:2: expected 3 fields"):
+        load_csv(p, columns="user=0,item=1,time=2", format="sep=;,header=none")
+    with pytest.raises(DataFormatError, match=r"log.txt:1: column '3' \(for time\) is past the last field"):
+        load_csv(tmp_path / "log.txt", columns="user=0,item=1,time=3", format="sep=;,header=none")
+    with pytest.raises(DataFormatError, match=r"log.txt:1: column 'ts' \(for time\) is not a position"):
+        load_csv(tmp_path / "log.txt", columns="user=0,item=1,time=ts", format="sep=;,header=none")
+    with pytest.raises(DataFormatError, match=r"log.txt: empty file"):
+        load_csv(_write(tmp_path / "log.txt", ""), columns="user=0,item=1", format="header=none")
+
+
+def _month_log(tmp_path: Path):
+    """Three months of events for 3 users, ties within a month; returns (rows, parts by month)."""
+    rng = np.random.default_rng(0)
+    rows, parts = [], {}
+    for m in range(3):
+        t0 = 1_700_000_000 + m * 2_600_000
+        part = [(int(rng.integers(1, 4)), int(rng.integers(100, 110)), t0 + int(rng.integers(0, 5)) * 60) for _ in range(12)]
+        parts[m] = part
+        rows += part
+    return rows, parts
+
+
+def test_several_files_in_the_wrong_order_are_one_sorted_log(tmp_path: Path):
+    rows, parts = _month_log(tmp_path)
+    (tmp_path / "parts").mkdir()
+    names = {0: "part2.csv", 1: "part10.csv", 2: "part11.csv"}  # natural order 2 < 10 < 11 (as text '10' < '11' < '2')
+    text = {m: "".join(f"{u},{i},{t}\n" for u, i, t in part[::-1]) for m, part in parts.items()}  # each month unsorted
+    for m in parts:
+        _write(tmp_path / "parts" / names[m], "user,item,time\n" + text[m])
+    one = _write(tmp_path / "all.csv", "user,item,time\n" + "".join(text[m] for m in (2, 0, 1)))  # months mixed up too
+    cols = "user=user,item=item,time=time"
+    whole = load_csv(one, columns=cols)
+    assert _sequences(whole) == _by_hand([r for m in (2, 0, 1) for r in parts[m][::-1]])  # time order, ties as in the file
+    wrong = [tmp_path / "parts" / names[m] for m in (2, 0, 1)]
+    for given in (wrong, [wrong[1], wrong[0], wrong[2]], tmp_path / "parts", str(tmp_path / "parts" / "part*.csv")):
+        got = load_csv(given, columns=cols)
+        _same(got, whole)
+        assert got.facts["files"] == 3
+    assert [p.name for p in log_files(tmp_path / "parts")] == ["part2.csv", "part10.csv", "part11.csv"]
+    pd.DataFrame(parts[2], columns=["user", "item", "time"]).to_parquet(tmp_path / "parts" / "part12.parquet")  # mixed formats
+    assert load_csv(tmp_path / "parts", columns=cols).num_events == len(rows) + 12
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        load_csv(str(tmp_path / "nope*.csv"), columns=cols)
+    _write(tmp_path / "parts" / "part10.csv", "user,item,time\n1,2,3\n1,zz,4\n")
+    with pytest.raises(DataFormatError, match=r"part10.csv:3: item \('item'\) is not an integer"):
+        load_csv(tmp_path / "parts", columns=cols)
+
+
+def test_ties_across_files_follow_the_file_order(tmp_path: Path):
+    a = _write(tmp_path / "a.csv", "u,i,t\n1,5,100\n")
+    b = _write(tmp_path / "b.csv", "u,i,t\n1,6,100\n")
+    assert _sequences(load_csv([a, b], columns="user=u,item=i,time=t")) == {1: [5, 6]}
+    assert _sequences(load_csv([b, a], columns="user=u,item=i,time=t")) == {1: [6, 5]}
+
+
+TINY = dict(max_seq_len=8, max_output_len=2, embedding_dim=16, num_blocks=1, num_heads=2, d_qk=8, d_v=8)
+
+
+def test_order_only_data_turns_the_time_bias_off(tmp_path: Path):
+    p = _write(tmp_path / "seq.csv", "user,item\n1,30\n2,31\n1,10\n1,20\n2,32\n2,30\n")
+    log_ = load_dataset("csv", p, columns="user=user,item=item")
+    assert log_.facts["order_only"] is True
+    assert _sequences(log_) == {1: [30, 10, 20], 2: [31, 32, 30]}  # the file order
+    assert log_.timestamps.tolist() == [0] * 6
+    cfg = model_config_for(log_, ModelConfig(**TINY), use_features=False)
+    assert cfg.use_time_bias is False and cfg.num_items == 5
+    timed = load_csv(_write(tmp_path / "t.csv", "user,item,t\n1,30,5\n1,10,9\n"), columns="user=user,item=item,time=t")
+    assert "order_only" not in timed.facts and model_config_for(timed, ModelConfig(**TINY), False).use_time_bias is True
+    # the time bias contributes nothing: any timestamps give the same encoding; with it on they do not
+    ids, L = torch.tensor([[1, 2, 3, 0]]), torch.tensor([3])
+    t1, t2 = torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 10, 100_000, 100_000]])
+    for on in (False, True):
+        torch.manual_seed(0)
+        m = build_hstu(ModelConfig(**{**TINY, "num_items": 5, "use_time_bias": on})).eval()
+        with torch.no_grad():
+            same = torch.equal(m.encode(ids, t1, L), m.encode(ids, t2, L))
+        assert same is (not on)

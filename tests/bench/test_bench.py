@@ -85,6 +85,25 @@ def test_quick_table_structure_and_consistent_figures(quick, run_dir):
     assert (out / "latency_cdf.png").stat().st_size > 1000
 
 
+def test_each_precision_is_measured_in_its_own_process(run_dir):
+    """A column's peak RSS is its own process's: 400 MB held here do not show in it (in one process they
+    did, and each column's peak included every column before it)."""
+    psutil = pytest.importorskip("psutil")
+    from hstu.backend import BackendUnavailableError, select
+    from hstu.bench.cells import Settings, measure_isolated, open_run
+
+    held = torch.ones(100_000_000)  # 400 MB in this process
+    here = psutil.Process().memory_info().rss
+    st = Settings(device="cpu", batch=2, lengths=(10,), sweep_batch=2, repeats=1, warmup=0, quality=False)
+    cell = measure_isolated(open_run(run_dir), "fp32", st, select("cpu"), threads=1)
+    mem = cell["memory"]
+    assert cell["calls"] == 1 and mem["device_peak_bytes"] is None
+    assert cell["model_bytes"] < mem["host_rss_base_bytes"] <= mem["host_rss_peak_bytes"] < here - 300e6
+    with pytest.raises(BackendUnavailableError):  # the child's error, raised here
+        measure_isolated(open_run(run_dir), "fp32", Settings(device="npu"), select("cpu"))
+    del held
+
+
 def test_quality_is_what_hstu_eval_prints(quick, run_dir, capsys):
     res, md, _ = quick
     assert main(["eval", "--run", str(run_dir), "--json", "--precision", "int8"]) == 0

@@ -8,13 +8,17 @@ request pays them); quality is :func:`hstu.train.evaluate.evaluate` on the run's
 ``hstu eval --precision`` prints); the model is loaded at each precision by
 :func:`hstu.runs.load_run` (``Recommender.from_run``). Memory: the process's peak RSS
 (:class:`hstu.bench.timing.PeakRSS`) and the device's peak allocation since the cell began
-(``Backend.reset_peak_memory`` / ``peak_memory_bytes``). The reference port measured next-5 at
+(``Backend.reset_peak_memory`` / ``peak_memory_bytes``). Each precision is measured in a fresh
+process (:func:`measure_isolated`, multiprocessing "spawn"), so a column's peak RSS is its own, not
+the peak of every column before it (glibc and the CPU allocator keep freed pages mapped). The reference port measured next-5 at
 batch 16 and the growth from 50 to 200 events at batch 32; those are the defaults.
 """
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,5 +205,31 @@ def measure_precision(src: Source, precision: str, st: Settings, be) -> dict:
         cell = {"precision": precision, "model_bytes": model_bytes(rec.model), **_generation(src, rec, st, be)}
         if "unavailable" not in cell:
             cell["quality"] = _quality(src, rec) if st.quality else "not measured (--no-quality)"
-    cell["memory"] = {"host_rss_peak_bytes": rss.peak_bytes, "device_peak_bytes": be.peak_memory_bytes()}
+    cell["memory"] = {
+        "host_rss_base_bytes": rss.base_bytes,
+        "host_rss_peak_bytes": rss.peak_bytes,
+        "device_peak_bytes": be.peak_memory_bytes(),
+    }
     return cell
+
+
+def _cell_in_child(src: Source, precision: str, st: Settings, threads: int) -> dict:
+    from hstu.backend import select
+
+    if threads:
+        torch.set_num_threads(threads)
+    return measure_precision(src, precision, st, select(st.device))
+
+
+def measure_isolated(src: Source, precision: str, st: Settings, be, threads: int = 0) -> dict:
+    """:func:`measure_precision` in a fresh "spawn" process (``threads`` intra-op threads there, 0:
+    torch's default; the backend selected from ``st.device``), so that its memory figures are this
+    precision's alone: ``host_rss_base_bytes`` is that process's RSS with torch, the run's data and
+    this module loaded, before the model; ``host_rss_peak_bytes`` its peak while the cell ran. A
+    precision without a fast kernel on ``be`` is reported from here, without a process. An error in
+    the child is raised here as it was raised there."""
+    reason = precision_unavailable(be, precision)
+    if reason is not None:
+        return {"precision": precision, "unavailable": reason}
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_cell_in_child, src, precision, st, threads).result()

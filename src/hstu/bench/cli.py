@@ -129,7 +129,7 @@ def _measure(args) -> dict:
     from tqdm import tqdm
 
     from hstu.backend import select
-    from hstu.bench.cells import Source, measure_precision, open_run, write_preset_run
+    from hstu.bench.cells import Source, measure_isolated, open_run, write_preset_run
     from hstu.bench.env import environment
 
     if args.threads:
@@ -149,7 +149,7 @@ def _measure(args) -> dict:
         with tqdm(total=len(st.precisions) * (2 if args.serve else 1), desc="hstu bench", unit="cell", file=sys.stderr) as bar:
             for prec in st.precisions:
                 bar.set_postfix_str(prec)
-                cells.append(measure_precision(src, prec, st, be))
+                cells.append(measure_isolated(src, prec, st, be, args.threads))
                 bar.update()
             if args.serve:
                 for cell in cells:

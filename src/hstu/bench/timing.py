@@ -87,12 +87,14 @@ def latency_stats(seconds, batch: int) -> dict:
 
 class PeakRSS:
     """Peak resident set size of this process while the ``with`` block runs (psutil, sampled every
-    ``interval_s`` by a daemon thread, plus one sample on entry and on exit). ``peak_bytes`` is None
+    ``interval_s`` by a daemon thread, plus one sample on entry and on exit; ``base_bytes``: the one on
+    entry). ``peak_bytes`` is None
     when psutil is not installed (the ``bench`` / ``ops`` extras bring it)."""
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
         self.peak_bytes: int | None = None
+        self.base_bytes: int | None = None  # RSS on entry
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
@@ -113,6 +115,7 @@ class PeakRSS:
     def __enter__(self) -> PeakRSS:
         if self._proc is not None:
             self._sample()
+            self.base_bytes = self.peak_bytes
             self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
             self._thread.start()
         return self

@@ -14,7 +14,10 @@ What it does (stops by itself; every phase is bounded in time and in requests in
    each. Latency is measured from each request's *scheduled* send time, so a client or server
    that falls behind is charged for it (no coordinated omission). Per step: offered and
    achieved QPS (200s per second), P50/P90/P99 latency of the 200s, status counts. The steps
-   stop after two steps in a row with P99 > 100 ms or any non-200 answer.
+   stop after two steps in a row with P99 > 100 ms or any non-200 answer; then the knee is
+   refined by bisection between the highest passing and the lowest failing offered load until
+   they are within ``--resolution`` (5 %). ``knee_bracket`` in the JSON is that final pair
+   (``[x, null]``: no step failed, the knee lies above the steps: raise ``--steps``).
 4. Overload: 2 x the highest QPS that kept P99 <= 100 ms, for ``--overload-s`` seconds: every
    request must be answered with 200, 429 or 503 (counts of anything else are reported:
    ``overload_5xx_other_than_503``, ``overload_non_http_errors`` = connection errors / client
@@ -55,7 +58,7 @@ import numpy as np
 import pandas as pd
 
 from hstu.bench import load
-from hstu.bench.load import P99_TARGET_S, Phase, ServerStartError, request_body, run_phase, scrape, step_up, stop_server
+from hstu.bench.load import P99_TARGET_S, Phase, ServerStartError, knee_bracket, request_body, run_phase, scrape, step_up, stop_server
 
 REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "Phase", "default_data_dir", "load_histories", "run_phase", "scrape", "start_server", "stop_server"]  # soak.py
@@ -109,6 +112,7 @@ async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
             server=server,
             deadline=t_start + args.budget_s * 0.6,
             echo=True,
+            resolution=args.resolution,
         )
         best_qps = best.summary()["achieved_qps"] if best else 0.0
         over_qps = 2 * (best_qps if best_qps > 0 else args.steps[0])
@@ -126,6 +130,7 @@ async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
     return {
         "max_qps_p99_under_100ms": best_qps,
         "p99_ms_at_max": best.summary()["p99_ms"] if best else None,
+        "knee_bracket": list(knee_bracket(steps)),
         "overload_non_http_errors": non_http,
         "overload_5xx_other_than_503": other_5xx,
         "overload_4xx_other_than_429": unexpected_4xx,
@@ -149,6 +154,17 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="short steps; the whole run stays within ~90 s")
     p.add_argument("--steps", help="offered loads in requests/s, comma-separated (default by mode)")
     p.add_argument("--step-s", type=float, help="seconds per step (default 3 quick, 10 full)")
+    p.add_argument(
+        "--resolution",
+        type=float,
+        default=0.05,
+        help="refine the knee until its bracket is within this ratio (default 0.05; 0: steps only)",
+    )
+    p.add_argument(
+        "--server-src",
+        help="the src/ directory of the hstu tree the server runs from (default: this one's), for before/after comparisons "
+        "with one load generator",
+    )
     p.add_argument("--overload-s", type=float, help="seconds of 2x overload (default 6 quick, 20 full)")
     p.add_argument("--recovery-s", type=float, help="seconds of the recovery phase (default 3 quick, 10 full)")
     p.add_argument("-k", type=int, default=5, help="items per request")
@@ -207,6 +223,7 @@ def default_data_dir(run: str | None) -> Path:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     args.data_dir = args.data_dir or str(default_data_dir(args.run))
     bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k)
     proc, url, cpus = start_server(args)
@@ -254,12 +271,15 @@ def main(argv=None) -> int:
                 "model_workers": args.model_workers,
                 "server_cpus": cpus,
                 "step_s": args.step_s,
+                "resolution": args.resolution,
+                "server_src": args.server_src,
                 "overload_s": args.overload_s,
             },
             "machine": {
                 "cpu_count": os.cpu_count(),
                 "platform": platform.platform(),
                 "python": platform.python_version(),
+                "loadavg_at_start": load_before,
                 "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
             },
             "wall_s": round(time.monotonic() - t0, 1),
@@ -273,6 +293,7 @@ def main(argv=None) -> int:
                 for k in (
                     "max_qps_p99_under_100ms",
                     "p99_ms_at_max",
+                    "knee_bracket",
                     "overload_non_http_errors",
                     "overload_5xx_other_than_503",
                     "recovered",

@@ -1,0 +1,67 @@
+"""The load generator finds the knee by itself: steps until two fail in a row, then bisection to
+5 % (hstu.bench.load.step_up), on a fake server whose P99 breaks above a known rate."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import pytest
+
+from hstu.bench import load
+
+
+def fake_phases(monkeypatch, knee: float, noisy: set[float] = frozenset()):
+    """run_phase replaced by a server that answers every request in 10 ms up to ``knee`` requests/s
+    and in 200 ms above it (and at the offered loads in ``noisy``); returns the offered loads run."""
+    offered = []
+
+    async def run_phase(client, bodies, phase, rng, max_in_flight, server=None):
+        offered.append(phase.offered)
+        slow = phase.offered > knee or phase.offered in noisy
+        n = max(1, int(phase.offered * phase.seconds))
+        phase.sent = n
+        for _ in range(n):
+            phase.add("200", 0.2 if slow else 0.01)
+        return phase
+
+    monkeypatch.setattr(load, "run_phase", run_phase)
+    return offered
+
+
+def knee_of(steps, resolution=0.05):
+    return asyncio.run(load.step_up(None, [b"{}"], steps, 1.0, random.Random(0), resolution=resolution))
+
+
+def test_bisection_brackets_the_knee_within_five_percent(monkeypatch):
+    offered = fake_phases(monkeypatch, knee=437.0)
+    done, best = knee_of([100, 200, 300, 400, 500, 600, 800])
+    # by hand: 400 passes, 500 and 600 fail (two in a row: stop); midpoints sqrt(lo * hi), rounded to 0.1
+    mids = [round(math.sqrt(400 * 500), 1)]  # 447.2 fails
+    mids.append(round(math.sqrt(400 * mids[0]), 1))  # 422.9 passes
+    mids.append(round(math.sqrt(mids[1] * mids[0]), 1))  # 434.9 passes; 447.2 / 434.9 < 1.05: done
+    assert offered == [100, 200, 300, 400, 500, 600, *mids]
+    assert best.offered == mids[2] and 437.0 / 1.05 < best.offered <= 437.0
+    lo, hi = load.knee_bracket(done)
+    assert (lo, hi) == (mids[2], mids[0]) and hi / lo <= 1.05
+
+
+def test_one_noisy_step_does_not_stop_the_steps_and_no_knee_means_no_refinement(monkeypatch):
+    offered = fake_phases(monkeypatch, knee=1e9, noisy={200.0})
+    done, best = knee_of([100, 200, 300, 400])
+    assert offered == [100, 200, 300, 400] and best.offered == 400  # 200 failed alone; nothing failed above 400
+    assert load.knee_bracket(done) == (400, None)
+
+
+def test_resolution_zero_is_steps_only(monkeypatch):
+    offered = fake_phases(monkeypatch, knee=437.0)
+    _, best = knee_of([100, 200, 300, 400, 500, 600], resolution=0)
+    assert offered == [100, 200, 300, 400, 500, 600] and best.offered == 400
+
+
+@pytest.mark.parametrize("knee", [55.0, 120.0, 333.0, 999.0])
+def test_the_refined_figure_is_within_resolution_below_the_knee(monkeypatch, knee):
+    fake_phases(monkeypatch, knee=knee)
+    _, best = knee_of([50, 100, 200, 400, 800, 1600])
+    assert knee / 1.05 <= best.offered <= knee

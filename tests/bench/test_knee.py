@@ -65,3 +65,16 @@ def test_the_refined_figure_is_within_resolution_below_the_knee(monkeypatch, kne
     fake_phases(monkeypatch, knee=knee)
     _, best = knee_of([50, 100, 200, 400, 800, 1600])
     assert knee / 1.05 <= best.offered <= knee
+
+
+def test_p99_per_bucket_from_the_answers_bucket_field():
+    assert load.bucket_of(b'{"items": [3], "bucket": 50, "latency_ms": 1.2}') == "50"
+    assert load.bucket_of(b'{"items": [3], "bucket": null}') == "cold_start" and load.bucket_of(b"{}") is None
+    ph = load.Phase("p", 10.0, 1.0)
+    for i in range(1, 101):  # bucket 50: 1..100 ms; bucket 200: 300 ms twice; numpy's linear percentile by hand
+        ph.add("200", i / 1e3, "50")
+    ph.add("200", 0.3, "200")
+    ph.add("200", 0.3, "200")
+    ph.add("429", None, None)
+    s = ph.summary()
+    assert s["p99_ms_by_bucket"] == {"50": 99.01, "200": 300.0} and s["answered_by_bucket"] == {"50": 100, "200": 2}

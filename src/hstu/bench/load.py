@@ -47,14 +47,17 @@ class Phase:
     def __init__(self, name: str, offered: float, seconds: float) -> None:
         self.name, self.offered, self.seconds = name, offered, seconds
         self.lat: list[float] = []
+        self.lat_by_bucket: dict[str, list[float]] = {}  # the "bucket" of each 200's body (the server's length bucket)
         self.codes: dict[str, int] = {}
         self.sent = 0
         self.dropped_client = 0  # not sent: client in-flight cap reached
 
-    def add(self, code: str, latency: float | None) -> None:
+    def add(self, code: str, latency: float | None, bucket: str | None = None) -> None:
         self.codes[code] = self.codes.get(code, 0) + 1
         if code == "200" and latency is not None:
             self.lat.append(latency)
+            if bucket is not None:
+                self.lat_by_bucket.setdefault(bucket, []).append(latency)
 
     server_cpu_s: float | None = None  # server process CPU seconds (user + system) during the phase
     client_cpu_s: float | None = None  # this (load generator) process's CPU seconds during the phase
@@ -78,6 +81,8 @@ class Phase:
             "client_dropped": self.dropped_client,
             "server_cpu_ms_per_request": cpu,
             "client_cpu_ms_per_request": ccpu,
+            "p99_ms_by_bucket": {b: round(float(np.percentile(v, 99)) * 1e3, 2) for b, v in sorted(self.lat_by_bucket.items(), key=_edge)},
+            "answered_by_bucket": {b: len(v) for b, v in sorted(self.lat_by_bucket.items(), key=_edge)},
         }
 
     @property
@@ -87,6 +92,19 @@ class Phase:
     @property
     def all_ok(self) -> bool:
         return set(self.codes) <= {"200"} and self.dropped_client == 0
+
+
+def _edge(kv) -> tuple:
+    return (0, int(kv[0])) if kv[0].isdigit() else (1, kv[0])
+
+
+_BUCKET = re.compile(rb'"bucket":\s*(\d+|null)')
+
+
+def bucket_of(body: bytes) -> str | None:
+    """The ``bucket`` field of a /v1/generate answer ("cold_start" for null), None without one."""
+    m = _BUCKET.search(body)
+    return None if m is None else ("cold_start" if m.group(1) == b"null" else m.group(1).decode())
 
 
 def _cpu(server) -> float | None:
@@ -111,8 +129,8 @@ async def run_phase(
     async def one(body: bytes, scheduled: float) -> None:
         try:
             async with client.post("/v1/generate", data=body, headers=headers) as r:
-                await r.read()
-                phase.add(str(r.status), loop.time() - scheduled)
+                got = await r.read()
+                phase.add(str(r.status), loop.time() - scheduled, bucket_of(got) if r.status == 200 else None)
         except asyncio.TimeoutError:
             phase.add("client_timeout", None)
         except aiohttp.ClientError as exc:

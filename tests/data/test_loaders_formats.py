@@ -72,8 +72,8 @@ def test_headerless_semicolon_file_by_position(tmp_path: Path):
 
 
 def test_headerless_malformed_lines_are_named(tmp_path: Path):
-    p = _write(tmp_path / "log.txt", "1;10;100\n1;x;101\n2;11;102\n")
-    with pytest.raises(DataFormatError, match=r"log.txt:2: item \('#1'\) is not an integer"):
+    p = _write(tmp_path / "log.txt", "1;10;100\n1;99999999999999999999;101\n2;11;102\n")
+    with pytest.raises(DataFormatError, match=r"log.txt:2: item \('#1'\) is not an integer in the int64 range"):
         load_csv(p, columns="user=0,item=1,time=2", format="sep=;,header=none")
     assert load_csv(p, columns="user=0,item=1,time=2", format="sep=;,header=none", skip_bad_rows=True).num_events == 2
     p = _write(tmp_path / "wide.txt", "1;10;100\n1;11;101;7\n")
@@ -120,7 +120,7 @@ def test_several_files_in_the_wrong_order_are_one_sorted_log(tmp_path: Path):
     assert load_csv(tmp_path / "parts", columns=cols).num_events == len(rows) + 12
     with pytest.raises(FileNotFoundError, match="no file matches"):
         load_csv(str(tmp_path / "nope*.csv"), columns=cols)
-    _write(tmp_path / "parts" / "part10.csv", "user,item,time\n1,2,3\n1,zz,4\n")
+    _write(tmp_path / "parts" / "part10.csv", "user,item,time\n1,2,3\n1,99999999999999999999,4\n")
     with pytest.raises(DataFormatError, match=r"part10.csv:3: item \('item'\) is not an integer"):
         load_csv(tmp_path / "parts", columns=cols)
 
@@ -154,3 +154,19 @@ def test_order_only_data_turns_the_time_bias_off(tmp_path: Path):
         with torch.no_grad():
             same = torch.equal(m.encode(ids, t1, L), m.encode(ids, t2, L))
         assert same is (not on)
+
+
+def test_text_ids_are_trimmed_case_kept_and_integers_stay_int64(tmp_path: Path):
+    rows = " A1YJEY40YUW4SE ,B00004U9V2,1\nA1YJEY40YUW4SE,b00004u9v2 ,2\nu2, 12,3\n"
+    log_ = load_csv(_write(tmp_path / "log.csv", "u,i,t\n" + rows), columns="user=u,item=i,time=t")
+    assert log_.users.tolist() == ["A1YJEY40YUW4SE", "u2"]
+    assert log_.item_raw_ids[log_.items].tolist() == ["B00004U9V2", "b00004u9v2", "12"]  # case kept; '12' is a text id here
+    # the line-by-line pass (a row with an extra field stops the C parser) reads the same ids
+    slow = load_csv(_write(tmp_path / "slow.csv", "u,i,t\n" + rows + "x,y,4,extra\n"), columns="user=u,item=i,time=t", skip_bad_rows=True)
+    assert slow.skipped_rows == 1
+    _same(slow, log_)
+    p = _write(tmp_path / "slow2.csv", "u,i,t\n" + rows + "x,,4\nx,y,4,extra\n")
+    with pytest.raises(DataFormatError, match=r"slow2.csv:5: item \('i'\) is missing"):
+        load_csv(p, columns="user=u,item=i,time=t")
+    ints = load_csv(_write(tmp_path / "int.csv", "u,i,t\n 7 ,12,1\n7,5.0,2\n"), columns="user=u,item=i,time=t")
+    assert ints.users.dtype == np.int64 and ints.item_raw_ids.tolist() == [0, 5, 12]

@@ -18,7 +18,8 @@ of paths (the order given). Rows are concatenated in that order and then sorted 
 exact time, ties in that order (:meth:`~hstu.data.sequences.EventLog.from_frame`): the same log
 as one file holding the rows in that order.
 
-user / item / category must be integers (exact int64); time is integer Unix time (``time_unit``,
+User and item ids are integers (exact int64) when every one of a column is an integer, else text
+(trimmed, case kept; :mod:`hstu.data.sequences`); categories are integers. Time is integer Unix time (``time_unit``,
 default s, or ms when every value is >= 1e11) or ISO 8601 (UTC unless it carries an offset), see
 :mod:`hstu.data.times`. Errors name the file and 1-based line (Parquet: row index).
 """
@@ -36,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError
-from hstu.data.parsing import MAPPING_KEYS, Column, parse_lines, to_event_log
+from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, to_event_log
 from hstu.data.sequences import EventLog
 from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
 
@@ -160,42 +161,6 @@ def log_files(data_dir: str | Path | list | tuple) -> list[Path]:
     raise FileNotFoundError(f"{p}: not found (expected an event log: a file, a directory of parts, or a glob)")
 
 
-def _exact_int(v) -> int | None:
-    """An id value as an exact Python int, or None: ints as they are, whole floats below 2^53
-    (where float64 is still exact), strings such as '12' or '12.0'; anything else None."""
-    if v is None or isinstance(v, bool):
-        return None
-    if isinstance(v, (int, np.integer)):
-        return int(v)
-    if isinstance(v, (float, np.floating)):
-        return int(v) if float(v).is_integer() and abs(v) < 2**53 else None
-    try:
-        return int(str(v).strip())
-    except ValueError:
-        try:
-            f = float(str(v))
-        except ValueError:
-            return None
-        return int(f) if f.is_integer() and abs(f) < 2**53 else None
-
-
-def _exact_ids(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
-    """(int64 ids, bad-row mask) of an id column, exactly: an int64 column (or strings that
-    pandas reads as int64) as it is, anything else value by value (:func:`_exact_int`), so an
-    id past int64 is a bad row instead of a float rounded onto another id or a wrapped integer."""
-    if col.dtype == object:
-        try:
-            num = pd.to_numeric(col)
-        except (ValueError, TypeError, OverflowError):
-            num = None
-        col = num if num is not None and num.dtype == np.int64 else col
-    if pd.api.types.is_signed_integer_dtype(col):
-        return col.astype(np.int64), np.zeros(len(col), bool)
-    vals = [_exact_int(v) for v in col.tolist()]
-    bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)
-    return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
-
-
 def _frame_checks(
     df: pd.DataFrame,
     mapping: dict[str, str],
@@ -216,16 +181,8 @@ def _frame_checks(
         if key not in mapping:
             continue
         col = df[mapping[key]]
-        num, bad = _exact_ids(col)
-        problems.append(
-            (
-                bad,
-                lambda i, key=key, col=col: (
-                    f"{key} ({mapping[key]!r}) is "
-                    + ("missing" if pd.isna(col.iloc[i]) else f"not an integer in the int64 range: {str(col.iloc[i])[:40]!r}")
-                ),
-            )
-        )
+        num, bad = exact_ids(col, text=key != "category")
+        problems.append((bad, lambda i, key=key, col=col: f"{key} ({mapping[key]!r}) is " + id_problem(col.iloc[i])))
         out[key] = num
     if "action" in mapping:
         col = df[mapping["action"]]
@@ -249,7 +206,9 @@ def _frame_checks(
         skipped = int(any_bad.sum())
         log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, exc)
     keep = ~any_bad
-    frame = pd.DataFrame({k: (v[keep].astype(np.int64) if k != "action" else v[keep]) for k, v in out.items()}).reset_index(drop=True)
+    frame = pd.DataFrame(
+        {k: (v[keep].astype(np.int64) if pd.api.types.is_integer_dtype(v) else v[keep]) for k, v in out.items()}
+    ).reset_index(drop=True)
     return frame, skipped
 
 
@@ -380,7 +339,7 @@ def _read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: 
         raw = raw.reset_index(drop=True)
         return _frame_checks(raw, labels, unit, lambda i: (int(lines[i]), ""), path, skip_bad_rows)
     # a row with too many fields stops the C parser: the line-by-line pass names it
-    cols = [Column(k, labels[k] if fmt.header else int(labels[k][1:])) for k in keys]
+    cols = [Column(k, labels[k] if fmt.header else int(labels[k][1:]), text=k in ("user", "item")) for k in keys]
     df, skipped = parse_lines(
         path, cols, header=fmt.header, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows, width=head.shape[1]
     )

@@ -36,6 +36,7 @@ class Column:
     key: str
     source: int | str
     allowed: tuple[str, ...] | None = None
+    text: bool = False  # an id column that may hold text ids (:func:`exact_ids`); else integers only
 
 
 # ----------------------------------------------------------------------------- file discovery
@@ -59,6 +60,56 @@ def resolve_path(data_dir: str | Path, names: tuple[str, ...], what: str, exts: 
     raise FileNotFoundError(f"{p}: {seen}; pass the file path instead")
 
 
+# ----------------------------------------------------------------------------- ids
+def exact_int(v) -> int | None:
+    """An id value as an exact Python int, or None: ints as they are, whole floats below 2^53
+    (where float64 is still exact), strings such as '12' or '12.0'; anything else None."""
+    if v is None or isinstance(v, bool):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    if isinstance(v, (float, np.floating)):
+        return int(v) if float(v).is_integer() and abs(v) < 2**53 else None
+    try:
+        return int(str(v).strip())
+    except ValueError:
+        try:
+            f = float(str(v))
+        except ValueError:
+            return None
+        return int(f) if f.is_integer() and abs(f) < 2**53 else None
+
+
+def exact_ids(col: pd.Series, text: bool = False) -> tuple[pd.Series, np.ndarray]:
+    """(ids, bad-row mask) of an id column, exactly: an int64 column (or strings that pandas reads
+    as int64) as it is, anything else value by value (:func:`exact_int`), so an id past int64 is a
+    bad row instead of a float rounded onto another id or a wrapped integer.
+
+    With ``text``, a column in which some present value is not an integer at all (e.g. 'B00004U9V2')
+    is a text column: (object Series of the values as trimmed str, mask of missing / empty ones).
+    A column of integers only stays int64 exactly as without ``text``."""
+    if col.dtype == object:
+        try:
+            num = pd.to_numeric(col)
+        except (ValueError, TypeError, OverflowError):
+            num = None
+        col = num if num is not None and num.dtype == np.int64 else col
+    if pd.api.types.is_signed_integer_dtype(col):
+        return col.astype(np.int64), np.zeros(len(col), bool)
+    vals = [exact_int(v) for v in col.tolist()]
+    present = col.notna().to_numpy()
+    if text and any(v is None and p for v, p in zip(vals, present)):
+        strs = col.astype(object).where(col.notna(), "").map(lambda v: str(v).strip())
+        return strs.astype(object), (strs == "").to_numpy()
+    bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)
+    return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
+
+
+def id_problem(v) -> str:
+    """What is wrong with a bad id value of :func:`exact_ids`, for a message."""
+    return "missing" if pd.isna(v) or not str(v).strip() else f"not an integer in the int64 range: {str(v)[:40]!r}"
+
+
 # ----------------------------------------------------------------------------- row parsing
 def _to_int(s: str) -> int:
     return int(s.strip())
@@ -73,6 +124,7 @@ def parse_lines(
     has none (order-only data)."""
     out: dict[str, list] = {c.key: [] for c in cols}
     rest: list[int] = []
+    lines: list[int] = []  # the file line of each kept row
     skipped, first = 0, None
     idx: dict[str, int] = {}
     width = width or len(cols)
@@ -93,17 +145,38 @@ def parse_lines(
                 skipped += 1
                 first = first or str(exc)
                 continue
+            lines.append(line)
             for c, v in zip(cols, vals):
                 if c.key == "time":
                     v, r = v
                     rest.append(r)
                 out[c.key].append(v)
+    for c in cols:  # text-or-integer id columns: decided on the whole column (exact_ids)
+        if c.text and out[c.key]:
+            ids, bad = exact_ids(pd.Series(out[c.key], dtype=object), text=True)
+            if bad.any():
+                i = int(np.argmax(bad))
+                exc = DataFormatError(path, lines[i], f"{c.key} ({c.source!r}) is {id_problem(out[c.key][i])}")
+                if not skip_bad_rows:
+                    raise exc
+                skipped, first = skipped + int(bad.sum()), first or str(exc)
+                out = {k: [v for v, b in zip(vs, bad) if not b] for k, vs in out.items()}
+                rest = [v for v, b in zip(rest, bad) if not b] if rest else rest
+                lines = [v for v, b in zip(lines, bad) if not b]
+                ids = ids[~bad]
+            out[c.key] = ids.tolist()
     if skipped:
         log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
-    frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key == "action" else np.int64) for c in cols})
+    frame = pd.DataFrame(
+        {c.key: pd.Series(out[c.key], dtype=object if c.key == "action" or (c.text and _any_text(out[c.key])) else np.int64) for c in cols}
+    )
     if "time" in out:
         frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
     return frame, skipped
+
+
+def _any_text(vals: list) -> bool:
+    return any(isinstance(v, str) for v in vals)
 
 
 def _header_index(path: Path, row: list[str], cols: list[Column]) -> dict[str, int]:
@@ -123,6 +196,11 @@ def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: d
     vals = []
     for c in cols:
         raw = row[idx[c.key] if idx else c.source]
+        if c.text:  # an id kept as text here; whether the column is integer or text is decided on all of it
+            if not raw.strip():
+                raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is missing")
+            vals.append(raw.strip())
+            continue
         if c.key == "action":
             v = raw.strip()
             if not v:

@@ -2,7 +2,8 @@
 
     python benchmarks/generate.py --quick --json benchmarks/results/generate_quick.json   # < 60 s on 2 cores
     python benchmarks/generate.py --json benchmarks/results/generate_full.json            # more repeats, bigger mixes
-    python benchmarks/generate.py --graphs compile ...                                    # torch.compile per bucket
+    python benchmarks/generate.py --graphs compiled ...                                   # compiled bucket graphs
+    python benchmarks/generate.py --graphs eager,compiled --json ...                      # section 0 only: side by side
 
 Model: random weights, the "small" preset (2 blocks, 1 head, d = 50, N = 210) with
 num_items = 3706 (ML-1M's catalogue); no training needed, the cost does not depend on weights.
@@ -26,6 +27,12 @@ speedup is P50(slow side) / P50(fast side). Histories: random items, increasing 
 4. Latency growth from length 50 to 200 at batch 32 (next-5, max_batch 32): the ratio
    P50(L=200) / P50(L=50) (the reference port: +123 % on A100, +387 % on an unoptimised NPU).
 Memory: peak RSS (getrusage), device peak where present, KV pool bytes per bucket.
+
+0. ``--graphs A,B`` (e.g. eager,compiled) runs only this section: next-5 at batch 1 and 16, length
+   50 / 100 / 200, by two engines of the same model (buckets 50/100/200, batch sizes 1 and 16), one
+   per graph mode, called alternately; P50 ratio A / B per shape, each shape's compile seconds
+   (``Engine.graph_report``: first call = compilation + one run) and the load average around it.
+   ``--preset`` picks the model size (small, large, prod).
 """
 
 from __future__ import annotations
@@ -59,9 +66,9 @@ EDGES = (20, 50, 100, 200)
 log = logging.getLogger("bench.generate")
 
 
-def make_model(device) -> torch.nn.Module:
+def make_model(device, preset: str = "small") -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = ModelConfig(num_items=3706, dropout=0.0, **PRESETS["small"])
+    cfg = ModelConfig(num_items=3706, dropout=0.0, **PRESETS[preset])
     return build_hstu(cfg).to(device).eval()
 
 
@@ -358,12 +365,63 @@ def _memory_and_summary(b: Bench, out: dict, growth: float) -> None:
         print(f"wrote {args.json}")
 
 
+def graphs_side_by_side(args: argparse.Namespace, be: Backend, model: HSTUModel, reps: int) -> dict:
+    """0. next-5 under two graph modes (``args.graphs`` "A,B"), same model and inputs, alternated call by
+    call; returns the figures (also written to --json)."""
+    modes = args.graphs.split(",")
+    dev, I, edges = be.device, model.cfg.num_items, (50, 100, 200)
+    out: dict = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "device": str(dev), "torch": torch.__version__}
+    out |= {"preset": args.preset, "precision": args.precision, "threads": torch.get_num_threads(), "reps": reps}
+    out["load_avg_at_start"] = list(os.getloadavg())
+    engines, warm = {}, {}
+    for m in modes:
+        t0 = time.perf_counter()
+        engines[m] = Engine(model, buckets=edges, max_batch=16, k_max=10, batch_sizes=(1, 16), device=dev, graphs=m, kernels=args.kernels)
+        engines[m].warmup()
+        warm[m] = {"seconds": round(time.perf_counter() - t0, 1), "mode": engines[m].graphs, "graphs": engines[m].graph_report()}
+        print(f"{m} ({engines[m].graphs}): engine + warm-up {warm[m]['seconds']} s")
+        for g in warm[m]["graphs"]:
+            print(f"  bucket {g['bucket']} {g['key']}: {g['mode']} in {g['compile_s']:.1f} s" + (f" ({g['error']})" if g["error"] else ""))
+    out["warmup"] = warm
+    out["load_avg_after_warmup"] = list(os.getloadavg())
+    a, b = modes
+    print(f"\n0. next-5, {a} vs {b} (P50 ms; ratio = {a} / {b})")
+    rows = {}
+    for B in (1, 16):
+        for L in edges:
+            ids, ts, Ls, rt = histories(np.full(B, L), L, I, dev, seed=L + B)
+            res = {m: engines[m].generate(ids, ts, Ls, 5, request_time=rt) for m in modes}
+            same = torch.equal(res[a].items, res[b].items)
+            diff = float((res[a].scores - res[b].scores).abs().max())
+            fns = {m: (lambda e=engines[m]: e.generate(ids, ts, Ls, 5, request_time=rt)) for m in modes}
+            t = interleaved(fns, reps, warmup=1, sync=be.synchronize)
+            rows[f"L{L}_B{B}"] = {m: summary(t[m]) for m in modes} | ratio(t[a], t[b]) | {"same_items": same, "max_score_diff": diff}
+            r = rows[f"L{L}_B{B}"]
+            print(
+                f"  B={B:2d} L={L:3d}: {a} {r[a]['p50_ms']:7.2f} ms, {b} {r[b]['p50_ms']:7.2f} ms -> {r['speedup']:.2f}x "
+                f"(best calls {r['speedup_of_min']:.2f}x); same items {same}, max |score diff| {diff:.1e}; load {os.getloadavg()[0]:.2f}"
+            )
+    out["next5"] = rows
+    out["load_avg_at_end"] = list(os.getloadavg())
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repeats and small mixes (< 60 s on 2 cores)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--graphs", default="auto", help="engine graph mode: auto | eager | compile | cuda_graph | npu_graph")
+    ap.add_argument(
+        "--graphs",
+        default="auto",
+        help="engine graph mode: auto | eager | compiled | compile | cuda_graph | npu_graph; two, comma-separated "
+        "(eager,compiled): section 0 only, side by side",
+    )
+    ap.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (section 0; the others use small)")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument(
         "--threads",
@@ -387,13 +445,19 @@ def main(argv: list[str] | None = None) -> int:
     be = select(args.device)
     dev = be.device
     sync = be.synchronize
-    model = make_model(dev)
+    side_by_side = "," in args.graphs
+    if side_by_side and len(args.graphs.split(",")) != 2:
+        ap.error(f"--graphs: two modes to compare, comma-separated (eager,compiled), got {args.graphs!r}")
+    model = make_model(dev, args.preset if side_by_side else "small")
     if args.precision != "fp32":
         from hstu.quant import apply_precision
 
         model = apply_precision(model, args.precision)
     I = model.cfg.num_items
     reps = 6 if args.quick else 40
+    if side_by_side:
+        graphs_side_by_side(args, be, model, reps)
+        return 0
     mix_users = 96 if args.quick else 512
     mix_reps = 3 if args.quick else 8
     eng_kw = dict(device=dev, graphs=args.graphs, kernels=args.kernels)

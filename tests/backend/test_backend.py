@@ -73,8 +73,8 @@ def test_accelerator_class_attributes_need_no_device():
 
 def test_resolve_graph_mode_on_cpu():
     b = backend.select("cpu")
-    assert GRAPH_MODES == ("auto", "eager", "compile", "cuda_graph", "npu_graph")
-    assert [b.resolve_graph_mode(m) for m in ("auto", "eager", "compile")] == ["eager", "eager", "compile"]
+    assert GRAPH_MODES == ("auto", "eager", "compiled", "compile", "cuda_graph", "npu_graph")
+    assert [b.resolve_graph_mode(m) for m in ("auto", "eager", "compiled", "compile")] == ["eager", "eager", "compile", "compile"]
     with pytest.raises(ValueError, match="graphs must be one of"):
         b.resolve_graph_mode("turbo")
     with pytest.raises(ValueError, match="needs a cuda device, got cpu"):

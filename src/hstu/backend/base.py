@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstu.backend.graphs import GRAPH_MODES
+from hstu.backend.graphs import GRAPH_MODES, compile_graph
 
 log = logging.getLogger(__name__)
 
@@ -148,17 +148,20 @@ class Backend:
         return f"no device graphs on {self.device}"
 
     def resolve_graph_mode(self, requested: str) -> str:
-        """The engine graph mode for ``requested`` ("auto" | "eager" | "compile" | "cuda_graph" | "npu_graph").
+        """The engine graph mode for ``requested`` ("auto" | "eager" | "compiled" | "compile" | "cuda_graph" | "npu_graph").
 
-        "auto" gives this device's ``graph_mode`` where it can capture, else "eager".
+        "auto" gives this device's ``graph_mode`` where it can capture, else "eager"; "compiled" gives
+        that graph mode where it can capture, else "compile" (torch.compile: Inductor's C++ code on
+        the CPU, or NPU without NPUGraph).
 
         Raises:
             ValueError: an unknown mode, or a device graph mode this device cannot capture (says why).
         """
         if requested not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {requested!r}")
-        if requested == "auto":
-            return self.graph_mode if self.graph_mode is not None and self.supports_graphs else "eager"
+        if requested in ("auto", "compiled"):
+            captures = self.graph_mode is not None and self.supports_graphs
+            return self.graph_mode if captures else ("eager" if requested == "auto" else "compile")
         owner = _GRAPH_OWNERS.get(requested)
         if owner is None:
             return requested
@@ -167,6 +170,12 @@ class Backend:
         if not self.supports_graphs:
             raise ValueError(f"graphs={requested!r}: {self.graphs_unavailable_reason()}")
         return requested
+
+    def compile_graph(self, fn: Callable[[], torch.Tensor], name: str, backend: str | Callable = "inductor") -> Callable[[], torch.Tensor]:
+        """``fn`` compiled for this device (:func:`hstu.backend.graphs.compile_graph`: torch.compile,
+        static shapes, one graph; Inductor generates C++ on the CPU and Triton on CUDA). Compiles on
+        the first call; wrap it in :class:`hstu.backend.graphs.CompiledRunner` for the eager fallback."""
+        return compile_graph(fn, name, backend)
 
     def capture_graph(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Capture ``fn`` (reads only static buffers, idempotent) into a device graph; the result replays it.

@@ -7,6 +7,7 @@ API (what a server calls)::
                  kernels=None, graphs="auto", prefix_cache_bytes=0)
     eng.bucket_for(length) -> int                     # bucket edge a history of that length runs in
     eng.warmup() -> dict[int, float]                  # capture / compile every bucket now (s per bucket)
+    eng.graph_report() -> list[dict]                  # compiled graphs: key, mode (compiled / fallback), seconds
     eng.cache_bytes_per_bucket() -> dict[int, int]    # bytes of each bucket's view of the one KV pool
     eng.memory_report() -> dict; eng.release_caches() -> int   # drop the prefix cache (bytes freed)
     res = eng.generate(ids, timestamps, lengths, k, request_time=None, exclude=None,
@@ -40,9 +41,9 @@ model's fixed width, I items.
   Because the attention divisor is the fixed N and padding rows are masked, padding never
   changes a live row (hstu.py), so bucketed == unbucketed up to float reassociation
   (tests/generate/test_engine.py checks 1e-5). Histories longer than the largest edge keep their most
-  recent E events; ``truncated`` reports how many were cut. Under graph capture the batch is
-  padded to the next size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch; max_batch only
-  under "compile") so every call has a static shape; eager runs any batch size unpadded.
+  recent E events; ``truncated`` reports how many were cut. Under graph capture or compilation
+  the batch is padded to the next size in ``batch_sizes`` (default 1, 2, 4, ..., max_batch) so
+  every call has a static shape; eager runs any batch size unpadded.
 - KV-cache pool, per bucket, allocated once at construction and written in place:
   Ly x R x H x (C + K) x d: history slots 0..C-1 filled by the prefill, then K slots filled
   one per decode step with the generated tokens' K/V (one beam: user b's token s in row b,
@@ -66,12 +67,16 @@ model's fixed width, I items.
   key segments.
   An appended token has timestamp = request time = the query time, so a cached step equals a
   full recompute of the grown sequence.
-- Graphs (``graphs``): "eager"; "compile" (torch.compile, one compilation per bucket: the
-  batch is then always padded to max_batch, beam steps and prefix extensions stay eager);
-  "cuda_graph" (torch.cuda.CUDAGraph per bucket and batch size, captured at warmup or first
-  use); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "auto": cuda_graph on CUDA,
-  npu_graph on NPU when available, eager on CPU (inductor compilation took ~340 s for two
-  buckets on the shared 2-core dev machine; ask for it by name).
+- Graphs (``graphs``), one per (bucket, batch size of ``batch_sizes``, step kind: prefill,
+  extend of T rows, decode step of W beams), made at warmup or first use: "eager"; "compile"
+  (torch.compile, static shapes, one graph each, Inductor's C++ code on the CPU:
+  :func:`hstu.backend.graphs.compile_graph`; a graph whose compilation fails runs eager with a
+  warning, :meth:`graph_report` says which and how long each took); "cuda_graph"
+  (torch.cuda.CUDAGraph); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "compiled": the
+  platform object decides (the device's graph capture where it has one, else "compile"). "auto":
+  cuda_graph on CUDA, npu_graph on NPU when available, eager on CPU (whether compiling pays on a
+  CPU: benchmarks/generate.py --graphs eager,compiled). The decode loop's scoring, exclusion and
+  picks run eagerly between the graphs, on preallocated buffers.
 - Kernels: the model's own :class:`hstu.model.kernels.KernelSet` (``model.kernels``, the set
   training and evaluation run), or one named from the device backend's registry ("auto": the
   backend's ``default_kernels``; "triton" on CUDA by name).
@@ -103,6 +108,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from hstu.backend import for_device
+from hstu.backend.graphs import CompiledRunner
 from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
 from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for
@@ -132,12 +138,12 @@ class Engine:
             evaluation run); or a kernel-set name for the device's backend ("auto" = the backend's
             ``default_kernels``, "reference", "triton", "npu"), resolved by
             :func:`hstu.model.kernels.get_kernels` for the platform object's name.
-        graphs: "auto" | "eager" | "compile" | "cuda_graph" | "npu_graph".
+        graphs: "auto" | "eager" | "compiled" | "compile" | "cuda_graph" | "npu_graph" (module docstring).
         batch_sizes: padded batch sizes (default: powers of two up to max_batch under graph
-            capture, (max_batch,) under "compile", every size 1..max_batch in eager mode).
+            capture or compilation, every size 1..max_batch in eager mode).
         prefix_cache_bytes: > 0 enables the user-prefix cache with that LRU bound.
         compile_backend: torch.compile backend under graphs="compile" ("inductor"; "aot_eager"
-            traces the same graphs without code generation, which the tests use).
+            traces the same graphs without code generation, which the tests use; or a callable backend).
     Raises:
         ValueError: bad buckets / sizes / graph mode / kernel-set name (the message quotes the value).
         RuntimeError: a named kernel set that cannot run here (the reason).
@@ -155,7 +161,7 @@ class Engine:
         graphs: str = "auto",
         batch_sizes: Sequence[int] | None = None,
         prefix_cache_bytes: int = 0,
-        compile_backend: str = "inductor",
+        compile_backend: str | Callable = "inductor",
     ) -> None:
         self.edges = check_engine_sizes(model.cfg, buckets, max_batch, k_max)
         self.max_batch, self.k_max = int(max_batch), int(k_max)
@@ -270,18 +276,29 @@ class Engine:
             log.info("warmup bucket %d (%s): %.2f s", E, self.graphs, out[E])
         return out
 
+    def graph_report(self) -> list[dict]:
+        """The compiled runners built so far (graphs "compile"; empty otherwise), one dict each: bucket
+        (edge), key (kind, batch size[, T | W]), mode ("compiled" | "eager (fallback)" | "pending"),
+        compile_s (seconds of the first call: compilation + one run) and error (None, or why it fell back)."""
+        pools = [*self._buckets.values(), *self._recompute.values()]
+        return [
+            {"bucket": b.E, "key": list(key), "mode": r.mode, "compile_s": round(r.compile_s, 3), "error": r.error}
+            for b in pools
+            for key, r in b.runners.items()
+            if isinstance(r, CompiledRunner)
+        ]
+
     # ----- compiled / captured pieces -----
-    def _runner(
-        self, b: BucketPool, key: tuple, make: Callable[[], Callable[[], torch.Tensor]], graphable: bool
-    ) -> Callable[[], torch.Tensor]:
+    def _runner(self, b: BucketPool, key: tuple, make: Callable[[], Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
         """The cached runner of ``key``; ``make()`` builds its function on the first call only."""
         r = b.runners.get(key)
         if r is not None:
             return r
         fn = make()
-        mode = self.graphs if graphable else "eager"
-        if mode == "compile":
-            r = torch.compile(fn, dynamic=False, backend=self.compile_backend)
+        mode = self.graphs
+        if mode == "compile":  # one graph per (bucket, batch size, kind), compiled on first use; eager if that fails
+            name = "_".join([key[0], f"E{b.E}", *map(str, key[1:])])
+            r = CompiledRunner(self.platform.compile_graph(fn, name, self.compile_backend), fn, f"engine graph {name}")
         elif mode in ("cuda_graph", "npu_graph"):
             r = self.platform.capture_graph(fn)
         else:
@@ -410,10 +427,10 @@ class Engine:
                     b.hv[li][j, :, : e.rows].copy_(e.v[li])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
-            user = self._runner(b, ("extend", Bp, T), lambda: runners.extend_fn(self, b, Bp, T), self.graphs != "compile")()
+            user = self._runner(b, ("extend", Bp, T), lambda: runners.extend_fn(self, b, Bp, T))()
             out.prefix_rows[ri] = P
         else:
-            user = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp), True)()
+            user = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp))()
         if self.prefix is not None and r.user_ids is not None and use_cache:
             self._store_prefix(b, rows, L, r.user_ids)
         # ---- decode ----
@@ -434,10 +451,10 @@ class Engine:
         b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[: self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
-            step = self._runner(b, ("step", Bp, W), lambda: runners.step_fn(self, b, Bp, W), W == 1 or self.graphs != "compile")
+            step = self._runner(b, ("step", Bp, W), lambda: runners.step_fn(self, b, Bp, W))
             res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W))
         else:
-            prefill = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp), True)
+            prefill = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp))
             res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1))
         items, scores, acts, blp, final_excl = res
         out.items[ri] = items[:Bu]

@@ -37,10 +37,10 @@ def ladder(max_batch: int) -> tuple[int, ...]:
 
 def batch_sizes_for(graphs: str, max_batch: int, batch_sizes=None) -> tuple[int, ...]:
     """The padded batch sizes of an engine, sorted: ``batch_sizes`` when given, else static shapes only
-    where something is captured (``graphs`` "compile": (max_batch,); "eager": every size 1..max_batch;
-    a graph mode: :func:`ladder`). ValueError unless they lie in 1..max_batch and include max_batch."""
+    where something is captured or compiled (``graphs`` "eager": every size 1..max_batch; a graph mode or
+    "compile": :func:`ladder`, one graph per size). ValueError unless they lie in 1..max_batch and include max_batch."""
     if batch_sizes is None:
-        batch_sizes = {"compile": (max_batch,), "eager": tuple(range(1, max_batch + 1))}.get(graphs, ladder(max_batch))
+        batch_sizes = tuple(range(1, max_batch + 1)) if graphs == "eager" else ladder(max_batch)
     out = tuple(sorted(int(b) for b in batch_sizes))
     if out[-1] != max_batch or out[0] < 1:
         raise ValueError(f"batch_sizes must lie in 1..max_batch and include max_batch={max_batch}, got {list(batch_sizes)}")

@@ -85,6 +85,8 @@ class BatchRunner:
         max_batch: the largest batch the batcher forms (used for warm-up and the engine's pools).
         use_engine: "auto" / "require" (an engine of these buckets and max_batch; equal, kept for
             callers of the time the engine was optional) or "never" (the Recommender's default engine).
+        graphs: the engine's graph mode ("auto" | "eager" | "compiled" ...; :class:`hstu.generate.engine.Engine`);
+            a graph whose compilation fails runs eager with a warning.
 
     Raises:
         ValueError: bad buckets (not ascending, < 1 or > max_seq_len) or max_batch < 1.
@@ -94,7 +96,9 @@ class BatchRunner:
     a lock makes concurrent calls safe but serial.
     """
 
-    def __init__(self, recommender: Recommender, buckets: list[int], max_batch: int, use_engine: str = "auto") -> None:
+    def __init__(
+        self, recommender: Recommender, buckets: list[int], max_batch: int, use_engine: str = "auto", graphs: str = "auto"
+    ) -> None:
         cfg = recommender.model.cfg
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be distinct ascending positive edges, got {buckets}")
@@ -111,6 +115,7 @@ class BatchRunner:
         self.max_k = cfg.max_output_len
         self.num_items = cfg.num_items
         self._lock = threading.Lock()
+        self.graphs = graphs
         self.engine = self._make_engine(use_engine)
         self.backend_name = "engine" if self.engine is not None else "engine (the recommender's default buckets)"
         self.warm: set[int] = set()
@@ -121,7 +126,7 @@ class BatchRunner:
         """The service's engine (its buckets and max_batch), or None for the Recommender's default."""
         if use_engine == "never":
             return None
-        return self.rec.build_engine(self.buckets, self.max_batch)
+        return self.rec.build_engine(self.buckets, self.max_batch, graphs=self.graphs)
 
     @property
     def precision(self) -> dict[str, str]:

@@ -276,8 +276,13 @@ class ServeConfig:
     # and a request's headers within header_timeout_s of the connection opening / the previous response
     body_timeout_s: float = 5.0
     header_timeout_s: float = 5.0
+    # the engine's graphs: "auto" (CUDA / NPU graph capture where the device has it, else eager), "eager",
+    # "compiled" (capture where the device has it, else torch.compile; a failed compilation runs eager, warned)
+    graphs: str = "auto"
 
     def validate(self) -> None:
+        if self.graphs not in ("auto", "eager", "compiled"):
+            raise ValueError(f"ServeConfig.graphs must be auto, eager or compiled, got {self.graphs!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeConfig.port must be in 0..65535, got {self.port}")
         for name in ("max_batch", "max_queue"):

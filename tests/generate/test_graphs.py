@@ -170,3 +170,21 @@ def test_platform_decides_the_compiled_mode():
     assert npu.resolve_graph_mode("compiled") == ("npu_graph" if npu.supports_graphs else "compile")
     with pytest.raises(ValueError, match="graphs must be one of"):
         CPUBackend().resolve_graph_mode("compiled-ish")
+
+
+def test_serve_graphs_flag_and_config_field(tmp_path):
+    """`hstu serve --graphs compiled` reaches ServeConfig.graphs (flags over a --config file); a bad
+    value in the file is refused naming the field."""
+    import argparse
+
+    from hstu.serve.cli import _settings, add_subcommands
+
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers())
+    (tmp_path / "serve.toml").write_text('[serve]\ngraphs = "eager"\n')
+    base = ["serve", "--run", str(tmp_path / "run"), "--config", str(tmp_path / "serve.toml")]
+    assert _settings(parser.parse_args(base))[0].graphs == "eager"
+    assert _settings(parser.parse_args([*base, "--graphs", "compiled"]))[0].graphs == "compiled"
+    (tmp_path / "serve.toml").write_text('[serve]\ngraphs = "turbo"\n')
+    with pytest.raises(ValueError, match="ServeConfig.graphs must be auto, eager or compiled, got 'turbo'"):
+        _settings(parser.parse_args(base))

@@ -101,6 +101,7 @@ def _settings(args: argparse.Namespace):
         "memory_threshold",
         "body_timeout_s",
         "header_timeout_s",
+        "graphs",
     ):
         v = getattr(args, name)
         if v is not None:
@@ -287,6 +288,13 @@ def add_subcommands(subparsers) -> None:
         default="auto",
         choices=["auto", "never", "require"],
         help="generate through hstu.generate.engine when available (auto), never, or fail without it",
+    )
+    s.add_argument(
+        "--graphs",
+        choices=["auto", "eager", "compiled"],
+        help="per-bucket graphs: auto (CUDA / NPU graphs where the device has them, else eager; the default), eager, "
+        "or compiled (those graphs, else torch.compile: Inductor C++ on the CPU, compiled at warm-up; a failed "
+        "compilation runs eager with a warning)",
     )
     s.add_argument("--limit-concurrency", type=number_in(int, 1), help="uvicorn: most concurrent connections before plain 503s")
     s.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (of the model process)")

@@ -130,7 +130,7 @@ class Service:
         """The model thread (its runner built here), or model processes (not started yet)."""
         cfg, policy = self.cfg, self.policy
         if not policy.model_process:
-            runner = BatchRunner(self.rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine)
+            runner = BatchRunner(self.rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine, graphs=cfg.graphs)
             return LocalModel(runner, batch_guard(runner, self.backend, cfg.memory_threshold))
         if run_dir is None:
             raise ValueError("ServePolicy.model_process needs run_dir (the model process loads the run itself)")
@@ -148,6 +148,7 @@ class Service:
             policy.threads,
             cfg.memory_threshold,
             policy.model_workers,
+            cfg.graphs,
         )
         return ProcessModel(spec, start=False)
 

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class WorkerSpec:
     """Everything a model process needs to build its runner (picklable).
 
-    run_dir, device, precision: as ``Recommender.from_run``. buckets, max_batch, use_engine: as
+    run_dir, device, precision: as ``Recommender.from_run``. buckets, max_batch, use_engine, graphs: as
     :class:`BatchRunner`. threads: torch intra-op threads in the worker (None: torch's default).
     memory_threshold: the guard's minimum free fraction. workers: model processes (each loads
     the run and runs one batch at a time; more than one only where memory allows a copy each).
@@ -60,6 +60,7 @@ class WorkerSpec:
     threads: int | None = None
     memory_threshold: float = 0.10
     workers: int = 1
+    graphs: str = "auto"
 
 
 # ----- the model process -----
@@ -81,7 +82,7 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     except Exception as exc:  # noqa: BLE001 - kept and raised by the first call, in the parent, as itself
         _WORKER["load_error"] = exc  # answered to the first call ("info" at start-up)
         return
-    runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine)
+    runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine, graphs=spec.graphs)
     _WORKER.update(runner=runner, guard=batch_guard(runner, backends.select(spec.device), spec.memory_threshold))
     for edge in warm:
         runner.warmup(edge)

@@ -11,7 +11,8 @@ def load_dataset(name: str, data_dir, skip_bad_rows: bool = False, **kwargs) -> 
     """Load a named data set from ``data_dir``: a MovieLens release (``ml-100k`` | ``ml-1m`` (alias
     ``movielens``, ``ml1m``) | ``ml-10m`` | ``ml-20m`` | ``ml-25m`` | ``ml-latest`` | ``ml-latest-small``,
     :mod:`hstu.data.movielens`, no options) or one of ``hstu.data.ecommerce.LOADERS`` (``taobao``,
-    ``retailrocket``, ``csv``, ...; ``kwargs`` are their options). ValueError for an unknown name."""
+    ``retailrocket``, ``csv``) or ``hstu.data.reviews.LOADERS`` (``amazon``, ``sequences``); ``kwargs``
+    are their options). ValueError for an unknown name."""
     from hstu.data.movielens import ALIASES, LAYOUTS, load_movielens
 
     if name in LAYOUTS or name in ALIASES:
@@ -22,7 +23,10 @@ def load_dataset(name: str, data_dir, skip_bad_rows: bool = False, **kwargs) -> 
         from hstu.data import ecommerce
     except ImportError:  # pragma: no cover
         ecommerce = None
-    if ecommerce is not None and name in getattr(ecommerce, "LOADERS", {}):
-        return ecommerce.LOADERS[name](data_dir, skip_bad_rows=skip_bad_rows, **kwargs)
-    valid = sorted(LAYOUTS) + sorted(getattr(ecommerce, "LOADERS", {}) if ecommerce else [])
+    from hstu.data.reviews import LOADERS as REVIEWS
+
+    loaders = {**(getattr(ecommerce, "LOADERS", {}) if ecommerce else {}), **REVIEWS}
+    if name in loaders:
+        return loaders[name](data_dir, skip_bad_rows=skip_bad_rows, **kwargs)
+    valid = sorted(LAYOUTS) + sorted(loaders)
     raise ValueError(f"unknown dataset {name!r}; valid: {valid}")

@@ -278,7 +278,7 @@ def load_csv(
         if path.suffix.lower() in (".parquet", ".pq"):
             df, n = _read_parquet(path, mapping, unit, skip_bad_rows)
         else:
-            df, n = _read_delimited(path, mapping, unit, fmt, skip_bad_rows)
+            df, n = read_delimited(path, mapping, unit, fmt, skip_bad_rows)
         frames.append(df)
         skipped += n
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
@@ -310,7 +310,8 @@ def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width:
     return out
 
 
-def _read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
+def read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
+    """One delimited file -> (frame with the mapping's keys as columns + subsecond_ns, skipped rows)."""
     keys = [k for k in MAPPING_KEYS if k in mapping]
     sep, hdr = fmt.sep_for(path), 0 if fmt.header else None
     try:

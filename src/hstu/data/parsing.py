@@ -261,7 +261,10 @@ def read_columns(
     return parse_lines(path, cols, header=header, sep=sep, time_unit=time_unit, skip_bad_rows=skip_bad_rows)
 
 
-def to_event_log(df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int) -> EventLog:
+def to_event_log(
+    df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int, **items
+) -> EventLog:
+    """A loader frame (columns = mapping keys) -> EventLog; ``items``: ``titles`` / ``item_genres``."""
     frame = df.rename(columns=OUT_NAMES)
     if frame.empty:
         raise ValueError(f"{name}: no events left after parsing (skipped {skipped} malformed rows)")
@@ -271,4 +274,5 @@ def to_event_log(df: pd.DataFrame, *, name: str, action_names: list[str] | None,
         action_names=action_names,
         exclude_history_default=bool(exclude_history) if exclude_history is not None else False,
         skipped_rows=skipped,
+        **items,
     )

@@ -65,6 +65,10 @@ NO_DATA = (
 )
 
 
+EXCLUDE_HISTORY_HELP = (
+    "candidate policy: never recommend (and do not rank) items already in the user's history; default: the run's "
+    "(hstu train --exclude-history), else the data set's (on for MovieLens / Amazon ratings, off for e-commerce event logs)"
+)
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "int8")
 PRECISION_HELP = (
     "inference precision: a float run is converted in memory (int8 = per-channel INT8 Linears, FP16 "
@@ -75,15 +79,40 @@ PRECISION_HELP = (
 def cmd_eval(args) -> int:
     from hstu.quant.checkpoint import load_for_inference
     from hstu.train.evaluate import evaluate
+    from hstu.train.logs import policy_text
 
     model, cfg, _ = load_for_inference(args.run, args.device, args.precision)
     log_, split, spec = _run_data(cfg, args.data_dir, args.protocol)
-    out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device)
+    excl = log_.exclude_history_default if args.exclude_history is None else args.exclude_history
+    out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device, exclude=excl)
+    slices = _eval_slices(model, log_, split, args, excl) if args.slices else None
     if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"{args.split} ({spec.protocol}, {out['users']} users): " + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
+        print(json.dumps({**out, "exclude_history": excl, **({"slices": slices} if slices else {})}, indent=2))
+        return 0
+    head = f"{args.split} ({spec.protocol}, {out['users']} users, {policy_text(excl)}): "
+    print(head + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
+    for name, cell in _slice_cells(slices or {}).items():
+        print(f"  {name}: {cell['value']:.4f} [{cell['ci'][0]:.4f}, {cell['ci'][1]:.4f}]")
     return 0
+
+
+def _eval_slices(model, log_, split, args, exclude: bool) -> dict:
+    """``hstu eval --slices``: :func:`hstu.train.slices.scorer_slices` of the run on ``args.split``
+    (next item / action, purchase, repeat vs new targets, cold start, long tail; 95 % bootstrap CIs)."""
+    from hstu.train.baselines import training_counts
+    from hstu.train.slices import ModelScorer, scorer_slices
+
+    scorer = ModelScorer(model, Path(args.run).name, model.pos_emb.weight.device)
+    report, _ = scorer_slices(
+        scorer, log_, split, args.split, exclude=exclude, popularity=training_counts(log_, split), resamples=args.resamples
+    )
+    return report
+
+
+def _slice_cells(report: dict) -> dict:
+    from hstu.report.slices import cells
+
+    return cells(report) if report else {}
 
 
 def _history_from_file(path: str):
@@ -111,7 +140,11 @@ def _history_from_file(path: str):
             raise HistoryError(f"{p}: event [{i}] has unknown field(s) {extra}; valid: item_id, timestamp, action")
         if e.get("action") is not None and not isinstance(e["action"], str):
             raise HistoryError(f"{p}: event [{i}].action must be a string or null, got {e['action']!r}")
-        for f in ("item_id", "timestamp"):
+        if isinstance(e["item_id"], str):  # a text id: the run's id map decides (Recommender.prepare)
+            pass
+        elif not isinstance(e["item_id"], int) or isinstance(e["item_id"], bool):
+            raise HistoryError(f"{p}: event [{i}].item_id must be an integer or a text id, got {e['item_id']!r}")
+        for f in ("item_id", "timestamp") if isinstance(e["item_id"], int) else ("timestamp",):
             if not isinstance(e[f], int) or isinstance(e[f], bool):
                 raise HistoryError(f"{p}: event [{i}].{f} must be an integer, got {e[f]!r}")
             if not -INT64_MAX <= e[f] <= INT64_MAX or (f == "timestamp" and e[f] < 0):
@@ -166,11 +199,16 @@ def cmd_generate(args) -> int:
     rec = Recommender.from_run(args.run, args.device, args.precision)
     check_k(args.k, rec.model.cfg.max_output_len, "-k")
     cfg = read_json(Path(args.run) / "config.json")
-    hist = _history_from_file(args.history) if args.history else history_of(_run_data(cfg, args.data_dir)[0], args.user)
+    if args.history:
+        hist = _history_from_file(args.history)
+    else:
+        log_ = _run_data(cfg, args.data_dir)[0]
+        args.user = log_.user_id(args.user)  # the data set's id (int, or trimmed text); KeyError names an unknown one
+        hist = history_of(log_, args.user)
     if args.request_time is not None:
         hist.request_time = args.request_time
     prep = rec.prepare(hist, unknown=args.unknown_items)
-    excl = None if args.exclude_history is None else args.exclude_history == "yes"
+    excl = args.exclude_history
     allow = True if args.allow_untrained_items else None
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
     need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
@@ -293,13 +331,21 @@ def _add_eval(sub) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--json", action="store_true")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
+    e.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
+    e.add_argument(
+        "--slices",
+        action="store_true",
+        help="also the evaluation slices with 95 %% bootstrap intervals: next action, purchase targets, repeat vs new targets, "
+        "cold start (history cut to 1 and 2 events), long-tail share of the next 10 (generates for every user: slower)",
+    )
+    e.add_argument("--resamples", type=number_in(int, 10), default=1000, help="bootstrap resamples of --slices (default 1000)")
     e.set_defaults(func=cmd_eval)
 
 
 def _add_generate(sub) -> None:
     q = sub.add_parser("generate", help="next-k items for a user, a history file, or every user (--all-users)")
     q.add_argument("--run", required=True)
-    q.add_argument("--user", type=int, help="original user id in the run's data set")
+    q.add_argument("--user", help="original user id in the run's data set (an integer, or a text id as in the data)")
     q.add_argument("--history", help='JSON list of {"item_id", "timestamp"[, "action"]} events')
     q.add_argument("-k", type=int, default=5, help="items to generate, 1..the model's max_output_len (default 5)")
     q.add_argument("--strategy", default="greedy", choices=["greedy", "topk", "beam"])
@@ -319,7 +365,7 @@ def _add_generate(sub) -> None:
         "(default: $HSTU_DATA_DIR, else the directory recorded in the run)",
     )
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
-    q.add_argument("--exclude-history", choices=["yes", "no"], help="default: the data set's (yes for ML-1M, no for e-commerce)")
+    q.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])
     q.add_argument(
         "--allow-untrained-items",

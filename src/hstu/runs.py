@@ -44,6 +44,7 @@ from hstu import backend
 from hstu.config import ModelConfig, TrainConfig, model_config_from_dict, to_dict
 from hstu.data import EventLog, Split
 from hstu.data.prepare import DataSpec, train_item_counts
+from hstu.data.sequences import is_text
 from hstu.model.checkpoint import (
     crash_point,
     load_state,
@@ -130,13 +131,15 @@ def read_config(run: str | Path) -> dict:
 
 
 def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
-    """idmap.json's object for ``log_``: ``item_raw_ids`` (I+1 original ids, 0 for padding),
+    """idmap.json's object for ``log_``: ``item_raw_ids`` (I+1 original ids, 0 for padding; text
+    ids as JSON strings, "" for padding), ``user_ids`` ("int" | "text": the kind of the user ids),
     ``item_category`` (I+1), titles, action names, the exclusion default, the last timestamp
     (Unix s), data facts, and with ``split`` ``item_train_counts`` (I+1 training events per item)."""
     raw = log_.item_raw_ids.tolist()
     return {
         "dataset": log_.name,
         "item_raw_ids": raw,
+        "user_ids": "text" if is_text(log_.users) else "int",
         "item_category": log_.item_category.tolist(),
         "category_raw_ids": None if log_.category_raw_ids is None else log_.category_raw_ids.tolist(),
         "action_names": log_.action_names,
@@ -189,7 +192,7 @@ def check_items_match(run: Path, cfg: dict, ids: dict) -> None:
 
 # -- starting and resuming a run ----------------------------------------------------------------------------------
 
-RESUME_DATA_FIELDS = ("dataset", "protocol", "max_users", "skip_bad_rows", "options")  # data_dir may move
+RESUME_DATA_FIELDS = ("dataset", "protocol", "max_users", "skip_bad_rows", "options", "exclude_history")  # data_dir may move
 _FLAGS = {"options": "--columns", "skip_bad_rows": "--skip-bad-rows"}
 
 

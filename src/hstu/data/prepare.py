@@ -10,7 +10,7 @@ padding).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,7 +24,9 @@ PROTOCOLS = ("clean", "paper")
 @dataclass
 class DataSpec:
     """What a run trains on (config.json ``data``): a named data set in ``data_dir``, the split
-    protocol, the first ``max_users`` users (None: all), loader ``options`` (e.g. ``columns``)."""
+    protocol, the first ``max_users`` users (None: all), loader ``options`` (e.g. ``columns``),
+    the candidate policy ``exclude_history`` (None: the data set's default, on for MovieLens /
+    Amazon ratings, off for e-commerce event logs; used by validation, test, generate and serve)."""
 
     dataset: str = "ml-1m"
     data_dir: str = ""
@@ -32,6 +34,7 @@ class DataSpec:
     max_users: int | None = None
     skip_bad_rows: bool = False
     options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
+    exclude_history: bool | None = None  # drop history items from the candidates; None: EventLog.exclude_history_default
 
     def validate(self) -> None:
         if not self.dataset:
@@ -52,7 +55,15 @@ def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
     log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
     if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
         log_ = subset_users(log_, spec.max_users)
-    return log_, make_split(log_, spec.protocol)
+    return with_policy(log_, spec), make_split(log_, spec.protocol)
+
+
+def with_policy(log_: EventLog, spec: DataSpec) -> EventLog:
+    """``log_`` with ``spec.exclude_history`` as its candidate policy (``exclude_history_default``,
+    which every evaluation and idmap.json read), a shallow copy; ``log_`` itself when None."""
+    if spec.exclude_history is None or spec.exclude_history == log_.exclude_history_default:
+        return log_
+    return replace(log_, exclude_history_default=bool(spec.exclude_history))
 
 
 def subset_users(log_: EventLog, n: int) -> EventLog:

@@ -3,7 +3,7 @@
 Layout (TorchRec-style values + offsets), for U users and E events in total:
 
     user u's events are rows offsets[u] : offsets[u+1] of every per-event array
-    users        (U,)   int64  original user ids, ascending
+    users        (U,)   original user ids, ascending: int64, or object (str) for text ids
     offsets      (U+1,) int64
     items        (E,)   int64  dense item ids 1..I (0 is padding, never stored)
     timestamps   (E,)   int64  Unix seconds, non-decreasing within a user
@@ -12,6 +12,12 @@ Layout (TorchRec-style values + offsets), for U users and E events in total:
 
 Example: users [7, 9], offsets [0, 2, 5] → user 7 has events 0-1, user 9 has events 2-4.
 Events are stably sorted by their exact time (before flooring to s), so equal times keep file order.
+
+Original ids (users and items, each on its own) are integers (int64) or texts. A text id is the
+string with surrounding whitespace removed, case kept ("SKU-001" and "sku-001" are two items); an
+empty id is refused. A text id map holds "" at row 0 (the padding entry), an integer one 0.
+Lookups (:func:`as_ids`, :class:`IdIndex`) take either form: an int given to a text map is its
+decimal text, a decimal string given to an integer map is that integer; a bool is never an id.
 """
 
 from __future__ import annotations
@@ -24,6 +30,94 @@ import pandas as pd
 
 log = logging.getLogger(__name__)
 
+ID_MAX_CHARS = 256  # longest text id (the HTTP user_id limit); longer ones are refused with their position
+
+
+def is_text(ids) -> bool:
+    """Whether an id array (users or item_raw_ids) holds text ids (NumPy object / str dtype)."""
+    return np.asarray(ids).dtype.kind in "OUS"
+
+
+def _one_id(x, text: bool, where: str):
+    if isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{where}: a boolean is not an id: {x!r}")
+    if text:
+        if not isinstance(x, (str, int, np.integer)):
+            raise ValueError(f"{where}: not a text or integer id: {x!r}")
+        s = str(x).strip()
+        if not s or len(s) > ID_MAX_CHARS:
+            raise ValueError(f"{where}: an id must be 1..{ID_MAX_CHARS} characters after trimming, got {x!r}")
+        return s
+    try:
+        v = int(x.strip()) if isinstance(x, str) else x
+        if not isinstance(v, (int, np.integer)) or not -(2**63) <= int(v) < 2**63:
+            raise ValueError
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{where}: not an integer id (this run's ids are integers): {x!r}") from None
+
+
+def as_ids(values, text: bool, where: str = "id") -> np.ndarray:
+    """Original ids as an id map of that kind holds them (the rule in the module docstring).
+
+    Args:
+        values: a sequence of ids (int, str or NumPy scalars).
+        text: the map's kind (:func:`is_text` of it).
+        where: the name of the field in messages, with the index at ``{i}`` (e.g.
+            ``"history[{i}].item_id"``) or appended (``where[3]``).
+    Returns:
+        (n,) object array of trimmed str when ``text``, else (n,) int64.
+    Raises:
+        ValueError naming ``where[i]`` and the value: a bool, an empty or over-long text, a
+        non-integer for an integer map, or a value of another type.
+    """
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and not text:
+        return values.astype(np.int64).reshape(-1)
+    vals = list(values)
+    if not text and all(type(x) is int for x in vals):  # the common case: no per-item parse
+        try:
+            return np.asarray(vals, dtype=np.int64).reshape(-1)
+        except OverflowError:
+            pass
+    out = np.empty(len(vals), dtype=object if text else np.int64)
+    for i, x in enumerate(vals):
+        out[i] = _one_id(x, text, where.format(i=i) if "{i}" in where else f"{where}[{i}]")
+    return out
+
+
+def _id_column(col: pd.Series, name: str, what: str) -> np.ndarray:
+    """A frame's id column as int64 (integer ids) or trimmed str (object; any text in it)."""
+    if pd.api.types.is_bool_dtype(col):
+        raise ValueError(f"{name}: column {what} holds booleans, not ids")
+    if pd.api.types.is_integer_dtype(col):
+        return col.to_numpy(np.int64)
+    if pd.api.types.is_float_dtype(col):
+        return col.to_numpy().astype(np.int64)
+    vals = col.to_numpy(dtype=object)
+    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in vals):
+        return vals.astype(np.int64)
+    return as_ids(vals, text=True, where=f"{name}: {what} row")
+
+
+class IdIndex:
+    """Original id -> dense id over an id map whose row 0 is the padding entry (one binary
+    search over the sorted ids, not a dict lookup per event). ``raw``: (I+1,) int64 or text ids
+    (idmap.json ``item_raw_ids``, ``EventLog.item_raw_ids``)."""
+
+    def __init__(self, raw) -> None:
+        raw = np.asarray(raw, dtype=object) if is_text(raw) else np.asarray(raw, dtype=np.int64)
+        self.text = raw.dtype == object
+        order = np.argsort(raw[1:], kind="stable")
+        self.sorted, self.dense_sorted = raw[1:][order], (order + 1).astype(np.int64)
+
+    def dense(self, values, where: str = "item_id") -> np.ndarray:
+        """(n,) int64 dense ids of original ids ``values`` (0 where unknown); ValueError as :func:`as_ids`."""
+        raw = as_ids(values, self.text, where)
+        if not len(self.sorted) or not len(raw):
+            return np.zeros(len(raw), np.int64)
+        pos = np.searchsorted(self.sorted, raw).clip(max=len(self.sorted) - 1)
+        return np.where(self.sorted[pos] == raw, self.dense_sorted[pos], 0).astype(np.int64)
+
 
 @dataclass
 class EventLog:
@@ -35,7 +129,7 @@ class EventLog:
     actions: np.ndarray
     categories: np.ndarray
     values: np.ndarray
-    item_raw_ids: np.ndarray  # (I+1,) original id of each dense id; [0] = 0 (padding)
+    item_raw_ids: np.ndarray  # (I+1,) original id of each dense id (int64, or object str); [0] = 0 or "" (padding)
     item_category: np.ndarray  # (I+1,) dense category of each item (0 = none)
     action_names: list[str] = field(default_factory=list)  # action id a -> action_names[a - 1]
     category_raw_ids: np.ndarray | None = None  # (C+1,) original category ids
@@ -68,21 +162,27 @@ class EventLog:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def user_index(self, raw_user_id: int) -> int:
-        """Row of an original user id; KeyError names the id."""
-        i = int(np.searchsorted(self.users, raw_user_id))
-        if i >= len(self.users) or self.users[i] != raw_user_id:
-            raise KeyError(f"unknown user id {raw_user_id}: not among the {len(self.users)} users of {self.name} in this run")
+    def user_index(self, raw_user_id: int | str) -> int:
+        """Row of an original user id (int or text, as :func:`as_ids` reads it); KeyError names the
+        id (also one of the wrong kind, e.g. "abc" for integer user ids)."""
+        try:
+            u = as_ids([raw_user_id], is_text(self.users), "user")[0]
+        except ValueError:
+            u = None
+        i = 0 if u is None else int(np.searchsorted(self.users, u))
+        if u is None or i >= len(self.users) or self.users[i] != u:
+            raise KeyError(f"unknown user id {raw_user_id!r}: not among the {len(self.users)} users of {self.name} in this run")
         return i
 
+    def user_id(self, raw_user_id: int | str) -> int | str:
+        """The data set's form of an original user id (int, or trimmed text); KeyError as :meth:`user_index`."""
+        i = self.user_index(raw_user_id)
+        return self.users[i : i + 1].tolist()[0]
+
     def item_dense(self, raw_ids) -> np.ndarray:
-        """Original item ids -> dense ids; unknown ids map to 0 (callers decide the policy)."""
-        raw = np.asarray(raw_ids, dtype=np.int64)
-        order = np.argsort(self.item_raw_ids[1:])
-        sorted_raw = self.item_raw_ids[1:][order]
-        pos = np.searchsorted(sorted_raw, raw).clip(0, max(len(sorted_raw) - 1, 0))
-        found = (len(sorted_raw) > 0) & (sorted_raw[pos] == raw) if len(sorted_raw) else np.zeros(raw.shape, bool)
-        return np.where(found, order[pos] + 1, 0).astype(np.int64)
+        """Original item ids (int or text) -> (n,) int64 dense ids; unknown ids map to 0 (callers
+        decide the policy). ValueError as :func:`as_ids` for a value that is no id (a bool)."""
+        return IdIndex(self.item_raw_ids).dense(raw_ids)
 
     @classmethod
     def from_frame(
@@ -96,20 +196,24 @@ class EventLog:
         exclude_history_default: bool = True,
         skipped_rows: int = 0,
     ) -> "EventLog":
-        """Build from a frame with columns user_id, item_id, timestamp (int64 Unix s) and optional
+        """Build from a frame with columns user_id, item_id (int64, or text: trimmed str, see the
+        module docstring), timestamp (int64 Unix s) and optional
         action (str or int), category (int), value, subsecond_ns (int64, the part of the source's
         exact time below the second, 0..1e9-1: events are sorted on timestamp then it, so ms / ns
-        times keep their order after flooring to s). Dense ids follow ascending original ids."""
+        times keep their order after flooring to s). Dense ids follow ascending original ids.
+        Raises ValueError naming the column and row of an empty or boolean id."""
         if df.empty:
             raise ValueError(f"{name}: no events")
         df = df.reset_index(drop=True)
+        user_col, item_col = _id_column(df["user_id"], name, "user_id"), _id_column(df["item_id"], name, "item_id")
+        users, user_code = np.unique(user_col, return_inverse=True)
         sub = df["subsecond_ns"].to_numpy() if "subsecond_ns" in df else np.zeros(len(df), np.int64)
-        order = np.lexsort((np.arange(len(df)), sub, df["timestamp"].to_numpy(), df["user_id"].to_numpy()))
+        order = np.lexsort((np.arange(len(df)), sub, df["timestamp"].to_numpy(), user_code))
         df = df.iloc[order].reset_index(drop=True)  # by user, then exact time, ties in file order
-        users, counts = np.unique(df["user_id"].to_numpy(), return_counts=True)
+        counts = np.bincount(user_code, minlength=len(users))
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        item_raw, items = np.unique(df["item_id"].to_numpy(), return_inverse=True)
-        item_raw_ids = np.concatenate([[0], item_raw]).astype(np.int64)
+        item_raw, items = np.unique(item_col[order], return_inverse=True)
+        item_raw_ids = np.concatenate([np.array(["" if is_text(item_raw) else 0], dtype=item_raw.dtype), item_raw])
         items = (items + 1).astype(np.int64)
         n = len(df)
         actions = np.zeros(n, np.int64)
@@ -132,13 +236,13 @@ class EventLog:
         elif item_genres:
             genre_names = sorted({g for gs in item_genres.values() for g in gs})
             glut = {g: i + 1 for i, g in enumerate(genre_names)}
-            first = np.array([glut[item_genres[r][0]] if item_genres.get(r) else 0 for r in item_raw_ids[1:]], np.int64)
+            first = np.array([glut[item_genres[r][0]] if item_genres.get(r) else 0 for r in item_raw_ids[1:].tolist()], np.int64)
             item_category[1:] = first
         values = df["value"].to_numpy(np.int64) if "value" in df else np.zeros(n, np.int64)
         log.info("%s: %d events, %d users, %d items", name, n, len(users), len(item_raw))
         return cls(
             name=name,
-            users=users.astype(np.int64),
+            users=users,
             offsets=offsets,
             items=items,
             timestamps=df["timestamp"].to_numpy(np.int64),

@@ -11,9 +11,9 @@ order), ranks 1..k:
 ==========  ===========  =====================================================
 column      type         content
 ==========  ===========  =====================================================
-user_id     int64        original user id
+user_id     int64        original user id (string for a data set of text user ids)
 rank        int32        1..k, the generation order (greedy / top-k) or the best beam's order
-item_id     int64        original item id
+item_id     int64        original item id (string for a data set of text item ids)
 score       float32      the model's score of the item at that step (cosine / temperature)
 title       string       the item's title (runs whose data set has titles; null where none)
 action      string       the predicted action (runs with a next-action head)
@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from hstu.config import DecodeOptions
+from hstu.data.sequences import as_ids, is_text
 from hstu.generate.recommend import History, HistoryError, Recommender
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,8 @@ def output_format(out: str | Path) -> str:
 def output_columns(idmap: dict) -> list[tuple[str, str]]:
     """(name, type) of the output columns for a run's ``idmap.json`` content: the base columns,
     then title / action / category where the run has them (the table in the module docstring)."""
-    cols = list(BASE_COLUMNS)
+    text = {"user_id": idmap.get("user_ids") == "text", "item_id": is_text(idmap.get("item_raw_ids", [0]))}
+    cols = [(name, "string" if text.get(name) else kind) for name, kind in BASE_COLUMNS]
     if idmap.get("titles"):
         cols.append(("title", "string"))
     if idmap.get("action_names"):
@@ -145,14 +147,15 @@ def read_users_file(path: str | Path, log_) -> list[int]:
         if not s:
             continue
         try:
-            u = int(s)
-        except ValueError:
-            raise ValueError(f"{p}:{n}: expected one integer user id per line, got {s!r}") from None
+            u = as_ids([s], is_text(log_.users), f"{p}:{n}: user id")[0]
+        except ValueError as exc:
+            raise ValueError(f"{exc} (one user id per line)") from None
         if u in seen:
             raise ValueError(f"{p}:{n}: user {u} repeats line {seen[u]}")
-        i = int(np.searchsorted(log_.users, u))
-        if i >= len(log_.users) or log_.users[i] != u:
-            raise ValueError(f"{p}:{n}: user {u} is not among the {len(log_.users)} users of the run's data set")
+        try:
+            log_.user_index(u)
+        except KeyError:
+            raise ValueError(f"{p}:{n}: user {u} is not among the {len(log_.users)} users of the run's data set") from None
         seen[u] = n
         users.append(u)
     if not users:
@@ -343,7 +346,9 @@ def job_identity(spec: BatchSpec, users: list[int], chunk_users: int, fmt: str) 
     return {
         **s,
         "run_files": files,
-        "users": hashlib.sha256(np.asarray(users, dtype=np.int64).tobytes()).hexdigest(),
+        "users": hashlib.sha256(
+            json.dumps(users).encode() if any(isinstance(u, str) for u in users) else np.asarray(users, dtype=np.int64).tobytes()
+        ).hexdigest(),
         "n_users": len(users),
         "chunk_users": chunk_users,
         "format": fmt,
@@ -380,7 +385,7 @@ def run_batch(
     fmt = output_format(out)
     if chunk_users < 1 or workers < 1 or spec.batch_users < 1:
         raise ValueError(f"chunk_users, workers and batch_users must be >= 1, got {chunk_users}, {workers}, {spec.batch_users}")
-    users = [int(u) for u in (log_.users if users is None else users)]
+    users = (log_.users if users is None else np.asarray(users, dtype=log_.users.dtype)).tolist()  # int or text ids
     if engine == "ray":
         from hstu.generate.batch_ray import check_ray
 

@@ -83,7 +83,7 @@ def cmd_all_users(args, load_log: Callable[[dict], object]) -> int:
         run=str(args.run),
         k=args.k,
         decoding=DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed),
-        exclude_history=None if args.exclude_history is None else args.exclude_history == "yes",
+        exclude_history=args.exclude_history,
         allow_untrained=True if args.allow_untrained_items else None,
         request_time=args.request_time,
         device=args.device,

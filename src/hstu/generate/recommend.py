@@ -33,6 +33,7 @@ from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.hardening import harden
 from hstu.generate.requests import smallest_edge
 from hstu.generate.sampler import exclusion_mask
+from hstu.data.sequences import IdIndex
 from hstu.model.hstu import HSTUModel
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,17 @@ class HistoryError(ValueError):
 
 @dataclass
 class History:
-    """One user's events, original ids. items, timestamps (Unix s), actions: equal lengths."""
+    """One user's events, original ids. items, timestamps (Unix s), actions: equal lengths.
 
-    items: list[int]
+    Item ids are the run's original ids, int or text (:mod:`hstu.data.sequences`: a text id is
+    trimmed, case kept; an int given to a run of text ids is its decimal text, a decimal text
+    given to a run of integer ids is that integer); a bool is refused (HistoryError)."""
+
+    items: list[int | str]
     timestamps: list[int]
     actions: list[str] | None = None
     request_time: int | None = None  # default: the last event's time
-    exclude: list[int] = field(default_factory=list)  # user block list (original ids)
+    exclude: list[int | str] = field(default_factory=list)  # user block list (original ids)
 
 
 @dataclass
@@ -80,11 +85,9 @@ class Recommender:
         self.model = model.eval()
         self.device = backend.select(device).device
         self.idmap = idmap
-        raw = np.asarray(idmap["item_raw_ids"], dtype=np.int64)
-        self.raw_ids = raw
-        self._dense = {int(r): i for i, r in enumerate(raw) if i > 0}
-        order = np.argsort(raw[1:], kind="stable")  # raw ids sorted, for a vectorised id map
-        self._raw_sorted, self._dense_sorted = raw[1:][order], (order + 1).astype(np.int64)
+        self.ids = IdIndex(idmap["item_raw_ids"])  # original -> dense (int64 or text ids)
+        raw = np.asarray(idmap["item_raw_ids"], dtype=object if self.ids.text else np.int64)
+        self.raw_ids = raw  # (I+1,) original id of each dense id
         self.titles = idmap.get("titles", {})
         self.item_category_np = np.asarray(idmap.get("item_category") or [0] * len(raw), dtype=np.int64)  # (I+1,) for prepare
         self.item_category = torch.from_numpy(self.item_category_np).to(self.device)  # (I+1,) for generation
@@ -205,7 +208,7 @@ class Recommender:
         if rt < int(ts[keep_a].max()):
             warnings.append("request_time is earlier than the last event; using the last event's time")
             rt = int(ts[keep_a].max())
-        block = [self._dense[int(x)] for x in h.exclude if int(x) in self._dense]
+        block = [int(d) for d in self.dense_ids(h.exclude, "exclude[{i}]") if d > 0]
         return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
 
     def _warn_untrained(self, ids: np.ndarray, warnings: list[str]) -> None:
@@ -214,7 +217,7 @@ class Recommender:
             return
         cold = self.untrained_np[ids]
         if cold.any():
-            raw = sorted({int(r) for r in self.raw_ids[ids[cold]]})
+            raw = sorted(set(self.raw_ids[ids[cold]].tolist()))
             how = (
                 "the model ignores their embeddings (cold_item_dropout)"
                 if self.allow_untrained_default
@@ -297,24 +300,15 @@ class Recommender:
             warnings.append(f"unknown action(s) {unknown[:5]} (this run's: {self.action_names}); those events count as no action")
         return acts
 
-    def dense_ids(self, raw_ids) -> np.ndarray:
-        """Original item ids -> (n,) int64 dense ids, 0 where unknown (one binary search over the
-        sorted id map instead of a dict lookup per event). Raises HistoryError naming the first id
-        that is not an integer."""
+    def dense_ids(self, raw_ids, where: str = "history[{i}].item_id") -> np.ndarray:
+        """Original item ids (int or text) -> (n,) int64 dense ids, 0 where unknown
+        (:class:`hstu.data.sequences.IdIndex`). Raises HistoryError naming ``where`` (``{i}``: the
+        index) for a value that is no id of this run's kind (a bool, a non-integer text for
+        integer ids, an empty text)."""
         try:
-            raw = np.asarray(raw_ids, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError, OverflowError):  # numeric strings, ids past int64: one at a time
-            out = []
-            for i, x in enumerate(raw_ids):
-                try:
-                    out.append(self._dense.get(int(x), 0))
-                except (TypeError, ValueError, OverflowError):
-                    raise HistoryError(f"history[{i}].item_id: not an integer id: {x!r}") from None
-            return np.asarray(out, dtype=np.int64)
-        if not len(self._raw_sorted):
-            return np.zeros(len(raw), np.int64)
-        pos = np.searchsorted(self._raw_sorted, raw).clip(max=len(self._raw_sorted) - 1)
-        return np.where(self._raw_sorted[pos] == raw, self._dense_sorted[pos], 0)
+            return self.ids.dense(raw_ids, where)
+        except ValueError as exc:
+            raise HistoryError(str(exc)) from None
 
     def batch(self, preps: list[Prepared], width: int | None = None) -> dict[str, torch.Tensor]:
         """Right-padded tensors (B, W) for prepared histories; W = width or the longest."""
@@ -333,7 +327,8 @@ class Recommender:
         return {k: torch.from_numpy(v).to(self.device) for k, v in host.items()}
 
     def describe(self, dense: int, score: float, action: int | None = None) -> dict:
-        raw = int(self.raw_ids[dense])
+        raw = self.raw_ids[dense]
+        raw = raw if self.ids.text else int(raw)
         item = {"item_id": raw, "score": float(score)}
         title = self.titles.get(str(raw))
         if title is not None:

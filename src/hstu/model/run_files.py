@@ -37,6 +37,10 @@ def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(type(x) is int for x in v)
 
 
+def _texts(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is str for x in v)
+
+
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -78,7 +82,11 @@ def check_idmap(where: str, obj: Any) -> dict:
     of its length, titles, action names, the exclusion default."""
     _object(where, obj)
     raw = _field(
-        where, obj, "item_raw_ids", lambda v: _ints(v) and len(v) >= 1 and v[0] == 0, "a list of integer ids starting with 0 (padding)"
+        where,
+        obj,
+        "item_raw_ids",
+        lambda v: (_ints(v) and len(v) >= 1 and v[0] == 0) or (_texts(v) and len(v) >= 1 and v[0] == ""),
+        'a list of integer ids starting with 0, or of text ids starting with "" (padding)',
     )
     n = len(raw)
     for name in ("item_category", "item_train_counts"):  # one entry per item

@@ -103,8 +103,7 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
     except (FileNotFoundError, ValueError, KeyError, TypeError, OSError) as exc:
         log.warning("cold start disabled: cannot load the run's training data (%s); pass --data-dir to enable it", exc)
         return None
-    raw = np.asarray(idmap.get("item_raw_ids", []), dtype=np.int64)
-    if raw.shape != log_.item_raw_ids.shape or not np.array_equal(raw, log_.item_raw_ids):
+    if idmap.get("item_raw_ids", []) != log_.item_raw_ids.tolist():  # int or text ids, as idmap.json holds them
         log.warning("cold start disabled: the data at %s does not match the run's item vocabulary", spec.data_dir)
         return None
     return popularity_from_log(log_, split, source=f"{spec.dataset} at {spec.data_dir} (training events, protocol {spec.protocol})")

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+from hstu.data.sequences import ID_MAX_CHARS
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions
 
 
@@ -28,10 +29,14 @@ class _Strict(BaseModel):
 
 
 def _user_id(v: Any) -> int | str | None:
-    if (
-        v is None
-        or (isinstance(v, str) and len(v) <= USER_ID_MAX_CHARS)
-        or (isinstance(v, int) and not isinstance(v, bool) and -INT64_MAX - 1 <= v <= INT64_MAX)
+    return None if v is None else _item_id(v, "user_id_type", " or null")
+
+
+def _item_id(v: Any, error: str = "id_type", null: str = "") -> int | str:
+    """An original id as given: an int64 integer or a string of at most USER_ID_MAX_CHARS characters
+    (the run maps it: :mod:`hstu.data.sequences`); anything else one error naming the field."""
+    if (isinstance(v, str) and len(v) <= USER_ID_MAX_CHARS) or (
+        isinstance(v, int) and not isinstance(v, bool) and -INT64_MAX - 1 <= v <= INT64_MAX
     ):
         return v
     kind = {
@@ -43,35 +48,31 @@ def _user_id(v: Any) -> int | str | None:
         str: f"a string over {USER_ID_MAX_CHARS} characters",
     }.get(type(v), type(v).__name__)
     raise PydanticCustomError(
-        "user_id_type",
-        "must be an int64 integer, a string of at most {n} characters or null, got {kind}",
+        error,
+        "must be an int64 integer, a string of at most {n} characters" + null + ", got {kind}",
         {"kind": kind, "n": USER_ID_MAX_CHARS},
     )
 
 
-USER_ID_MAX_CHARS = 256
+USER_ID_MAX_CHARS = ID_MAX_CHARS  # text ids: users and items alike
+_ID_SCHEMA = [{"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX}, {"type": "string", "maxLength": USER_ID_MAX_CHARS}]
+
+# an original item id, int or text (one error naming the field, as UserId)
+ItemId = Annotated[int | str, PlainValidator(_item_id), WithJsonSchema({"anyOf": _ID_SCHEMA})]
 
 
 # one error naming user_id (a plain ``int | str`` union reports "user_id.int" and "user_id.str")
 UserId = Annotated[
     int | str | None,
     PlainValidator(_user_id),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
-                {"type": "string", "maxLength": USER_ID_MAX_CHARS},
-                {"type": "null"},
-            ]
-        }
-    ),
+    WithJsonSchema({"anyOf": [*_ID_SCHEMA, {"type": "null"}]}),
 ]
 
 
 class Event(_Strict):
     """One history event: original item id, Unix seconds, optional action name (e.g. "buy")."""
 
-    item_id: int = Field(ge=-INT64_MAX, le=INT64_MAX, description="original item id, as in the training data")
+    item_id: ItemId = Field(description="original item id as in the training data: an integer, or a text (trimmed, case kept)")
     timestamp: int = Field(ge=0, le=INT64_MAX, description="Unix seconds")
     action: str | None = Field(
         default=None, max_length=64, description="action name from the run's idmap (unknown names count as none, with a warning)"
@@ -119,7 +120,7 @@ class GenerateRequest(_Strict):
     history: list[Event] = Field(description="events, ideally oldest first")
     # range checked by the app against the loaded model (hstu.config.check_k: the message `hstu generate -k` gives)
     k: int = Field(default=5, description="items to return, 1..the model's max_output_len", json_schema_extra={"minimum": 1})
-    exclude: list[int] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
+    exclude: list[ItemId] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
     exclude_history: bool | None = Field(default=None, description="never return history items (default: the data set's)")
     allow_untrained_items: bool | None = Field(
         default=None, description="may return items without training events (default: only for a run trained with cold_item_dropout > 0)"
@@ -136,14 +137,14 @@ class ScoreRequest(_Strict):
 
     user_id: UserId = None
     history: list[Event] = Field(description="at least one event (no cold-start scoring)")
-    candidates: list[int] = Field(min_length=1, description="original item ids to score")
+    candidates: list[ItemId] = Field(min_length=1, description="original item ids to score")
     request_time: int | None = Field(default=None, ge=0, le=INT64_MAX)
     unknown_items: UnknownPolicy | None = None
     timestamp_order: OrderPolicy | None = None
 
 
 class Item(BaseModel):
-    item_id: int
+    item_id: int | str
     score: float
     action: str | None = None
     title: str | None = None

@@ -121,7 +121,6 @@ class Service:
         self.model: Executor = self._executor(run_dir)
         kinds = ("host",) if self.backend.is_host else ("device", "host")  # one memory budget on a host backend
         self.metrics = ServeMetrics(self.model.buckets, kinds)
-        self.dense = {int(r): i for i, r in enumerate(rec.raw_ids) if i > 0}  # original id -> dense id
         self.max_bucket = self.model.buckets[-1]
         self.batcher: MicroBatcher | None = None
         self.warm_task: asyncio.Task | None = None
@@ -246,7 +245,11 @@ class Service:
             request_time,
             list(exclude or []),
         )
-        if unknown == "drop" and not any(e.item_id in self.dense for e in history):
+        try:
+            known = self.rec.dense_ids(h.items) > 0  # (n,) original (int or text) ids of this run
+        except HistoryError as exc:
+            raise _invalid(exc) from None
+        if unknown == "drop" and not known.any():
             return None, [f"dropped {len(history)} event(s) with unknown item ids; no history left"]
         try:
             p = self.rec.prepare(h, unknown=unknown, order=order)
@@ -276,7 +279,10 @@ class Service:
             raise _invalid(exc) from None
 
     def cold_start(self, k: int, exclude: list[int] | None) -> list[dict]:
-        blocked = {self.dense[int(x)] for x in (exclude or []) if int(x) in self.dense}
+        try:
+            blocked = {int(d) for d in self.rec.dense_ids(exclude or [], "exclude[{i}]") if d > 0}
+        except HistoryError as exc:
+            raise _invalid(exc) from None
         return [self.rec.describe(d, s) for d, s in self.popularity.top(k, blocked)]
 
     # ----- requests -----
@@ -341,16 +347,14 @@ class Service:
                 422, "validation_error", f"candidates: at most {policy.max_candidates} per request, got {len(req.candidates)}", "candidates"
             )
         unknown = req.unknown_items or policy.unknown_items
-        dense = np.zeros(len(req.candidates), dtype=np.int64)
-        missing = []
-        for i, c in enumerate(req.candidates):
-            d = self.dense.get(int(c))
-            if d is None:
-                if unknown == "reject":
-                    raise ApiError(422, "validation_error", f"candidates[{i}]: unknown item id {c}", f"candidates[{i}]")
-                missing.append(i)
-            else:
-                dense[i] = d
+        try:
+            dense = self.rec.dense_ids(req.candidates, "candidates[{i}]")  # (C,) 0 = unknown
+        except HistoryError as exc:
+            raise _invalid(exc) from None
+        missing = np.nonzero(dense == 0)[0].tolist()
+        if missing and unknown == "reject":
+            i = missing[0]
+            raise ApiError(422, "validation_error", f"candidates[{i}]: unknown item id {req.candidates[i]!r}", f"candidates[{i}]")
         prep, warnings = self.prepare(req.history, req.request_time, None, req.unknown_items, req.timestamp_order)
         if prep is None:
             raise ApiError(

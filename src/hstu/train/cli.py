@@ -10,12 +10,13 @@ adds the command to ``hstu`` and turns the errors a user can fix into one line a
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 from pathlib import Path
 
-from hstu.cli import NO_DATA, default_data_dir, number_in
+from hstu.cli import EXCLUDE_HISTORY_HELP, NO_DATA, default_data_dir, number_in
 
 ARCHITECTURES = ("hstu", "sasrec")  # ModelConfig.architecture (hstu.model.hstu.build_hstu)
 
@@ -25,7 +26,11 @@ log = logging.getLogger("hstu")
 def add_train_parser(sub) -> None:
     """``hstu train``; ``python -m hstu.train`` parses with it too (as ``hstu train --distributed``)."""
     t = sub.add_parser("train", help="train a model on a data set")
-    t.add_argument("--dataset", help="ml-1m | taobao | retailrocket | csv (default ml-1m; with --resume: the run's)")
+    t.add_argument(
+        "--dataset",
+        help="ml-100k | ml-1m | ml-10m | ml-20m | ml-25m | ml-latest | ml-latest-small | amazon | sequences | taobao | retailrocket | csv "
+        "(default ml-1m; with --resume: the run's)",
+    )
     t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
     g = t.add_mutually_exclusive_group()
     g.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
@@ -53,7 +58,9 @@ def add_train_parser(sub) -> None:
         "paper: all but last / last",
     )
     t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
-    t.add_argument("--columns", help="csv column mapping, e.g. user=uid,item=iid,time=ts,action=event")
+    t.add_argument("--columns", help="csv columns by name or 0-based position, e.g. user=uid,item=iid,time=ts (no time: order-only)")
+    t.add_argument("--format", help="csv file format, e.g. sep=;,header=none (sep: a character or tab|comma|semicolon|pipe|space)")
+    t.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     r = t.add_mutually_exclusive_group()
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
     r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
@@ -94,6 +101,7 @@ def cmd_train(args) -> int:
     :func:`hstu.train.loop.fit`, with the distributed strategy under --distributed; rank 0 prints metrics.json."""
     _check_out_dir(args)
     _check_resume_flags(args)
+    _config_data(args)
     saved = _resume_defaults(args)
     from hstu.config import TrainConfig, load_config_tables, train_config_from_dict
     from hstu.train.loop import DataSpec, fit
@@ -115,7 +123,8 @@ def cmd_train(args) -> int:
         args.protocol,
         args.max_users,
         args.skip_bad_rows,
-        {"columns": args.columns} if args.columns else {},
+        _data_options(args),
+        exclude_history=args.exclude_history,
     )
     strategy = _distributed_strategy(args, saved.get("distributed", {})) if args.distributed else None
     metrics = fit(
@@ -231,16 +240,43 @@ def _resume_defaults(args) -> dict:
         "dataset": args.dataset,
         "protocol": args.protocol,
         "max_users": args.max_users,
-        "options": {"columns": args.columns} if getattr(args, "columns", None) else None,
+        "options": _data_options(args) or None,
+        "exclude_history": args.exclude_history,
     }
     check_resume_data(path, data, {k: v for k, v in given.items() if v is not None})  # before any data is read
     args.dataset = args.dataset or data.get("dataset") or "ml-1m"
     args.protocol = args.protocol or data.get("protocol") or "clean"
     if args.max_users is None:
         args.max_users = data.get("max_users")
+    if args.exclude_history is None:
+        args.exclude_history = data.get("exclude_history")
     args.skip_bad_rows = args.skip_bad_rows or bool(data.get("skip_bad_rows", False))
-    if not getattr(args, "columns", None):
-        args.columns = data.get("options", {}).get("columns")
+    for k, v in data.get("options", {}).items():  # the run's loader options where neither a flag nor [data] gives one
+        args.data_options.setdefault(k, v)
     if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data.get("data_dir") and Path(data["data_dir"]).exists():
         args.data_dir = data["data_dir"]
     return saved
+
+
+def _config_data(args) -> None:
+    """The --config file's ``[data]`` table (:func:`hstu.config.data_spec_from_table`) as the values
+    of the data flags not given (flags win); its loader options go to ``args.data_options``."""
+    args.data_options = {}
+    if not getattr(args, "config", None):
+        return
+    from hstu.config import load_config_file, load_config_tables
+
+    spec, given = load_config_file(args.config).get("data"), load_config_tables(args.config).get("data", {})
+    if spec is None:
+        return
+    for name in ("dataset", "data_dir", "protocol", "max_users", "exclude_history"):
+        if name in given and getattr(args, name, None) is None:
+            setattr(args, name, getattr(spec, name))
+    args.skip_bad_rows = args.skip_bad_rows or spec.skip_bad_rows
+    args.data_options = dict(spec.options)
+
+
+def _data_options(args) -> dict:
+    """Loader options (DataSpec.options): the [data] table's / the run's, then --columns and --format."""
+    flags = {k: getattr(args, k, None) for k in ("columns", "format")}
+    return {**getattr(args, "data_options", {}), **{k: v for k, v in flags.items() if v}}

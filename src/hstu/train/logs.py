@@ -35,14 +35,21 @@ def _metric(v: float) -> str:
     return f"{v:.4f}".removeprefix("0")
 
 
-def epoch_line(entry: dict, epochs: int, best: bool) -> str:
+def policy_text(exclude_history: bool) -> str:
+    """The candidate policy as printed beside a metric: ``exclude_history=on`` / ``=off``."""
+    return f"exclude_history={'on' if exclude_history else 'off'}"
+
+
+def epoch_line(entry: dict, epochs: int, best: bool, exclude_history: bool | None = None) -> str:
     """One history entry (history.json's form) as a line: epoch i/n, mean loss, the validation
-    :data:`LINE_METRICS` when the epoch was evaluated, throughput (sequences/s), seconds, and
+    :data:`LINE_METRICS` when the epoch was evaluated (with the candidate policy, e.g.
+    ``exclude_history=on``, when given), throughput (sequences/s), seconds, and
     ``(best)`` when it holds the best validation NDCG@10 so far."""
     parts = [f"epoch {entry['epoch']}/{epochs}", f"loss {entry['loss']:.4f}"]
     valid = entry.get("valid")
     if valid:
-        parts.append("valid " + "  ".join(f"{k} {_metric(valid[k])}" for k in LINE_METRICS if k in valid))
+        policy = "" if exclude_history is None else f"  {policy_text(exclude_history)}"
+        parts.append("valid " + "  ".join(f"{k} {_metric(valid[k])}" for k in LINE_METRICS if k in valid) + policy)
     parts += [f"{entry['sequences_per_s']:.0f} seq/s", f"{entry['seconds']:.1f} s"]
     if best:
         parts.append("(best)")

@@ -38,7 +38,16 @@ from hstu import backend
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data import EventLog, Split, train_batch
 from hstu.data.batching import length_bucketed_batches
-from hstu.data.prepare import PROTOCOL_NEEDS, DataSpec, check_trainable, model_config_for, prepare_data, subset_users, train_item_counts  # noqa: F401
+from hstu.data.prepare import (  # noqa: F401
+    PROTOCOL_NEEDS,
+    DataSpec,
+    check_trainable,
+    model_config_for,
+    prepare_data,
+    subset_users,
+    train_item_counts,
+    with_policy,
+)
 from hstu.model.checkpoint import read_json  # noqa: F401 (re-exported)
 from hstu.model.hstu import HSTUModel, build_hstu
 from hstu.runs import (  # noqa: F401
@@ -278,6 +287,7 @@ def _report(
         "train_seconds": round(state["train_seconds"], 2),
         "sequences_per_s": round(float(np.mean([h["sequences_per_s"] for h in history])) if history else math.nan, 1),
         "protocol": spec.protocol,
+        "exclude_history": bool(log_.exclude_history_default),  # the candidate policy of valid and test
         "status": status,
         "machine": strategy.machine(),
         **strategy.extra,
@@ -352,7 +362,7 @@ def _setup(
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     check_table_trainable(mcfg)  # before the data is read
-    log_, split = data if data is not None else prepare_data(spec)
+    log_, split = (with_policy(data[0], spec), data[1]) if data is not None else prepare_data(spec)
     if resume:
         saved = read_config(run)
         strategy.check_resume(run, saved)
@@ -443,7 +453,9 @@ def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainCo
             state.update(best=score, best_epoch=epoch, bad_epochs=0)
         else:
             state["bad_epochs"] += 1
-    log.info(epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch))
+    log.info(
+        epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch, exclude_history=log_.exclude_history_default)
+    )
     history.append(entry)
     state["epoch"] = epoch
     if strategy.is_main:  # the epoch's commit; then its reported weights (a kill in between is repaired by _resume)

@@ -9,7 +9,7 @@ from hstu.data.batching import eval_batch
 from hstu.data.sequences import EventLog, Split
 from hstu.model.hstu import HSTUModel
 from hstu.model.item_index import stream_ranks, streams
-from hstu.train.metrics import DEFAULT_KS, ranking_metrics, target_ranks
+from hstu.train.metrics import DEFAULT_KS, action_metrics, ranking_metrics, target_ranks
 
 
 def history_pairs(log_: EventLog, users: np.ndarray, ends: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,11 +43,14 @@ def evaluate_ranks(
     exclude: bool | None = None,
     device: torch.device | str = "cpu",
     users: np.ndarray | None = None,
+    actions_out: list | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rank every evaluated user's target among all items.
 
     Returns (users (U',) int64 rows of the EventLog, ranks (U',) int64, 1-based).
     exclude: drop history items from the candidates (None: the data set's default).
+    actions_out: a list to receive, per batch in the returned users' order, the (B,) int64 next
+    actions :func:`predict_actions` gives (for a model with an action head).
     """
     was_training = model.training
     model.eval()
@@ -63,6 +66,8 @@ def evaluate_ranks(
         b = eval_batch(log_, targets, ub, model.cfg.max_seq_len).to(device)
         seq = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         user = model.last_rows(seq, b.lengths)
+        if actions_out is not None:
+            actions_out.append(predict_actions(model, user))
         if streams(index, len(ub)):  # the (B, I+1) matrix too large: counted block by block (model/item_index.py)
             parts = model.repeat_parts(b.ids, b.actions, b.lengths)
             pairs = history_pairs(log_, ub, targets[ub], user.device) if exclude else None
@@ -78,9 +83,21 @@ def evaluate_ranks(
     return order, ranks
 
 
+def predict_actions(model: HSTUModel, user: torch.Tensor) -> np.ndarray:
+    """(B,) int64 next actions 1..A (the argmax of the model's ``action_head`` over the real
+    actions, 0 = none never predicted) of (B, d) user vectors; the one next-action prediction of
+    evaluation and the slices. The head is trained by :func:`hstu.train.losses.next_action_loss`."""
+    return (model.action_head(user)[:, 1:].argmax(dim=1) + 1).cpu().numpy().astype(np.int64)
+
+
 def evaluate(model: HSTUModel, log_: EventLog, split: Split, which: str, ks=DEFAULT_KS, **kwargs) -> dict[str, float]:
-    """Mean HR@K, NDCG@K, MRR over the users evaluated on ``which`` ("valid" | "test")."""
-    _, ranks = evaluate_ranks(model, log_, split, which, **kwargs)
+    """Mean HR@K, NDCG@K, MRR over the users evaluated on ``which`` ("valid" | "test"); for a
+    model with an action head on a data set with actions, also the next-action accuracy and
+    macro-F1 of the target event's action (:func:`hstu.train.metrics.action_metrics`)."""
+    acts = [] if getattr(model, "action_head", None) is not None and log_.num_actions else None
+    users, ranks = evaluate_ranks(model, log_, split, which, actions_out=acts, **kwargs)
     out = ranking_metrics(ranks, ks)
+    if acts:
+        out.update(action_metrics(log_.actions[split.targets(which)[users]], np.concatenate(acts)))
     out["users"] = int(len(ranks))
     return out

@@ -45,6 +45,32 @@ def ranking_metrics(ranks: np.ndarray, ks=DEFAULT_KS) -> dict[str, float]:
     return out
 
 
+def macro_f1(y_true: np.ndarray, y_pred: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """Macro-averaged F1 over the classes occurring in ``y_true`` or ``y_pred`` (weighted counts).
+
+    F1_c = 2 TP_c / (2 TP_c + FP_c + FN_c) = 2 TP_c / (#pred_c + #true_c) (Sokolova & Lapalme
+    2009, "A systematic analysis of performance measures for classification tasks", Table 3).
+    y_true, y_pred: (N,) int64 class ids >= 0; weights: (N,) per-example counts (bootstrap).
+    NaN when there are no examples.
+    """
+    y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
+    w = np.ones(len(y_true)) if weights is None else np.asarray(weights, np.float64)
+    C = int(max(y_true.max(initial=0), y_pred.max(initial=0))) + 1
+    tp = np.bincount(y_true[y_true == y_pred], weights=w[y_true == y_pred], minlength=C)
+    denom = np.bincount(y_true, weights=w, minlength=C) + np.bincount(y_pred, weights=w, minlength=C)
+    present = denom > 0
+    return float(np.mean(2 * tp[present] / denom[present])) if present.any() else float("nan")
+
+
+def action_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, float]:
+    """Next-action accuracy and macro-F1 (:func:`macro_f1`) of (N,) int64 target / predicted
+    action ids: {"action_accuracy", "action_macro_F1"}. ValueError for no examples."""
+    y_true, y_pred = np.asarray(y_true, np.int64), np.asarray(y_pred, np.int64)
+    if y_true.size == 0 or y_true.shape != y_pred.shape:
+        raise ValueError(f"action_metrics: need equal, non-empty arrays, got {y_true.shape} and {y_pred.shape}")
+    return {"action_accuracy": float((y_true == y_pred).mean()), "action_macro_F1": macro_f1(y_true, y_pred)}
+
+
 def auc(pos_scores: np.ndarray, neg_scores: np.ndarray) -> float:
     """AUC of positive vs negative scores per user, averaged over users.
 

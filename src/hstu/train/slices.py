@@ -38,8 +38,8 @@ from hstu.data.sequences import EventLog, Split
 from hstu.generate.engine import Engine
 from hstu.generate.recommend import default_buckets
 from hstu.generate.sampler import exclusion_mask
-from hstu.train.evaluate import exclude_history
-from hstu.train.metrics import target_ranks
+from hstu.train.evaluate import exclude_history, predict_actions
+from hstu.train.metrics import macro_f1, target_ranks
 
 COLD_START_LENGTHS = (1, 2)
 SCORER_MAX_BATCH = 32  # pool rows of a ModelScorer's engine (users per engine chunk)
@@ -72,9 +72,7 @@ class ModelScorer:
         seq = self.model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
         user = self.model.last_rows(seq, b.lengths)  # (B, d)
         scores = self.model.history_scores(user, b.ids, b.actions, b.lengths)  # (B, I+1), repeat bias included
-        acts = None
-        if self.model.action_head is not None:
-            acts = (self.model.action_head(user)[:, 1:].argmax(dim=1) + 1).cpu().numpy()
+        acts = predict_actions(self.model, user) if self.model.action_head is not None else None
         self.model.train(was)
         return scores, acts
 
@@ -203,20 +201,6 @@ def ndcgs(ranks: np.ndarray, k: int) -> np.ndarray:
     """(U,) float64 1[rank <= k] / log2(rank + 1)."""
     r = np.asarray(ranks, np.float64)
     return np.where(r <= k, 1.0 / np.log2(r + 1.0), 0.0)
-
-
-def macro_f1(y_true: np.ndarray, y_pred: np.ndarray, weights: np.ndarray | None = None) -> float:
-    """Macro-averaged F1 over the classes occurring in ``y_true`` or ``y_pred`` (weighted counts).
-
-    F1_c = 2 TP_c / (2 TP_c + FP_c + FN_c) = 2 TP_c / (#pred_c + #true_c).
-    """
-    y_true, y_pred = np.asarray(y_true), np.asarray(y_pred)
-    w = np.ones(len(y_true)) if weights is None else np.asarray(weights, np.float64)
-    C = int(max(y_true.max(initial=0), y_pred.max(initial=0))) + 1
-    tp = np.bincount(y_true[y_true == y_pred], weights=w[y_true == y_pred], minlength=C)
-    denom = np.bincount(y_true, weights=w, minlength=C) + np.bincount(y_pred, weights=w, minlength=C)
-    present = denom > 0
-    return float(np.mean(2 * tp[present] / denom[present])) if present.any() else float("nan")
 
 
 def bootstrap_weights(n: int, resamples: int = 1000, seed: int = 0) -> np.ndarray:

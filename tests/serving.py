@@ -60,7 +60,7 @@ class LiveServer:
 
 
 def serve(rec, popularity=None, **kw) -> LiveServer:
-    policy_keys = {"unknown_items", "timestamp_order", "max_body_bytes", "max_candidates", "cold_start", "warmup"}
+    policy_keys = {"unknown_items", "timestamp_order", "max_body_bytes", "max_candidates", "cold_start", "warmup", "exclude_history"}
     policy = ServePolicy(**{k: v for k, v in kw.items() if k in policy_keys})
     cfg = ServeConfig(**{"buckets": BUCKETS, **{k: v for k, v in kw.items() if k not in policy_keys}})
     return LiveServer(create_app(cfg, rec, policy=policy, popularity=popularity))

@@ -149,3 +149,28 @@ def test_resume_with_another_policy_is_refused(run, capsys):
     data_flags = flags[: flags.index("--config")]  # a resumed run keeps its model
     assert main(["train", *data_flags, "--epochs", "3", "--no-exclude-history", "--out", str(d / "run"), "--resume", "--quiet"]) == 2
     assert "--exclude-history is False here but True in the run" in capsys.readouterr().err
+
+
+def test_serve_default_and_the_request_field(run):
+    from serving import post, serve
+
+    from hstu.cli import build_parser
+    from hstu.generate.recommend import Recommender
+    from hstu.serve.cli import _settings
+
+    d, _, _ = run
+    for flag, want in (([], None), (["--no-exclude-history"], False), (["--exclude-history"], True)):
+        assert _settings(build_parser().parse_args(["serve", "--run", str(d / "run"), *flag]))[1].exclude_history is want
+    rec = Recommender.from_run(d / "run")
+    hist = [{"item_id": i, "timestamp": 1000 + j} for j, i in enumerate(range(1, 8))]
+    body = {"history": hist, "k": 10}
+    got = {}
+    for server_policy in (None, False):
+        with serve(rec, buckets=(8,), max_batch=4, exclude_history=server_policy) as s:
+            for field in (None, True):
+                r = post(s.url, "/v1/generate", body if field is None else {**body, "exclude_history": field})
+                assert r.status_code == 200, r.text
+                got[server_policy, field] = {x["item_id"] for x in r.json()["items"]}
+    assert not got[None, None] & set(range(1, 8))  # the run's policy (on)
+    assert got[False, None] & set(range(1, 8))  # the server's --no-exclude-history
+    assert not got[False, True] & set(range(1, 8))  # the request's own field wins

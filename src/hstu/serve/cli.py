@@ -24,7 +24,7 @@ import signal
 import socket
 from pathlib import Path
 
-from hstu.cli import number_in
+from hstu.cli import EXCLUDE_HISTORY_HELP, number_in
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ def _settings(args: argparse.Namespace):
         precision=args.precision,
         threads=args.threads,
         model_workers=args.model_workers,
+        exclude_history=args.exclude_history,
     )
     policy.validate()
     return cfg, policy, explicit
@@ -274,6 +275,7 @@ def add_subcommands(subparsers) -> None:
     )
     s.add_argument("--unknown-items", default="drop", choices=["drop", "reject"], help="unknown item ids: drop with a warning, or 422")
     s.add_argument("--timestamp-order", default="sort", choices=["sort", "reject"], help="out-of-order histories: sort, or 422")
+    s.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP + "; a request's own field wins")
     s.add_argument(
         "--cold-start", default="popular", choices=["popular", "reject"], help="empty histories: most popular training items, or 422"
     )

@@ -52,6 +52,8 @@ class ServePolicy:
         needs ``run_dir``) instead of a thread of this process; ``hstu serve`` does by default.
     precision, threads: the model process's inference precision and torch threads.
     model_workers: model processes (each with its own copy of the model, one batch each at a time).
+    exclude_history: the candidate policy of requests that do not set ``exclude_history`` (None:
+        the run's, idmap.json ``exclude_history_default``); ``hstu serve --[no-]exclude-history``.
     """
 
     unknown_items: str = "drop"
@@ -67,6 +69,7 @@ class ServePolicy:
     precision: str | None = None
     threads: int | None = None
     model_workers: int = 1
+    exclude_history: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -263,6 +266,10 @@ class Service:
             warnings.append(f"history has {n} events; kept the most recent {m} (the largest bucket)")
         return p, warnings
 
+    def exclude_history(self, req: GenerateRequest) -> bool | None:
+        """The request's candidate policy: its ``exclude_history``, else the server's, else None (the run's)."""
+        return req.exclude_history if req.exclude_history is not None else self.policy.exclude_history
+
     def check_room(self, prep: Prepared, req: GenerateRequest, dec: DecodeOptions) -> None:
         """ApiError 422 (field ``exclude``, or ``k`` without one) when the request's exclusions
         leave fewer than k items (beam: max(k, beam width)): checked per request, before batching."""
@@ -271,7 +278,7 @@ class Service:
             self.rec.check_room(
                 prep,
                 need,
-                exclude_history=req.exclude_history,
+                exclude_history=self.exclude_history(req),
                 allow_untrained=req.allow_untrained_items,
                 field="exclude" if req.exclude else "k",
             )
@@ -320,7 +327,12 @@ class Service:
             items = await self.batcher.submit(
                 bucket,
                 Job(
-                    "generate", prep, k=req.k, decoding=dec, exclude_history=req.exclude_history, allow_untrained=req.allow_untrained_items
+                    "generate",
+                    prep,
+                    k=req.k,
+                    decoding=dec,
+                    exclude_history=self.exclude_history(req),
+                    allow_untrained=req.allow_untrained_items,
                 ),
                 time.perf_counter() - t0,
             )

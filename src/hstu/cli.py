@@ -175,7 +175,7 @@ def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = Non
     directory says how to point at it."""
     from hstu.train.loop import DataSpec, prepare_data
 
-    spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, data_dir)})
+    spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, data_dir), "items": None})  # item metadata: in idmap.json
     if protocol:
         spec.protocol = protocol
     try:
@@ -225,7 +225,10 @@ def cmd_generate(args) -> int:
         for w in prep.warnings:
             print(f"warning: {w}", file=sys.stderr)
         for i, it in enumerate(items, 1):
-            extra = " ".join(f"{k}={it[k]}" for k in ("action", "category") if k in it)
+            extra = " ".join(
+                [f"{k}={it[k]}" for k in ("action", "category") if k in it]
+                + [f"{k}={v}" for k, v in it.get("meta", {}).items() if k != "title"]
+            )
             print(f"{i}. {it['item_id']}  {it.get('title', '')}  score={it['score']:.3f} {extra}".rstrip())
     return 0
 

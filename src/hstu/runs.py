@@ -133,7 +133,8 @@ def read_config(run: str | Path) -> dict:
 def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
     """idmap.json's object for ``log_``: ``item_raw_ids`` (I+1 original ids, 0 for padding; text
     ids as JSON strings, "" for padding), ``user_ids`` ("int" | "text": the kind of the user ids),
-    ``item_category`` (I+1), titles, action names, the exclusion default, the last timestamp
+    ``item_category`` (I+1), titles, ``item_meta`` (the items file's columns, when given), action
+    names, the exclusion default, the last timestamp
     (Unix s), data facts, and with ``split`` ``item_train_counts`` (I+1 training events per item)."""
     raw = log_.item_raw_ids.tolist()
     return {
@@ -143,7 +144,11 @@ def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
         "item_category": log_.item_category.tolist(),
         "category_raw_ids": None if log_.category_raw_ids is None else log_.category_raw_ids.tolist(),
         "action_names": log_.action_names,
-        "titles": {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
+        "titles": {
+            **{str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
+            **{r: m["title"] for r, m in log_.item_meta.items() if isinstance(m.get("title"), str)},  # --items FILE titles
+        },
+        **({"item_meta": log_.item_meta} if log_.item_meta else {}),
         "exclude_history_default": log_.exclude_history_default,
         "last_timestamp": int(log_.timestamps.max()),
         "data_facts": {"events": log_.num_events, "users": log_.num_users, "skipped_rows": log_.skipped_rows, **log_.facts},

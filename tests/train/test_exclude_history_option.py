@@ -20,7 +20,7 @@ from conftest import TINY_MODEL, tiny_csv_flags
 
 from hstu.cli import _run_data, main
 from hstu.config import ModelConfig
-from hstu.data.prepare import DataSpec, with_policy
+from hstu.data.prepare import DataSpec, with_options
 from hstu.data.sequences import EventLog, make_split
 from hstu.model.hstu import build_hstu
 from hstu.runs import load_run
@@ -72,8 +72,8 @@ def test_metrics_with_exclusion_on_and_off_by_hand(which, hist):
     # the data option sets the default every evaluation uses
     log_.exclude_history_default = False
     assert evaluate(model, log_, split, which) == off
-    assert evaluate(model, with_policy(log_, DataSpec("hand", exclude_history=True)), split, which) == on
-    assert with_policy(log_, DataSpec("hand")) is log_  # None: the data set's own default, no copy
+    assert evaluate(model, with_options(log_, DataSpec("hand", exclude_history=True)), split, which) == on
+    assert with_options(log_, DataSpec("hand")) is log_  # None: the data set's own default, no copy
 
 
 @pytest.fixture(scope="module")

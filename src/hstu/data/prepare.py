@@ -26,7 +26,8 @@ class DataSpec:
     """What a run trains on (config.json ``data``): a named data set in ``data_dir``, the split
     protocol, the first ``max_users`` users (None: all), loader ``options`` (e.g. ``columns``),
     the candidate policy ``exclude_history`` (None: the data set's default, on for MovieLens /
-    Amazon ratings, off for e-commerce event logs; used by validation, test, generate and serve)."""
+    Amazon ratings, off for e-commerce event logs; used by validation, test, generate and serve),
+    an ``items`` file of item metadata (:mod:`hstu.data.items`; None: none)."""
 
     dataset: str = "ml-1m"
     data_dir: str = ""
@@ -35,6 +36,7 @@ class DataSpec:
     skip_bad_rows: bool = False
     options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
     exclude_history: bool | None = None  # drop history items from the candidates; None: EventLog.exclude_history_default
+    items: str | None = None  # item metadata file (hstu train --items), copied into idmap.json
 
     def validate(self) -> None:
         if not self.dataset:
@@ -55,15 +57,22 @@ def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
     log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
     if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
         log_ = subset_users(log_, spec.max_users)
-    return with_policy(log_, spec), make_split(log_, spec.protocol)
+    return with_options(log_, spec), make_split(log_, spec.protocol)
 
 
-def with_policy(log_: EventLog, spec: DataSpec) -> EventLog:
-    """``log_`` with ``spec.exclude_history`` as its candidate policy (``exclude_history_default``,
-    which every evaluation and idmap.json read), a shallow copy; ``log_`` itself when None."""
-    if spec.exclude_history is None or spec.exclude_history == log_.exclude_history_default:
-        return log_
-    return replace(log_, exclude_history_default=bool(spec.exclude_history))
+def with_options(log_: EventLog, spec: DataSpec) -> EventLog:
+    """``log_`` with ``spec``'s data options applied, a shallow copy (``log_`` itself when there
+    are none): ``exclude_history`` as its candidate policy (``exclude_history_default``, which every
+    evaluation and idmap.json read) and the ``items`` file's metadata (``item_meta``,
+    :func:`hstu.data.items.read_item_meta`; FileNotFoundError / DataFormatError naming the file)."""
+    changes: dict = {}
+    if spec.exclude_history is not None and spec.exclude_history != log_.exclude_history_default:
+        changes["exclude_history_default"] = bool(spec.exclude_history)
+    if spec.items:
+        from hstu.data.items import read_item_meta
+
+        changes["item_meta"] = read_item_meta(spec.items, log_)
+    return replace(log_, **changes) if changes else log_
 
 
 def subset_users(log_: EventLog, n: int) -> EventLog:

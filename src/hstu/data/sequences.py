@@ -38,7 +38,8 @@ def is_text(ids) -> bool:
     return np.asarray(ids).dtype.kind in "OUS"
 
 
-def _one_id(x, text: bool, where: str):
+def as_id(x, text: bool, where: str):
+    """One original id as :func:`as_ids` reads it; ValueError starting with ``where``."""
     if isinstance(x, (bool, np.bool_)):
         raise ValueError(f"{where}: a boolean is not an id: {x!r}")
     if text:
@@ -81,7 +82,7 @@ def as_ids(values, text: bool, where: str = "id") -> np.ndarray:
             pass
     out = np.empty(len(vals), dtype=object if text else np.int64)
     for i, x in enumerate(vals):
-        out[i] = _one_id(x, text, where.format(i=i) if "{i}" in where else f"{where}[{i}]")
+        out[i] = as_id(x, text, where.format(i=i) if "{i}" in where else f"{where}[{i}]")
     return out
 
 
@@ -138,6 +139,7 @@ class EventLog:
     exclude_history_default: bool = True
     skipped_rows: int = 0
     facts: dict = field(default_factory=dict)  # how the files were read, e.g. {"encodings": {"movies.dat": "utf-8"}}
+    item_meta: dict[str, dict] = field(default_factory=dict)  # str(original item id) -> {column: value} (hstu.data.items)
 
     @property
     def num_users(self) -> int:

@@ -89,6 +89,7 @@ class Recommender:
         raw = np.asarray(idmap["item_raw_ids"], dtype=object if self.ids.text else np.int64)
         self.raw_ids = raw  # (I+1,) original id of each dense id
         self.titles = idmap.get("titles", {})
+        self.item_meta: dict[str, dict] = idmap.get("item_meta") or {}  # str(original id) -> {column: value} (--items FILE)
         self.item_category_np = np.asarray(idmap.get("item_category") or [0] * len(raw), dtype=np.int64)  # (I+1,) for prepare
         self.item_category = torch.from_numpy(self.item_category_np).to(self.device)  # (I+1,) for generation
         self.category_raw = idmap.get("category_raw_ids")
@@ -337,6 +338,9 @@ class Recommender:
             item["action"] = self.action_names[action - 1]
         if self.category_raw is not None:
             item["category"] = int(self.category_raw[int(self.item_category[dense])])
+        meta = self.item_meta.get(str(raw))
+        if meta:
+            item["meta"] = meta
         return item
 
     @torch.inference_mode()

@@ -105,6 +105,8 @@ def check_idmap(where: str, obj: Any) -> dict:
         optional=True,
     )
     _field(where, obj, "exclude_history_default", lambda v: isinstance(v, bool), "true or false", optional=True)
+    meta = "an object of id -> {column: value} (hstu train --items)"
+    _field(where, obj, "item_meta", lambda v: isinstance(v, dict) and all(isinstance(m, dict) for m in v.values()), meta, optional=True)
     _field(where, obj, "last_timestamp", _is_int, "an integer (Unix s)", optional=True)
     _field(where, obj, "dataset", lambda v: isinstance(v, str), "a text", optional=True)
     _field(where, obj, "data_facts", lambda v: isinstance(v, dict), "an object", optional=True)

@@ -98,7 +98,7 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
     if data_dir is not None:
         data["data_dir"] = str(data_dir)
     try:
-        spec = DataSpec(**data)
+        spec = DataSpec(**{**data, "items": None})  # the counts only; item metadata is in idmap.json
         log_, split = prepare_data(spec)
     except (FileNotFoundError, ValueError, KeyError, TypeError, OSError) as exc:
         log.warning("cold start disabled: cannot load the run's training data (%s); pass --data-dir to enable it", exc)

@@ -149,6 +149,9 @@ class Item(BaseModel):
     action: str | None = None
     title: str | None = None
     category: int | None = None
+    meta: dict[str, str | int | float | bool | None] | None = Field(
+        default=None, description="the item's metadata columns (hstu train --items FILE); absent for runs without them"
+    )
 
 
 class GenerateResponse(BaseModel):

@@ -61,6 +61,12 @@ def add_train_parser(sub) -> None:
     t.add_argument("--columns", help="csv columns by name or 0-based position, e.g. user=uid,item=iid,time=ts (no time: order-only)")
     t.add_argument("--format", help="csv file format, e.g. sep=;,header=none (sep: a character or tab|comma|semicolon|pipe|space)")
     t.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
+    t.add_argument(
+        "--items",
+        metavar="FILE",
+        help="item metadata (.csv / .tsv / .parquet with a header; id column item_id, item or id; any other columns, e.g. "
+        "title, category), copied into the run: shown by hstu generate, returned by the HTTP API",
+    )
     r = t.add_mutually_exclusive_group()
     r.add_argument("--resume", action="store_true", help="continue the run in --out from its last epoch")
     r.add_argument("--overwrite", action="store_true", help="train afresh in an --out that already holds a run (deletes that run)")
@@ -125,6 +131,7 @@ def cmd_train(args) -> int:
         args.skip_bad_rows,
         _data_options(args),
         exclude_history=args.exclude_history,
+        items=str(Path(args.items).resolve()) if args.items else None,
     )
     strategy = _distributed_strategy(args, saved.get("distributed", {})) if args.distributed else None
     metrics = fit(

@@ -46,7 +46,7 @@ from hstu.data.prepare import (  # noqa: F401
     prepare_data,
     subset_users,
     train_item_counts,
-    with_policy,
+    with_options,
 )
 from hstu.model.checkpoint import read_json  # noqa: F401 (re-exported)
 from hstu.model.hstu import HSTUModel, build_hstu
@@ -362,7 +362,7 @@ def _setup(
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     check_table_trainable(mcfg)  # before the data is read
-    log_, split = (with_policy(data[0], spec), data[1]) if data is not None else prepare_data(spec)
+    log_, split = (with_options(data[0], spec), data[1]) if data is not None else prepare_data(spec)
     if resume:
         saved = read_config(run)
         strategy.check_resume(run, saved)

@@ -38,7 +38,7 @@ HALF_BLOCK_ROWS = 2048  # rows widened per block: 2 MB of float32 at d = 256
 TABLE_MAJOR_MIN_ELEMENTS = 1 << 20  # float tables from 4 MB: table-major GEMM
 STREAM_BYTES = 256 << 20  # a (B, V) float32 score matrix above this is streamed (:func:`streams`)
 STREAM_CHUNK_BYTES = 32 << 20  # one streamed block of (B, rows) float32 scores
-ROWS_INDEX_BYTES = 256 << 20  # a hashed table whose float32 copy exceeds this is read by range (RowsIndex)
+ROWS_INDEX_BYTES = 64 << 20  # a hashed table whose float32 copy exceeds this is read by range (RowsIndex)
 
 
 class ItemIndex:
@@ -178,11 +178,13 @@ def streams(index: ItemIndex, batch: int) -> bool:
     return batch * index.num_rows * 4 > STREAM_BYTES
 
 
-def chunk_rows(batch: int, k: int = 1, chunk_bytes: int | None = None) -> int:
+def chunk_rows(batch: int, k: int = 1, chunk_bytes: int | None = None, align: int = HALF_BLOCK_ROWS) -> int:
     """Rows per streamed block: (batch, rows) float32 within ``chunk_bytes`` (default
-    :data:`STREAM_CHUNK_BYTES`), a multiple of the 16-bit index's widening block, at least ``k``."""
+    :data:`STREAM_CHUNK_BYTES`), a multiple of ``align`` (the index's own block: its blocks then
+    fall where the full product's do, so the streamed scores are the full ones bit for bit), at
+    least one ``align`` and ``k``."""
     rows = (STREAM_CHUNK_BYTES if chunk_bytes is None else chunk_bytes) // (4 * max(batch, 1))
-    rows = max(HALF_BLOCK_ROWS, rows - rows % HALF_BLOCK_ROWS)
+    rows = max(align, rows - rows % align)
     return max(rows, k)
 
 
@@ -248,7 +250,7 @@ def stream_topk(
     V = index.num_rows
     if not 1 <= k <= V:
         raise ValueError(f"stream_topk: k={k} outside [1, {V}] (the table's rows)")
-    step = chunk_rows(user.shape[0], k) if rows is None else rows
+    step = chunk_rows(user.shape[0], k, align=getattr(index, "block", HALF_BLOCK_ROWS)) if rows is None else rows
     best_v = best_i = None
     for a in range(0, V, step):
         b = min(V, a + step)
@@ -278,7 +280,7 @@ def stream_ranks(
     first from the blocks that hold them (the same block calls, so the same float values), then
     every block is counted: V / rows + (distinct target blocks) block products."""
     V = index.num_rows
-    step = chunk_rows(user.shape[0]) if rows is None else rows
+    step = chunk_rows(user.shape[0], align=getattr(index, "block", HALF_BLOCK_ROWS)) if rows is None else rows
     block = lambda a: _block_scores(index, user, temperature, a, min(V, a + step), exclude, exclude_pairs, repeat)  # noqa: E731
     t = torch.empty(user.shape[0], 1, dtype=torch.float32, device=user.device)
     starts = targets - targets % step

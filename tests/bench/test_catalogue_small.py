@@ -1,0 +1,149 @@
+"""The 120M-item catalogue path (benchmarks/catalogue.py) at 2M items: the generated Zipf log read by
+the csv loader as the whole catalogue, a few training steps on the hashed, sharded, explicitly placed
+table, then evaluation and generation on fp16 rows with no (B x 2M) float matrix (every tensor the
+scoring creates is recorded through a TorchDispatchMode) and the same ranks / items as the full path."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import REPO
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hstu.data.sequences import make_split
+from hstu.generate.decode import generate
+from hstu.generate.sampler import exclusion_mask
+from hstu.model import item_index as ii
+from hstu.train.evaluate import evaluate_ranks
+
+N = 2_000_003  # items: a (100 x 2M) float32 score matrix is 800 MB
+USERS, EVENTS = 240, 7200
+
+
+@pytest.fixture(scope="module")
+def catalogue():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import catalogue as mod
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    yield mod
+    sys.modules.pop("catalogue", None)
+
+
+def test_zipf_ids_follow_the_power_law(catalogue):
+    n, a = 1000, 1.2
+    ids = catalogue.zipf_ids(n, 200_000, a, np.random.default_rng(0))
+    assert ids.min() >= 1 and ids.max() <= n
+    # rank r <-> id (r - 1) * M mod n + 1; P(rank r) = ((r+1)^e - r^e) / ((n+1)^e - 1), e = 1 - a
+    e = 1 - a
+    for r in (1, 2, 10):
+        want = ((r + 1) ** e - r**e) / ((n + 1) ** e - 1)
+        got = np.mean(ids == ((r - 1) * catalogue.MULTIPLIER) % n + 1)
+        assert abs(got - want) < 4 * math.sqrt(want / 200_000), (r, got, want)
+
+
+@pytest.fixture(scope="module")
+def trained(catalogue, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cat")
+    path = catalogue.write_event_log(out / "events.parquet", N, EVENTS, USERS, seed=0)
+    log_ = catalogue.catalogue_log(path, N)
+    split = make_split(log_)
+    argv = ["--items", str(N), "--events", str(EVENTS), "--users", str(USERS), "--out", str(out)]
+    args = catalogue.parse_args([*argv, "--dim", "16", "--batch-size", "64", "--negatives", "32", "--max-seq-len", "20"])
+    model = catalogue.build_model(args, log_)
+    stats = catalogue.train(args, model, log_, split)
+    model.eval()
+    model.item_emb.cast_storage("fp16")
+    return path, log_, split, model, stats
+
+
+@pytest.mark.slow
+def test_the_log_is_the_whole_catalogue_and_its_events(trained):
+    path, log_, _, model, _ = trained
+    assert log_.num_items == N and model.cfg.num_items == N
+    assert len(np.unique(log_.items)) < N // 100  # most items have no event, and still a row
+    df = pd.read_parquet(path)
+    assert np.array_equal(np.sort(log_.items), np.sort(df["item"].to_numpy()))  # raw id = dense id
+    first = df[df["user"] == df["user"].iloc[0]]["item"].to_numpy()
+    assert np.array_equal(log_.items[log_.offsets[0] : log_.offsets[1]], first)  # a user's events in time order
+
+
+@pytest.mark.slow
+def test_training_ran_on_the_hashed_sharded_table(trained):
+    *_, model, stats = trained
+    assert stats["steps"] >= 3  # 240 users in batches of 64
+    assert math.isfinite(stats["first_loss"]) and math.isfinite(stats["last_loss"])
+    emb = model.item_emb
+    assert len(emb.shards) == 4 and {p.dtype for p in emb.shards} == {torch.float16}
+    assert emb.host_tensors()  # explicit placement: shards 1 and 3 on the host
+
+
+class Largest(TorchDispatchMode):
+    """Records the largest floating-point tensor any op creates (elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_float = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.max_float = max(self.max_float, t.numel())
+        return out
+
+
+@pytest.mark.slow
+def test_eval_streams_in_bounded_memory_with_the_full_ranks(trained, catalogue, monkeypatch):
+    _, log_, split, model, _ = trained
+    users = np.nonzero(split.targets("test") >= 0)[0][:100]
+    with torch.inference_mode():
+        index = model.item_index()
+    assert isinstance(index, ii.RowsIndex)  # no float32 copy of the 2M rows
+    assert ii.streams(index, len(users))
+    chunk = ii.chunk_rows(len(users), align=index.block)
+    rec = Largest()
+    catalogue.reset_peak()
+    base = catalogue.peak_rss()
+    with rec:
+        order, ranks = evaluate_ranks(model, log_, split, "test", users=users, batch_size=len(users), exclude=True)
+    grew = catalogue.peak_rss() - base
+    full_bytes = len(users) * (N + 1) * 4
+    assert rec.max_float <= len(users) * chunk < len(users) * (N + 1) // 20  # the largest float block: (B, chunk)
+    assert grew < full_bytes // 4  # 800 MB would be the full matrix
+    monkeypatch.setattr(ii, "STREAM_BYTES", 1 << 62)  # the full (B, I+1) path
+    order2, ranks2 = evaluate_ranks(model, log_, split, "test", users=users, batch_size=len(users), exclude=True)
+    assert np.array_equal(order, order2) and np.array_equal(ranks, ranks2)
+
+
+@pytest.mark.slow
+def test_generation_streams_with_the_full_paths_items(trained, monkeypatch):
+    from hstu.data.batching import eval_batch
+
+    _, log_, split, model, _ = trained
+    users = np.nonzero(split.targets("test") >= 0)[0][:40]  # 40 x 2M x 4 = 320 MB: streamed
+    b = eval_batch(log_, split.targets("test"), users, model.cfg.max_seq_len)
+    req = b.timestamps.gather(1, (b.lengths - 1).view(-1, 1)).view(-1) + 60
+
+    def run():
+        excl = exclusion_mask(N, len(users), b.ids, b.lengths)
+        rec = Largest()
+        with torch.inference_mode(), rec:
+            res = generate(model, b.ids, b.timestamps, b.lengths, 5, request_time=req, exclude=excl)
+        return res, rec.max_float
+
+    streamed, largest = run()
+    assert largest < len(users) * (N + 1) // 10
+    monkeypatch.setattr(ii, "STREAM_BYTES", 1 << 62)
+    full, largest_full = run()
+    assert largest_full >= len(users) * (N + 1)  # the recorder sees the full matrix when there is one
+    assert torch.equal(streamed.items, full.items)
+    assert torch.allclose(streamed.scores, full.scores, rtol=0, atol=1e-6)
+    hist = {(r, int(i)) for r in range(len(users)) for i in b.ids[r, : b.lengths[r]]}
+    assert not any((r, int(i)) in hist for r in range(len(users)) for i in streamed.items[r])  # history excluded

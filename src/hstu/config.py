@@ -346,18 +346,43 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     return obj
 
 
-_TABLES = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig}
+_TABLES = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig, "data": None}
+# [data] is hstu.data.prepare.DataSpec (resolved when read: hstu.data imports this module); these of its keys are
+# loader options (DataSpec.options), the others DataSpec fields
+DATA_OPTIONS = ("columns", "format", "time_unit", "meta")
+
+
+def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = None) -> Any:
+    """A ``[data]`` table -> :class:`hstu.data.prepare.DataSpec`: ``dataset``, ``data_dir`` and ``items``
+    (relative to ``base``, the config file's directory, when given), ``protocol``, ``max_users``,
+    ``skip_bad_rows``, ``exclude_history`` and the loader options :data:`DATA_OPTIONS` (or an ``options`` table).
+    ValueError names ``where`` and the field."""
+    from hstu.data.prepare import DataSpec
+
+    rest = {k: v for k, v in table.items() if k not in DATA_OPTIONS}
+    opts = {k: table[k] for k in DATA_OPTIONS if k in table}
+    if opts:
+        if not isinstance(rest.get("options", {}), dict):
+            raise ValueError(f"{where}: options must be a table, got {rest['options']!r}")
+        rest["options"] = {**rest.get("options", {}), **opts}
+    for key in ("data_dir", "items"):  # paths: relative to the config file
+        if base is not None and isinstance(rest.get(key), str) and rest[key] and not Path(rest[key]).is_absolute():
+            rest[key] = str(base / rest[key])
+    return _from_dict(DataSpec, rest, where)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or JSON file with optional [model], [train], [generate], [serve] tables.
+    """Read a TOML or JSON file with optional [model], [train], [generate], [serve], [data] tables.
 
     Returns a dict of the dataclasses present. Raises ValueError (unknown table or field)
     or FileNotFoundError.
     """
     path = Path(path)
     raw = load_config_tables(path)
-    return {k: _from_dict(_TABLES[k], v, f"{path} [{k}]") for k, v in raw.items()}
+    return {
+        k: data_spec_from_table(v, f"{path} [{k}]", path.parent) if k == "data" else _from_dict(_TABLES[k], v, f"{path} [{k}]")
+        for k, v in raw.items()
+    }
 
 
 def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:

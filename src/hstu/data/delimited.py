@@ -12,7 +12,7 @@ File format (``--format``): ``sep=…`` (a character, or ``tab`` / ``comma`` / `
 ``pipe`` / ``space``; default ``\t`` for .tsv, else ``,``) and ``header=yes|none``, as
 comma-separated ``key=value`` pairs (e.g. ``sep=;,header=none``).
 
-Several files as one log: ``data_dir`` a directory (every .csv / .tsv / .parquet / .pq in it, in
+Several files as one log: ``data_dir`` a directory (every .csv / .tsv / .txt / .parquet / .pq in it, in
 natural name order: part2 before part10), a glob (``logs/2024-*.csv``, the same order) or a list
 of paths (the order given). Rows are concatenated in that order and then sorted per user on the
 exact time, ties in that order (:meth:`~hstu.data.sequences.EventLog.from_frame`): the same log
@@ -43,7 +43,7 @@ from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
 
 log = logging.getLogger(__name__)
 
-LOG_EXTS = (".csv", ".tsv", ".parquet", ".pq")
+LOG_EXTS = (".csv", ".tsv", ".txt", ".parquet", ".pq")
 SEPARATORS = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|", "space": " "}
 HEADER_VALUES = {"yes": True, "true": True, "first": True, "none": False, "no": False, "false": False}
 

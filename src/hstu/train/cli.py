@@ -276,7 +276,7 @@ def _config_data(args) -> None:
     spec, given = load_config_file(args.config).get("data"), load_config_tables(args.config).get("data", {})
     if spec is None:
         return
-    for name in ("dataset", "data_dir", "protocol", "max_users", "exclude_history"):
+    for name in ("dataset", "data_dir", "protocol", "max_users", "exclude_history", "items"):
         if name in given and getattr(args, name, None) is None:
             setattr(args, name, getattr(spec, name))
     args.skip_bad_rows = args.skip_bad_rows or spec.skip_bad_rows

@@ -1,0 +1,57 @@
+"""The [data] table of a config file (hstu train --config; flags win) and an order-only run end to end:
+a headerless ';' file by position, no time column, trained with the time bias off and saying so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL
+
+from hstu.cli import main
+from hstu.config import load_config_file
+
+
+def _toml(d: Path, data: str) -> Path:
+    model = "".join(f"{k} = {v}\n" for k, v in TINY_MODEL.items())
+    p = d / "run.toml"
+    p.write_text(f"[model]\n{model}[train]\nbatch_size = 8\nnum_negatives = 4\nepochs = 1\n[data]\n{data}")
+    return p
+
+
+def _log(d: Path) -> Path:
+    rows = [f"{(u * 3 + j) % 20 + 1};{u}" for u in range(1, 31) for j in range(6)]  # item;user, in order, no time
+    (d / "logs").mkdir()
+    (d / "logs" / "part2.txt").write_text("\n".join(rows[:90]) + "\n")
+    (d / "logs" / "part10.txt").write_text("\n".join(rows[90:]) + "\n")
+    return d / "logs"
+
+
+def test_data_table_parses_into_a_dataspec(tmp_path):
+    spec = load_config_file(
+        _toml(tmp_path, 'dataset = "csv"\ndata_dir = "logs"\ncolumns = "user=1,item=0"\nformat = "sep=;,header=none"\n')
+    )["data"]
+    assert spec.dataset == "csv" and spec.data_dir == str(tmp_path / "logs")  # relative to the config file
+    assert spec.options == {"columns": "user=1,item=0", "format": "sep=;,header=none"}
+    with pytest.raises(ValueError, match=r"run.toml \[data\]: unknown field\(s\) \['colums'\]"):
+        load_config_file(_toml(tmp_path, 'colums = "user=1"\n'))
+    with pytest.raises(ValueError, match=r"\[data\]: max_users must be int \| None"):
+        load_config_file(_toml(tmp_path, 'max_users = "ten"\n'))
+    with pytest.raises(ValueError, match=r"\[data\]: DataSpec.protocol must be one of"):
+        load_config_file(_toml(tmp_path, 'protocol = "weekly"\n'))
+
+
+def test_order_only_run_from_the_data_table(tmp_path, capsys):
+    logs = _log(tmp_path)
+    cfg = _toml(
+        tmp_path, f'dataset = "csv"\ndata_dir = "{logs}"\ncolumns = "user=1,item=0"\nformat = "sep=;,header=none"\nmax_users = 50\n'
+    )
+    rc = main(["train", "--config", str(cfg), "--out", str(tmp_path / "run"), "--quiet", "--max-users", "20"])
+    assert rc == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["data"]["dataset"] == "csv" and saved["data"]["max_users"] == 20  # the flag wins over [data]
+    assert saved["data"]["options"] == {"columns": "user=1,item=0", "format": "sep=;,header=none"}
+    assert saved["model"]["use_time_bias"] is False
+    facts = json.loads((tmp_path / "run" / "idmap.json").read_text())["data_facts"]
+    assert facts["order_only"] is True and facts["files"] == 2 and facts["users"] == 20

@@ -64,7 +64,7 @@ def test_clear_errors(run_dir, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"item_id": "x", "timestamp": 1}]))
     p = hstu("generate", "--run", run_dir, "--history", bad, check=False)
-    assert p.returncode == 2 and "item_id must be an integer" in p.stderr
+    assert p.returncode == 2 and "history[0].item_id: not an integer id: 'x'" in p.stderr  # a text id, for a run of integer ids
     p = hstu("generate", "--run", run_dir, "--user", 999999, check=False)
     assert p.returncode == 2 and "unknown user id 999999" in p.stderr
     p = hstu("eval", "--run", tmp_path / "missing", check=False)

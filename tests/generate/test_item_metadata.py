@@ -45,7 +45,7 @@ def test_text_ids_follow_the_data_sets_rule(tmp_path):
     "text,message",
     [
         ("name,title\n10,x\n", r"i.csv: no id column: expected one of \['item_id', 'item', 'id'\], got columns \['name', 'title'\]"),
-        ("item_id,title\n10,x\nabc,y\n", r"i.csv:3: column 'item_id': not an integer id \(this run's ids are integers\): 'abc'"),
+        ("item_id,title\n10,x\nabc,y\n", r"i.csv:3: column 'item_id': not an integer id: 'abc' \(this run's ids are integers\)"),
         ("item_id,title\n10,x\n20,y\n10,z\n", r"i.csv:4: column 'item_id': item 10 repeats line 2"),
         ("item_id,title\n10,x\n,y\n", r"i.csv:3: column 'item_id': not an integer id"),
         ('item_id,title\n10,"x\n', r"i.csv: cannot read the items file"),

@@ -55,7 +55,7 @@ def as_id(x, text: bool, where: str):
             raise ValueError
         return int(v)
     except ValueError:
-        raise ValueError(f"{where}: not an integer id (this run's ids are integers): {x!r}") from None
+        raise ValueError(f"{where}: not an integer id: {x!r} (this run's ids are integers)") from None
 
 
 def as_ids(values, text: bool, where: str = "id") -> np.ndarray:
@@ -112,12 +112,22 @@ class IdIndex:
         self.sorted, self.dense_sorted = raw[1:][order], (order + 1).astype(np.int64)
 
     def dense(self, values, where: str = "item_id") -> np.ndarray:
-        """(n,) int64 dense ids of original ids ``values`` (0 where unknown); ValueError as :func:`as_ids`."""
+        """(n,) int64 dense ids of original ids ``values`` (0 where unknown, an integer past int64
+        too); ValueError as :func:`as_ids`."""
+        big = None
+        if not self.text and not isinstance(values, np.ndarray):
+            values = list(values)
+            big = [i for i, x in enumerate(values) if type(x) is int and not -(2**63) <= x < 2**63]
+            for i in big:
+                values[i] = 0  # looked up as the padding id, which is never a match, then set to 0 below
         raw = as_ids(values, self.text, where)
         if not len(self.sorted) or not len(raw):
             return np.zeros(len(raw), np.int64)
         pos = np.searchsorted(self.sorted, raw).clip(max=len(self.sorted) - 1)
-        return np.where(self.sorted[pos] == raw, self.dense_sorted[pos], 0).astype(np.int64)
+        out = np.where(self.sorted[pos] == raw, self.dense_sorted[pos], 0).astype(np.int64)
+        if big:
+            out[big] = 0
+        return out
 
 
 @dataclass
@@ -168,12 +178,13 @@ class EventLog:
         """Row of an original user id (int or text, as :func:`as_ids` reads it); KeyError names the
         id (also one of the wrong kind, e.g. "abc" for integer user ids)."""
         try:
-            u = as_ids([raw_user_id], is_text(self.users), "user")[0]
+            u = as_ids([raw_user_id], is_text(self.users), "user").tolist()[0]
         except ValueError:
             u = None
         i = 0 if u is None else int(np.searchsorted(self.users, u))
         if u is None or i >= len(self.users) or self.users[i] != u:
-            raise KeyError(f"unknown user id {raw_user_id!r}: not among the {len(self.users)} users of {self.name} in this run")
+            shown = raw_user_id if u is None else u
+            raise KeyError(f"unknown user id {shown!r}: not among the {len(self.users)} users of {self.name} in this run")
         return i
 
     def user_id(self, raw_user_id: int | str) -> int | str:

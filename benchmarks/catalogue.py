@@ -15,6 +15,8 @@ through /proc/self/clear_refs, so each figure is that step's own peak):
   5. eval     full-ranking HR@10 / NDCG@10 of --eval-users test targets: ``train.evaluate.evaluate``,
               whose ranks are streamed over table blocks above ``item_index.STREAM_BYTES``
               (``item_index.stream_ranks``: no (B, N) score matrix).
+     (--no-train: skipped, the rows built in fp16 at their seeded init: the scoring path alone, for a
+     catalogue whose training state (rows, gradient, two AdamW moments) does not fit in memory.)
   6. generate next-10 greedy for --gen-users users (``generate.decode.generate``, streamed picks).
   7. ann      optional (faiss): an approximate index (--ann, a faiss factory string) over the normalised
               rows, recall@10 against the exact streamed top-k of the same user vectors, and per-batch
@@ -123,7 +125,7 @@ def build_model(args, log_):
 
     d = args.dim
     cfg = ModelConfig(num_items=log_.num_items, max_seq_len=args.max_seq_len, embedding_dim=d, d_qk=d, d_v=d, num_blocks=1, num_heads=1)
-    cfg.item_table, cfg.item_table_shards, cfg.item_table_dtype = "hashed", args.shards, "bf16"
+    cfg.item_table, cfg.item_table_shards, cfg.item_table_dtype = "hashed", args.shards, "fp16" if args.no_train else "bf16"
     cfg.item_table_placement = args.placement
     torch.manual_seed(args.seed)
     return build_hstu(cfg, device="cpu")
@@ -232,8 +234,10 @@ def run(args) -> dict:
     res["log"]["items_with_events"] = int(len(np.unique(log_.items)))
     (model, res["build_seconds"], res["build_peak_rss"]) = measured(lambda: build_model(args, log_))
     table_bytes = sum(p.numel() * p.element_size() for p in model.item_emb.shards)
-    res["table_bytes_bf16"] = table_bytes
-    (res["train"], res["train_seconds"], res["train_peak_rss"]) = measured(lambda: train(args, model, log_, split))
+    res["table_bytes_built"] = {"bytes": table_bytes, "dtype": model.cfg.item_table_dtype}
+    res["train_state_bytes"] = 4 * table_bytes  # rows + dense gradient + AdamW's two moments, all in the rows' dtype
+    if not args.no_train:
+        (res["train"], res["train_seconds"], res["train_peak_rss"]) = measured(lambda: train(args, model, log_, split))
     model.eval()
     model.item_emb.cast_storage("fp16")
     res["table_bytes_fp16"] = sum(p.numel() * p.element_size() for p in model.item_emb.shards)
@@ -272,6 +276,7 @@ def parse_args(argv=None):
     p.add_argument("--nprobe", type=int, default=16)
     p.add_argument("--ann-users", type=int, default=256)
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent a (P(rank r) ~ r^-a)")
+    p.add_argument("--no-train", action="store_true", help="skip training: fp16 rows at their seeded init (eval / generation only)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

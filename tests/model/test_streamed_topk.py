@@ -143,3 +143,31 @@ def test_generate_streams_above_the_threshold_with_the_same_items(strategy, monk
     got = decode.generate(model, ids, ts, lengths, 5, exclude=exclusion_mask(3999, 3, ids, lengths), **kw)
     assert len(calls) == 5  # one streamed top-k per generated position
     assert torch.equal(got.items, want.items) and torch.equal(got.scores, want.scores)
+
+
+def test_stream_topk_logsumexp_is_the_full_one():
+    tab, user = _ints((V, D), 7), _ints((B, D), 8)
+    index = FloatIndex(tab)
+    exclude = torch.rand(B, V, generator=torch.Generator().manual_seed(9)) < 0.5
+    full = _full(index, user, exclude)
+    *_, lse = stream_topk(index, user, 0.5, 3, exclude=exclude, rows=2048, lse=True)
+    assert torch.allclose(lse.double(), torch.logsumexp(full.double(), dim=1), rtol=0, atol=1e-5)
+
+
+def test_beam_search_streams_above_the_threshold_with_the_same_beams(monkeypatch):
+    model = _float_model()
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, 4000, (3, 6), generator=g)
+    ts = torch.arange(6).repeat(3, 1) * 60
+    lengths = torch.tensor([6, 5, 3])
+    kw = dict(request_time=torch.full((3,), 1000), strategy="beam", beam_width=4)
+    want = decode.generate(model, ids, ts, lengths, 4, exclude=exclusion_mask(3999, 3, ids, lengths), **kw)
+    calls = []
+    real = ii.stream_topk
+    monkeypatch.setattr(ii, "STREAM_BYTES", 0)
+    monkeypatch.setattr("hstu.generate.sampler.stream_topk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = decode.generate(model, ids, ts, lengths, 4, exclude=exclusion_mask(3999, 3, ids, lengths), **kw)
+    assert len(calls) == 4
+    assert torch.equal(got.items, want.items)
+    assert torch.allclose(got.scores, want.scores, rtol=0, atol=1e-6)
+    assert torch.allclose(got.beam_logprob, want.beam_logprob, rtol=0, atol=1e-5)  # logsumexp by blocks vs log_softmax

@@ -30,6 +30,7 @@ from hstu.generate.kv_cache import KVCache
 from hstu.generate.sampler import (
     TEMPERATURE_FLOOR,
     GenerationResult,
+    beam_step_streamed,
     check_candidates,
     exclusion_mask,
     next_scores,
@@ -179,21 +180,26 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
     seq_scores = torch.zeros(B * W, k, dtype=user.dtype, device=ids.device)
     beam_lp = torch.zeros(B, W, dtype=user.dtype, device=ids.device)
     pos = len_r.clone()
+    stream = streams(index, B * W)  # a (B*W, I+1) matrix too large: each beam's W best, streamed (sampler.beam_step_streamed)
     for step in range(k):
-        scores = next_scores(index, user, model.cfg.temperature, excl, repeat=bias)  # (B*W, I+1)
-        logp = torch.log_softmax(scores, dim=1).view(B, W, I1)
-        if step == 0:  # all beams are identical: expand from beam 0 only
-            cand = logp[:, 0]  # (B, I+1)
-            top_lp, top_idx = cand.topk(W, dim=1)
-            parent = torch.zeros(B, W, dtype=torch.int64, device=ids.device)
-            item = top_idx
+        if stream:
+            top_lp, parent, item, step_score = beam_step_streamed(index, user, model.cfg.temperature, excl, bias, beam_lp, step == 0)
         else:
-            total = (beam_lp.unsqueeze(-1) + logp).view(B, W * I1)
-            top_lp, flat = total.topk(W, dim=1)
-            parent, item = flat // I1, flat % I1
+            scores = next_scores(index, user, model.cfg.temperature, excl, repeat=bias)  # (B*W, I+1)
+            logp = torch.log_softmax(scores, dim=1).view(B, W, I1)
+            if step == 0:  # all beams are identical: expand from beam 0 only
+                cand = logp[:, 0]  # (B, I+1)
+                top_lp, top_idx = cand.topk(W, dim=1)
+                parent = torch.zeros(B, W, dtype=torch.int64, device=ids.device)
+                item = top_idx
+            else:
+                total = (beam_lp.unsqueeze(-1) + logp).view(B, W * I1)
+                top_lp, flat = total.topk(W, dim=1)
+                parent, item = flat // I1, flat % I1
         src = (torch.arange(B, device=ids.device).view(B, 1) * W + parent).view(-1)  # (B*W,)
         item_f = item.reshape(-1)
-        step_score = scores.view(B, W, I1).gather(2, item.unsqueeze(-1)).squeeze(-1) if step == 0 else scores[src, item_f].view(B, W)
+        if not stream:
+            step_score = scores.view(B, W, I1).gather(2, item.unsqueeze(-1)).squeeze(-1) if step == 0 else scores[src, item_f].view(B, W)
         seq_items = seq_items[src]
         seq_scores = seq_scores[src]
         seq_items[:, step] = item_f

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstu.model.item_index import item_scores, stream_topk, streams
+from hstu.model.item_index import item_scores, stream_topk, streams, top_rows
 
 # the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
 TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
@@ -163,7 +163,32 @@ def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, ge
     raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
 
 
+def beam_step_streamed(
+    index, user: torch.Tensor, model_temperature: float, exclude: torch.Tensor, repeat, beam_lp: torch.Tensor, first: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One beam-search expansion without the (B*W, I+1) log-softmax: each beam's W best items
+    (:func:`hstu.model.item_index.stream_topk`; the log-softmax is monotone per row, so the W best
+    continuations of B beams lie among them) at log-probability score - logsumexp(row).
+
+    Args:
+        index, user (B*W, d), model_temperature, exclude (B*W, I+1) bool, repeat: as :func:`next_scores`.
+        beam_lp: (B, W) the beams' summed log-probabilities; first: every beam is the same
+            sequence (the first step): expand beam 0 only.
+    Returns:
+        (top_lp (B, W) new beam log-probabilities, parent (B, W) int64 beam each extends, item
+        (B, W) int64 its item, score (B, W) its score), ordered as the full path's ``topk``.
+    """
+    B, W = beam_lp.shape
+    vals, ids, lse = stream_topk(index, user, model_temperature, W, exclude=exclude, repeat=repeat, lse=True)  # (B*W, W), (B*W,)
+    lp = (vals - lse.view(-1, 1)).view(B, W, W)
+    if first:
+        return lp[:, 0], torch.zeros(B, W, dtype=torch.int64, device=user.device), ids.view(B, W, W)[:, 0], vals.view(B, W, W)[:, 0]
+    top_lp, flat = top_rows((beam_lp.unsqueeze(-1) + lp).view(B, W * W), W)  # ties: lower beam, then lower item
+    return top_lp, flat // W, ids.view(B, W * W).gather(1, flat), vals.view(B, W * W).gather(1, flat)
+
+
 __all__ = [
+    "beam_step_streamed",
     "GenerationResult",
     "TEMPERATURE_FLOOR",
     "check_candidates",

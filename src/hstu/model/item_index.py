@@ -230,7 +230,8 @@ def stream_topk(
     exclude_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
     repeat: tuple | None = None,
     rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    lse: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Exact top-k of :func:`item_scores` without the (B, V) matrix: blocks of ``rows`` table
     rows (default :func:`chunk_rows`) scored one at a time, excluded items and the padding row 0
     at -inf, merged into a running top-k (ties by lower item id, :func:`top_rows`).
@@ -241,9 +242,11 @@ def stream_topk(
         exclude: optional (B, V) bool, True = excluded (sliced per block).
         exclude_pairs: optional (rows (n,), ids (n,)) int64: item ``ids[j]`` excluded for user
             ``rows[j]``; the sparse form for catalogues whose (B, V) mask is itself too large.
+        lse: also return each row's logsumexp over all its scores (B,) float32, accumulated
+            block by block (``torch.logaddexp``): the log-softmax normaliser beam search needs.
     Returns:
-        (values (B, k) float32 descending, item ids (B, k) int64): equal to the first k of
-        ``scores.sort(descending=True, stable=True)`` on the full scores.
+        (values (B, k) float32 descending, item ids (B, k) int64[, logsumexp (B,)]): the first two
+        equal to the first k of ``scores.sort(descending=True, stable=True)`` on the full scores.
     Raises:
         ValueError: k outside [1, V].
     """
@@ -252,15 +255,19 @@ def stream_topk(
         raise ValueError(f"stream_topk: k={k} outside [1, {V}] (the table's rows)")
     step = chunk_rows(user.shape[0], k, align=getattr(index, "block", HALF_BLOCK_ROWS)) if rows is None else rows
     best_v = best_i = None
+    total = torch.full((user.shape[0],), float("-inf"), device=user.device) if lse else None
     for a in range(0, V, step):
         b = min(V, a + step)
-        v, i = top_rows(_block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat), min(k, b - a))
+        s = _block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat)
+        if lse:
+            total = torch.logaddexp(total, torch.logsumexp(s, dim=1))
+        v, i = top_rows(s, min(k, b - a))
         if best_v is None:
             best_v, best_i = v, i + a
             continue
         v, pos = top_rows(torch.cat([best_v, v], dim=1), k)  # earlier blocks first: position order = id order
         best_i, best_v = torch.cat([best_i, i + a], dim=1).gather(1, pos), v
-    return best_v, best_i
+    return (best_v, best_i, total) if lse else (best_v, best_i)
 
 
 def stream_ranks(

@@ -374,7 +374,7 @@ def test_compile_mode_traces_each_bucket_once_and_matches():
     close(got.scores, ref.scores)
     again = eng.generate(ids, ts, L, 3, request_time=rt)
     assert torch.equal(again.items, got.items)
-    assert sorted(k[0] for k in eng._buckets[20].runners) == ["prefill", "step"]
+    assert sorted(k[0] for k in eng._buckets[20].runners) == ["prefill", "setup", "step"]
 
 
 def test_engine_serves_recommender_batches(model, engine):

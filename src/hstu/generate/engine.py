@@ -409,12 +409,8 @@ class Engine:
         rt = req["request_time"][ri]
         Eb = b.E
         b.load(req, ri, L, rt, Bp, self._arange)  # static inputs: real rows then padding users (length 1, item 1)
-        if c.use_time_bias:
-            b.tb_hist[:Bp] = runners.time_buckets(self, b.rt[:Bp].view(Bp, 1), b.t[:Bp, : b.C])  # (Bp, 1, C)
-        if W == 1:  # one-beam decode: generated rows at positions L, L + 1, ... (kvalid, tb_hist are views of the rest)
-            b.kpos_j[:Bp, b.C :] = b.lengths[:Bp].view(Bp, 1) + self._arange[: self.k_max].view(1, self.k_max)
-            if b.bias_j is not None and use_cache and k > 1:
-                runners.decode_biases(self, b, Bp, k - 1)
+        steps = 0 if not use_cache else (k - 1 if self.graphs == "eager" else self.k_max - 1)  # graphs: one for every k
+        self._runner(b, ("setup", Bp, W == 1, steps), lambda: runners.setup_fn(self, b, Bp, W == 1, steps))()
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)

@@ -146,6 +146,28 @@ def step_fn(eng: Engine, b: BucketPool, Bp: int, W: int) -> Runner:
     return step
 
 
+def setup_fn(eng: Engine, b: BucketPool, Bp: int, one_beam: bool, steps: int) -> Runner:
+    """A request group's fixed decode inputs, after :meth:`BucketPool.load` and before the encode:
+    the history's time buckets against the request time (b.tb_hist (Bp, 1, C)); with one beam per
+    user, the generated rows' key positions L, L + 1, ... (b.kpos_j[:, C:]) and, when the kernels
+    take a bias, :func:`decode_biases` for ``steps`` decode steps (0: none, as without a KV cache).
+    () -> b.lengths[:Bp] (written nothing; a graph needs an output)."""
+    c, C, K = eng.model.cfg, b.C, eng.k_max
+    ar_K = eng._arange[:K].view(1, K)
+    biases = one_beam and b.bias_j is not None and steps > 0
+
+    def setup() -> torch.Tensor:
+        if c.use_time_bias:
+            b.tb_hist[:Bp] = time_buckets(eng, b.rt[:Bp].view(Bp, 1), b.t[:Bp, :C])  # (Bp, 1, C)
+        if one_beam:  # generated rows at positions L, L + 1, ... (kvalid, tb_hist: views of the history part)
+            b.kpos_j[:Bp, C:] = b.lengths[:Bp].view(Bp, 1) + ar_K
+        if biases:
+            decode_biases(eng, b, Bp, steps)
+        return b.lengths[:Bp]
+
+    return setup
+
+
 def decode_biases(eng: Engine, b: BucketPool, Bp: int, steps: int) -> None:
     """Fill b.bias_j[layer][:Bp, :steps]: decode step s's query (position L + s, slot C + s)
     against the C + K keys, for every layer: the relative-bias gathers and the mask, formed

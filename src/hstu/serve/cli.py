@@ -229,6 +229,23 @@ def run_server(config, app, sock: socket.socket, banner: str) -> None:
         signal.signal(signal.SIGINT, interrupt)
 
 
+def _add_engine_flags(s: argparse.ArgumentParser) -> None:
+    """--engine and --graphs: how batches are generated."""
+    s.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "never", "require"],
+        help="generate through hstu.generate.engine when available (auto), never, or fail without it",
+    )
+    s.add_argument(
+        "--graphs",
+        choices=["auto", "eager", "compiled"],
+        help="per-bucket graphs: auto (CUDA / NPU graphs where the device has them, else eager; the default), eager, "
+        "or compiled (those graphs, else torch.compile: Inductor C++ on the CPU, compiled at warm-up; a failed "
+        "compilation runs eager with a warning)",
+    )
+
+
 def add_subcommands(subparsers) -> None:
     """Add ``serve`` to the ``hstu`` command line."""
     s = subparsers.add_parser(
@@ -285,19 +302,7 @@ def add_subcommands(subparsers) -> None:
     )
     s.add_argument("--max-body-bytes", default="1MiB", help="larger bodies answer 413, >= 1024 (default 1MiB)")
     s.add_argument("--max-candidates", type=number_in(int, 1), default=1000, help="most candidates per /v1/score request")
-    s.add_argument(
-        "--engine",
-        default="auto",
-        choices=["auto", "never", "require"],
-        help="generate through hstu.generate.engine when available (auto), never, or fail without it",
-    )
-    s.add_argument(
-        "--graphs",
-        choices=["auto", "eager", "compiled"],
-        help="per-bucket graphs: auto (CUDA / NPU graphs where the device has them, else eager; the default), eager, "
-        "or compiled (those graphs, else torch.compile: Inductor C++ on the CPU, compiled at warm-up; a failed "
-        "compilation runs eager with a warning)",
-    )
+    _add_engine_flags(s)
     s.add_argument("--limit-concurrency", type=number_in(int, 1), help="uvicorn: most concurrent connections before plain 503s")
     s.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (of the model process)")
     s.add_argument(

@@ -95,6 +95,9 @@ def test_block_bytes_bound_the_chunk():
     assert ii.chunk_rows(1 << 20, 10) == ii.HALF_BLOCK_ROWS  # never below one widening block
     assert not ii.streams(FloatIndex(_ints((3707, D), 0)), 256)  # ML-1M's eval batch: the full path, unchanged
     assert ii.streams(RowsIndex(lambda a, b: None, 2_000_001), 256)  # 2M items x 256 users: 2 GB of scores
+    int8 = ii.Int8Index.__new__(ii.Int8Index)
+    int8.num_rows = 2_000_001
+    assert not ii.streams(int8, 256)  # no row-range product: the full path, as before
 
 
 def _float_model(V=4000):

@@ -174,8 +174,10 @@ def item_scores(
 def streams(index: ItemIndex, batch: int) -> bool:
     """True when scoring ``batch`` users against ``index`` would build a (batch, V) float32 matrix
     over :data:`STREAM_BYTES`: the callers (evaluation's ranks, generation's picks) then stream
-    (:func:`stream_topk`, :func:`stream_ranks`); below it they keep the full (B, V) path."""
-    return batch * index.num_rows * 4 > STREAM_BYTES
+    (:func:`stream_topk`, :func:`stream_ranks`); below it they keep the full (B, V) path. An index
+    without a row-range product (:class:`Int8Index`: one prepacked GEMM over the whole table) never
+    streams."""
+    return type(index).cosine_rows is not ItemIndex.cosine_rows and batch * index.num_rows * 4 > STREAM_BYTES
 
 
 def chunk_rows(batch: int, k: int = 1, chunk_bytes: int | None = None, align: int = HALF_BLOCK_ROWS) -> int:

@@ -170,3 +170,17 @@ def test_text_ids_are_trimmed_case_kept_and_integers_stay_int64(tmp_path: Path):
         load_csv(p, columns="user=u,item=i,time=t")
     ints = load_csv(_write(tmp_path / "int.csv", "u,i,t\n 7 ,12,1\n7,5.0,2\n"), columns="user=u,item=i,time=t")
     assert ints.users.dtype == np.int64 and ints.item_raw_ids.tolist() == [0, 5, 12]
+
+
+def test_latin1_file_keeps_its_text_ids_apart(tmp_path: Path):
+    """Decoded as UTF-8 with replacement, 'café' and 'cafè' (latin-1 0xE9 / 0xE8) were one item."""
+    p = tmp_path / "log.tsv"
+    p.write_bytes("u\ti\tt\n1\tcafé\t1\n1\tcafè\t2\n2\tcafé\t3\n".encode("iso-8859-1"))
+    log_ = load_csv(p, columns="user=u,item=i,time=t")
+    assert _sequences(log_) == {1: ["café", "cafè"], 2: ["café"]}
+    assert log_.facts["encodings"] == {"log.tsv": "iso-8859-1"}
+    wide = tmp_path / "wide.tsv"  # the line-by-line pass reads it the same way
+    wide.write_bytes(p.read_bytes() + "3\tthé\t4\textra\n".encode("iso-8859-1"))
+    _same(load_csv(wide, columns="user=u,item=i,time=t", skip_bad_rows=True), log_)
+    utf8 = _write(tmp_path / "u.tsv", "u\ti\tt\n1\tcafé\t1\n")
+    assert "encodings" not in load_csv(utf8, columns="user=u,item=i,time=t").facts

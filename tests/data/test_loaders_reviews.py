@@ -109,3 +109,13 @@ def test_sequence_file_is_order_only(tmp_path):
     assert load_dataset("sequences", q, skip_bad_rows=True).skipped_rows == 1
     log2, split = prepare_data(DataSpec("sequences", str(p), protocol="paper"))
     assert log2.num_users == 2 and split.test_target.tolist() == [2, 5]
+
+
+def test_latin1_sequence_file_and_meta(tmp_path):
+    p = tmp_path / "seq.txt"
+    p.write_bytes("u1 café cafè\n".encode("iso-8859-1"))
+    assert _seqs(load_dataset("sequences", p)) == {"u1": ["café", "cafè"]}
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "reviews_X_5.json").write_text(_json_lines(REVIEWS))
+    (tmp_path / "r" / "meta_X.json").write_bytes((repr({"asin": "B0000X", "title": "Crème"}) + "\n").encode("iso-8859-1"))
+    assert load_dataset("amazon", tmp_path / "r").titles == {"B0000X": "Crème"}

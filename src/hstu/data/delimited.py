@@ -21,7 +21,8 @@ as one file holding the rows in that order.
 User and item ids are integers (exact int64) when every one of a column is an integer, else text
 (trimmed, case kept; :mod:`hstu.data.sequences`); categories are integers. Time is integer Unix time (``time_unit``,
 default s, or ms when every value is >= 1e11) or ISO 8601 (UTC unless it carries an offset), see
-:mod:`hstu.data.times`. Errors name the file and 1-based line (Parquet: row index).
+:mod:`hstu.data.times`. A text file is UTF-8 when all of it decodes so, else latin-1 (ISO-8859-1, as the
+MovieLens loader decides; ``facts["encodings"]`` names the latin-1 files). Errors name the file and 1-based line (Parquet: row index).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError
+from hstu.data.movielens import file_encoding
 from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, to_event_log
 from hstu.data.sequences import EventLog
 from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
@@ -273,12 +275,13 @@ def load_csv(
     unit = time_unit or unit_from_map
     if unit is not None and unit not in TIME_UNITS:
         raise ValueError(f"csv: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
-    frames, skipped = [], 0
+    frames, skipped, encodings = [], 0, {}
     for path in log_files(data_dir):
         if path.suffix.lower() in (".parquet", ".pq"):
             df, n = _read_parquet(path, mapping, unit, skip_bad_rows)
         else:
-            df, n = read_delimited(path, mapping, unit, fmt, skip_bad_rows)
+            encodings[path.name] = file_encoding(path)
+            df, n = read_delimited(path, mapping, unit, fmt, skip_bad_rows, encodings[path.name])
         frames.append(df)
         skipped += n
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
@@ -288,6 +291,8 @@ def load_csv(
     out = to_event_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped)
     if len(frames) > 1:
         out.facts["files"] = len(frames)
+    if any(e != "utf-8" for e in encodings.values()):
+        out.facts["encodings"] = encodings
     if order_only:
         out.facts["order_only"] = True
         log.info("%s: no time column: order-only data (the file order is the order; the time bias is off)", name)
@@ -310,12 +315,14 @@ def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width:
     return out
 
 
-def read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
-    """One delimited file -> (frame with the mapping's keys as columns + subsecond_ns, skipped rows)."""
+def read_delimited(
+    path: Path, mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool, encoding: str = "utf-8"
+) -> tuple[pd.DataFrame, int]:
+    """One delimited file in ``encoding`` -> (frame with the mapping's keys as columns + subsecond_ns, skipped rows)."""
     keys = [k for k in MAPPING_KEYS if k in mapping]
     sep, hdr = fmt.sep_for(path), 0 if fmt.header else None
     try:
-        head = pd.read_csv(path, sep=sep, nrows=1 if hdr is None else 0, header=hdr)
+        head = pd.read_csv(path, sep=sep, nrows=1 if hdr is None else 0, header=hdr, encoding=encoding)
     except pd.errors.EmptyDataError:
         raise DataFormatError(path, None, "empty file") from None
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as exc:
@@ -323,7 +330,7 @@ def read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: F
     names = [str(c).strip() for c in head.columns] if fmt.header else None
     labels = _labels(path, mapping, names, head.shape[1])
     given = None if fmt.header else [f"#{i}" for i in range(head.shape[1])]
-    read = dict(sep=sep, engine="c", skip_blank_lines=False, header=hdr, names=given)
+    read = dict(sep=sep, engine="c", skip_blank_lines=False, header=hdr, names=given, encoding=encoding)
     try:
         # blank lines kept as all-NaN rows, so frame index i is file line i + 1 + header
         # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
@@ -342,7 +349,14 @@ def read_delimited(path: Path, mapping: dict[str, str], unit: str | None, fmt: F
     # a row with too many fields stops the C parser: the line-by-line pass names it
     cols = [Column(k, labels[k] if fmt.header else int(labels[k][1:]), text=k in ("user", "item")) for k in keys]
     df, skipped = parse_lines(
-        path, cols, header=fmt.header, sep=sep, time_unit=TIME_UNITS[unit] if unit else 1, skip_bad_rows=skip_bad_rows, width=head.shape[1]
+        path,
+        cols,
+        header=fmt.header,
+        sep=sep,
+        time_unit=TIME_UNITS[unit] if unit else 1,
+        skip_bad_rows=skip_bad_rows,
+        width=head.shape[1],
+        encoding=encoding,
     )
     if "time" in mapping and unit is None and len(df):  # integer times were read as seconds; ISO ones are seconds already
         auto = unit_of(df["time"], None, path)  # (auto only turns to ms when every value is >= 1e11, far past ISO's range)

@@ -28,6 +28,7 @@ redistributed: this project never ships it.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import logging
@@ -87,6 +88,22 @@ def decode_text(path: Path, data: bytes) -> tuple[str, str]:
     except UnicodeDecodeError as exc:
         log.info("%s: not UTF-8 (byte %d), read as %s", path, exc.start, ENCODINGS[1])
         return data.decode(ENCODINGS[1]), ENCODINGS[1]
+
+
+def file_encoding(path: Path, opener=open, chunk: int = 1 << 24) -> str:
+    """The encoding :func:`decode_text` picks, for a file read in chunks (``opener``: ``open`` or
+    ``gzip.open``): UTF-8 if all of it decodes as UTF-8, else ISO-8859-1 (logged, with the offset)."""
+    dec, pos = codecs.getincrementaldecoder(ENCODINGS[0])(), 0
+    with opener(path, "rb") as fh:
+        try:
+            while block := fh.read(chunk):
+                dec.decode(block)
+                pos += len(block)
+            dec.decode(b"", final=True)
+        except UnicodeDecodeError as exc:
+            log.info("%s: not UTF-8 (byte %d), read as %s", path, pos + exc.start, ENCODINGS[1])
+            return ENCODINGS[1]
+    return ENCODINGS[0]
 
 
 def _read_text(path: Path, report: ParseReport) -> str:

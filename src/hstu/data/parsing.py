@@ -116,7 +116,15 @@ def _to_int(s: str) -> int:
 
 
 def parse_lines(
-    path: Path, cols: list[Column], *, header: bool, sep: str, time_unit: int, skip_bad_rows: bool, width: int | None = None
+    path: Path,
+    cols: list[Column],
+    *,
+    header: bool,
+    sep: str,
+    time_unit: int,
+    skip_bad_rows: bool,
+    width: int | None = None,
+    encoding: str = "utf-8",
 ) -> tuple[pd.DataFrame, int]:
     """Line-by-line parse naming the first bad line; returns (frame, skipped rows). Without a
     header, a column's ``source`` is its 0-based position and every row holds ``width`` fields
@@ -128,7 +136,7 @@ def parse_lines(
     skipped, first = 0, None
     idx: dict[str, int] = {}
     width = width or len(cols)
-    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+    with open(path, newline="", encoding=encoding, errors="replace") as fh:
         reader = csv.reader(fh, delimiter=sep)
         for row in reader:
             line = reader.line_num

@@ -35,6 +35,7 @@ import pandas as pd
 
 from hstu.data.delimited import Format, read_delimited
 from hstu.data.errors import DataFormatError
+from hstu.data.movielens import file_encoding
 from hstu.data.parsing import exact_ids, resolve_path, to_event_log
 from hstu.data.sequences import EventLog
 
@@ -45,12 +46,14 @@ REVIEW_EXTS = (".csv", ".json", ".json.gz", ".jsonl", ".jsonl.gz")
 
 
 def _lines(path: Path):
-    """(1-based line number, text) of a UTF-8 text file, gzip-compressed or not (by its magic bytes)."""
+    """(1-based line number, text) of a text file, gzip-compressed or not (by its magic bytes), in
+    UTF-8 when all of it decodes so, else latin-1 (:func:`hstu.data.movielens.file_encoding`)."""
     with open(path, "rb") as fh:
         gz = fh.read(2) == b"\x1f\x8b"
     opener = gzip.open if gz else open
     try:
-        with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
+        encoding = file_encoding(path, opener)
+        with opener(path, "rt", encoding=encoding) as fh:
             yield from enumerate(fh, start=1)
     except (OSError, EOFError) as exc:  # a truncated or corrupt .gz
         raise DataFormatError(path, None, f"cannot read: {exc}") from None
@@ -166,7 +169,8 @@ def load_amazon(
     excl = True if exclude_history is None else bool(exclude_history)
     titles, genres = read_meta(meta_path) if meta_path is not None else ({}, {})
     if path.name.lower().endswith(".csv"):
-        df, skipped = read_delimited(path, {"user": "0", "item": "1", "time": "3"}, None, Format(",", False), skip_bad_rows)
+        cols, fmt = {"user": "0", "item": "1", "time": "3"}, Format(",", False)
+        df, skipped = read_delimited(path, cols, None, fmt, skip_bad_rows, file_encoding(path))
         out = to_event_log(df, name="amazon", action_names=None, exclude_history=excl, skipped=skipped, titles=titles, item_genres=genres)
         out.facts["format"] = "ratings csv"
         return out

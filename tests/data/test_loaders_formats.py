@@ -184,3 +184,16 @@ def test_latin1_file_keeps_its_text_ids_apart(tmp_path: Path):
     _same(load_csv(wide, columns="user=u,item=i,time=t", skip_bad_rows=True), log_)
     utf8 = _write(tmp_path / "u.tsv", "u\ti\tt\n1\tcafé\t1\n")
     assert "encodings" not in load_csv(utf8, columns="user=u,item=i,time=t").facts
+
+
+def test_one_file_per_action_type(tmp_path: Path):
+    rows = [(1, 10, 5, "view"), (1, 10, 7, "buy"), (2, 11, 1, "view"), (1, 12, 6, "view"), (2, 11, 1, "buy")]
+    for a in ("view", "buy"):
+        _write(tmp_path / f"{a}.csv", "u,i,t\n" + "".join(f"{u},{i},{t}\n" for u, i, t, b in rows if b == a))
+    one = _write(tmp_path / "one.txt", "u,i,t,a\n" + "".join(f"{u},{i},{t},{a}\n" for u, i, t, a in rows if a == "view"))
+    with open(one, "a") as fh:
+        fh.write("".join(f"{u},{i},{t},{a}\n" for u, i, t, a in rows if a == "buy"))
+    got = load_csv([tmp_path / "view.csv", tmp_path / "buy.csv"], columns="user=u,item=i,time=t,action=@file")
+    _same(got, load_csv(one, columns="user=u,item=i,time=t,action=a"))
+    acts = [got.action_names[a - 1] for a in got.actions]
+    assert acts == ["view", "view", "buy", "view", "buy"]  # user 1 at 5, 6, 7; user 2's tie at 1: view.csv first

@@ -3,7 +3,8 @@ file or several files of one log, mapped onto (user, item[, time][, action][, ca
 
 Column mapping (``--columns``): ``user=…,item=…[,time=…][,action=…][,category=…][,time_unit=s|ms|us|ns]``;
 each value is a header name or a 0-based position (a headerless file: positions only; with a
-header, a value that is not a header name but a number is a position). Without ``time`` the data
+header, a value that is not a header name but a number is a position); ``action=@file`` makes each
+file's name (without suffix) the action of its events (one file per action type). Without ``time`` the data
 is **order-only**: the file order is the order (timestamps all 0, ``facts["order_only"]``), and
 :func:`hstu.data.prepare.model_config_for` switches the time bias off (§3's rab^t would only
 repeat the position bias, rab^p).
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 LOG_EXTS = (".csv", ".tsv", ".txt", ".parquet", ".pq")
 SEPARATORS = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|", "space": " "}
+FILE_ACTION = "@file"  # action=@file: the action of a file's events is the file's name (views.csv -> "views")
 HEADER_VALUES = {"yes": True, "true": True, "first": True, "none": False, "no": False, "false": False}
 
 
@@ -250,7 +252,8 @@ def load_csv(
     Args:
         data_dir: a file, a directory of parts, a glob or a list (:func:`log_files`).
         columns: mapping ``user=…,item=…[,time=…][,action=…][,category=…][,time_unit=…]``
-            (string, as ``--columns`` gives it, or a dict), names or 0-based positions.
+            (string, as ``--columns`` gives it, or a dict), names or 0-based positions;
+            ``action=@file``: the file name is the action.
         format: ``sep=…,header=yes|none`` (:func:`parse_format`); ``sep`` overrides its separator.
         time_unit: unit of integer times (s | ms | us | ns); default s, or ms when every
             value is >= 1e11. Date-time strings are parsed as ISO 8601 (UTC if no offset).
@@ -275,15 +278,7 @@ def load_csv(
     unit = time_unit or unit_from_map
     if unit is not None and unit not in TIME_UNITS:
         raise ValueError(f"csv: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
-    frames, skipped, encodings = [], 0, {}
-    for path in log_files(data_dir):
-        if path.suffix.lower() in (".parquet", ".pq"):
-            df, n = _read_parquet(path, mapping, unit, skip_bad_rows)
-        else:
-            encodings[path.name] = file_encoding(path)
-            df, n = read_delimited(path, mapping, unit, fmt, skip_bad_rows, encodings[path.name])
-        frames.append(df)
-        skipped += n
+    frames, skipped, encodings = _read_files(log_files(data_dir), mapping, unit, fmt, skip_bad_rows)
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     order_only = "time" not in mapping
     if order_only:
@@ -297,6 +292,27 @@ def load_csv(
         out.facts["order_only"] = True
         log.info("%s: no time column: order-only data (the file order is the order; the time bias is off)", name)
     return out
+
+
+def _read_files(
+    files: list[Path], mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool
+) -> tuple[list[pd.DataFrame], int, dict[str, str]]:
+    """(one frame per file, skipped rows, file name -> encoding). ``action=@file``: each file's
+    events have the file's name without its suffix as their action (one file per action type)."""
+    by_file = mapping.get("action") == FILE_ACTION
+    cols = {k: v for k, v in mapping.items() if not (by_file and k == "action")}
+    frames, skipped, encodings = [], 0, {}
+    for path in files:
+        if path.suffix.lower() in (".parquet", ".pq"):
+            df, n = _read_parquet(path, cols, unit, skip_bad_rows)
+        else:
+            encodings[path.name] = file_encoding(path)
+            df, n = read_delimited(path, cols, unit, fmt, skip_bad_rows, encodings[path.name])
+        if by_file:
+            df["action"] = path.name.split(".")[0]
+        frames.append(df)
+        skipped += n
+    return frames, skipped, encodings
 
 
 def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width: int) -> dict[str, str]:

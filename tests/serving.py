@@ -101,10 +101,15 @@ def direct(ref: Recommender, hist: list[dict], k: int, **kw) -> list[dict]:
     return ref.recommend([prep], k, **kw)[0]
 
 
+def _dense(ref: Recommender) -> dict:
+    """Original id -> dense id straight from the id map (the reference does not use the Recommender's lookup)."""
+    return {r: i for i, r in enumerate(ref.raw_ids.tolist()) if i > 0}
+
+
 def user_vector64(ref: Recommender, hist: list[dict]) -> torch.Tensor:
     """The history's user vector from a float64 copy of the model on the unpadded (1, L + 1) sequence."""
     m = copy.deepcopy(ref.model).double()
-    ids = torch.tensor([[ref._dense[e["item_id"]] for e in hist] + [0]])  # noqa: SLF001 - test reference
+    ids = torch.tensor([[_dense(ref)[e["item_id"]] for e in hist] + [0]])
     ts = torch.tensor([[e["timestamp"] for e in hist] + [hist[-1]["timestamp"]]])
     L = torch.tensor([len(hist)])
     with torch.no_grad():
@@ -113,7 +118,7 @@ def user_vector64(ref: Recommender, hist: list[dict]) -> torch.Tensor:
 
 def score64(ref: Recommender, user: torch.Tensor, raw_items: list[int]) -> np.ndarray:
     w = ref.model.item_emb.weight.detach().double()
-    e = w[[ref._dense[i] for i in raw_items]]  # noqa: SLF001
+    e = w[[_dense(ref)[i] for i in raw_items]]
     e = e / e.norm(dim=1, keepdim=True)
     return (e @ user / ref.model.cfg.temperature).numpy()
 

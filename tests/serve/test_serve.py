@@ -221,7 +221,7 @@ def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
     [
         ({"history": [{"item_id": 1, "timestamp": 1}], "k": 0}, "k"),
         ({"history": [{"item_id": 1, "timestamp": 1}], "k": 11}, "k"),  # model max_output_len = 10
-        ({"history": [{"item_id": "1", "timestamp": 1}]}, "history[0].item_id"),
+        ({"history": [{"item_id": True, "timestamp": 1}]}, "history[0].item_id"),  # "1" is an id now (text ids: 1 for this run)
         ({"history": [{"item_id": 1, "timestamp": 1.5}]}, "history[0].timestamp"),
         ({"history": [{"item_id": 1, "timestamp": -3}]}, "history[0].timestamp"),
         ({"history": [{"item_id": 1}]}, "history[0].timestamp"),

@@ -193,3 +193,22 @@ def test_serve_graphs_flag_and_config_field(tmp_path):
     (tmp_path / "serve.toml").write_text('[serve]\ngraphs = "turbo"\n')
     with pytest.raises(ValueError, match="ServeConfig.graphs must be auto, eager or compiled, got 'turbo'"):
         _settings(parser.parse_args(base))
+
+
+def test_compiled_graphs_follow_weights_changed_in_place():
+    """A compiled graph reads the model's parameters as inputs, never as baked constants: after the
+    weights change in place (a reloaded checkpoint, Engine.refresh()), it gives what eager gives
+    with the new weights, not the old results."""
+    torch._dynamo.reset()
+    compiled, eager = engines("aot_eager")
+    ids, ts, L, feats, _ = inputs(2, seed=9)
+    before = compiled.generate(ids, ts, L, 3, **feats)
+    with torch.no_grad():
+        for p in compiled.model.layers.parameters():
+            p.mul_(-1.5)  # the same model object under both engines
+    compiled.refresh()
+    eager.refresh()
+    got, want = compiled.generate(ids, ts, L, 3, **feats), eager.generate(ids, ts, L, 3, **feats)
+    assert torch.equal(got.items, want.items)
+    torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got.scores, before.scores)  # the new weights did change the answer

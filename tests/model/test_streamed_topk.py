@@ -53,6 +53,11 @@ def test_top_rows_breaks_ties_by_lower_column_like_a_stable_sort():
         v, i = top_rows(x, k)
         sv, si = x.sort(dim=1, descending=True, stable=True)
         assert torch.equal(i, si[:, :k]) and torch.equal(v, sv[:, :k])
+    y = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))  # distinct values: the fast path
+    y[:, [400, 7, 250]] = 10.0  # a tie inside the top k, not at its edge: ordered by column all the same
+    v, i = top_rows(y, 5)
+    assert i[:, :3].tolist() == [[7, 250, 400]] * 3
+    assert torch.equal(i, y.sort(dim=1, descending=True, stable=True).indices[:, :5])
 
 
 @pytest.mark.parametrize("name", ["float-user-major", "float-table-major", "half", "rows"])

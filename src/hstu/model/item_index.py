@@ -194,8 +194,14 @@ def top_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of each row of ``x`` (B, C), ties by lower column: (values (B, k)
     descending, columns (B, k) int64), equal to the first k of ``x.sort(descending=True,
     stable=True)``. (CPU ``torch.topk`` leaves the order of ties unspecified; -inf ties too.)"""
-    v = x.topk(k, dim=1).values  # (B, k): the k-th value is exact, which of its ties is not
+    v, i = x.topk(k, dim=1)  # (B, k): the k-th value is exact, which of its ties is not
     thr = v[:, -1:]
+    if not bool(((x == thr).sum(dim=1, keepdim=True) > (v == thr).sum(dim=1, keepdim=True)).any()):
+        # every tie of the k-th value was taken: the columns are exact, only their order among ties is not
+        o = i.argsort(dim=1)
+        v, i = v.gather(1, o), i.gather(1, o)  # by column
+        o = v.argsort(dim=1, descending=True, stable=True)
+        return v.gather(1, o), i.gather(1, o)
     gt, eq = x > thr, x == thr
     need = k - gt.sum(dim=1, keepdim=True)  # ties at the k-th value to keep, lowest columns first
     take = gt | (eq & (eq.cumsum(dim=1) <= need))  # exactly k per row

@@ -6,7 +6,7 @@ each value is a header name or a 0-based position (a headerless file: positions 
 header, a value that is not a header name but a number is a position); ``action=@file`` makes each
 file's name (without suffix) the action of its events (one file per action type). Without ``time`` the data
 is **order-only**: the file order is the order (timestamps all 0, ``facts["order_only"]``), and
-:func:`hstu.data.prepare.model_config_for` switches the time bias off (§3's rab^t would only
+:func:`hstu.data.prepare.model_config_for` switches the time bias off (Zhai et al. 2024, §3: rab^t would only
 repeat the position bias, rab^p).
 
 File format (``--format``): ``sep=…`` (a character, or ``tab`` / ``comma`` / ``semicolon`` /

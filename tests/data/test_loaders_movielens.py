@@ -50,6 +50,7 @@ def test_ml100k_tab_separated_and_latin1_items(tmp_path):
         ("1\t1\t5\t100\n1\t2\tx\t200\n", 2, "field 3 is not an integer: 'x'"),
         ("1\t1\t5\t100\n1\t2\t4\n", 2, "expected 4 '\\\\t'-separated fields, got 3"),
         ("1\t1\t5\t100\n1\t2\t4.5\t200\n", 2, "field 3 is not an integer"),  # whole stars in 100K
+        ("1\t1\t5\t100\n1\t2,4\t200\n", 2, "expected 4 '\\\\t'-separated fields, got 3"),  # not read as 1,2,4,200
     ],
 )
 def test_ml100k_malformed_lines(tmp_path, bad, line, msg):
@@ -75,6 +76,15 @@ def test_ml10m_half_stars(tmp_path):
         load_dataset("ml-10m", tmp_path)
     with pytest.raises(DataFormatError, match="not an integer"):  # ML-1M itself keeps whole stars
         load_dataset("ml-1m", tmp_path)
+    (tmp_path / "ratings.dat").write_text("1::122::5::838985046\n1::185,4::838983525\n")  # a comma is no separator
+    with pytest.raises(DataFormatError, match=r"ratings.dat:2: expected 4 '::'-separated fields, got 3"):
+        load_dataset("ml-10m", tmp_path)
+
+
+def test_csv_release_needs_its_header(tmp_path):
+    (tmp_path / "ratings.csv").write_text("1,11,3.5,1112486027\n1,1,4.0,1112484676\n")  # the header left out
+    with pytest.raises(DataFormatError, match=r"ratings.csv:1: expected a header line"):
+        load_dataset("ml-latest-small", tmp_path)
 
 
 MOVIES_CSV = (

@@ -70,6 +70,7 @@ LAYOUTS = {
     **{n: Layout(n, "ratings.csv", "movies.csv", ",", True, True) for n in ("ml-20m", "ml-25m", "ml-latest", "ml-latest-small")},
 }
 ALIASES = {"movielens": "ml-1m", "ml1m": "ml-1m"}
+_BAD_HALF_STARS = re.compile(r"(?m)^(?!\d+,\d+,\d+(?:\.\d+)?,\d+\r?$).+$")  # a line that is not user,item,rating,time
 _INT_TEXT = str.maketrans("", "", "0123456789,\r\n")  # deletes what a whole-star ratings file may hold
 
 
@@ -173,15 +174,18 @@ def _fast_ratings(text: str, layout: Layout) -> np.ndarray | None:
     """(E, 4) int64 ratings of a well-formed file by pandas' C parser, ratings in the layout's unit;
     None if any line is off (the line-by-line parser then names it). pandas reads '1.0' / '1e5'
     as ints, so the text is checked first: ids and times digits only, ratings digits[.digits]."""
-    body = text.split("\n", 1)[1] if layout.header and "\n" in text else ("" if layout.header else text)
-    body = body.replace("::", ",") if layout.sep == "::" else body.replace(layout.sep, ",") if layout.sep != "," else body
+    start = (text.find("\n") + 1 or len(text)) if layout.header else 0  # the header line is not data (no copy of the rest)
+    if layout.sep != "," and "," in text:  # a comma inside a '::' / tab field would become a separator here
+        return None
+    body = text.replace(layout.sep, ",") if layout.sep != "," else text
     if layout.half_stars:  # a '.' may sit in the rating only: checked line by line (0.5 s per 1M lines)
-        if re.search(r"(?m)^(?!\d+,\d+,\d+(?:\.\d+)?,\d+\r?$).+$", body) is not None:
+        if _BAD_HALF_STARS.search(body, start) is not None:
             return None
-    elif body.translate(_INT_TEXT):  # whole stars: digits, ',' and line ends only (a cheap test)
+    elif body.translate(_INT_TEXT):  # whole stars (no header): digits, ',' and line ends only (a cheap test)
         return None
     try:
-        df = pd.read_csv(io.StringIO(body), header=None, dtype={0: np.int64, 1: np.int64, 2: np.float64, 3: np.int64})
+        dtypes = {0: np.int64, 1: np.int64, 2: np.float64, 3: np.int64}
+        df = pd.read_csv(io.StringIO(body), header=None, skiprows=1 if layout.header else 0, dtype=dtypes)
     except (ValueError, OverflowError, pd.errors.ParserError, pd.errors.EmptyDataError):  # e.g. an id past int64
         return None
     if df.shape[1] != 4:
@@ -191,6 +195,13 @@ def _fast_ratings(text: str, layout: Layout) -> np.ndarray | None:
         return None
     df[2] = r.astype(np.int64)
     return df.to_numpy(np.int64)
+
+
+def _check_header(path: Path, text: str, lay: Layout) -> None:
+    """A layout with a header: DataFormatError (line 1) when the first line is data (it would be dropped)."""
+    first = text.split("\n", 1)[0].split(",", 1)[0].strip()
+    if lay.header and first.lstrip("-").isdigit():
+        raise DataFormatError(path, 1, f"expected a header line ({lay.name} files start with one), got data: {text[:60].splitlines()[0]!r}")
 
 
 def load_ratings(path: Path, skip_bad_rows: bool = False, layout: str | Layout = "ml-1m") -> tuple[pd.DataFrame, ParseReport]:
@@ -204,6 +215,7 @@ def load_ratings(path: Path, skip_bad_rows: bool = False, layout: str | Layout =
     lay = LAYOUTS[layout] if isinstance(layout, str) else layout
     report = ParseReport()
     text = _read_text(Path(path), report)
+    _check_header(Path(path), text, lay)
     arr = _fast_ratings(text, lay)
     if arr is None:  # something is off: the line-by-line parser finds and names it
         kinds = {0: "int", 1: "int", 2: "half" if lay.half_stars else "int", 3: "int"}
@@ -235,6 +247,7 @@ def load_movies(path: Path, skip_bad_rows: bool = False, report: ParseReport | N
     report = report if report is not None else ParseReport()
     path = Path(path)
     text = _read_text(path, report)
+    _check_header(path, text, lay)
     if lay.name == "ml-100k":
         names = _genre_names(path.parent)
         rows = _parse_rows(path, text, "|", 5 + len(names), {0: "int"}, False, skip_bad_rows, report)

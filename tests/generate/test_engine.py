@@ -442,3 +442,18 @@ def test_prefill_in_causal_row_blocks_equals_one_square(blocks, chunk):
     with torch.no_grad():
         want = m64.score_all(m64.last_rows(m64.encode(ids_n, ts_n, L), L))
     close(b.scores[:, 0], want[torch.arange(B), b.items[:, 0]])
+
+
+def test_a_batch_wider_than_the_model_window_generates_as_one_user_at_a_time():
+    """max_batch above max_seq_len + k + 2 (here 24 users, window 8 + 3): the prefill indexed a range
+    sized by the window (IndexError); each user's items equal its batch-of-one answer."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=I, max_seq_len=8, max_output_len=3, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0)
+    m = build_hstu(cfg).eval()
+    ids, ts, L, rt = histories([1, 3, 8, 5, 2, 7, 8, 4] * 3, width=8)
+    wide = Engine(m, buckets=(4, 8), max_batch=24, k_max=3).generate(ids, ts, L, 3, request_time=rt)
+    one = Engine(m, buckets=(4, 8), max_batch=1, k_max=3)
+    for u in range(len(L)):
+        r = one.generate(ids[u : u + 1], ts[u : u + 1], L[u : u + 1], 3, request_time=rt[u : u + 1])
+        assert torch.equal(wide.items[u], r.items[0])
+        close(wide.scores[u], r.scores[0])

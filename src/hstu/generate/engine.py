@@ -195,7 +195,7 @@ class Engine:
         """The decode loop's buffers, shared by the buckets: (R, I+1) exclusion, scores; (R, k_max)
         picks; allocated once (the loop writes them in place)."""
         R, K, I1, dev = self.max_batch, self.k_max, self.model.cfg.num_items + 1, self.device
-        self._arange = torch.arange(self.model.cfg.width + K + 2, device=dev)
+        self._arange = torch.arange(max(self.model.cfg.width + K + 2, R + 1), device=dev)  # positions and batch rows
         self._bidx = self._arange[:R]
         self._excl = torch.zeros(R, I1, dtype=torch.bool, device=dev)
         self._excl_scratch = torch.zeros_like(self._excl)

@@ -450,7 +450,7 @@ def test_a_batch_wider_than_the_model_window_generates_as_one_user_at_a_time():
     torch.manual_seed(0)
     cfg = ModelConfig(num_items=I, max_seq_len=8, max_output_len=3, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0)
     m = build_hstu(cfg).eval()
-    ids, ts, L, rt = histories([1, 3, 8, 5, 2, 7, 8, 4] * 3, width=8)
+    ids, ts, L, rt = histories([1, 3, 2, 4] * 6, width=8)  # all 24 in bucket 4: one batch
     wide = Engine(m, buckets=(4, 8), max_batch=24, k_max=3).generate(ids, ts, L, 3, request_time=rt)
     one = Engine(m, buckets=(4, 8), max_batch=1, k_max=3)
     for u in range(len(L)):

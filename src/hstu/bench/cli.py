@@ -79,7 +79,7 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("-k", type=number_in(int, 1), default=5, help="items generated per user (default 5)")
     p.add_argument("--repeats", type=number_in(int, 1), help="timed calls per figure (default 30; --quick 5)")
     p.add_argument("--warmup", type=number_in(int, 0), help="untimed calls first (default 3; --quick 1)")
-    p.add_argument("--graphs", default="auto", help="engine graph mode: auto | eager | compile | cuda_graph | npu_graph")
+    p.add_argument("--graphs", default="auto", help="engine graph mode: auto | eager | compiled | compile | cuda_graph | npu_graph")
     p.add_argument("--threads", type=number_in(int, 0), default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument(
         "--serve", action="store_true", help="also the HTTP figures of hstu serve per precision (needs the serve and bench extras)"

@@ -4,6 +4,13 @@ a KV cache, a full prefill of the grown sequence per step. Methods of
 their own module; every write goes into the engine's preallocated buffers (no factory or growth
 op inside the loop: tests/generate/test_engine_alloc.py).
 
+Streamed (``eng.streamed``: the engine's (R, I+1) scores would exceed
+:data:`hstu.model.item_index.STREAM_BYTES`, decided once at construction): no (R, I+1) score or
+exclusion buffer exists; each step's picks come from :func:`hstu.generate.sampler.pick_streamed` /
+:func:`hstu.generate.sampler.beam_step_streamed` (exact top candidates block by block), with the
+exclusions as (row, item id) pairs: the request's (:func:`load_exclusions`) plus each row's already
+generated items (``items[:, :s]``, which beam search reorders with its beams).
+
 Symbols: Bp users in the chunk, W beams, R = Bp * W rows, k steps, I items.
 """
 
@@ -15,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hstu.generate.pool import BucketPool
-from hstu.generate.sampler import next_scores
+from hstu.generate.sampler import beam_step_streamed, next_scores, pick_streamed
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
@@ -34,35 +41,26 @@ def decode(
     temperature: float,
     item_category: torch.Tensor | None,
     repeat: tuple | None = None,
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers."""
+    """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers
+    (streamed: ``pairs``, the request's exclusions of :func:`load_exclusions`)."""
     R = Bp * W
-    I1 = eng._scores.shape[1]
-    scores, excl = eng._scores[:R], eng._excl[:R]
+    stream = eng.streamed
+    excl = None if stream else eng._excl[:R]
     items, sc, acts = eng._out_items[:R], eng._out_scores[:R], eng._out_actions[:R]
     bidx = eng._bidx[:R]
     beam_lp = None
     beam = strategy == "beam"
-    temp = eng.model.cfg.temperature
     for s in range(k):
-        next_scores(eng._index, user, temp, excl, repeat=repeat, out=scores)  # (R, I+1)
-        act = eng._next_action(user)
         if not beam:
-            choice = eng._pick(scores, strategy, top_k, temperature)  # (R,)
-            items[:, s] = choice
-            sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
+            choice = pick_step(eng, R, s, user, strategy, top_k, temperature, repeat, pairs)  # (R,), written to items, sc
+            act = eng._next_action(user)
         else:
-            logp = torch.log_softmax(scores, dim=1).view(Bp, W, I1)
-            if s == 0:  # every beam is the same sequence: expand beam 0 only
-                top_lp, choice2 = logp[:, 0].topk(W, dim=1)  # (Bp, W)
-                parent = choice2.mul(0)
-            else:
-                top_lp, flat = (beam_lp.unsqueeze(-1) + logp).view(Bp, W * I1).topk(W, dim=1)
-                parent, choice2 = flat.div(I1, rounding_mode="floor"), flat.remainder(I1)
-            src = (bidx[:Bp].view(Bp, 1) * W + parent).view(R)  # parent row of each new beam
-            choice = choice2.view(R)
-            step_score = scores[src, choice]  # (R,)
-            for buf, scratch in ((items, eng._items_scratch[:R]), (sc, eng._scores_scratch[:R]), (excl, eng._excl_scratch[:R])):
+            top_lp, src, choice, step_score = beam_expand(eng, Bp, W, s, user, beam_lp, repeat, pairs)  # (Bp, W), (R,) x 3
+            act = eng._next_action(user)
+            bufs = ((items, eng._items_scratch[:R]), (sc, eng._scores_scratch[:R]))
+            for buf, scratch in bufs if stream else (*bufs, (excl, eng._excl_scratch[:R])):
                 torch.index_select(buf, 0, src, out=scratch)
                 buf.copy_(scratch)
             items[:, s] = choice
@@ -73,7 +71,8 @@ def decode(
                 torch.index_select(acts, 0, src, out=eng._items_scratch[:R])
                 acts.copy_(eng._items_scratch[:R])
             beam_lp = top_lp
-        excl.scatter_(1, choice.view(R, 1), True)
+            if not stream:
+                excl.scatter_(1, choice.view(R, 1), True)
         if act is not None:
             acts[:, s] = act
         if s == k - 1:
@@ -96,7 +95,97 @@ def decode(
         return items[:, :k], sc[:, :k], acts[:, :k], None, excl
     best = beam_lp.argmax(dim=1)  # (Bp,)
     rows = bidx[:Bp] * W + best
-    return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, excl[rows]
+    return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, None if stream else excl[rows]
+
+
+def beam_expand(eng: Engine, Bp: int, W: int, s: int, user: torch.Tensor, beam_lp, repeat, pairs) -> tuple[torch.Tensor, ...]:
+    """Step ``s`` of beam search for Bp users x W beams: the W best continuations by summed
+    log-probability (log-softmax over the non-excluded items; step 0 expands beam 0 only).
+    Returns (top_lp (Bp, W), src (R,) parent row of each new beam, choice (R,) its item,
+    step_score (R,) the item's score). Full path: the (R, I+1) buffers; streamed:
+    :func:`beam_step_streamed` with ``pairs`` and the generated items."""
+    R, bidx, temp = Bp * W, eng._bidx[: Bp * W], eng.model.cfg.temperature
+    if eng.streamed:
+        lp = beam_lp if s > 0 else torch.zeros(Bp, W, dtype=torch.float32, device=user.device)
+        ex = step_pairs(pairs, eng._out_items[:R], bidx, s)
+        top_lp, parent, choice2, step_score = beam_step_streamed(eng._index, user, temp, None, repeat, lp, s == 0, exclude_pairs=ex)
+        src = (bidx[:Bp].view(Bp, 1) * W + parent).view(R)
+        return top_lp, src, choice2.reshape(R), step_score.reshape(R)
+    scores = eng._scores[:R]
+    next_scores(eng._index, user, temp, eng._excl[:R], repeat=repeat, out=scores)  # (R, I+1)
+    I1 = scores.shape[1]
+    logp = torch.log_softmax(scores, dim=1).view(Bp, W, I1)
+    if s == 0:  # every beam is the same sequence: expand beam 0 only
+        top_lp, choice2 = logp[:, 0].topk(W, dim=1)  # (Bp, W)
+        parent = choice2.mul(0)
+    else:
+        top_lp, flat = (beam_lp.unsqueeze(-1) + logp).view(Bp, W * I1).topk(W, dim=1)
+        parent, choice2 = flat.div(I1, rounding_mode="floor"), flat.remainder(I1)
+    src = (bidx[:Bp].view(Bp, 1) * W + parent).view(R)  # parent row of each new beam
+    choice = choice2.view(R)
+    return top_lp, src, choice, scores[src, choice]  # (R,)
+
+
+def pick_step(eng: Engine, R: int, s: int, user, strategy: str, top_k: int, temperature: float, repeat, pairs) -> torch.Tensor:
+    """Step ``s`` of greedy / top-k for R rows: scores, pick, written to the engine's ``items[:, s]``
+    and ``scores[:, s]``; returns the (R,) int64 picks. Full path: the (R, I+1) buffers (the pick
+    then excluded in place); streamed: :func:`pick_streamed` with ``pairs`` and the generated items."""
+    items, sc, temp = eng._out_items[:R], eng._out_scores[:R], eng.model.cfg.temperature
+    if eng.streamed:
+        ex = step_pairs(pairs, items, eng._bidx[:R], s)
+        choice, score = pick_streamed(eng._index, user, temp, None, strategy, top_k, temperature, eng._gen, repeat, exclude_pairs=ex)
+        items[:, s] = choice
+        sc[:, s] = score
+        return choice
+    scores, excl = eng._scores[:R], eng._excl[:R]
+    next_scores(eng._index, user, temp, excl, repeat=repeat, out=scores)  # (R, I+1)
+    choice = eng._pick(scores, strategy, top_k, temperature)  # (R,)
+    items[:, s] = choice
+    sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
+    excl.scatter_(1, choice.view(R, 1), True)
+    return choice
+
+
+def step_pairs(pairs: tuple[torch.Tensor, torch.Tensor], items: torch.Tensor, rows: torch.Tensor, s: int) -> tuple[torch.Tensor, ...]:
+    """The exclusions of step ``s`` as (rows (n,), ids (n,)) int64: the request's ``pairs`` and each
+    row r's generated items ``items[r, :s]`` (``items`` (R, K), ``rows`` = arange(R))."""
+    if s == 0:
+        return pairs
+    return torch.cat([pairs[0], rows.repeat_interleave(s)]), torch.cat([pairs[1], items[:, :s].reshape(-1)])
+
+
+def load_exclusions(eng: Engine, exclude: torch.Tensor | None, ri: torch.Tensor, Bu: int, Bp: int, W: int):
+    """A group's exclusions: rows ``ri`` (Bu,) of the request's ``exclude`` ((B, I+1) bool or None)
+    for Bp users x W beams. Full path: copied into the engine's (R, I+1) mask with padding id 0
+    (returns None); streamed: (rows (n,), ids (n,)) int64 pairs, each user's repeated for its W
+    beams (padding id 0 is excluded by the streamed scoring itself)."""
+    R = Bp * W
+    if not eng.streamed:
+        excl = eng._excl[:R]
+        excl.zero_()
+        ex_rows = exclude[ri]  # (Bu, I+1)
+        if W > 1:
+            excl.view(Bp, W, -1)[:Bu].copy_(ex_rows.view(Bu, 1, -1).expand(Bu, W, -1))
+        else:
+            excl[:Bu].copy_(ex_rows)
+        excl[:, 0] = True
+        return None
+    rows, ids = [], []
+    for j, i in enumerate(ri.tolist() if exclude is not None else []):
+        hit = exclude[i].nonzero().view(-1)  # one row at a time: no (Bu, I+1) copy
+        rows.append((eng._bidx[:W] + j * W).repeat(hit.numel()))
+        ids.append(hit.repeat_interleave(W))
+    empty = eng._bidx[:0]
+    return (torch.cat(rows), torch.cat(ids)) if rows else (empty, empty)
+
+
+def store_exclusions(exclude: torch.Tensor | None, ri: torch.Tensor, final_excl: torch.Tensor | None, items: torch.Tensor) -> None:
+    """Add a group's generated items to the request's ``exclude`` (B, I+1) in place (the engine's
+    documented contract): its final mask rows (full path) or the picked ids ``items`` (Bu, k) (streamed)."""
+    if final_excl is not None:
+        exclude[ri] = final_excl
+    elif exclude is not None:
+        exclude[ri.view(-1, 1), items] = True
 
 
 def decode_recompute(
@@ -111,20 +200,15 @@ def decode_recompute(
     temperature: float,
     item_category: torch.Tensor | None,
     repeat: tuple | None = None,
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """No KV cache: append each pick to the padded inputs and rerun the bucket's prefill."""
     R = Bp
-    scores, excl = eng._scores[:R], eng._excl[:R]
     items, sc, acts = eng._out_items[:R], eng._out_scores[:R], eng._out_actions[:R]
     bidx = eng._bidx[:R]
-    temp = eng.model.cfg.temperature
     for s in range(k):
-        next_scores(eng._index, user, temp, excl, repeat=repeat, out=scores)
+        choice = pick_step(eng, R, s, user, strategy, top_k, temperature, repeat, pairs)
         act = eng._next_action(user)
-        choice = eng._pick(scores, strategy, top_k, temperature)
-        items[:, s] = choice
-        sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
-        excl.scatter_(1, choice.view(R, 1), True)
         if act is not None:
             acts[:, s] = act
         if s == k - 1:
@@ -137,4 +221,4 @@ def decode_recompute(
             b.categories[bidx, p] = item_category[choice]
         b.lengths[:R].add_(1)  # times at L.. already hold the request time
         user = prefill()
-    return items[:, :k], sc[:, :k], acts[:, :k], None, excl
+    return items[:, :k], sc[:, :k], acts[:, :k], None, None if eng.streamed else eng._excl[:R]

@@ -92,6 +92,8 @@ model's fixed width, I items.
   every strategy (decode.py's beam feeds none; the two differ only for such models).
 - ``use_cache=False``: the same engine (buckets, kernels, padding) recomputes the whole grown
   sequence at every step, at width E + K: the benchmark's "no cache" side and a second oracle.
+- ``streamed`` (item_index.streams for max_batch rows): no (R, I+1) buffers; exact picks block by block
+  with sparse exclusions (decode_loop.py); ``exclude=None`` then forms no (B, I+1) mask either.
 
 Errors (ValueError unless noted): k < 1 or k > k_max; an empty history (the model has no
 cold-start path: position 0 needs an item; serve popular items upstream); an item id outside
@@ -115,6 +117,7 @@ from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, smallest_edge
 from hstu.generate.sampler import pick
+from hstu.model import item_index
 from hstu.model.hstu import HSTUModel
 from hstu.model.kernels import KernelSet, get_kernels
 
@@ -187,19 +190,25 @@ class Engine:
         self.kv_pool = kv_pool_for(self, max(self.edges) + 1)  # one KV cache, viewed by every bucket
         self._buckets = {E: BucketPool(self, E, self.kv_pool) for E in self.edges}
         self._recompute: dict[int, BucketPool] = {}  # use_cache=False buckets (width E + K), made on first use
-        self._decode_buffers()
         self.refresh()
+        self._decode_buffers()
         self._log_setup()
 
     def _decode_buffers(self) -> None:
-        """The decode loop's buffers, shared by the buckets: (R, I+1) exclusion, scores; (R, k_max)
-        picks; allocated once (the loop writes them in place)."""
+        """The decode loop's buffers, shared by the buckets: (R, I+1) exclusion, scores (none when
+        ``streamed``: item_index.streams for R rows, decode_loop.py); (R, k_max) picks; allocated once."""
         R, K, I1, dev = self.max_batch, self.k_max, self.model.cfg.num_items + 1, self.device
         self._arange = torch.arange(max(self.model.cfg.width + K + 2, R + 1), device=dev)  # positions and batch rows
         self._bidx = self._arange[:R]
-        self._excl = torch.zeros(R, I1, dtype=torch.bool, device=dev)
-        self._excl_scratch = torch.zeros_like(self._excl)
-        self._scores = torch.zeros(R, I1, dtype=self.score_dtype, device=dev)
+        self.streamed = item_index.streams(self._index, R)
+        if self.streamed:
+            self._excl = self._excl_scratch = self._scores = None
+            saved = R * I1 * (2 + torch.finfo(self.score_dtype).bits // 8) / 2**20
+            log.info("engine: streamed scoring of %d rows x %d items: no (R, I+1) score / exclusion buffers (%.1f MiB saved)", R, I1, saved)
+        else:
+            self._excl = torch.zeros(R, I1, dtype=torch.bool, device=dev)
+            self._excl_scratch = torch.zeros_like(self._excl)
+            self._scores = torch.zeros(R, I1, dtype=self.score_dtype, device=dev)
         self._out_items = torch.zeros(R, K, dtype=torch.int64, device=dev)
         self._out_scores = torch.zeros(R, K, dtype=self.score_dtype, device=dev)
         self._out_actions = torch.zeros(R, K, dtype=torch.int64, device=dev)
@@ -242,7 +251,9 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes of the one KV pool, per bucket (kv: its view of the pool, total: with its static
         inputs), decode buffers and the prefix cache."""
-        shared = sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores)) + self._index.nbytes
+        shared = (
+            sum(t.numel() * t.element_size() for t in (self._excl, self._excl_scratch, self._scores) if t is not None) + self._index.nbytes
+        )
         return {
             "kv_pool": self.kv_pool.nbytes(),
             "buckets": {E: {"kv": b.kv_bytes(), "total": b.total_bytes()} for E, b in self._buckets.items()},
@@ -435,23 +446,16 @@ class Engine:
             b.len_r[:R] = b.lengths[:Bp].repeat_interleave(W)
         else:
             b.len_r[:R] = b.lengths[:Bp]
-        excl = self._excl[:R]
-        excl.zero_()
-        ex_rows = req["exclude"][ri]  # (Bu, I+1)
-        if W > 1:
-            excl.view(Bp, W, -1)[:Bu].copy_(ex_rows.view(Bu, 1, -1).expand(Bu, W, -1))
-        else:
-            excl[:Bu].copy_(ex_rows)
-        excl[:, 0] = True
+        pairs = decode_loop.load_exclusions(self, req["exclude"], ri, Bu, Bp, W)  # into self._excl, or streamed (row, id) pairs
         b.pos[:R] = b.len_r[:R]
         b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[: self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
             step = self._runner(b, ("step", Bp, W), lambda: runners.step_fn(self, b, Bp, W))
-            res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W))
+            res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W), pairs)
         else:
             prefill = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp))
-            res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1))
+            res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1), pairs)
         items, scores, acts, blp, final_excl = res
         out.items[ri] = items[:Bu]
         out.scores[ri] = scores[:Bu]
@@ -459,7 +463,7 @@ class Engine:
             out.actions[ri] = acts[:Bu]
         if out.beam_logprob is not None and blp is not None:
             out.beam_logprob[ri] = blp[:Bu]
-        req["exclude"][ri] = final_excl[:Bu]
+        decode_loop.store_exclusions(req["exclude"], ri, None if final_excl is None else final_excl[:Bu], items[:Bu])
 
     def _store_prefix(self, b: BucketPool, rows, L: torch.Tensor, user_ids) -> None:
         for j, i in enumerate(rows):

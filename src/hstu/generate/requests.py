@@ -108,11 +108,14 @@ def prepare_request(
     ids, timestamps, actions, categories, lengths, truncated = truncate(
         eng.edges[-1], ids, timestamps, actions, categories, lengths, warnings
     )
-    if exclude is None:
+    if exclude is None and not eng.streamed:  # a streamed engine forms no (B, I+1) mask (decode_loop.py)
         exclude = torch.zeros(B, eng.model.cfg.num_items + 1, dtype=torch.bool, device=dev)
-    exclude[:, 0] = True
     W = beam_width if strategy == "beam" else 1
-    check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
+    if exclude is not None:
+        exclude[:, 0] = True
+        check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
+    elif eng.model.cfg.num_items < max(k, W):
+        raise ValueError(f"fewer than {max(k, W)} items in the catalogue (k={k}, beam width {W})")
     if strategy == "beam" and W > eng.max_batch:
         raise ValueError(f"beam_width={W} exceeds max_batch={eng.max_batch} (pool rows)")
     L_host = lengths.tolist()

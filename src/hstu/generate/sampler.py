@@ -136,17 +136,22 @@ def pick_streamed(
     temperature: float,
     gen,
     repeat=None,
+    exclude_pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pick` for a catalogue whose (R, I+1) scores are too large to form
     (:func:`hstu.model.item_index.streams`): the candidates come from
     :func:`hstu.model.item_index.stream_topk` (the :func:`next_scores` of every item, excluded ones
-    and padding at -inf, taken block by block). Arguments as :func:`next_scores` and :func:`pick`;
-    returns (choice (R,) int64, its score (R,) float32). Greedy takes the best (the lowest id among exact ties, as ``argmax``); "topk" draws
-    with :func:`sample_from_top` among the ``top_k`` best. Raises ValueError for another strategy."""
+    and padding at -inf, taken block by block). Arguments as :func:`next_scores` and :func:`pick`
+    (``exclude`` may be None), plus ``exclude_pairs`` (rows (n,), ids (n,)) int64, the sparse
+    exclusions :func:`hstu.model.item_index.stream_topk` takes (the streamed engine's: no (R, I+1)
+    mask); returns (choice (R,) int64, its score (R,) float32). Greedy takes the best (the lowest
+    id among exact ties, as ``argmax``); "topk" draws with :func:`sample_from_top` among the
+    ``top_k`` best. Raises ValueError for another strategy."""
     if strategy not in ("greedy", "topk"):
         raise ValueError(f"unknown strategy {strategy!r}; valid: greedy, topk, beam")
     k = 1 if strategy == "greedy" else min(top_k, index.num_rows)
-    vals, idx = stream_topk(index, user, model_temperature, k, exclude=exclude, repeat=repeat)  # (R, k)
+    ex = dict(exclude=exclude, exclude_pairs=exclude_pairs, repeat=repeat)
+    vals, idx = stream_topk(index, user, model_temperature, k, **ex)  # (R, k)
     if strategy == "greedy":
         return idx[:, 0], vals[:, 0]
     choice = sample_from_top(vals, idx, temperature, gen)
@@ -164,14 +169,15 @@ def pick(scores: torch.Tensor, strategy: str, top_k: int, temperature: float, ge
 
 
 def beam_step_streamed(
-    index, user: torch.Tensor, model_temperature: float, exclude: torch.Tensor, repeat, beam_lp: torch.Tensor, first: bool
+    index, user: torch.Tensor, model_temperature: float, exclude, repeat, beam_lp: torch.Tensor, first: bool, exclude_pairs=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One beam-search expansion without the (B*W, I+1) log-softmax: each beam's W best items
     (:func:`hstu.model.item_index.stream_topk`; the log-softmax is monotone per row, so the W best
     continuations of B beams lie among them) at log-probability score - logsumexp(row).
 
     Args:
-        index, user (B*W, d), model_temperature, exclude (B*W, I+1) bool, repeat: as :func:`next_scores`.
+        index, user (B*W, d), model_temperature, exclude (B*W, I+1) bool or None, repeat: as :func:`next_scores`;
+            exclude_pairs: optional sparse exclusions as :func:`pick_streamed`.
         beam_lp: (B, W) the beams' summed log-probabilities; first: every beam is the same
             sequence (the first step): expand beam 0 only.
     Returns:
@@ -179,7 +185,8 @@ def beam_step_streamed(
         (B, W) int64 its item, score (B, W) its score), ordered as the full path's ``topk``.
     """
     B, W = beam_lp.shape
-    vals, ids, lse = stream_topk(index, user, model_temperature, W, exclude=exclude, repeat=repeat, lse=True)  # (B*W, W), (B*W,)
+    ex = dict(exclude=exclude, exclude_pairs=exclude_pairs, repeat=repeat)
+    vals, ids, lse = stream_topk(index, user, model_temperature, W, **ex, lse=True)  # (B*W, W), (B*W,)
     lp = (vals - lse.view(-1, 1)).view(B, W, W)
     if first:
         return lp[:, 0], torch.zeros(B, W, dtype=torch.int64, device=user.device), ids.view(B, W, W)[:, 0], vals.view(B, W, W)[:, 0]

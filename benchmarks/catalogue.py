@@ -17,7 +17,8 @@ through /proc/self/clear_refs, so each figure is that step's own peak):
               (``item_index.stream_ranks``: no (B, N) score matrix).
      (--no-train: skipped, the rows built in fp16 at their seeded init: the scoring path alone, for a
      catalogue whose training state (rows, gradient, two AdamW moments) does not fit in memory.)
-  6. generate next-10 greedy for --gen-users users (``generate.decode.generate``, streamed picks).
+  6. generate next-10 greedy for --gen-users users through the product's ``generate.engine.Engine``
+              (streamed picks, no (rows, N) score / exclusion buffers above ``item_index.STREAM_BYTES``).
   7. ann      optional (faiss): an approximate index (--ann, a faiss factory string) over the normalised
               rows, recall@10 against the exact streamed top-k of the same user vectors, and per-batch
               latency of both.
@@ -176,16 +177,20 @@ def user_vectors(model, log_, split, users: np.ndarray) -> tuple[torch.Tensor, o
 
 
 def generate(args, model, log_, split) -> dict:
-    from hstu.generate.decode import generate as decode_generate
+    """Next-10 greedy, history excluded, through the product's Engine (what ``hstu generate``, the
+    Recommender and ``hstu serve`` run): --gen-users rows in one chunk, streamed picks and no
+    (R, N + 1) buffers when ``item_index.streams`` says so for those rows."""
+    from hstu.generate.engine import Engine
     from hstu.generate.sampler import exclusion_mask
 
     users = np.nonzero(split.targets("test") >= 0)[0][: args.gen_users]
     _, b = user_vectors(model, log_, split, users)
     excl = exclusion_mask(model.cfg.num_items, len(users), b.ids, b.lengths)
     req = b.timestamps.gather(1, (b.lengths - 1).view(-1, 1)).view(-1) + 60
-    with torch.inference_mode():
-        res = decode_generate(model, b.ids, b.timestamps, b.lengths, 10, request_time=req, exclude=excl)
-    return {"users": len(users), "first_items": res.items[0].tolist()}
+    eng = Engine(model, buckets=(model.cfg.max_seq_len,), max_batch=len(users), k_max=10, graphs="eager")
+    res = eng.generate(b.ids, b.timestamps, b.lengths, 10, request_time=req, exclude=excl)
+    report = {"streamed": eng.streamed, "decode_buffer_bytes": eng.memory_report()["shared_decode_buffers"]}
+    return {"users": len(users), "engine": report, "first_items": res.items[0].tolist()}
 
 
 @torch.inference_mode()

@@ -8,6 +8,8 @@ checked by shape and by recording every tensor the call creates."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -117,13 +119,16 @@ class Shapes(TorchDispatchMode):
         return out
 
 
-def test_streamed_engine_holds_and_creates_no_rows_by_items_tensor(monkeypatch):
-    """No (R, I+1) buffer on the streamed engine (memory_report: only the index), and no op of a
-    greedy, top-k or beam call returns a tensor with an I+1 axis; the full engine's calls do (the
-    check can fail)."""
+def test_streamed_engine_holds_and_creates_no_rows_by_items_tensor(monkeypatch, caplog):
+    """No (R, I+1) buffer on the streamed engine (memory_report: only the index; the saving logged
+    at INFO), and no op of a greedy, top-k or beam call returns a tensor with an I+1 axis; the full
+    engine's calls do (the check can fail)."""
     m = model_with(9)
     full = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
-    stream = streamed_engine(m, monkeypatch, buckets=EDGES, max_batch=4, k_max=6)
+    with caplog.at_level(logging.INFO, logger="hstu.generate.engine"):
+        stream = streamed_engine(m, monkeypatch, buckets=EDGES, max_batch=4, k_max=6)
+    saved = f"{4 * V * (1 + 1 + 4) / 2**20:.1f} MiB saved"
+    assert any("streamed scoring of 4 rows x 301 items" in r.message and saved in r.message for r in caplog.records), caplog.text
     assert stream._scores is None and stream._excl is None and stream._excl_scratch is None
     assert stream.memory_report()["shared_decode_buffers"] == stream._index.nbytes
     assert full.memory_report()["shared_decode_buffers"] == full._index.nbytes + 4 * V * (1 + 1 + 4)

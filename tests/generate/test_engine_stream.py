@@ -9,6 +9,7 @@ checked by shape and by recording every tensor the call creates."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hstu.config import ModelConfig
 from hstu.generate.decode import exclusion_mask
 from hstu.generate.engine import Engine
 from hstu.generate.recommend import History
+from hstu.generate.sampler import Exclusions, check_candidates, exclusion_pairs
 from hstu.model import build_hstu
 from hstu.model import item_index as ii
 
@@ -76,12 +78,17 @@ def test_streamed_engine_equals_full_engine(heads, monkeypatch):
     stream = streamed_engine(m, monkeypatch, buckets=EDGES, max_batch=6, k_max=6, batch_sizes=(1, 2, 4, 6))
     ids, ts, L, rt, acts, cats, item_cat = inputs()
     feats = dict(actions=acts, categories=cats, item_category=item_cat) if heads else {}
+    never = torch.zeros(V, dtype=torch.bool)
+    never[[2, 63, 64, 200]] = True
     for case in CASES:
-        ex = exclusion_mask(I, len(LENS), ids, L, block=[[3, 64, 65, 128], [], [300]])
+        args = (I, len(LENS), ids, L, [[3, 64, 65, 128], [], [300]])
+        ex = exclusion_mask(*args, never=never)
         ex_full, ex_stream = ex.clone(), ex.clone()
         want = full.generate(ids, ts, L, 5, request_time=rt, exclude=ex_full, **feats, **case)
         got = stream.generate(ids, ts, L, 5, request_time=rt, exclude=ex_stream, **feats, **case)
-        assert torch.equal(got.items, want.items), case
+        sparse = stream.generate(ids, ts, L, 5, request_time=rt, exclude=exclusion_pairs(*args, never=never), **feats, **case)
+        assert torch.equal(got.items, want.items) and torch.equal(sparse.items, want.items), case
+        torch.testing.assert_close(sparse.scores, want.scores, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-5)
         if heads:
             assert torch.equal(got.actions, want.actions), case
@@ -90,6 +97,30 @@ def test_streamed_engine_equals_full_engine(heads, monkeypatch):
         assert torch.equal(ex_stream, ex_full), case
         for b, row in enumerate(got.items.tolist()):
             assert len(set(row)) == len(row) and not any(ex[b, i] for i in row), (case, b, row)
+
+
+def test_exclusions_are_the_mask_in_pairs():
+    """exclusion_pairs' set, densified, is the mask built by hand; left() counts the mask's free
+    items; check_candidates reads both forms alike; a full engine densifies Exclusions itself."""
+    ids, _, L, *_ = inputs(seed=4)
+    block = [[1, 2, 2, 999], [], [300, 0]]
+    never = torch.zeros(V, dtype=torch.bool)
+    never[[5, 6, 300]] = True
+    want = torch.zeros(len(LENS), V, dtype=torch.bool)
+    for b in range(len(LENS)):
+        want[b, 0] = True
+        want[b, never] = True
+        want[b, ids[b, : L[b]]] = True
+        want[b, [i for i in (block[b] if b < len(block) else []) if 0 < i <= I]] = True
+    ex = exclusion_pairs(I, len(LENS), ids, L, block, never=never)
+    assert isinstance(ex, Exclusions) and torch.equal(ex.mask(), want)
+    assert torch.equal(exclusion_mask(I, len(LENS), ids, L, block, never=never), want)
+    assert ex.left().tolist() == (~want[:, 1:]).sum(dim=1).tolist()
+    need = int((~want[:, 1:]).sum(dim=1).min()) + 1
+    for form in (ex, want):
+        with pytest.raises(ValueError, match=r"fewer than \d+ items left"):
+            check_candidates(form, need, "k")
+        check_candidates(form, need - 1, "k")
 
 
 def test_streamed_engine_without_a_mask(monkeypatch):
@@ -102,6 +133,9 @@ def test_streamed_engine_without_a_mask(monkeypatch):
         want, got = (e.generate(ids, ts, L, 6, request_time=rt, **case) for e in (full, stream))
         assert torch.equal(got.items, want.items), case
         torch.testing.assert_close(got.scores, want.scores, rtol=1e-5, atol=1e-5)
+        ex = exclusion_pairs(I, len(LENS), ids, L)  # the full engine densifies the sparse form
+        dense = full.generate(ids, ts, L, 6, request_time=rt, exclude=exclusion_mask(I, len(LENS), ids, L), **case)
+        assert torch.equal(full.generate(ids, ts, L, 6, request_time=rt, exclude=ex, **case).items, dense.items), case
 
 
 class Shapes(TorchDispatchMode):
@@ -141,9 +175,10 @@ def test_streamed_engine_holds_and_creates_no_rows_by_items_tensor(monkeypatch, 
 
 
 def test_recommender_through_the_streamed_engine(rec, monkeypatch):
-    """Recommender.recommend (the product path: history, untrained items excluded by its dense
-    mask) on the tiny trained ML-1M run: the streamed engine returns the full engine's items and
-    scores for greedy, seeded top-k and beam."""
+    """Recommender.recommend (the product path: history and untrained items excluded, as
+    Exclusions for the streamed engine) on the tiny trained ML-1M run: the streamed engine returns
+    the full engine's items and scores for greedy, seeded top-k and beam, and no op of its calls
+    returns a (rows > 1, I+1) tensor (the full engine's do)."""
     hists = [
         History([1, 2858, 260, 1196], [978300000, 978300100, 978300200, 978300300]),
         History([32, 50], [978300000, 978300100]),
@@ -156,9 +191,15 @@ def test_recommender_through_the_streamed_engine(rec, monkeypatch):
     monkeypatch.setattr(ii, "STREAM_CHUNK_BYTES", 1)
     stream = rec.build_engine(graphs="eager")
     assert stream.streamed and stream._scores is None
+    Vr = rec.model.cfg.num_items + 1
     for opts in (dict(strategy="greedy"), dict(strategy="topk", top_k=20, seed=5), dict(strategy="beam", beam_width=3)):
-        want = rec.recommend(preps, 5, engine=full, **opts)
-        got = rec.recommend(preps, 5, engine=stream, **opts)
+        shapes = []
+        for eng in (full, stream):
+            with Shapes() as seen:
+                out = rec.recommend(preps, 5, engine=eng, **opts)
+            shapes.append([s for s in seen.shapes if Vr in s and math.prod(s) > Vr])
+        want, got = rec.recommend(preps, 5, engine=full, **opts), out
+        assert shapes[0] and not shapes[1], (opts, shapes[1][:3])
         assert [[i["item_id"] for i in r] for r in got] == [[i["item_id"] for i in r] for r in want], opts
         for a, b in zip(got, want):
             assert [i["score"] for i in a] == pytest.approx([i["score"] for i in b], rel=1e-5, abs=1e-5)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hstu.generate.pool import BucketPool
-from hstu.generate.sampler import beam_step_streamed, next_scores, pick_streamed
+from hstu.generate.sampler import Exclusions, beam_step_streamed, next_scores, pick_streamed
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
@@ -108,7 +108,7 @@ def beam_expand(eng: Engine, Bp: int, W: int, s: int, user: torch.Tensor, beam_l
     if eng.streamed:
         lp = beam_lp if s > 0 else torch.zeros(Bp, W, dtype=torch.float32, device=user.device)
         ex = step_pairs(pairs, eng._out_items[:R], bidx, s)
-        top_lp, parent, choice2, step_score = beam_step_streamed(eng._index, user, temp, None, repeat, lp, s == 0, exclude_pairs=ex)
+        top_lp, parent, choice2, step_score = beam_step_streamed(eng._index, user, temp, ex[2], repeat, lp, s == 0, exclude_pairs=ex[:2])
         src = (bidx[:Bp].view(Bp, 1) * W + parent).view(R)
         return top_lp, src, choice2.reshape(R), step_score.reshape(R)
     scores = eng._scores[:R]
@@ -133,7 +133,7 @@ def pick_step(eng: Engine, R: int, s: int, user, strategy: str, top_k: int, temp
     items, sc, temp = eng._out_items[:R], eng._out_scores[:R], eng.model.cfg.temperature
     if eng.streamed:
         ex = step_pairs(pairs, items, eng._bidx[:R], s)
-        choice, score = pick_streamed(eng._index, user, temp, None, strategy, top_k, temperature, eng._gen, repeat, exclude_pairs=ex)
+        choice, score = pick_streamed(eng._index, user, temp, ex[2], strategy, top_k, temperature, eng._gen, repeat, exclude_pairs=ex[:2])
         items[:, s] = choice
         sc[:, s] = score
         return choice
@@ -146,19 +146,21 @@ def pick_step(eng: Engine, R: int, s: int, user, strategy: str, top_k: int, temp
     return choice
 
 
-def step_pairs(pairs: tuple[torch.Tensor, torch.Tensor], items: torch.Tensor, rows: torch.Tensor, s: int) -> tuple[torch.Tensor, ...]:
-    """The exclusions of step ``s`` as (rows (n,), ids (n,)) int64: the request's ``pairs`` and each
-    row r's generated items ``items[r, :s]`` (``items`` (R, K), ``rows`` = arange(R))."""
+def step_pairs(pairs: tuple, items: torch.Tensor, rows: torch.Tensor, s: int) -> tuple:
+    """The exclusions of step ``s``: (rows (n,), ids (n,)) int64, the request's ``pairs`` and each
+    row r's generated items ``items[r, :s]`` (``items`` (R, K), ``rows`` = arange(R)), and the
+    request's (1, I+1) bool row excluded for every row, or None."""
     if s == 0:
         return pairs
-    return torch.cat([pairs[0], rows.repeat_interleave(s)]), torch.cat([pairs[1], items[:, :s].reshape(-1)])
+    return torch.cat([pairs[0], rows.repeat_interleave(s)]), torch.cat([pairs[1], items[:, :s].reshape(-1)]), pairs[2]
 
 
-def load_exclusions(eng: Engine, exclude: torch.Tensor | None, ri: torch.Tensor, Bu: int, Bp: int, W: int):
-    """A group's exclusions: rows ``ri`` (Bu,) of the request's ``exclude`` ((B, I+1) bool or None)
-    for Bp users x W beams. Full path: copied into the engine's (R, I+1) mask with padding id 0
-    (returns None); streamed: (rows (n,), ids (n,)) int64 pairs, each user's repeated for its W
-    beams (padding id 0 is excluded by the streamed scoring itself)."""
+def load_exclusions(eng: Engine, exclude, ri: torch.Tensor, Bu: int, Bp: int, W: int):
+    """A group's exclusions: rows ``ri`` (Bu,) of the request's ``exclude`` ((B, I+1) bool,
+    :class:`hstu.generate.sampler.Exclusions` (streamed only) or None) for Bp users x W beams.
+    Full path: copied into the engine's (R, I+1) mask with padding id 0 (returns None); streamed:
+    (rows (n,), ids (n,)) int64 pairs, each user's repeated for its W beams, and the Exclusions'
+    ``never`` as a (1, I+1) row or None (padding id 0 is excluded by the streamed scoring itself)."""
     R = Bp * W
     if not eng.streamed:
         excl = eng._excl[:R]
@@ -170,21 +172,23 @@ def load_exclusions(eng: Engine, exclude: torch.Tensor | None, ri: torch.Tensor,
             excl[:Bu].copy_(ex_rows)
         excl[:, 0] = True
         return None
-    rows, ids = [], []
+    rows, ids = [eng._bidx[:0]], [eng._bidx[:0]]
+    sparse = isinstance(exclude, Exclusions)
     for j, i in enumerate(ri.tolist() if exclude is not None else []):
-        hit = exclude[i].nonzero().view(-1)  # one row at a time: no (Bu, I+1) copy
+        hit = exclude.ids[exclude.rows == i] if sparse else exclude[i].nonzero().view(-1)  # one row at a time: no (Bu, I+1) copy
         rows.append((eng._bidx[:W] + j * W).repeat(hit.numel()))
         ids.append(hit.repeat_interleave(W))
-    empty = eng._bidx[:0]
-    return (torch.cat(rows), torch.cat(ids)) if rows else (empty, empty)
+    never = exclude.never.view(1, -1) if sparse and exclude.never is not None else None
+    return torch.cat(rows), torch.cat(ids), never
 
 
 def store_exclusions(exclude: torch.Tensor | None, ri: torch.Tensor, final_excl: torch.Tensor | None, items: torch.Tensor) -> None:
     """Add a group's generated items to the request's ``exclude`` (B, I+1) in place (the engine's
-    documented contract): its final mask rows (full path) or the picked ids ``items`` (Bu, k) (streamed)."""
+    documented contract): its final mask rows (full path) or the picked ids ``items`` (Bu, k) (streamed;
+    an :class:`hstu.generate.sampler.Exclusions` is left as given)."""
     if final_excl is not None:
         exclude[ri] = final_excl
-    elif exclude is not None:
+    elif isinstance(exclude, torch.Tensor):
         exclude[ri.view(-1, 1), items] = True
 
 

@@ -93,7 +93,7 @@ model's fixed width, I items.
 - ``use_cache=False``: the same engine (buckets, kernels, padding) recomputes the whole grown
   sequence at every step, at width E + K: the benchmark's "no cache" side and a second oracle.
 - ``streamed`` (item_index.streams for max_batch rows): no (R, I+1) buffers; exact picks block by block
-  with sparse exclusions (decode_loop.py); ``exclude=None`` then forms no (B, I+1) mask either.
+  with sparse exclusions (decode_loop.py); ``exclude=None`` or an Exclusions forms no (B, I+1) mask either.
 
 Errors (ValueError unless noted): k < 1 or k > k_max; an empty history (the model has no
 cold-start path: position 0 needs an item; serve popular items upstream); an item id outside
@@ -350,7 +350,7 @@ class Engine:
             request_time: (B,) int64 Unix seconds (default: each row's last event time); the
                 query time of the last history row and the timestamp of generated tokens.
             exclude: (B, I+1) bool, True = never generate; updated in place with the generated
-                items (default: only padding id 0 excluded).
+                items (default: only padding id 0 excluded). Or sampler.Exclusions (pairs, not updated).
             strategy: "greedy" | "topk" | "beam" (see the module docstring).
             actions, categories: optional (B, W) int64 history features (0 = none);
                 item_category: (I+1,) int64 category of each item, fed with generated items.

@@ -32,7 +32,7 @@ from hstu.config import DecodeOptions
 from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.hardening import harden
 from hstu.generate.requests import smallest_edge
-from hstu.generate.sampler import exclusion_mask
+from hstu.generate.sampler import Exclusions, exclusion_mask, exclusion_pairs
 from hstu.data.sequences import IdIndex
 from hstu.model.hstu import HSTUModel
 
@@ -259,13 +259,14 @@ class Recommender:
         return self.exclude_history_default if exclude_history is None else bool(exclude_history)
 
     def exclusion(
-        self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None, allow_untrained: bool | None
-    ) -> torch.Tensor:
+        self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None, allow_untrained: bool | None, sparse=False
+    ) -> torch.Tensor | Exclusions:
         """(B, I+1) bool never-generate mask of a batch (``b`` from :meth:`batch`): padding, the
         block lists, the histories when excluded, and the untrained items unless allowed; the one
-        mask builder of every generation path (``recommend`` and the server's engine adapter)."""
+        mask builder of every generation path (``recommend`` and the server's engine adapter).
+        ``sparse``: the same set as :class:`hstu.generate.sampler.Exclusions` (a streamed engine's)."""
         never = None if self.allows_untrained(allow_untrained) else self.untrained
-        return exclusion_mask(
+        return (exclusion_pairs if sparse else exclusion_mask)(
             self.model.cfg.num_items,
             len(preps),
             b["ids"] if self._excl_hist(exclude_history) else None,
@@ -380,7 +381,7 @@ class Recommender:
         d = decoding if decoding is not None else DecodeOptions(**decode_kwargs)
         eng = engine if engine is not None else self.engine
         b = self.batch(preps, width=bucket)  # (B, E) or (B, longest)
-        mask = self.exclusion(b, preps, exclude_history, allow_untrained)  # (B, I+1)
+        mask = self.exclusion(b, preps, exclude_history, allow_untrained, sparse=eng.streamed)  # (B, I+1), or pairs
         res = eng.generate(
             b["ids"],
             b["timestamps"],

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from hstu.generate.hardening import check_inputs_on
-from hstu.generate.sampler import GenerationResult, check_candidates
+from hstu.generate.sampler import Exclusions, GenerationResult, check_candidates
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
@@ -108,11 +108,14 @@ def prepare_request(
     ids, timestamps, actions, categories, lengths, truncated = truncate(
         eng.edges[-1], ids, timestamps, actions, categories, lengths, warnings
     )
+    if isinstance(exclude, Exclusions) and not eng.streamed:
+        exclude = exclude.mask()  # the full engine's (B, I+1) form
     if exclude is None and not eng.streamed:  # a streamed engine forms no (B, I+1) mask (decode_loop.py)
         exclude = torch.zeros(B, eng.model.cfg.num_items + 1, dtype=torch.bool, device=dev)
     W = beam_width if strategy == "beam" else 1
     if exclude is not None:
-        exclude[:, 0] = True
+        if not isinstance(exclude, Exclusions):
+            exclude[:, 0] = True
         check_candidates(exclude, max(k, W), f"k={k}, beam width {W}")
     elif eng.model.cfg.num_items < max(k, W):
         raise ValueError(f"fewer than {max(k, W)} items in the catalogue (k={k}, beam width {W})")
@@ -167,7 +170,9 @@ def validate_request(
         ValueError / TypeError: as Engine.generate documents. StrayTensorError: an input on another device.
     """
     c = eng.model.cfg
-    check_inputs_on(eng.device, ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories, exclude=exclude)
+    ex = (exclude.rows, exclude.never) if isinstance(exclude, Exclusions) else (exclude, None)
+    check_inputs_on(eng.device, ids=ids, timestamps=timestamps, lengths=lengths, actions=actions, categories=categories, exclude=ex[0])
+    check_inputs_on(eng.device, never=ex[1])
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k!r}")
     if k > eng.k_max:
@@ -191,7 +196,10 @@ def validate_request(
     for name, t in (("actions", actions), ("categories", categories)):
         if t is not None and t.shape != ids.shape:
             raise ValueError(f"{name} must have the shape of ids {tuple(ids.shape)}, got {tuple(t.shape)}")
-    if exclude is not None and (exclude.shape != (B, c.num_items + 1) or exclude.dtype != torch.bool):
+    if isinstance(exclude, Exclusions):
+        if (exclude.batch, exclude.num_items) != (B, c.num_items):
+            raise ValueError(f"exclude: Exclusions of {exclude.batch} rows x {exclude.num_items} items for {B} rows x {c.num_items} items")
+    elif exclude is not None and (exclude.shape != (B, c.num_items + 1) or exclude.dtype != torch.bool):
         raise ValueError(f"exclude must be (B, I+1) = ({B}, {c.num_items + 1}) bool, got {tuple(exclude.shape)} {exclude.dtype}")
     if user_ids is not None and len(user_ids) != B:
         raise ValueError(f"user_ids has {len(user_ids)} entries for a batch of {B}")

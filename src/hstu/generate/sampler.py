@@ -54,6 +54,69 @@ def next_scores(
     return item_scores(index, user, temperature, repeat=repeat, out=out).masked_fill_(exclude, float("-inf"))  # (R, I+1)
 
 
+@dataclass
+class Exclusions:
+    """A batch's never-generate set without its (B, I+1) mask (a streamed engine's request form,
+    :func:`exclusion_pairs`): item ``ids[j]`` never for row ``rows[j]`` ((n,) int64 each, on the
+    engine's device), ``never`` an optional (I+1,) bool row excluded for every row; padding id 0
+    is always excluded. ``batch`` B rows, ``num_items`` I."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    batch: int
+    num_items: int
+    never: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """The (B, I+1) bool mask of the same set (:func:`exclusion_mask`)."""
+        mask = torch.zeros(self.batch, self.num_items + 1, dtype=torch.bool, device=self.rows.device)
+        if self.never is not None:
+            mask |= self.never.view(1, -1)
+        mask[:, 0] = True
+        mask[self.rows, self.ids] = True
+        return mask
+
+    def left(self) -> torch.Tensor:
+        """(B,) int64 items 1..I each row may still generate."""
+        V = self.num_items + 1
+        key = torch.unique(self.rows * V + self.ids)  # distinct (row, id) pairs
+        r, i = key // V, key % V
+        keep = i > 0
+        base = 0
+        if self.never is not None:
+            keep &= ~self.never[i]
+            base = int(self.never[1:].sum())
+        return self.num_items - base - torch.bincount(r[keep], minlength=self.batch)
+
+
+def exclusion_pairs(
+    num_items: int,
+    batch: int,
+    ids: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    block: list[list[int]] | None = None,
+    device: torch.device | str = "cpu",
+    never: torch.Tensor | None = None,
+) -> Exclusions:
+    """The never-generate set of :func:`exclusion_mask` (same arguments) as :class:`Exclusions`:
+    the history ids (if given; (B, W) int64 with (B,) ``lengths``) and block lists (dense ids;
+    others ignored) as (row, id) pairs, ``never`` kept as one row. Raises ValueError for a
+    ``never`` of another shape."""
+    if never is not None:
+        if never.shape != (num_items + 1,):
+            raise ValueError(f"exclusion_mask: never must be (I+1,) = ({num_items + 1},), got {tuple(never.shape)}")
+        never = never.to(device=device, dtype=torch.bool)
+    parts = []
+    if ids is not None:
+        live = torch.arange(ids.shape[1], device=ids.device).view(1, -1) < lengths.view(-1, 1)
+        parts.append((torch.arange(batch, device=ids.device).view(-1, 1).expand_as(ids)[live].to(device), ids[live].to(device)))
+    pairs = [(b, i) for b, items in enumerate(block or []) for i in items if 0 < i <= num_items]
+    if pairs or not parts:
+        parts.append(tuple(torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2).T))
+    rows, cols = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    return Exclusions(rows, cols, batch, num_items, never)
+
+
 def exclusion_mask(
     num_items: int,
     batch: int,
@@ -66,30 +129,16 @@ def exclusion_mask(
     """(B, I+1) bool, True = never generate: padding 0, the history ids (if given; (B, W) int64
     with (B,) ``lengths``), block lists (dense ids; others ignored) and ``never``: an optional
     (I+1,) bool row excluded for every user (e.g. the items without training events,
-    :attr:`hstu.generate.recommend.Recommender.untrained`). Raises ValueError for a ``never`` of
-    another shape."""
-    mask = torch.zeros(batch, num_items + 1, dtype=torch.bool, device=device)
-    if never is not None:
-        if never.shape != (num_items + 1,):
-            raise ValueError(f"exclusion_mask: never must be (I+1,) = ({num_items + 1},), got {tuple(never.shape)}")
-        mask |= never.to(device=device, dtype=torch.bool).view(1, -1)
-    mask[:, 0] = True
-    if ids is not None:
-        live = torch.arange(ids.shape[1], device=ids.device).view(1, -1) < lengths.view(-1, 1)
-        rows = torch.arange(batch, device=ids.device).view(-1, 1).expand_as(ids)
-        mask[rows[live], ids[live]] = True
-    for b, items in enumerate(block or []):
-        ok = [i for i in items if 0 < i <= num_items]
-        if ok:
-            mask[b, torch.tensor(ok, device=device)] = True
-    return mask
+    :attr:`hstu.generate.recommend.Recommender.untrained`). :func:`exclusion_pairs` densified.
+    Raises ValueError for a ``never`` of another shape."""
+    return exclusion_pairs(num_items, batch, ids, lengths, block, device, never).mask()
 
 
-def check_candidates(exclude: torch.Tensor, need: int, detail: str) -> None:
+def check_candidates(exclude: torch.Tensor | Exclusions, need: int, detail: str) -> None:
     """Raise ValueError when a row of ``exclude`` ((B, I+1) bool, True = never generate, column
-    0 padding) leaves fewer than ``need`` items: that row would otherwise generate excluded
-    items with score -inf. ``detail`` ends the message (e.g. "k=10, beam width 1")."""
-    left = (~exclude[:, 1:]).sum(dim=1)  # (B,)
+    0 padding; or :class:`Exclusions`) leaves fewer than ``need`` items: that row would otherwise
+    generate excluded items with score -inf. ``detail`` ends the message (e.g. "k=10, beam width 1")."""
+    left = exclude.left() if isinstance(exclude, Exclusions) else (~exclude[:, 1:]).sum(dim=1)  # (B,)
     short = (left < need).nonzero().view(-1).tolist()
     if short:
         raise ValueError(f"row(s) {short[:10]}: fewer than {need} items left after exclusion ({detail})")
@@ -199,7 +248,9 @@ __all__ = [
     "GenerationResult",
     "TEMPERATURE_FLOOR",
     "check_candidates",
+    "Exclusions",
     "exclusion_mask",
+    "exclusion_pairs",
     "next_scores",
     "pick",
     "pick_streamed",

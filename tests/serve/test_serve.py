@@ -261,6 +261,30 @@ def test_wrong_user_id_type_is_one_error() -> None:
         assert [cls.model_validate_json(json.dumps({**body, "user_id": u})).user_id for u in ok] == list(ok)
 
 
+def test_wrong_item_id_is_one_error_at_the_field(server) -> None:
+    """An item id is checked natively when it is an int64 integer and by one validator otherwise; a bad
+    one is one error at ``history[1].item_id`` (not pydantic's two union-member errors)."""
+    from hstu.serve.schemas import GenerateRequest, public_errors
+
+    for bad, kind in (
+        (1.5, "a number that is not an integer"),
+        (2**64, "an integer outside int64"),
+        (True, "a boolean"),
+        (None, "NoneType"),
+    ):
+        body = {"history": [{"item_id": 1, "timestamp": 1}, {"item_id": bad, "timestamp": 2}], "exclude": [bad]}
+        with pytest.raises(pydantic.ValidationError) as e:
+            GenerateRequest.model_validate_json(json.dumps(body))
+        msg = f"must be an int64 integer, a string of at most 256 characters, got {kind}"
+        assert [(x["loc"], x["msg"]) for x in public_errors(e.value.errors())] == [(("history", 1, "item_id"), msg), (("exclude", 0), msg)]
+        r = post(server.url, "/v1/generate", body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].item_id"
+        assert [x["field"] for x in r.json()["errors"]] == ["history[1].item_id", "exclude[0]"]
+    ok = [7, -(2**63), 2**63 - 1, " SKU-1 "]
+    req = GenerateRequest.model_validate_json(json.dumps({"history": [{"item_id": i, "timestamp": 1} for i in ok]}))
+    assert [e.item_id for e in req.history] == ok and [type(e.item_id) for e in req.history] == [int, int, int, str]
+
+
 def test_k_out_of_range_names_the_models_range(server) -> None:
     """Both ends of k answer the message `hstu generate -k` gives (hstu.config.check_k); k = 0
     used to be pydantic's "Input should be greater than or equal to 1"."""

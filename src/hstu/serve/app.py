@@ -54,7 +54,7 @@ from hstu.generate.recommend import Recommender
 from hstu.serve.batcher import Rejected
 from hstu.serve.edge import BodyTimeout, EdgeMiddleware, error_response, read_body
 from hstu.serve.popularity import Popularity
-from hstu.serve.schemas import ErrorBody, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
+from hstu.serve.schemas import public_errors, ErrorBody, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
 from hstu.serve.service import ApiError, ServePolicy, Service
 
 DESCRIPTION = "HSTU generative recommender: next-k generation and target-aware scoring with micro-batching per length bucket."
@@ -129,7 +129,7 @@ def _add_error_handlers(app: FastAPI, svc: Service) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         items = []
-        for e in exc.errors():
+        for e in public_errors(exc.errors()):
             loc = [p for p in e.get("loc", ()) if p != "body"]
             if e.get("type") == "json_invalid":  # pydantic's message names the line and column
                 items.append({"type": "validation_error", "message": f"body: {e.get('msg', 'invalid JSON')}", "field": "body"})

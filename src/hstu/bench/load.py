@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import re
@@ -213,6 +214,7 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
     """
     if args.url:
         return None, args.url.rstrip("/"), None
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /readyz poll in the caller's log
     cmd = [
         sys.executable,
         "-m",

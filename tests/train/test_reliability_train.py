@@ -99,7 +99,7 @@ BAD_FILES = [
         RESUME,
         _edit("idmap.json", lambda o: o.__setitem__("item_raw_ids", "x")),
         "idmap.json",
-        ': item_raw_ids must be a list of integer ids starting with 0, or of text ids starting with "" (padding), got \'x\'',
+        ": item_raw_ids must be a list of integer ids starting with 0, or of text ids starting with \"\" (padding), got 'x'",
     ),
     (["eval"], _truncate("model.safetensors"), "model.safetensors", ": not a readable safetensors file ("),
     (["eval"], _edit("config.json", lambda o: o.__setitem__("data", "x")), "config.json", ": data must be a table of fields, got 'x'"),

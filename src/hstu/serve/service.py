@@ -249,14 +249,14 @@ class Service:
             list(exclude or []),
         )
         try:
-            known = self.rec.dense_ids(h.items) > 0  # (n,) original (int or text) ids of this run
+            p = self.rec.prepare(h, unknown=unknown, order=order)  # maps the ids once
         except HistoryError as exc:
-            raise _invalid(exc) from None
-        if unknown == "drop" and not known.any():
-            return None, [f"dropped {len(history)} event(s) with unknown item ids; no history left"]
-        try:
-            p = self.rec.prepare(h, unknown=unknown, order=order)
-        except HistoryError as exc:
+            try:  # only on a refusal: was every id unknown (then no history, not an error)?
+                none_known = unknown == "drop" and not (self.rec.dense_ids(h.items) > 0).any()
+            except HistoryError as bad_id:
+                raise _invalid(bad_id) from None
+            if none_known:
+                return None, [f"dropped {len(history)} event(s) with unknown item ids; no history left"]
             raise _invalid(exc) from None
         warnings = list(p.warnings)
         n = len(p.ids)

@@ -134,7 +134,8 @@ def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
     """idmap.json's object for ``log_``: ``item_raw_ids`` (I+1 original ids, 0 for padding; text
     ids as JSON strings, "" for padding), ``user_ids`` ("int" | "text": the kind of the user ids),
     ``item_category`` (I+1), titles, ``item_meta`` (the items file's columns, when given), action
-    names, the exclusion default, the last timestamp
+    names, side-feature maps (``features``: categorical values / numeric quantile edges, and
+    ``item_features``: (I+1, F) the items' last values; :mod:`hstu.data.features`), the exclusion default, the last timestamp
     (Unix s), data facts, and with ``split`` ``item_train_counts`` (I+1 training events per item)."""
     raw = log_.item_raw_ids.tolist()
     return {
@@ -149,6 +150,7 @@ def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
             **{r: m["title"] for r, m in log_.item_meta.items() if isinstance(m.get("title"), str)},  # --items FILE titles
         },
         **({"item_meta": log_.item_meta} if log_.item_meta else {}),
+        **({"features": log_.feature_maps, "item_features": log_.item_features[:, 1:].tolist()} if log_.feature_maps else {}),
         "exclude_history_default": log_.exclude_history_default,
         "last_timestamp": int(log_.timestamps.max()),
         "data_facts": {"events": log_.num_events, "users": log_.num_users, "skipped_rows": log_.skipped_rows, **log_.facts},

@@ -29,7 +29,8 @@ class SequenceBatch:
         lengths             [3, 1]
 
     ids, timestamps, actions, categories: (B, W) int64, 0 after the live rows (timestamps
-    hold the query time at position ``length`` for evaluation batches).
+    hold the query time at position ``length`` for evaluation batches); categories (B, W, 1+F)
+    when the log has side features (:mod:`hstu.data.features`).
     lengths: (B,) int64. users: (B,) int64 EventLog rows. targets: (B,) int64 dense target
     item (evaluation) or None. target_actions: (B,) or None.
     """
@@ -54,13 +55,15 @@ def _pad(log_: EventLog, users: np.ndarray, starts: np.ndarray, ends: np.ndarray
     lengths = ends - starts
     W = int(lengths.max()) + extra
     B = len(users)
-    out = {k: np.zeros((B, W), np.int64) for k in ("ids", "timestamps", "actions", "categories")}
+    out = {k: np.zeros((B, W), np.int64) for k in ("ids", "timestamps", "actions")}
+    tokens = log_.token_categories  # (E,) categories, or (E, 1+F) with side features (hstu.data.features)
+    out["categories"] = np.zeros((B, W, *tokens.shape[1:]), np.int64)
     for b in range(B):
         s, e, L = starts[b], ends[b], lengths[b]
         out["ids"][b, :L] = log_.items[s:e]
         out["timestamps"][b, :L] = log_.timestamps[s:e]
         out["actions"][b, :L] = log_.actions[s:e]
-        out["categories"][b, :L] = log_.categories[s:e]
+        out["categories"][b, :L] = tokens[s:e]
         if query_ts is not None:
             out["timestamps"][b, L] = query_ts[b]
     out = {k: torch.from_numpy(v) for k, v in out.items()}

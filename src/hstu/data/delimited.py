@@ -39,9 +39,10 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError
+from hstu.data.features import parse_feature_options
 from hstu.data.movielens import file_encoding
 from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, to_event_log
-from hstu.data.sequences import EventLog
+from hstu.data.sequences import FEATURE_PREFIX, EventLog
 from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ def _frame_checks(
     """
     problems: list[tuple[np.ndarray, Callable[[int], str]]] = []
     out: dict[str, pd.Series] = {}
+    for key in (k for k in mapping if k.startswith(FEATURE_PREFIX)):  # side features: unchecked, encoded after the split
+        out[key] = df[mapping[key]].reset_index(drop=True)
     for key in ("user", "item", "category"):
         if key not in mapping:
             continue
@@ -245,6 +248,8 @@ def load_csv(
     time_unit: str | None = None,
     exclude_history: bool | None = None,
     name: str = "csv",
+    features: str | list | None = None,
+    numeric_features: str | dict | None = None,
     **options,
 ) -> EventLog:
     """A generic event log: delimited text or Parquet (``.parquet`` / ``.pq``), one file or several.
@@ -258,6 +263,9 @@ def load_csv(
         time_unit: unit of integer times (s | ms | us | ns); default s, or ms when every
             value is >= 1e11. Date-time strings are parsed as ISO 8601 (UTC if no offset).
         exclude_history: the data set's candidate-exclusion default (default False).
+        features, numeric_features: side-feature columns (names or positions; categorical, and
+            numeric name -> quantile buckets), :func:`hstu.data.features.parse_feature_options`;
+            read raw here, encoded after the split (:func:`hstu.data.features.apply_features`).
     Returns:
         EventLog named ``name``; action names in order of first appearance; without a time
         column ``facts["order_only"] = True`` and all timestamps 0.
@@ -268,10 +276,14 @@ def load_csv(
         action, an unparsable time (file:line; Parquet: row index), unless ``skip_bad_rows``.
     """
     if options:
-        raise ValueError(f"csv: unknown option(s) {sorted(options)}; valid: columns, format, sep, time_unit, exclude_history")
+        raise ValueError(
+            f"csv: unknown option(s) {sorted(options)}; valid: columns, format, sep, time_unit, exclude_history, features, numeric_features"
+        )
     if columns is None:
         raise ValueError("csv: a column mapping is needed, e.g. --columns user=user_id,item=item_id,time=timestamp,action=event")
     mapping, unit_from_map = parse_columns(columns)
+    cat_features, num_features = parse_feature_options(features, numeric_features, "csv")
+    mapping.update({FEATURE_PREFIX + n: n for n in [*cat_features, *num_features]})
     fmt = parse_format(format)
     if sep is not None:
         fmt = Format(sep, fmt.header)
@@ -283,7 +295,7 @@ def load_csv(
     order_only = "time" not in mapping
     if order_only:
         df["time"] = np.zeros(len(df), np.int64)  # the file order is the order (a stable sort keeps it)
-    out = to_event_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped)
+    out = to_event_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped, feature_buckets=num_features)
     if len(frames) > 1:
         out.facts["files"] = len(frames)
     if any(e != "utf-8" for e in encodings.values()):
@@ -315,6 +327,11 @@ def _read_files(
     return frames, skipped, encodings
 
 
+def _keys(mapping: dict[str, str]) -> list[str]:
+    """The mapping's keys in frame order: MAPPING_KEYS, then the side features in option order."""
+    return [k for k in MAPPING_KEYS if k in mapping] + [k for k in mapping if k.startswith(FEATURE_PREFIX)]
+
+
 def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width: int) -> dict[str, str]:
     """Mapping values -> column labels of the frame: header names, or '#k' for position k."""
     out = {}
@@ -335,7 +352,7 @@ def read_delimited(
     path: Path, mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool, encoding: str = "utf-8"
 ) -> tuple[pd.DataFrame, int]:
     """One delimited file in ``encoding`` -> (frame with the mapping's keys as columns + subsecond_ns, skipped rows)."""
-    keys = [k for k in MAPPING_KEYS if k in mapping]
+    keys = _keys(mapping)
     sep, hdr = fmt.sep_for(path), 0 if fmt.header else None
     try:
         head = pd.read_csv(path, sep=sep, nrows=1 if hdr is None else 0, header=hdr, encoding=encoding)
@@ -350,7 +367,8 @@ def read_delimited(
     try:
         # blank lines kept as all-NaN rows, so frame index i is file line i + 1 + header
         # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
-        raw = pd.read_csv(path, dtype={labels["action"]: str} if "action" in labels else None, **read)[[labels[k] for k in keys]]
+        texts = {labels[k]: str for k in labels if k == "action" or k.startswith(FEATURE_PREFIX)}  # numeric features: coerced later
+        raw = pd.read_csv(path, dtype=texts or None, **read)[[labels[k] for k in keys]]
         for k in ("user", "item", "category"):  # an id column pandas did not read as int64 (one id past int64 makes
             c = labels.get(k)  # it float64, rounding every id above 2^53): again as text, parsed exactly
             if c is not None and not pd.api.types.is_signed_integer_dtype(raw[c]):
@@ -394,6 +412,6 @@ def _read_parquet(path: Path, mapping: dict[str, str], unit: str | None, skip_ba
             if not v.isdigit() or int(v) >= len(names):
                 raise DataFormatError(path, None, f"column {v!r} (for {k}) not in the file; columns: {names}")
             labels[k] = names[int(v)]
-    keys = [k for k in MAPPING_KEYS if k in labels]
+    keys = _keys(labels)
     raw = pd.read_parquet(path, columns=[labels[k] for k in keys]).reset_index(drop=True)
     return _frame_checks(raw, labels, unit, lambda i: (None, f"row {i}: "), path, skip_bad_rows)

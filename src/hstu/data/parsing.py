@@ -175,9 +175,8 @@ def parse_lines(
             out[c.key] = ids.tolist()
     if skipped:
         log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
-    frame = pd.DataFrame(
-        {c.key: pd.Series(out[c.key], dtype=object if c.key == "action" or (c.text and _any_text(out[c.key])) else np.int64) for c in cols}
-    )
+    texts = {c.key for c in cols if c.key == "action" or c.key.startswith("feature:") or (c.text and _any_text(out[c.key]))}
+    frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key in texts else np.int64) for c in cols})
     if "time" in out:
         frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
     return frame, skipped
@@ -208,6 +207,9 @@ def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: d
             if not raw.strip():
                 raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is missing")
             vals.append(raw.strip())
+            continue
+        if c.key.startswith("feature:"):  # a side feature: any text, empty = unknown (hstu.data.features)
+            vals.append(raw.strip() or None)
             continue
         if c.key == "action":
             v = raw.strip()
@@ -272,7 +274,8 @@ def read_columns(
 def to_event_log(
     df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int, **items
 ) -> EventLog:
-    """A loader frame (columns = mapping keys) -> EventLog; ``items``: ``titles`` / ``item_genres``."""
+    """A loader frame (columns = mapping keys, ``feature:NAME`` side features) -> EventLog; ``items``:
+    ``titles`` / ``item_genres`` / ``feature_buckets`` (:meth:`EventLog.from_frame`)."""
     frame = df.rename(columns=OUT_NAMES)
     if frame.empty:
         raise ValueError(f"{name}: no events left after parsing (skipped {skipped} malformed rows)")

@@ -16,6 +16,7 @@ import numpy as np
 
 from hstu.config import ModelConfig
 from hstu.data import EventLog, Split, load_dataset, make_split
+from hstu.data.features import apply_features, feature_sizes
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("clean", "paper")
@@ -45,19 +46,22 @@ class DataSpec:
             raise ValueError(f"DataSpec.protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
         if self.max_users is not None and self.max_users < 1:
             raise ValueError(f"DataSpec.max_users must be >= 1 or null, got {self.max_users}")
-        bad = [k for k, v in self.options.items() if not isinstance(k, str) or not isinstance(v, (str, dict))]
+        is_list = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731 - e.g. features = ["brand"]
+        bad = [k for k, v in self.options.items() if not isinstance(k, str) or not (isinstance(v, (str, dict)) or is_list(v))]
         if bad:
-            raise ValueError(f"DataSpec.options: {bad[0]!r} must be a text or a table, got {self.options[bad[0]]!r}")
+            raise ValueError(f"DataSpec.options: {bad[0]!r} must be a text, a list of texts or a table, got {self.options[bad[0]]!r}")
 
 
 def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
     """The event log named by ``spec`` (its first ``max_users`` users) and its split under
-    ``spec.protocol``. Raises FileNotFoundError / DataFormatError from the loaders, ValueError
-    for an unknown data set or ``max_users`` <= 0."""
+    ``spec.protocol``, side features encoded with the training events' quantile edges
+    (:func:`hstu.data.features.apply_features`). Raises FileNotFoundError / DataFormatError from
+    the loaders, ValueError for an unknown data set or ``max_users`` <= 0."""
     log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
     if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
         log_ = subset_users(log_, spec.max_users)
-    return with_options(log_, spec), make_split(log_, spec.protocol)
+    split = make_split(log_, spec.protocol)
+    return with_options(apply_features(log_, split.train_end), spec), split
 
 
 def with_options(log_: EventLog, spec: DataSpec) -> EventLog:
@@ -83,6 +87,9 @@ def subset_users(log_: EventLog, n: int) -> EventLog:
     n = min(n, log_.num_users)
     e = int(log_.offsets[n])
     cut = {k: getattr(log_, k)[:e] for k in ("items", "timestamps", "actions", "categories", "values")}
+    cut["feature_raw"] = {k: v[:e] for k, v in log_.feature_raw.items()}
+    if log_.features is not None:
+        cut["features"] = log_.features[:e]
     return EventLog(**{**log_.__dict__, **cut, "users": log_.users[:n], "offsets": log_.offsets[: n + 1]})
 
 
@@ -128,7 +135,8 @@ def train_item_counts(log_: EventLog, split: Split) -> np.ndarray:
 
 def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> ModelConfig:
     """``cfg`` with what the data fixes (in place): num_items and, with ``use_features``,
-    num_actions (0 for a single action type) and num_categories. Order-only data
+    num_actions (0 for a single action type), num_categories and the side features' sizes
+    (``features``: name -> values, :func:`hstu.data.features.feature_sizes`). Order-only data
     (``facts["order_only"]``: no time column, the position is the order) turns the time bias off
     (``use_time_bias = False``, logged): its timestamps carry nothing, and the time term of the
     relative bias (Zhai et al. 2024, §3, rab^{p,t}) would only repeat the position term."""
@@ -139,4 +147,5 @@ def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> Mo
     if use_features:
         cfg.num_actions = log_.num_actions if log_.num_actions > 1 else 0
         cfg.num_categories = log_.num_categories
+        cfg.features = feature_sizes(log_.feature_maps)
     return cfg

@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from hstu.data.features import numeric_column, text_column
+
 log = logging.getLogger(__name__)
+FEATURE_PREFIX = "feature:"  # a loader frame's side-feature column: "feature:price"
 
 ID_MAX_CHARS = 256  # longest text id (the HTTP user_id limit); longer ones are refused with their position
 
@@ -150,6 +153,14 @@ class EventLog:
     skipped_rows: int = 0
     facts: dict = field(default_factory=dict)  # how the files were read, e.g. {"encodings": {"movies.dat": "utf-8"}}
     item_meta: dict[str, dict] = field(default_factory=dict)  # str(original item id) -> {column: value} (hstu.data.items)
+    # side features (hstu.data.features): raw per-event columns (name -> (E,) object texts or float64), numeric
+    # name -> quantile buckets; after the split (features.apply_features) the (E, 1+F) token columns
+    # [category, features...], the items' (I+1, 1+F) last values and the maps written to idmap.json
+    feature_raw: dict[str, np.ndarray] = field(default_factory=dict)
+    feature_buckets: dict[str, int] = field(default_factory=dict)
+    features: np.ndarray | None = None
+    item_features: np.ndarray | None = None
+    feature_maps: list[dict] = field(default_factory=list)
 
     @property
     def num_users(self) -> int:
@@ -173,6 +184,17 @@ class EventLog:
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @property
+    def token_categories(self) -> np.ndarray:
+        """What batches carry as ``categories``: (E,) category ids, or with side features the (E, 1+F)
+        token columns (:mod:`hstu.data.features`)."""
+        return self.categories if self.features is None else self.features
+
+    @property
+    def item_tokens(self) -> np.ndarray:
+        """(I+1,) item category, or with side features the (I+1, 1+F) item token columns."""
+        return self.item_category if self.item_features is None else self.item_features
 
     def user_index(self, raw_user_id: int | str) -> int:
         """Row of an original user id (int or text, as :func:`as_ids` reads it); KeyError names the
@@ -208,12 +230,15 @@ class EventLog:
         action_names: list[str] | None = None,
         exclude_history_default: bool = True,
         skipped_rows: int = 0,
+        feature_buckets: dict[str, int] | None = None,
     ) -> "EventLog":
         """Build from a frame with columns user_id, item_id (int64, or text: trimmed str, see the
         module docstring), timestamp (int64 Unix s) and optional
         action (str or int), category (int), value, subsecond_ns (int64, the part of the source's
         exact time below the second, 0..1e9-1: events are sorted on timestamp then it, so ms / ns
-        times keep their order after flooring to s). Dense ids follow ascending original ids.
+        times keep their order after flooring to s) and ``feature:NAME`` side-feature columns (texts;
+        numeric where ``feature_buckets`` names them, :mod:`hstu.data.features`). Dense ids follow
+        ascending original ids.
         Raises ValueError naming the column and row of an empty or boolean id."""
         if df.empty:
             raise ValueError(f"{name}: no events")
@@ -252,6 +277,12 @@ class EventLog:
             first = np.array([glut[item_genres[r][0]] if item_genres.get(r) else 0 for r in item_raw_ids[1:].tolist()], np.int64)
             item_category[1:] = first
         values = df["value"].to_numpy(np.int64) if "value" in df else np.zeros(n, np.int64)
+        buckets = dict(feature_buckets or {})
+        feature_raw = {
+            c[len(FEATURE_PREFIX) :]: (numeric_column if c[len(FEATURE_PREFIX) :] in buckets else text_column)(df[c])
+            for c in df.columns
+            if str(c).startswith(FEATURE_PREFIX)
+        }
         log.info("%s: %d events, %d users, %d items", name, n, len(users), len(item_raw))
         return cls(
             name=name,
@@ -270,6 +301,8 @@ class EventLog:
             item_genres=dict(item_genres or {}),
             exclude_history_default=exclude_history_default,
             skipped_rows=skipped_rows,
+            feature_raw=feature_raw,
+            feature_buckets={k: v for k, v in buckets.items() if k in feature_raw},
         )
 
 

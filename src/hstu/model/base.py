@@ -71,12 +71,17 @@ class SequentialRecommender(nn.Module):
         nn.init.trunc_normal_(self.pos_emb.weight, std=math.sqrt(1.0 / d))  # same scale as item_emb · √d
         self.action_emb = nn.Embedding(cfg.num_actions + 1, d, padding_idx=0) if cfg.num_actions > 0 else None
         self.category_emb = nn.Embedding(cfg.num_categories + 1, d, padding_idx=0) if cfg.num_categories > 0 else None
+        # side features (hstu.data.features): token columns 1..F of ``categories``, in cfg.features order
+        self.feature_emb = nn.ModuleList(nn.Embedding(n + 1, d, padding_idx=0) for n in cfg.features.values()) if cfg.features else None
         self.action_head = nn.Linear(d, cfg.num_actions + 1) if cfg.num_actions > 0 else None
         self.repeat: nn.Module | None = None
         self._init_extra_heads()
-        for emb in (self.action_emb, self.category_emb):
+        for emb in (self.action_emb, self.category_emb, *(self.feature_emb or ())):
             if emb is not None:
                 nn.init.trunc_normal_(emb.weight, std=0.02)
+        for emb in self.feature_emb or ():
+            with torch.no_grad():
+                emb.weight[0].zero_()  # an unknown feature value adds nothing (padding_idx keeps it there)
         self.input_dropout = nn.Dropout(cfg.dropout)
         if cfg.cold_item_dropout > 0:  # (I+1,) True = never seen in training: no item embedding as input
             self.register_buffer("cold_items", torch.zeros(cfg.num_items + 1, dtype=torch.bool))
@@ -102,6 +107,11 @@ class SequentialRecommender(nn.Module):
     ) -> torch.Tensor:
         """ids, positions (and optional actions, categories): (…) int64 -> (…, d) input rows.
 
+        ``categories`` is (…) category ids, or for a model with side features (``cfg.features``,
+        :mod:`hstu.data.features`) the (…, 1 + F) token columns: the category, then one id per
+        feature, each looked up in its own table and summed (0 = unknown adds nothing). A (…)
+        tensor given to such a model carries the category only.
+
         With ``cold_item_dropout`` > 0, a cold item (never in training) adds no item embedding, and
         in training each event drops its item embedding with that probability. Found on Taobao:
         60 % of test histories end with an item that is not in training (the held-out valid
@@ -116,9 +126,19 @@ class SequentialRecommender(nn.Module):
         x = e * math.sqrt(self.cfg.embedding_dim) + self.pos_emb(positions)
         if self.action_emb is not None and actions is not None:
             x = x + self.action_emb(actions)
-        if self.category_emb is not None and categories is not None:
-            x = x + self.category_emb(categories)
+        if categories is not None:
+            cols = categories.dim() > ids.dim()  # (…, 1 + F) token columns
+            if self.category_emb is not None:
+                x = x + self.category_emb(categories[..., 0] if cols else categories)
+            if self.feature_emb is not None and cols:
+                for j, emb in enumerate(self.feature_emb, 1):
+                    x = x + emb(categories[..., j])
         return x
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        """The trailing shape of ``categories`` this model reads: () or (1 + F,) with side features."""
+        return (1 + len(self.feature_emb),) if self.feature_emb is not None else ()
 
     def check_inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> None:
         """TypeError for non-int64 inputs; ValueError when shapes disagree or W > N."""

@@ -108,6 +108,15 @@ def check_idmap(where: str, obj: Any) -> dict:
     meta = "an object of id -> {column: value} (hstu train --items)"
     _field(where, obj, "item_meta", lambda v: isinstance(v, dict) and all(isinstance(m, dict) for m in v.values()), meta, optional=True)
     _field(where, obj, "last_timestamp", _is_int, "an integer (Unix s)", optional=True)
+    feats = 'a list of {"name", "kind": "categorical" (+ "values") | "numeric" (+ "buckets", "edges")} (hstu.data.features)'
+    ok = lambda m: (  # noqa: E731
+        isinstance(m, dict)
+        and isinstance(m.get("name"), str)
+        and isinstance(m.get("values" if m.get("kind") == "categorical" else "edges"), list)
+    )
+    _field(where, obj, "features", lambda v: isinstance(v, list) and all(ok(m) for m in v), feats, optional=True)
+    rows = f"a list of {n} lists of integers (one per item_raw_ids entry)"
+    _field(where, obj, "item_features", lambda v: isinstance(v, list) and len(v) == n and all(_ints(r) for r in v), rows, optional=True)
     _field(where, obj, "dataset", lambda v: isinstance(v, str), "a text", optional=True)
     _field(where, obj, "data_facts", lambda v: isinstance(v, dict), "an object", optional=True)
     return obj

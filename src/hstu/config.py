@@ -64,6 +64,9 @@ class ModelConfig:
     temperature: float = 0.05  # cosine-similarity temperature (recipe: 0.05)
     num_actions: int = 0  # >0: action-type embedding summed into the input + next-action head
     num_categories: int = 0  # >0: category embedding summed into the input
+    # side features (hstu.data.features), set from the data: name -> number of values (ids 1..n, 0 = unknown);
+    # one embedding table each, summed into the input as the category's; the order is the token columns' 1..F
+    features: dict[str, int] = field(default_factory=dict)
     repeat_window: int = 0  # >0: repeat-aware scoring over the last R events (hstu.model.repeat); 0 = off
     # >0: items never seen in training enter the input without their item embedding (a "cold"
     # input: action, category, position and time only), and in training each input event loses
@@ -96,6 +99,10 @@ class ModelConfig:
         for name in ("num_items", "num_actions", "num_categories"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
+        feats = self.features if isinstance(self.features, dict) else {None: None}
+        bad = [k for k, v in feats.items() if not isinstance(k, str) or not k or isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise ValueError(f"ModelConfig.features must map feature names to value counts >= 0, got {self.features!r}")
         for name in ("time_bucket_log_base", "layer_norm_eps"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {getattr(self, name)}")
@@ -349,7 +356,7 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
 _TABLES = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig, "data": None}
 # [data] is hstu.data.prepare.DataSpec (resolved when read: hstu.data imports this module); these of its keys are
 # loader options (DataSpec.options), the others DataSpec fields
-DATA_OPTIONS = ("columns", "format", "time_unit", "meta")
+DATA_OPTIONS = ("columns", "format", "time_unit", "meta", "features", "numeric_features")
 
 
 def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = None) -> Any:

@@ -172,6 +172,9 @@ class TrainConfig:
     # Each run of this many consecutive positions shares its own 128 negatives (1 = per
     # position as in the reference, >= max_seq_len = per sequence); see train/losses.py.
     negatives_chunk: int = 16
+    # > 0: per-position negatives drawn from one pool of this many distinct items per batch, scored
+    # as one (positions x pool) GEMM (train/losses.py pool_softmax_loss); negatives_chunk is then unused.
+    negatives_pool: int = 0
     # Batches of sequences of similar length (pools of this many batches are sorted by length
     # before cutting; padding costs little) or 1 = random batches as in the reference.
     length_pool: int = 50
@@ -190,6 +193,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.length_pool must be >= 1, got {self.length_pool}")
         if self.negatives_chunk < 1:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
+        if self.negatives_pool < 0:
+            raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"TrainConfig.learning_rate must be a finite number > 0, got {self.learning_rate}")
         for name in ("beta1", "beta2"):

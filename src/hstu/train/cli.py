@@ -47,6 +47,7 @@ def add_train_parser(sub) -> None:
     )
     t.add_argument("--learning-rate", type=number_in(float, 0, lo_open=True))
     t.add_argument("--num-negatives", type=number_in(int, 1))
+    _add_recipe_flags(t)
     t.add_argument("--out", required=True, help="run directory")
     t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
     t.add_argument("--seed", type=int)
@@ -102,6 +103,29 @@ def add_train_parser(sub) -> None:
     t.set_defaults(func=cmd_train)
 
 
+def _add_recipe_flags(t) -> None:
+    """The TrainConfig recipe flags beyond the optimizer's: negatives scheme, length pooling, threads
+    (``cmd_train`` copies each one given onto the TrainConfig)."""
+    t.add_argument(
+        "--negatives-chunk",
+        type=number_in(int, 1),
+        help="consecutive positions sharing one set of uniform negatives (1: per position, as the reference; TrainConfig.negatives_chunk)",
+    )
+    t.add_argument(
+        "--negatives-pool",
+        type=number_in(int, 0),
+        help="per-position negatives drawn from one batch pool of K distinct items (0: off; TrainConfig.negatives_pool, hstu.train.losses)",
+    )
+    t.add_argument(
+        "--length-pool",
+        type=number_in(int, 1),
+        help="batches sorted by length inside pools of this many batches (1: random batches, as the reference; TrainConfig.length_pool)",
+    )
+    t.add_argument(
+        "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
+    )
+
+
 def cmd_train(args) -> int:
     """``hstu train`` and ``hstu train --distributed`` / ``python -m hstu.train`` (torchrun): one recipe,
     :func:`hstu.train.loop.fit`, with the distributed strategy under --distributed; rank 0 prints metrics.json."""
@@ -120,7 +144,17 @@ def cmd_train(args) -> int:
         given = load_config_tables(args.config).get("train", {}) if args.config else {}
         tcfg = train_config_from_dict({**saved["train"], **given})
     tcfg = tcfg or TrainConfig()
-    for name in ("epochs", "seed", "batch_size", "learning_rate", "num_negatives"):
+    for name in (
+        "epochs",
+        "seed",
+        "batch_size",
+        "learning_rate",
+        "num_negatives",
+        "negatives_chunk",
+        "negatives_pool",
+        "length_pool",
+        "num_threads",
+    ):
         if getattr(args, name, None) is not None:
             setattr(tcfg, name, getattr(args, name))
     spec = DataSpec(
@@ -286,4 +320,7 @@ def _config_data(args) -> None:
 def _data_options(args) -> dict:
     """Loader options (DataSpec.options): the [data] table's / the run's, then --columns and --format."""
     flags = {k: getattr(args, k, None) for k in ("columns", "format")}
+    for k in ("features", "numeric_features"):  # repeatable flags -> one comma text (hstu.data.features.parse_feature_options)
+        if getattr(args, k, None):
+            flags[k] = ",".join(getattr(args, k))
     return {**getattr(args, "data_options", {}), **{k: v for k, v in flags.items() if v}}

@@ -73,7 +73,7 @@ from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.tra
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
-from hstu.train.losses import training_loss
+from hstu.train.losses import recipe, recipe_text, training_loss
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
 # hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
@@ -290,6 +290,7 @@ def _report(
         "exclude_history": bool(log_.exclude_history_default),  # the candidate policy of valid and test
         "status": status,
         "machine": strategy.machine(),
+        "recipe": recipe(tcfg),
         **strategy.extra,
     }
     if calibration is not None:
@@ -398,6 +399,7 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
             remove_run_files(run)
         write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
         write_idmap(run, log_, split)
+        log.info("recipe: %s", recipe_text(tcfg))
     strategy.barrier()
     started, status = clock(), "completed"
     try:

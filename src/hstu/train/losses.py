@@ -77,6 +77,7 @@ def sampled_softmax_loss(
     generator: torch.Generator | None = None,
     num_items: int,
     neg: torch.Tensor | None = None,
+    pool: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """Mean loss over positions 0..L-2 of each sequence (row i predicts ids[i+1]).
 
@@ -95,13 +96,24 @@ def sampled_softmax_loss(
         neg: (B, nc, M) int64 negatives drawn beforehand (the distributed trainer's share of its
             global batch's draw); ``chunk`` is then the run length they were drawn for, used as is,
             and ``num_negatives`` / ``generator`` are not read.
+        pool: > 0: per-position negatives from one batch pool of min(pool, I) distinct items
+            (:func:`draw_pool`, :func:`pool_softmax_loss`); ``chunk`` is then not read.
     Returns:
         (loss scalar, number of supervised positions P).
     Raises:
-        ValueError: chunk < 1; ``neg`` not (B, nc, M).
+        ValueError: chunk < 1; ``neg`` not (B, nc, M); ``neg`` with ``pool``.
     """
     B, W, d = out.shape
     T = W - 1  # supervised slots
+    if pool > 0:
+        if neg is not None:
+            raise ValueError("pre-drawn negatives (the distributed trainer's) cannot be combined with a negatives pool")
+        mask = torch.arange(T, device=ids.device).view(1, T) < (lengths.view(-1, 1) - 1)  # (B, T)
+        q, tgt = out[:, :-1][mask], ids[:, 1:][mask]  # (P, d), (P,)
+        pool_ids, cols = draw_pool(
+            q.shape[0], pool=pool, num_negatives=num_negatives, num_items=num_items, generator=generator, device=ids.device
+        )
+        return pool_softmax_loss(q, tgt, pool_ids, cols, item_emb, temperature=temperature, zero=out.sum() * 0.0)
     neg, c, nc = _negatives(neg, B, W, chunk, num_negatives, num_items, generator, ids.device)  # (B*nc, M)
     M = neg.shape[1]
     pad = nc * c - T
@@ -140,16 +152,76 @@ def _per_position_dense(
 ) -> tuple[torch.Tensor, int]:
     """chunk = 1 for a small catalogue: the same loss as gathering M rows per position, computed
     as q · Ênᵀ against the whole L2-normalised table (P x (I+1), two GEMMs forward and backward)
-    and picking the target's and the negatives' logits, which avoids gathering and scattering
-    P x M x d rows (measured ~5x faster on ML-1M).
+    and picking the negatives' logits (:func:`pool_softmax_loss` with the whole table as the pool,
+    row = id), which avoids gathering and scattering P x M x d rows (measured ~5x faster on ML-1M).
     q: (P, d) normalised rows; tgt: (P,) int64; neg: (P, M) int64 in 1..I."""
+    table_ids = torch.arange(num_items + 1, device=q.device)
+    return pool_softmax_loss(q, tgt, table_ids, neg, item_emb, temperature=temperature, zero=zero)
+
+
+def draw_pool(
+    positions: int,
+    *,
+    pool: int,
+    num_negatives: int,
+    num_items: int,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's negatives as a pool and per-position columns: K = min(``pool``, I) distinct ids,
+    the first K of a uniform random permutation of 1..I (``torch.randperm``), and for each of the
+    ``positions`` rows M = ``num_negatives`` columns drawn uniformly from 0..K-1 with replacement
+    (``torch.randint``), so position p's negatives are pool_ids[cols[p]].
+
+    Each negative is marginally uniform over 1..I, as the reference's per-position draws; the M of one
+    position are independent given the pool, and with K = I (the pool is then all items) the
+    negatives are exactly i.i.d. uniform per position (the reference scheme, Zhai et al. 2024 §4.1.1).
+    K < I correlates positions of one batch only through the pool (two positions share about
+    M^2 / K ids, where chunks of c positions share all M), the trade that in-batch / mixed negative
+    sampling makes (Yi et al., RecSys 2019; Yang et al., WWW 2020) for one (P x K) GEMM.
+
+    Returns (pool_ids (K,) int64 in 1..I, cols (positions, M) int64 in 0..K-1). Raises ValueError for pool < 1.
+    """
+    if pool < 1:
+        raise ValueError(f"pool must be >= 1, got {pool}")
+    K = min(pool, num_items)
+    pool_ids = torch.randperm(num_items, generator=generator, device=device)[:K] + 1
+    cols = torch.randint(0, K, (positions, num_negatives), generator=generator, device=device)
+    return pool_ids, cols
+
+
+def pool_softmax_loss(
+    q: torch.Tensor,
+    tgt: torch.Tensor,
+    pool_ids: torch.Tensor,
+    cols: torch.Tensor,
+    item_emb,
+    *,
+    temperature: float,
+    zero: torch.Tensor,
+) -> tuple[torch.Tensor, int]:
+    """Sampled softmax with per-position negatives taken from a shared pool of rows: the logits
+    against the pool are one GEMM, S = q · Ê_poolᵀ (P x K), and position p's negative logits are
+    S[p, cols[p]] (a gather on the logits, never a (P x M x d) tensor of rows); the positive's
+    logit is q_p · ê_tgt[p]. A negative equal to its position's target is masked (-inf), as in
+    :func:`sampled_softmax_loss`. Loss: mean over p of -log softmax([pos, neg_1..neg_M] / temperature)[0].
+
+    Args:
+        q: (P, d) L2-normalised encoder rows; tgt: (P,) int64 target ids.
+        pool_ids: (K,) int64 item ids of the pool's rows (:func:`draw_pool`; the whole table 0..I
+            for :func:`_per_position_dense`).
+        cols: (P, M) int64 columns of the pool, position p's negatives being pool_ids[cols[p]].
+        item_emb: callable (…) int64 -> (…, d) rows.
+        zero: the loss to return when P = 0 (keeps the graph).
+    Returns:
+        (mean loss, P).
+    """
     P = q.shape[0]
     if P == 0:
         return zero, 0
-    table = l2_normalize(item_emb(torch.arange(num_items + 1, device=q.device)))  # (I+1, d)
-    full = q @ table.T  # (P, I+1)
-    pos = full.gather(1, tgt.view(P, 1))  # (P, 1)
-    negl = full.gather(1, neg).masked_fill(neg == tgt.view(P, 1), float("-inf"))  # (P, M)
+    pos = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (P, 1)
+    scores = q @ l2_normalize(item_emb(pool_ids)).T  # (P, K)
+    negl = scores.gather(1, cols).masked_fill(pool_ids[cols] == tgt.view(P, 1), float("-inf"))  # (P, M)
     logits = torch.cat([pos, negl], dim=1)  # (P, 1+M)
     return F.cross_entropy(logits / temperature, torch.zeros(P, dtype=torch.long, device=q.device)), P
 
@@ -221,6 +293,35 @@ def next_action_loss(out: torch.Tensor, actions: torch.Tensor, lengths: torch.Te
     return F.cross_entropy(logits, actions[:, 1:][mask])
 
 
+def recipe(tcfg) -> dict:
+    """The negatives scheme and the batching a TrainConfig trains with, as metrics.json's ``recipe``
+    and the log's recipe line: {"negatives": "pool" | "per-position" | "chunked", "num_negatives",
+    "negatives_chunk", "negatives_pool", "batching": "length-bucketed" | "random", "length_pool"}
+    (:func:`training_loss`; :func:`hstu.data.batching.length_bucketed_batches`)."""
+    scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
+    return {
+        "negatives": scheme,
+        "num_negatives": tcfg.num_negatives,
+        "negatives_chunk": tcfg.negatives_chunk,
+        "negatives_pool": tcfg.negatives_pool,
+        "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
+        "length_pool": tcfg.length_pool,
+    }
+
+
+def recipe_text(tcfg) -> str:
+    """:func:`recipe` as one log line, e.g. ``negatives pool (128 per position from 1024 distinct items per
+    batch), batching length-bucketed (pools of 50 batches)``."""
+    r = recipe(tcfg)
+    neg = {
+        "pool": f"pool ({r['num_negatives']} per position from {r['negatives_pool']} distinct items per batch)",
+        "per-position": f"per-position ({r['num_negatives']} per position)",
+        "chunked": f"chunked ({r['num_negatives']} shared by runs of {r['negatives_chunk']} positions)",
+    }[r["negatives"]]
+    bat = "random" if r["batching"] == "random" else f"length-bucketed (pools of {r['length_pool']} batches)"
+    return f"negatives {neg}, batching {bat}"
+
+
 def training_loss(
     model,
     out: torch.Tensor,
@@ -241,13 +342,16 @@ def training_loss(
         model: the HSTUModel (its ``item_emb`` supplies the rows: an ``nn.Embedding`` or the
             TorchRec-sharded table inside its step's prefetch).
         out: (B, W, d) encoder rows; ids (B, W) int64; lengths (B,) int64; actions (B, W) int64 or None.
-        tcfg: TrainConfig (num_negatives, negatives_chunk, action_loss_weight).
+        tcfg: TrainConfig (num_negatives, negatives_chunk, negatives_pool, action_loss_weight).
         neg, chunk: pre-drawn negatives (B, nc, M) and their run length; None: drawn here from
             ``generator`` with ``tcfg.negatives_chunk``.
     Returns:
         (mean loss over the P supervised positions, P).
     """
     c = tcfg.negatives_chunk if chunk is None else chunk
+    pool = tcfg.negatives_pool
+    if pool and model.repeat is not None:
+        raise ValueError("TrainConfig.negatives_pool is not supported with a repeat head (repeat_window > 0); set it to 0")
     if model.repeat is not None:
         loss, n = repeat_aware_loss(
             out, ids, actions, lengths, model, num_negatives=tcfg.num_negatives, chunk=c, generator=generator, neg=neg
@@ -264,6 +368,7 @@ def training_loss(
             generator=generator,
             num_items=model.cfg.num_items,
             neg=neg,
+            pool=pool,
         )
     if model.action_head is not None:
         loss = loss + tcfg.action_loss_weight * next_action_loss(out, actions, lengths, model.action_head)

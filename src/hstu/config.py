@@ -178,6 +178,10 @@ class TrainConfig:
     # Batches of sequences of similar length (pools of this many batches are sorted by length
     # before cutting; padding costs little) or 1 = random batches as in the reference.
     length_pool: int = 50
+    # The divisor of a batch's summed position losses: "batch" = its own positions P_b (the mean);
+    # "epoch" = the epoch's mean P over its batches, so every position weighs the same whatever its
+    # batch (length-bucketed batches of short sequences otherwise weigh their positions up to ~10x).
+    loss_divisor: str = "batch"
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256
@@ -195,6 +199,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
         if self.negatives_pool < 0:
             raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
+        if self.loss_divisor not in ("batch", "epoch"):
+            raise ValueError(f"TrainConfig.loss_divisor must be 'batch' or 'epoch', got {self.loss_divisor!r}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"TrainConfig.learning_rate must be a finite number > 0, got {self.learning_rate}")
         for name in ("beta1", "beta2"):

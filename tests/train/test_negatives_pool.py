@@ -147,25 +147,36 @@ def test_recipe_is_stated() -> None:
         "negatives_pool": 0,
         "batching": "length-bucketed",
         "length_pool": 50,
+        "loss_divisor": "batch",
     }
     r = L.recipe(TrainConfig(negatives_pool=512, length_pool=1))
     assert (r["negatives"], r["negatives_pool"], r["batching"]) == ("pool", 512, "random")
     assert L.recipe(TrainConfig(negatives_pool=0, negatives_chunk=1))["negatives"] == "per-position"
     assert L.recipe_text(TrainConfig(negatives_pool=0, negatives_chunk=4, num_negatives=9, length_pool=3)) == (
-        "negatives chunked (9 shared by runs of 4 positions), batching length-bucketed (pools of 3 batches)"
+        "negatives chunked (9 shared by runs of 4 positions), batching length-bucketed (pools of 3 batches), loss divisor batch"
     )
 
 
 def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -> None:
-    """--negatives-pool / --length-pool / --threads reach config.json's train table; metrics.json and the log state the recipe."""
-    flags = tiny_csv_flags(tmp_path, train={"epochs": 1}) + ["--negatives-pool", "12", "--length-pool", "1", "--threads", "1"]
+    """--negatives-pool / --length-pool / --threads / --loss-divisor reach config.json's train table;
+    metrics.json and the log state the recipe."""
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1}) + [
+        "--negatives-pool",
+        "12",
+        "--length-pool",
+        "1",
+        "--threads",
+        "1",
+        "--loss-divisor",
+        "epoch",
+    ]
     out = tmp_path / "run"
     r = subprocess.run(
         [sys.executable, "-m", "hstu", "train", *flags, "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr
     train = json.loads((out / "config.json").read_text())["train"]
-    assert (train["negatives_pool"], train["length_pool"], train["num_threads"]) == (12, 1, 1)
+    assert (train["negatives_pool"], train["length_pool"], train["num_threads"], train["loss_divisor"]) == (12, 1, 1, "epoch")
     rec = json.loads((out / "metrics.json").read_text())["recipe"]
     assert rec == {
         "negatives": "pool",
@@ -174,6 +185,20 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
         "negatives_pool": 12,
         "batching": "random",
         "length_pool": 1,
+        "loss_divisor": "epoch",
     }
-    assert "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random" in r.stderr
+    assert "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, loss divisor epoch" in r.stderr
     assert np.isfinite(json.loads((out / "metrics.json").read_text())["test"]["HR@10"])
+
+
+def test_loss_weights_give_every_position_of_the_epoch_the_same_weight() -> None:
+    """ "epoch": batch b's mean loss is scaled by P_b / mean P (P_b = sum of its lengths - 1), so the summed
+    position losses share one divisor; "batch" leaves the means as they are. By hand: P = 6 and 2, mean 4."""
+    from hstu.train.loop import loss_weights
+
+    lengths = np.array([4, 3, 2, 2, 1])  # positions 3, 2, 1, 1, 0
+    batches = [np.array([0, 1, 2]), np.array([3, 4, 2])]  # P_b = 6, 2
+    assert loss_weights(batches, lengths, "batch") == [1.0, 1.0]
+    assert loss_weights(batches, lengths, "epoch") == [1.5, 0.5]
+    with pytest.raises(ValueError, match="loss_divisor must be 'batch' or 'epoch'"):
+        TrainConfig(loss_divisor="sum").validate()

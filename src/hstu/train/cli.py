@@ -122,6 +122,11 @@ def _add_recipe_flags(t) -> None:
         help="batches sorted by length inside pools of this many batches (1: random batches, as the reference; TrainConfig.length_pool)",
     )
     t.add_argument(
+        "--loss-divisor",
+        choices=["batch", "epoch"],
+        help="batch: each batch's mean loss; epoch: its summed loss over the epoch's mean positions per batch (TrainConfig.loss_divisor)",
+    )
+    t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
     )
 
@@ -153,6 +158,7 @@ def cmd_train(args) -> int:
         "negatives_chunk",
         "negatives_pool",
         "length_pool",
+        "loss_divisor",
         "num_threads",
     ):
         if getattr(args, name, None) is not None:

@@ -143,6 +143,18 @@ def epoch_batches(log_: EventLog, split: Split, tcfg: TrainConfig, max_seq_len: 
     return [users[b] for b in length_bucketed_batches(lengths[users], tcfg.batch_size, rng, pool=tcfg.length_pool)]
 
 
+def loss_weights(batches: list[np.ndarray], lengths: np.ndarray, divisor: str) -> list[float]:
+    """Each batch's multiplier of its mean loss (TrainConfig.loss_divisor): "batch" 1.0; "epoch"
+    P_b / P̄ with P_b = sum(lengths[b] - 1) its positions and P̄ their mean over ``batches``, so that
+    every position of the epoch weighs the same (the weighting of random batches, whose P_b vary
+    little, kept under length-bucketed ones). ``lengths``: (U,) training lengths (:func:`train_lengths`)."""
+    if divisor == "batch":
+        return [1.0] * len(batches)
+    p = [int((lengths[b] - 1).sum()) for b in batches]
+    p_mean = sum(p) / max(len(p), 1)
+    return [x / p_mean if p_mean else 0.0 for x in p]
+
+
 def dense_adamw(params, tcfg: TrainConfig) -> torch.optim.AdamW:
     """The recipe's AdamW (TrainConfig learning_rate, beta1, beta2, weight_decay) over ``params``."""
     return torch.optim.AdamW(params, lr=tcfg.learning_rate, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
@@ -233,14 +245,17 @@ def train_one_epoch(
     on_step: Callable[[int, int, float], None] | None = None,
 ) -> dict:
     """One epoch over :func:`epoch_batches`; returns {"loss": mean batch loss weighted by sequences,
-    "seconds", "sequences_per_s", "positions"}. ``on_step(epoch, step, loss)`` sees each step's loss."""
+    "seconds", "sequences_per_s", "positions"}. ``on_step(epoch, step, loss)`` sees each step's loss.
+    ``tcfg.loss_divisor`` "epoch": each batch backpropagates its mean loss x P_b / P̄ (P̄ the epoch's
+    mean positions per batch), i.e. its summed loss over one divisor for the whole epoch."""
     strategy.train(model)
     batches = epoch_batches(log_, split, tcfg, model.cfg.max_seq_len, epoch)
+    weights = loss_weights(batches, train_lengths(log_, split, model.cfg.max_seq_len), tcfg.loss_divisor)
     t0, total, n_pos, n_seq = time.perf_counter(), 0.0, 0, 0
     for i, ub, bar in progress(batches, f"epoch {epoch}", progress_on and strategy.is_main):
         loss, n = strategy.step(model, log_, split, ub, tcfg, gen)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * weights[i]).backward()
         opt.step()
         gl = strategy.global_loss(loss)
         if on_step is not None:

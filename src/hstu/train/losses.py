@@ -296,7 +296,8 @@ def next_action_loss(out: torch.Tensor, actions: torch.Tensor, lengths: torch.Te
 def recipe(tcfg) -> dict:
     """The negatives scheme and the batching a TrainConfig trains with, as metrics.json's ``recipe``
     and the log's recipe line: {"negatives": "pool" | "per-position" | "chunked", "num_negatives",
-    "negatives_chunk", "negatives_pool", "batching": "length-bucketed" | "random", "length_pool"}
+    "negatives_chunk", "negatives_pool", "batching": "length-bucketed" | "random", "length_pool",
+    "loss_divisor": "batch" | "epoch"}
     (:func:`training_loss`; :func:`hstu.data.batching.length_bucketed_batches`)."""
     scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
     return {
@@ -306,12 +307,13 @@ def recipe(tcfg) -> dict:
         "negatives_pool": tcfg.negatives_pool,
         "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
         "length_pool": tcfg.length_pool,
+        "loss_divisor": tcfg.loss_divisor,
     }
 
 
 def recipe_text(tcfg) -> str:
     """:func:`recipe` as one log line, e.g. ``negatives pool (128 per position from 1024 distinct items per
-    batch), batching length-bucketed (pools of 50 batches)``."""
+    batch), batching length-bucketed (pools of 50 batches), loss divisor batch``."""
     r = recipe(tcfg)
     neg = {
         "pool": f"pool ({r['num_negatives']} per position from {r['negatives_pool']} distinct items per batch)",
@@ -319,7 +321,7 @@ def recipe_text(tcfg) -> str:
         "chunked": f"chunked ({r['num_negatives']} shared by runs of {r['negatives_chunk']} positions)",
     }[r["negatives"]]
     bat = "random" if r["batching"] == "random" else f"length-bucketed (pools of {r['length_pool']} batches)"
-    return f"negatives {neg}, batching {bat}"
+    return f"negatives {neg}, batching {bat}, loss divisor {r['loss_divisor']}"
 
 
 def training_loss(

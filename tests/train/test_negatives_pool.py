@@ -123,6 +123,9 @@ def test_pool_draws_are_seeded_and_errors_are_clear() -> None:
     model.repeat = object()
     with pytest.raises(ValueError, match="negatives_pool is not supported with a repeat head"):
         L.training_loss(model, out, ids, lengths, None, TrainConfig(negatives_pool=7))
+    model.repeat = None
+    with pytest.raises(ValueError, match="not supported by the distributed trainer"):
+        L.training_loss(model, out, ids, lengths, None, TrainConfig(negatives_pool=7), neg=torch.ones(3, 6, 6, dtype=torch.long), chunk=1)
     with pytest.raises(ValueError, match="negatives_pool must be >= 0"):
         TrainConfig(negatives_pool=-1).validate()
 

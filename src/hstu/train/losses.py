@@ -4,7 +4,10 @@ Zhai et al. 2024, §4.1.1 (and Klenitskiy & Vasilev 2023 for sampled softmax in 
 recommenders): logits are cosine similarities / temperature of the L2-normalised output
 row and item embeddings; the positive is the next item, negatives are drawn uniformly from
 1..I; a negative equal to the positive is masked out (-inf).
-Symbols: B sequences, W width, P live positions, M negatives, d width.
+Negative schemes (TrainConfig): per position (negatives_chunk = 1, the reference's), shared by runs of
+c positions (negatives_chunk = c), or per position from a batch pool of K distinct items
+(negatives_pool = K, :func:`draw_pool`, :func:`pool_softmax_loss`: one (P x K) GEMM, no (P x M x d) rows).
+Symbols: B sequences, W width, P live positions, M negatives, K pool items, d width.
 """
 
 from __future__ import annotations
@@ -354,6 +357,8 @@ def training_loss(
     pool = tcfg.negatives_pool
     if pool and model.repeat is not None:
         raise ValueError("TrainConfig.negatives_pool is not supported with a repeat head (repeat_window > 0); set it to 0")
+    if pool and neg is not None:
+        raise ValueError("TrainConfig.negatives_pool is not supported by the distributed trainer (--distributed) yet; set it to 0")
     if model.repeat is not None:
         loss, n = repeat_aware_loss(
             out, ids, actions, lengths, model, num_negatives=tcfg.num_negatives, chunk=c, generator=generator, neg=neg

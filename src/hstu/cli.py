@@ -131,13 +131,15 @@ def _history_from_file(path: str):
         raise HistoryError(f"{p}: not valid JSON: {exc}") from None
     if not isinstance(events, list):
         raise HistoryError(f'{p}: expected a JSON list of {{"item_id", "timestamp"}} objects')
-    items, ts, acts = [], [], []
+    items, ts, acts, feats = [], [], [], []
     for i, e in enumerate(events):
         if not isinstance(e, dict) or "item_id" not in e or "timestamp" not in e:
             raise HistoryError(f"{p}: event [{i}] needs 'item_id' and 'timestamp'")
-        extra = sorted(set(e) - {"item_id", "timestamp", "action"})
+        extra = sorted(set(e) - {"item_id", "timestamp", "action", "features"})
         if extra:  # a misspelt field must not pass silently (the HTTP Event refuses it too)
-            raise HistoryError(f"{p}: event [{i}] has unknown field(s) {extra}; valid: item_id, timestamp, action")
+            raise HistoryError(f"{p}: event [{i}] has unknown field(s) {extra}; valid: item_id, timestamp, action, features")
+        if e.get("features") is not None and not isinstance(e["features"], dict):
+            raise HistoryError(f"{p}: event [{i}].features must be an object of feature name -> value, or null, got {e['features']!r}")
         if e.get("action") is not None and not isinstance(e["action"], str):
             raise HistoryError(f"{p}: event [{i}].action must be a string or null, got {e['action']!r}")
         if isinstance(e["item_id"], str):  # a text id: the run's id map decides (Recommender.prepare)
@@ -152,7 +154,10 @@ def _history_from_file(path: str):
         items.append(e["item_id"])
         ts.append(e["timestamp"])
         acts.append(e.get("action"))
-    return History(items, ts, acts if any(a is not None for a in acts) else None)
+        feats.append(e.get("features"))  # side features: checked by Recommender.prepare (names, values)
+    return History(
+        items, ts, acts if any(a is not None for a in acts) else None, features=feats if any(f is not None for f in feats) else None
+    )
 
 
 def run_data_dir(cfg: dict, data_dir: str | None = None) -> str:
@@ -213,7 +218,7 @@ def cmd_generate(args) -> int:
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
     need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
     rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
-    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec))[
+    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec, args.graphs))[
         0
     ]  # through the engine, sized for this one call
     out = {"user": args.user, "items": items}
@@ -377,6 +382,12 @@ def _add_generate(sub) -> None:
     )
     q.add_argument("--device", default="cpu")
     q.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
+    q.add_argument(
+        "--graphs",
+        default="eager",
+        choices=["eager", "compiled"],
+        help="eager (default) or compiled graphs (loaded from the run's graph cache, `hstu export --graphs`, else compiled now)",
+    )
     q.add_argument("--json", action="store_true")
     from hstu.generate.batch_cli import add_arguments
 

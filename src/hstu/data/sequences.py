@@ -277,12 +277,7 @@ class EventLog:
             first = np.array([glut[item_genres[r][0]] if item_genres.get(r) else 0 for r in item_raw_ids[1:].tolist()], np.int64)
             item_category[1:] = first
         values = df["value"].to_numpy(np.int64) if "value" in df else np.zeros(n, np.int64)
-        buckets = dict(feature_buckets or {})
-        feature_raw = {
-            c[len(FEATURE_PREFIX) :]: (numeric_column if c[len(FEATURE_PREFIX) :] in buckets else text_column)(df[c])
-            for c in df.columns
-            if str(c).startswith(FEATURE_PREFIX)
-        }
+        feature_raw = _feature_columns(df, feature_buckets or {})
         log.info("%s: %d events, %d users, %d items", name, n, len(users), len(item_raw))
         return cls(
             name=name,
@@ -302,8 +297,15 @@ class EventLog:
             exclude_history_default=exclude_history_default,
             skipped_rows=skipped_rows,
             feature_raw=feature_raw,
-            feature_buckets={k: v for k, v in buckets.items() if k in feature_raw},
+            feature_buckets={k: v for k, v in (feature_buckets or {}).items() if k in feature_raw},
         )
+
+
+def _feature_columns(df: pd.DataFrame, buckets: dict[str, int]) -> dict[str, np.ndarray]:
+    """A sorted loader frame's ``feature:NAME`` columns -> name -> (E,) raw values: float64 (NaN =
+    missing) for the numeric ones (``buckets``' names), else object texts (None = missing)."""
+    names = [str(c)[len(FEATURE_PREFIX) :] for c in df.columns if str(c).startswith(FEATURE_PREFIX)]
+    return {n: (numeric_column if n in buckets else text_column)(df[FEATURE_PREFIX + n]) for n in names}
 
 
 @dataclass

@@ -1,7 +1,15 @@
-"""``hstu export``: a run's encoder as ONNX or torch.export programs, one per bucket.
+"""``hstu export``: a run's encoder as ONNX or torch.export programs, one per bucket; or the run's
+graph cache for ``hstu serve --graphs compiled``.
 
     hstu export --run RUN --format onnx|pt2 --out DIR [--buckets 20,50] [--precision fp32|fp16|bf16]
                 [--batch N] [--overwrite]
+    hstu export --run RUN --graphs [--buckets 20,50] [--max-batch 16] [--precision ...] [--device cpu]
+
+``--graphs`` builds RUN/graphs (hstu.backend.graph_cache): one AOTInductor package per graph a
+server's warm-up runs (bucket x batch size of its ladder x step kind) for those buckets, max batch,
+precision and device (the server's defaults unless given), and prints each graph's compile time and
+bytes. A server started with the same settings and ``--graphs compiled`` loads them instead of
+compiling; entries already built for these weights and this torch are kept, stale ones rebuilt.
 
 Writes DIR/export.json (how to feed the programs), encoder_E{E}.onnx or .pt2 per bucket edge,
 items.npy and idmap.json (hstu.export.bundle). Each program is run once on export (ONNX
@@ -29,10 +37,43 @@ def _edges(text: str | None) -> list[int] | None:
     return got
 
 
+def cmd_export_graphs(args) -> int:
+    """Build the run's graph cache through a server's warm-up (BatchRunner.warmup per bucket, graphs
+    "compiled"); print one line per graph (mode, seconds, bytes) and the totals. Exit 1 when a graph
+    could not be cached (it fell back: the line says why)."""
+    from hstu.backend.graph_cache import GraphCache
+    from hstu.config import ServeConfig
+    from hstu.generate.recommend import Recommender
+    from hstu.serve.cli import fit_buckets
+    from hstu.serve.runner import BatchRunner
+
+    rec = Recommender.from_run(args.run, args.device, args.precision)
+    buckets = fit_buckets(_edges(args.buckets), rec.model.cfg.max_seq_len)
+    d = GraphCache.create(args.run)
+    runner = BatchRunner(rec, buckets, args.max_batch or ServeConfig().max_batch, graphs="compiled")
+    if runner.engine.graph_cache is None:
+        print(f"hstu export: error: graphs on {args.device} are device graphs captured at start-up, not cached", file=sys.stderr)
+        return 2
+    for edge in buckets:
+        runner.warmup(edge)
+    rep = runner.engine.graph_report()
+    for r in rep:
+        why = f" ({r['error']})" if r["error"] else ""
+        print(f"bucket {r['bucket']} {'/'.join(map(str, r['key']))}: {r['mode']} in {r['compile_s']:.1f} s, {r['bytes'] / 1e6:.2f} MB{why}")
+    total = sum(r["bytes"] for r in rep) / 1e6
+    print(f"graph cache {d}: {len(rep)} graphs, {total:.1f} MB, {sum(r['compile_s'] for r in rep):.0f} s")
+    return 1 if any(r["mode"] == "fallback" for r in rep) else 0
+
+
 def cmd_export(args) -> int:
-    """Run :func:`hstu.export.export_run` for the parsed flags; print a summary line per bucket."""
+    """Run :func:`hstu.export.export_run` for the parsed flags; print a summary line per bucket
+    (``--graphs``: :func:`cmd_export_graphs`)."""
     from hstu.export.bundle import ExportError, export_run
 
+    if args.graphs:
+        return cmd_export_graphs(args)
+    if args.format is None or args.out is None:
+        raise ValueError("hstu export: --format and --out are required (or --graphs for the graph cache)")
     try:
         edges = _edges(args.buckets)
         m = export_run(args.run, args.out, args.format, buckets=edges, precision=args.precision, batch=args.batch, overwrite=args.overwrite)
@@ -57,8 +98,11 @@ def add_subcommands(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--run", required=True, help="run directory written by `hstu train`")
-    p.add_argument("--format", required=True, help="onnx (ONNX Runtime, Triton Inference Server) or pt2 (torch.export)")
-    p.add_argument("--out", required=True, help="export directory (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--format", help="onnx (ONNX Runtime, Triton Inference Server) or pt2 (torch.export)")
+    p.add_argument("--out", help="export directory (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--graphs", action="store_true", help="build the run's graph cache (RUN/graphs) for `hstu serve --graphs compiled`")
+    p.add_argument("--max-batch", type=number_in(int, 1), help="with --graphs: the server's --max-batch (default: its default)")
+    p.add_argument("--device", default="cpu", help="with --graphs: the server's --device (default cpu)")
     p.add_argument("--buckets", help="comma-separated bucket edges <= max_seq_len (default: the engine's default buckets)")
     p.add_argument("--precision", choices=[c for c in PRECISION_CHOICES if c != "int8"], help="the model's precision (default: as saved)")
     p.add_argument("--batch", type=number_in(int, 1), help="a fixed batch size (default: the batch axis is dynamic)")
@@ -66,4 +110,4 @@ def add_subcommands(subparsers) -> None:
     p.set_defaults(func=cmd_export)
 
 
-__all__ = ["add_subcommands", "cmd_export"]
+__all__ = ["add_subcommands", "cmd_export", "cmd_export_graphs"]

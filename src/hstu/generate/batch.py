@@ -122,12 +122,15 @@ def output_columns(idmap: dict) -> list[tuple[str, str]]:
 
 def history_of(log_, user: int) -> History:
     """The full history of original user id ``user`` in an EventLog (original item ids, Unix s,
-    action names), as ``hstu generate --user`` uses it. KeyError names an unknown user."""
+    action names, the events' raw side-feature values: NaN / missing as None), as ``hstu generate
+    --user`` uses it. KeyError names an unknown user."""
     u = log_.user_index(user)
     s, e = log_.offsets[u], log_.offsets[u + 1]
     raw = log_.item_raw_ids[log_.items[s:e]].tolist()
     acts = [log_.action_names[a - 1] if a > 0 else None for a in log_.actions[s:e].tolist()] if log_.num_actions else None
-    return History(raw, log_.timestamps[s:e].tolist(), acts)
+    cols = {n: [None if v is None or v != v else v for v in vals[s:e].tolist()] for n, vals in log_.feature_raw.items()}  # v != v: NaN
+    feats = [{n: c[i] for n, c in cols.items()} for i in range(e - s)] if cols else None
+    return History(raw, log_.timestamps[s:e].tolist(), acts, features=feats)
 
 
 def read_users_file(path: str | Path, log_) -> list[int]:

@@ -81,9 +81,10 @@ def _repeat(model: HSTUModel, parts: tuple | None) -> tuple | None:
 
 
 def _fit(t: torch.Tensor, W: int) -> torch.Tensor:
+    """(B, W', …) -> (B, W, …): cut or zero-padded on axis 1 (categories may carry feature columns)."""
     if t.shape[1] >= W:
         return t[:, :W]
-    return torch.nn.functional.pad(t, (0, W - t.shape[1]))
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, W - t.shape[1]))
 
 
 @torch.inference_mode()
@@ -160,7 +161,7 @@ def generate(
         if step == k - 1:
             break
         tbuf[bidx, pos] = request_time
-        cat = item_category[choice] if (item_category is not None and model.category_emb is not None) else None
+        cat = item_category[choice] if (item_category is not None and model.reads_categories) else None
         user = model.step(choice, pos, tbuf, request_time, kv, actions=act, categories=cat)
         pos += 1
     return GenerationResult(out_items, out_scores, out_actions)
@@ -214,7 +215,7 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
             vv.copy_(vv.index_select(0, src))
         tbuf.copy_(tbuf.index_select(0, src))
         tbuf[torch.arange(B * W, device=ids.device), pos] = rt_r
-        cat = item_category[item_f] if (item_category is not None and model.category_emb is not None) else None
+        cat = item_category[item_f] if (item_category is not None and model.reads_categories) else None
         user = model.step(item_f, pos, tbuf, rt_r, kv, categories=cat)
         pos += 1
     best = beam_lp.argmax(dim=1)  # (B,)

@@ -7,7 +7,7 @@ API (what a server calls)::
                  kernels=None, graphs="auto", prefix_cache_bytes=0)
     eng.bucket_for(length) -> int                     # bucket edge a history of that length runs in
     eng.warmup() -> dict[int, float]                  # capture / compile every bucket now (s per bucket)
-    eng.graph_report() -> list[dict]                  # compiled graphs: key, mode (compiled / fallback), seconds
+    eng.graph_report() -> list[dict]                  # compiled graphs: key, mode (compiled / loaded / built / fallback), seconds, bytes
     eng.cache_bytes_per_bucket() -> dict[int, int]    # bytes of each bucket's view of the one KV pool
     eng.memory_report() -> dict; eng.release_caches() -> int   # drop the prefix cache (bytes freed)
     res = eng.generate(ids, timestamps, lengths, k, request_time=None, exclude=None,
@@ -71,7 +71,8 @@ model's fixed width, I items.
   extend of T rows, decode step of W beams), made at warmup or first use: "eager"; "compile"
   (torch.compile, static shapes, one graph each, Inductor's C++ code on the CPU:
   :func:`hstu.backend.graphs.compile_graph`; a graph whose compilation fails runs eager with a
-  warning, :meth:`graph_report` says which and how long each took); "cuda_graph"
+  warning, :meth:`graph_report` says which and how long each took; with ``graph_cache``, AOTInductor
+  packages loaded from / built into the run's graph cache, hstu.backend.graph_cache); "cuda_graph"
   (torch.cuda.CUDAGraph); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "compiled": the
   platform object decides (the device's graph capture where it has one, else "compile"). "auto":
   cuda_graph on CUDA, npu_graph on NPU when available, eager on CPU (whether compiling pays on a
@@ -110,6 +111,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from hstu.backend import for_device
+from hstu.backend.graph_cache import CachedRunner, GraphCache
 from hstu.backend.graphs import CompiledRunner
 from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
@@ -147,6 +149,8 @@ class Engine:
         prefix_cache_bytes: > 0 enables the user-prefix cache with that LRU bound.
         compile_backend: torch.compile backend under graphs="compile" ("inductor"; "aot_eager"
             traces the same graphs without code generation, which the tests use; or a callable backend).
+        graph_cache: under graphs="compile", an :class:`hstu.backend.graph_cache.GraphCache` whose
+            AOTInductor packages the graphs load from (or are built into); None: compile in memory.
     Raises:
         ValueError: bad buckets / sizes / graph mode / kernel-set name (the message quotes the value).
         RuntimeError: a named kernel set that cannot run here (the reason).
@@ -165,6 +169,7 @@ class Engine:
         batch_sizes: Sequence[int] | None = None,
         prefix_cache_bytes: int = 0,
         compile_backend: str | Callable = "inductor",
+        graph_cache: GraphCache | None = None,
     ) -> None:
         self.edges = check_engine_sizes(model.cfg, buckets, max_batch, k_max)
         self.max_batch, self.k_max = int(max_batch), int(k_max)
@@ -186,6 +191,7 @@ class Engine:
         self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
         self.batch_sizes = batch_sizes_for(self.graphs, self.max_batch, batch_sizes)
         self.compile_backend = compile_backend
+        self.graph_cache = graph_cache if self.graphs == "compile" else None
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.kv_pool = kv_pool_for(self, max(self.edges) + 1)  # one KV cache, viewed by every bucket
         self._buckets = {E: BucketPool(self, E, self.kv_pool) for E in self.edges}
@@ -293,28 +299,19 @@ class Engine:
         compile_s (seconds of the first call: compilation + one run) and error (None, or why it fell back)."""
         pools = [*self._buckets.values(), *self._recompute.values()]
         return [
-            {"bucket": b.E, "key": list(key), "mode": r.mode, "compile_s": round(r.compile_s, 3), "error": r.error}
+            {"bucket": b.E, "key": list(key), "mode": r.mode, "compile_s": round(r.compile_s, 3), "error": r.error, "bytes": getattr(r, "bytes", 0)}
             for b in pools
             for key, r in b.runners.items()
-            if isinstance(r, CompiledRunner)
+            if isinstance(r, (CompiledRunner, CachedRunner))
         ]
 
     # ----- compiled / captured pieces -----
-    def _runner(self, b: BucketPool, key: tuple, make: Callable[[], Callable[[], torch.Tensor]]) -> Callable[[], torch.Tensor]:
-        """The cached runner of ``key``; ``make()`` builds its function on the first call only."""
+    def _runner(self, b: BucketPool, key: tuple, make: Callable) -> Callable[[], torch.Tensor]:
+        """The cached runner of ``key``; ``make(eng, b)`` builds its function on the first call only
+        (:func:`hstu.generate.runners.graph_runner`: eager, captured, compiled or from the graph cache)."""
         r = b.runners.get(key)
-        if r is not None:
-            return r
-        fn = make()
-        mode = self.graphs
-        if mode == "compile":  # one graph per (bucket, batch size, kind), compiled on first use; eager if that fails
-            name = "_".join([key[0], f"E{b.E}", *map(str, key[1:])])
-            r = CompiledRunner(self.platform.compile_graph(fn, name, self.compile_backend), fn, f"engine graph {name}")
-        elif mode in ("cuda_graph", "npu_graph"):
-            r = self.platform.capture_graph(fn)
-        else:
-            r = fn
-        b.runners[key] = r
+        if r is None:
+            r = b.runners[key] = runners.graph_runner(self, b, key, make)
         return r
 
     # ----- the call -----
@@ -352,8 +349,9 @@ class Engine:
             exclude: (B, I+1) bool, True = never generate; updated in place with the generated
                 items (default: only padding id 0 excluded). Or sampler.Exclusions (pairs, not updated).
             strategy: "greedy" | "topk" | "beam" (see the module docstring).
-            actions, categories: optional (B, W) int64 history features (0 = none);
-                item_category: (I+1,) int64 category of each item, fed with generated items.
+            actions, categories: optional (B, W) int64 history features (0 = none); categories
+                (B, W, 1 + F) for a model with side features (``model.token_shape``, :mod:`hstu.data.features`);
+                item_category: (I+1,) int64 category of each item, fed with generated items ((I+1, 1 + F) so).
             user_ids: B hashable user keys for the prefix cache (ignored when it is off).
             use_cache: False = recompute the grown sequence each step (greedy / topk only).
             bucket: run every row in this bucket (one of ``edges``; each history must fit, after
@@ -421,7 +419,7 @@ class Engine:
         Eb = b.E
         b.load(req, ri, L, rt, Bp, self._arange)  # static inputs: real rows then padding users (length 1, item 1)
         steps = 0 if not use_cache else (k - 1 if self.graphs == "eager" else self.k_max - 1)  # graphs: one for every k
-        self._runner(b, ("setup", Bp, W == 1, steps), lambda: runners.setup_fn(self, b, Bp, W == 1, steps))()
+        self._runner(b, ("setup", Bp, W == 1, steps), lambda e, p: runners.setup_fn(e, p, Bp, W == 1, steps))()
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
@@ -434,10 +432,10 @@ class Engine:
                     b.hv[li][j, :, : e.rows].copy_(e.v[li])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
-            user = self._runner(b, ("extend", Bp, T), lambda: runners.extend_fn(self, b, Bp, T))()
+            user = self._runner(b, ("extend", Bp, T), lambda e, p: runners.extend_fn(e, p, Bp, T))()
             out.prefix_rows[ri] = P
         else:
-            user = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp))()
+            user = self._runner(b, ("prefill", Bp), lambda e, p: runners.prefill_fn(e, p, Bp))()
         if self.prefix is not None and r.user_ids is not None and use_cache:
             self._store_prefix(b, rows, L, r.user_ids)
         # ---- decode ----
@@ -451,10 +449,10 @@ class Engine:
         b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[: self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
-            step = self._runner(b, ("step", Bp, W), lambda: runners.step_fn(self, b, Bp, W))
+            step = self._runner(b, ("step", Bp, W), lambda e, p: runners.step_fn(e, p, Bp, W))
             res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W), pairs)
         else:
-            prefill = self._runner(b, ("prefill", Bp), lambda: runners.prefill_fn(self, b, Bp))
+            prefill = self._runner(b, ("prefill", Bp), lambda e, p: runners.prefill_fn(e, p, Bp))
             res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1), pairs)
         items, scores, acts, blp, final_excl = res
         out.items[ri] = items[:Bu]

@@ -119,7 +119,8 @@ class BucketPool:
         self.t = z(R, E + 2, d=i64)  # event times, request time at L and after
         self.lengths = torch.ones(R, dtype=i64, device=dev)
         self.actions = z(R, E, d=i64)
-        self.categories = z(R, E, d=i64)
+        tok = m.token_shape  # () or (1 + F,): categories carry the side-feature columns (hstu.data.features)
+        self.categories = z(R, E, *tok, d=i64)
         # keys of a one-beam decode step over hk / hv's C + K slots: positions, validity, time buckets;
         # the history parts are what the prefill, extend and beam paths use (kvalid, tb_hist: views)
         self.kpos_j = z(R, C + K, d=i64)
@@ -138,13 +139,13 @@ class BucketPool:
         self.s_idx = z(1, d=i64)
         self.rt = z(R, d=i64)
         self.act = z(R, d=i64)
-        self.cat = z(R, d=i64)
+        self.cat = z(R, *tok, d=i64)
         self.len_r = torch.ones(R, dtype=i64, device=dev)
         self.gpos = z(R, K, d=i64)
         self.tb_hist = self.tb_j[:, :, :C]  # |request time - t_j| buckets: fixed for a request, set before the loop
         self.s_idx_j = z(1, d=i64)  # C + s: the slot of generated row s
         self.runners: dict[tuple, Callable[[], torch.Tensor]] = {}
-        self.has_features = (m.action_emb is not None, m.category_emb is not None)
+        self.has_features = (m.action_emb is not None, m.reads_categories)
 
     def kv_bytes(self) -> int:
         """Bytes of this bucket's K/V views and the beam scratch (a share of the engine's one pool)."""
@@ -200,7 +201,7 @@ class BucketPool:
         self.actions[:Bp].zero_()
         self.actions[:Bu, :w] = req["actions"][ri, :w] * live
         self.categories[:Bp].zero_()
-        self.categories[:Bu, :w] = req["categories"][ri, :w] * live
+        self.categories[:Bu, :w] = req["categories"][ri, :w] * live.view(Bu, w, *[1] * (self.categories.dim() - 2))
         self.lengths[:Bp].fill_(1)
         self.lengths[:Bu] = L
         self.rt[:Bp].zero_()

@@ -28,11 +28,13 @@ import numpy as np
 import torch
 
 from hstu import backend
+from hstu.backend.graph_cache import GraphCache
 from hstu.config import DecodeOptions
 from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.hardening import harden
 from hstu.generate.requests import smallest_edge
 from hstu.generate.sampler import Exclusions, exclusion_mask, exclusion_pairs
+from hstu.data.features import FeatureMaps
 from hstu.data.sequences import IdIndex
 from hstu.model.hstu import HSTUModel
 
@@ -60,13 +62,21 @@ class History:
 
     Item ids are the run's original ids, int or text (:mod:`hstu.data.sequences`: a text id is
     trimmed, case kept; an int given to a run of text ids is its decimal text, a decimal text
-    given to a run of integer ids is that integer); a bool is refused (HistoryError)."""
+    given to a run of integer ids is that integer); a bool is refused (HistoryError).
+
+    ``features``: per event, None or {feature name: value} for a run with side features
+    (:mod:`hstu.data.features`): a number for a numeric feature (bucketised with the run's stored
+    quantile edges), a text for a categorical one (through the run's map; unknown -> 0); a value
+    None is unknown (0). A feature an event does not name takes the item's last value in the
+    training data (as a generated item does). An unknown name is refused (HistoryError naming
+    ``history[i].features.NAME``)."""
 
     items: list[int | str]
     timestamps: list[int]
     actions: list[str] | None = None
     request_time: int | None = None  # default: the last event's time
     exclude: list[int | str] = field(default_factory=list)  # user block list (original ids)
+    features: list[dict | None] | None = None  # per event {name: value}; see above
 
 
 @dataclass
@@ -93,6 +103,15 @@ class Recommender:
         self.item_category_np = np.asarray(idmap.get("item_category") or [0] * len(raw), dtype=np.int64)  # (I+1,) for prepare
         self.item_category = torch.from_numpy(self.item_category_np).to(self.device)  # (I+1,) for generation
         self.category_raw = idmap.get("category_raw_ids")
+        # side features (hstu.data.features): the run's maps, when the model reads them, and the (I+1, 1+F)
+        # item token columns [category, features...] of prepare and generation (the category alone without)
+        self.features = FeatureMaps(idmap.get("features") if model.token_shape else None)
+        self.item_tokens_np = (
+            np.column_stack([self.item_category_np, np.asarray(idmap["item_features"], dtype=np.int64)])
+            if self.features.names
+            else self.item_category_np
+        )
+        self.item_tokens = torch.from_numpy(self.item_tokens_np).to(self.device)
         self.action_names: list[str] = idmap.get("action_names", [])
         self.exclude_history_default = bool(idmap.get("exclude_history_default", True))
         self.untrained_np = _untrained(idmap.get("item_train_counts"), len(raw))  # (I+1,) bool or None
@@ -100,13 +119,17 @@ class Recommender:
         self.num_untrained = 0 if self.untrained_np is None else int(self.untrained_np.sum())
         self.allow_untrained_default = float(getattr(model.cfg, "cold_item_dropout", 0.0)) > 0
         self._engine: Engine | None = None
+        self.run_dir: Path | None = None  # set by from_run: where the graph cache lives (RUN/graphs)
 
     def build_engine(self, buckets=None, max_batch: int = ENGINE_MAX_BATCH, **engine_kwargs) -> Engine:
         """A new :class:`hstu.generate.engine.Engine` for this run's model on its device, k_max =
         the model's max_output_len; ``buckets`` default :func:`default_buckets`; other keywords
-        (graphs, kernels, prefix_cache_bytes, ...) go to the engine. Raises ValueError as the
-        engine (buckets past max_seq_len, max_batch < 1, ...)."""
+        (graphs, kernels, prefix_cache_bytes, ...) go to the engine; compiled graphs load from the
+        run's graph cache where one was built (``hstu export --graphs``; GraphCache.beside). Raises
+        ValueError as the engine (buckets past max_seq_len, max_batch < 1, ...)."""
         cfg = self.model.cfg
+        if engine_kwargs.get("graphs") in ("compiled", "compile") and "graph_cache" not in engine_kwargs:
+            engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device)
         return Engine(
             self.model,
             buckets=tuple(buckets or default_buckets(cfg.max_seq_len)),
@@ -116,15 +139,15 @@ class Recommender:
             **engine_kwargs,
         )
 
-    def engine_for(self, preps: list[Prepared], decoding: DecodeOptions) -> Engine:
+    def engine_for(self, preps: list[Prepared], decoding: DecodeOptions, graphs: str = "eager") -> Engine:
         """The smallest engine for one call on ``preps``: the one default bucket that holds the
-        longest history, rows for the batch (x beam width), eager. What a one-shot ``hstu
+        longest history, rows for the batch (x beam width), ``graphs`` (eager). What a one-shot ``hstu
         generate`` builds: a third of the default engine's construction here (pools of one
         bucket), and the same results (each row runs in that bucket either way)."""
         W = decoding.beam_width if decoding.strategy == "beam" else 1
         L = max(len(p.ids) for p in preps)
         E = smallest_edge(default_buckets(self.max_len), L)  # prepared histories fit: max_len is the last edge
-        return self.build_engine((E,), max_batch=max(W, min(len(preps), ENGINE_MAX_BATCH // W) * W), graphs="eager")
+        return self.build_engine((E,), max_batch=max(W, min(len(preps), ENGINE_MAX_BATCH // W) * W), graphs=graphs)
 
     @property
     def engine(self) -> Engine:
@@ -143,7 +166,9 @@ class Recommender:
         from hstu.quant.checkpoint import load_for_inference
 
         model, _, ids = load_for_inference(run_dir, device, precision)
-        return cls(harden(model, backend.select(device).device), ids, device)
+        rec = cls(harden(model, backend.select(device).device), ids, device)
+        rec.run_dir = Path(run_dir)
+        return rec
 
     @classmethod
     def mapping_only(cls, run_dir) -> "Recommender":
@@ -204,13 +229,44 @@ class Recommender:
         self._warn_untrained(ids, warnings)
         # NumPy, not a torch op: in the HTTP process a torch op releases the GIL and may wait to get it
         # back from the executor threads (measured: ~0.2 ms per request under load vs ~1 us here)
-        cats = self.item_category_np[ids]
+        cats = self._tokens(h, ids, keep_a)
         rt = int(h.request_time) if h.request_time is not None else int(ts[keep_a].max())
         if rt < int(ts[keep_a].max()):
             warnings.append("request_time is earlier than the last event; using the last event's time")
             rt = int(ts[keep_a].max())
         block = [int(d) for d in self.dense_ids(h.exclude, "exclude[{i}]") if d > 0]
         return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
+
+    def _tokens(self, h: History, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """The kept events' categories: (n,) from the item table, or with side features (n, 1+F) token
+        columns, the events' own feature values (``h.features``) where given. HistoryError naming
+        ``history[i].features[.NAME]`` for a bad entry, an unknown name or a bad value."""
+        cats = self.item_tokens_np[ids]  # a copy (fancy indexing)
+        if h.features is None:
+            return cats
+        if len(h.features) != len(h.items):
+            raise HistoryError(f"history: features ({len(h.features)}) must have one entry (or null) per event ({len(h.items)})")
+        given: dict[str, list] = {}
+        for i, f in enumerate(h.features):
+            if f is None:
+                continue
+            if not isinstance(f, dict):
+                raise HistoryError(f"history[{i}].features: an object of feature name -> value or null, got {f!r}")
+            for name, v in f.items():
+                if name not in self.features.names:
+                    raise HistoryError(
+                        f"history[{i}].features.{name}: unknown feature {name!r}; this run's: {self.features.names or 'none'}"
+                    )
+                given.setdefault(name, [_UNSET] * len(h.items))[i] = v
+        for name, vals in given.items():
+            j = 1 + self.features.names.index(name)
+            named = np.array([v is not _UNSET for v in vals])[keep]
+            try:
+                codes = self.features.encode(name, [None if v is _UNSET else v for v in vals], f"history[{{i}}].features.{name}")
+            except ValueError as exc:
+                raise HistoryError(str(exc)) from None
+            cats[:, j] = np.where(named, codes[keep], cats[:, j])
+        return cats
 
     def _warn_untrained(self, ids: np.ndarray, warnings: list[str]) -> None:
         """Append a warning when the kept history ``ids`` ((n,) dense) hold items without training events."""
@@ -317,7 +373,8 @@ class Recommender:
         W = width or max(len(p.ids) for p in preps)
         B = len(preps)
         # filled in NumPy, one tensor per field: a row copy is ~1 us there, several torch ops here
-        host = {k: np.zeros((B, W), dtype=np.int64) for k in ("ids", "timestamps", "actions", "categories")}
+        host = {k: np.zeros((B, W), dtype=np.int64) for k in ("ids", "timestamps", "actions")}
+        host["categories"] = np.zeros((B, W, *self.item_tokens_np.shape[1:]), dtype=np.int64)  # (B, W[, 1+F])
         for b, p in enumerate(preps):
             L = len(p.ids)
             host["ids"][b, :L] = p.ids
@@ -391,11 +448,14 @@ class Recommender:
             exclude=mask,
             actions=b["actions"],
             categories=b["categories"],
-            item_category=self.item_category,
+            item_category=self.item_tokens,
             bucket=bucket,
             **asdict(d),  # strategy, top_k, temperature, beam_width, seed
         )
         return self.results(res.items, res.scores, res.actions, k)
+
+
+_UNSET = object()  # a feature an event does not name (History.features)
 
 
 def _untrained(counts, n: int) -> np.ndarray | None:

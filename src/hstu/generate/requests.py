@@ -99,9 +99,9 @@ def prepare_request(
     B = validate_request(eng, ids, timestamps, lengths, k, strategy, beam_width, use_cache, actions, categories, exclude, user_ids)
     dev, warnings = eng.device, []
     lengths = lengths.clone()
-    zeros = torch.zeros_like(ids) if actions is None or categories is None else None
-    actions = actions if actions is not None else zeros
-    categories = categories if categories is not None else zeros
+    actions = actions if actions is not None else torch.zeros_like(ids)
+    if categories is None:
+        categories = torch.zeros(*ids.shape, *eng.model.token_shape, dtype=torch.int64, device=ids.device)
     if request_time is None:
         request_time = timestamps.gather(1, (lengths - 1).clamp(min=0).view(B, 1)).view(B)
     check_inputs_on(dev, request_time=request_time, item_category=item_category)
@@ -193,9 +193,9 @@ def validate_request(
         raise ValueError("empty batch")
     if lengths.shape != (B,):
         raise ValueError(f"lengths must be (B,) = ({B},), got {tuple(lengths.shape)}")
-    for name, t in (("actions", actions), ("categories", categories)):
-        if t is not None and t.shape != ids.shape:
-            raise ValueError(f"{name} must have the shape of ids {tuple(ids.shape)}, got {tuple(t.shape)}")
+    for name, t, tail in (("actions", actions, ()), ("categories", categories, eng.model.token_shape)):
+        if t is not None and t.shape != (*ids.shape, *tail):
+            raise ValueError(f"{name} must have the shape {(*ids.shape, *tail)} (ids' + the model's token columns), got {tuple(t.shape)}")
     if isinstance(exclude, Exclusions):
         if (exclude.batch, exclude.num_items) != (B, c.num_items):
             raise ValueError(f"exclude: Exclusions of {exclude.batch} rows x {exclude.num_items} items for {B} rows x {c.num_items} items")
@@ -237,7 +237,8 @@ def truncate(
     if bool((truncated > 0).any()):
         shift = truncated.view(B, 1) + torch.arange(Emax, device=ids.device).view(1, Emax)  # (B, Emax)
         ids, timestamps = ids.gather(1, shift), timestamps.gather(1, shift)
-        actions, categories = actions.gather(1, shift), categories.gather(1, shift)
+        actions = actions.gather(1, shift)
+        categories = categories.gather(1, shift.view(B, Emax, *[1] * (categories.dim() - 2)).expand(B, Emax, *categories.shape[2:]))
         lengths = lengths.clamp(max=Emax)
         n_cut = int((truncated > 0).sum())
         msg = f"{n_cut} history(ies) longer than the largest bucket {Emax}: kept the most recent {Emax} events"

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hstu.backend.graph_cache import CachedRunner, StaticInputs, entry_name
+from hstu.backend.graphs import CompiledRunner
 from hstu.generate.pool import BucketPool
 from hstu.model.base import l2_normalize
 from hstu.model.meta import AttentionMeta, KVView
@@ -23,6 +25,30 @@ if TYPE_CHECKING:
     from hstu.generate.engine import Engine
 
 Runner = Callable[[], torch.Tensor]
+
+
+def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine, BucketPool], Runner]) -> Runner:
+    """The runner of ``key`` (kind, batch size[, T | W]) in ``eng.graphs`` mode: ``make(eng, b)`` as
+    is ("eager"); captured into a device graph ("cuda_graph", "npu_graph"); compiled ("compile":
+    :class:`hstu.backend.graphs.CompiledRunner`, eager if compiling fails), loaded from or built
+    into ``eng.graph_cache`` when the engine has one (:class:`hstu.backend.graph_cache.CachedRunner`,
+    the compiled runner its fallback)."""
+    fn = make(eng, b)
+    if eng.graphs in ("cuda_graph", "npu_graph"):
+        return eng.platform.capture_graph(fn)
+    if eng.graphs != "compile":
+        return fn
+    name = "_".join([key[0], f"E{b.E}", *map(str, key[1:])])
+    compiled = CompiledRunner(eng.platform.compile_graph(fn, name, eng.compile_backend), fn, f"engine graph {name}")
+    if eng.graph_cache is None:
+        return compiled
+    module = StaticInputs(make, eng, b)
+    settings = {
+        "kernels": eng.kernels.name,
+        **{a: str(getattr(eng, a)) for a in ("prefill_blocks", "tb_chunk_elements", "chunk_time_buckets", "k_max", "dtype", "score_dtype")},
+        "cfg": repr(eng.model.cfg),
+    }
+    return CachedRunner(eng.graph_cache, entry_name(key, b.E, module, settings), module, compiled, f"engine graph {name}")
 
 
 def time_buckets(eng: Engine, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor | None:
@@ -101,7 +127,8 @@ def extend_fn(eng: Engine, b: BucketPool, Bp: int, T: int) -> Runner:
         p = torch.where(live, raw, torch.full_like(raw, E))  # padding rows -> scratch row E
         g = p.clamp(max=E - 1)
         valid = live.unsqueeze(-1).to(eng.dtype)  # (Bp, T, 1)
-        x = m.embed(ids.gather(1, g), p, *_feat(b, acts.gather(1, g), cats.gather(1, g))) * valid  # (Bp, T, d)
+        gc = g.view(Bp, T, *[1] * (cats.dim() - 2)).expand(Bp, T, *cats.shape[2:])  # categories may carry feature columns
+        x = m.embed(ids.gather(1, g), p, *_feat(b, acts.gather(1, g), cats.gather(1, gc))) * valid  # (Bp, T, d)
         meta = AttentionMeta(
             q_pos=p,
             k_pos=kpos,

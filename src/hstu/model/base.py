@@ -140,6 +140,11 @@ class SequentialRecommender(nn.Module):
         """The trailing shape of ``categories`` this model reads: () or (1 + F,) with side features."""
         return (1 + len(self.feature_emb),) if self.feature_emb is not None else ()
 
+    @property
+    def reads_categories(self) -> bool:
+        """Whether ``categories`` changes the input (a category table or side-feature tables)."""
+        return self.category_emb is not None or self.feature_emb is not None
+
     def check_inputs(self, ids: torch.Tensor, timestamps: torch.Tensor, lengths: torch.Tensor) -> None:
         """TypeError for non-int64 inputs; ValueError when shapes disagree or W > N."""
         if ids.dtype != torch.int64 or timestamps.dtype != torch.int64 or lengths.dtype != torch.int64:

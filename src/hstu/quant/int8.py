@@ -402,11 +402,12 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def small_tables(model: nn.Module) -> list[str]:
-    """State-dict keys of the small float lookup tables (position, action and category
+    """State-dict keys of the small float lookup tables (position, action, category and side-feature
     embeddings, the per-layer relative-bias tables) that the INT8 scheme stores in the
     embedding float dtype and computes with in float32."""
     keys = ["pos_emb.weight"]
     keys += [f"{n}.weight" for n in ("action_emb", "category_emb") if getattr(model, n, None) is not None]
+    keys += [f"feature_emb.{j}.weight" for j in range(len(getattr(model, "feature_emb", None) or ()))]  # side features
     for i in range(len(model.layers)):
         keys += [f"layers.{i}.rel_bias.pos_w", f"layers.{i}.rel_bias.ts_w"]
     return keys

@@ -247,7 +247,7 @@ class BatchRunner:
         """``n`` full-length (``bucket`` events) generate and score jobs over real item ids, for warm-up."""
         ids = (np.arange(bucket, dtype=np.int64) % self.num_items) + 1
         ts = 1_000_000_000 + 60 * np.arange(bucket, dtype=np.int64)
-        cats = self.rec.item_category_np[ids]
+        cats = self.rec.item_tokens_np[ids]  # (bucket,) or (bucket, 1+F) with side features
         prep = Prepared(ids, ts, np.zeros(bucket, np.int64), cats, int(ts[-1]), [], [])
         # every item may be generated: warm-up must not depend on how much of the catalogue was trained
         jobs = [Job("generate", prep, k=self.max_k, allow_untrained=True) for _ in range(n)]

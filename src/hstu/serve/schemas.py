@@ -97,6 +97,13 @@ class Event(_Strict):
     action: str | None = Field(
         default=None, max_length=64, description="action name from the run's idmap (unknown names count as none, with a warning)"
     )
+    features: dict[Annotated[str, Field(max_length=64)], float | str | None] | None = Field(
+        default=None,
+        max_length=64,
+        description="side features of the event (runs trained with them, idmap.json features): name -> a number (numeric: "
+        "bucketised with the run's quantile edges) or a text (categorical; unknown texts count as none); null = unknown; a "
+        "feature not named takes the item's last training value; an unknown name is a 422 naming history[i].features.NAME",
+    )
 
 
 class Decoding(_Strict):

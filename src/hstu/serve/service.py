@@ -247,6 +247,7 @@ class Service:
             [e.action for e in history] if any(e.action is not None for e in history) else None,
             request_time,
             list(exclude or []),
+            features=[e.features for e in history] if any(e.features is not None for e in history) else None,
         )
         try:
             p = self.rec.prepare(h, unknown=unknown, order=order)  # maps the ids once

@@ -61,6 +61,7 @@ def add_train_parser(sub) -> None:
     t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
     t.add_argument("--columns", help="csv columns by name or 0-based position, e.g. user=uid,item=iid,time=ts (no time: order-only)")
     t.add_argument("--format", help="csv file format, e.g. sep=;,header=none (sep: a character or tab|comma|semicolon|pipe|space)")
+    _add_feature_flags(t)
     t.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     t.add_argument(
         "--items",
@@ -128,6 +129,25 @@ def _add_recipe_flags(t) -> None:
     )
     t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
+    )
+
+
+def _add_feature_flags(t) -> None:
+    """``--feature COL`` / ``--numeric-feature COL:BUCKETS`` (repeatable; hstu.data.features)."""
+    t.add_argument(
+        "--feature",
+        dest="features",
+        action="append",
+        metavar="COL",
+        help="csv: a categorical side-feature column summed into the token (e.g. brand; repeatable; [data] features)",
+    )
+    t.add_argument(
+        "--numeric-feature",
+        dest="numeric_features",
+        action="append",
+        metavar="COL:BUCKETS",
+        help="csv: a numeric column bucketised into BUCKETS quantile buckets of the training events (e.g. price:10; repeatable; "
+        "[data] numeric_features)",
     )
 
 

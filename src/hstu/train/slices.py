@@ -109,7 +109,7 @@ class ModelScorer:
             exclude=mask,
             actions=b.actions,
             categories=b.categories,
-            item_category=torch.from_numpy(log_.item_category).to(eng.device),
+            item_category=torch.from_numpy(log_.item_tokens).to(eng.device),  # (I+1[, 1+F]) as the batch's categories
         )
         return res.items.cpu().numpy()
 

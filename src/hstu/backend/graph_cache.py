@@ -1,0 +1,316 @@
+"""An on-disk cache of the engine's compiled bucket graphs beside a run: AOTInductor packages that a
+server start loads (milliseconds each) instead of compiling (15-110 s each on a 2-core CPU).
+
+Why not the runner as is. An engine runner (hstu.generate.runners) is a closure of no arguments
+over static buffers: the bucket's inputs, the KV pool it writes in place, the engine's position
+table. ``torch.export`` of such a closure lifts every captured tensor as a constant: the package
+would embed its own copy of the buffers (the engine's per-request ``BucketPool.load`` would never
+reach it) and the in-place KV writes would land in that copy. The nearest working form,
+:class:`StaticInputs`: the same runner rebuilt inside ``forward`` from its buffers given as inputs
+(each view re-made with ``as_strided`` on its base tensor), the model a submodule (its weights the
+package's constants). ``torch.export.export(strict=False)`` keeps the in-place writes (its training
+IR is not functionalised) and AOTInductor compiles them as writes into the input buffers, so a call
+with the engine's own buffers computes what the eager runner computes, in place.
+
+PyTorch docs, "AOTInductor: Ahead-Of-Time Compilation for Torch.Export-ed Models"
+(``torch._inductor.aoti_compile_and_package``, ``torch._inductor.aoti_load_package``) and
+"torch.export" (non-strict mode).
+
+Layout: ``RUN/graphs/manifest.json`` (``{"format": 1, "entries": {name: entry}}``) and one
+``NAME.pt2`` per graph. ``name`` = step kind, bucket edge, batch size (and T or W), and a hash of
+the runner's interface (every input's shape, dtype, stride and offset, the engine's settings that
+shape the graph, the model config). An entry records what it was built for: the run's weights
+(sha256 of the state dict), precision, device, torch version, the source of the code the graph
+traces; and its file's bytes and sha256. :meth:`GraphCache.check` compares all of them: a
+mismatch (other weights, other torch version, edited code) or a truncated / corrupt file is never
+loaded; the entry is rebuilt (``build=True``) or refused (``build=False``), with a warning that
+says which field differs. A failed load or build falls back to torch.compile, then eager, with a
+warning (:class:`CachedRunner`).
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from hstu.backend.graphs import describe_failure
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+DIRNAME = "graphs"  # RUN/graphs
+_CODE = ("model", "ops", "generate/runners.py", "generate/pool.py")  # sources the graphs trace (relative to hstu/)
+
+
+class GraphCacheError(RuntimeError):
+    """A cache entry that must not be used; the message names the file and the field that differs."""
+
+
+def torch_version() -> str:
+    """The running torch's version (a function so that tests can pretend another one)."""
+    return torch.__version__
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over the state dict's names, dtypes, shapes and bytes (sorted by name): the run's
+    weights as this process holds them (after any precision conversion)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def code_sha256() -> str:
+    """sha256 of the hstu sources a graph traces (hstu/model, hstu/ops, the engine's runners and pool)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in _CODE:
+        p = root / rel
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tensor_attrs(obj) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """The tensor attributes of ``obj`` (and its lists of tensors), by name."""
+    out = {}
+    for k, v in vars(obj).items():
+        if isinstance(v, torch.Tensor) or (isinstance(v, list) and v and all(isinstance(x, torch.Tensor) for x in v)):
+            out[k] = v
+    return out
+
+
+class StaticInputs(torch.nn.Module):
+    """A runner as a module of its buffers: ``forward(*roots)`` rebuilds ``make(eng, b)`` on shallow
+    copies of ``eng`` and ``b`` whose tensor attributes are views of the given roots (the base
+    tensors of every tensor attribute of both, in first-seen order), and runs it.
+
+    ``roots`` holds the real base tensors (pass them to the exported program: it writes into them).
+    ``signature()`` lists what the compiled graph depends on besides the weights.
+    """
+
+    def __init__(self, make: Callable, eng, b) -> None:
+        super().__init__()
+        self.model = eng.model  # a submodule: its parameters are the program's, not inputs
+        self._eng, self._b, self._make = eng, b, make
+        self.roots: list[torch.Tensor] = []
+        seen: dict[int, int] = {}
+        self.spec: dict[tuple[str, str], tuple[bool, list[tuple]]] = {}
+        for which, obj in (("eng", eng), ("b", b)):
+            for name, v in _tensor_attrs(obj).items():
+                parts = []
+                for t in v if isinstance(v, list) else [v]:
+                    base = t if t._base is None else t._base
+                    if id(base) not in seen:
+                        seen[id(base)] = len(self.roots)
+                        self.roots.append(base)
+                    parts.append((seen[id(base)], tuple(t.shape), t.stride(), t.storage_offset()))
+                self.spec[(which, name)] = (isinstance(v, list), parts)
+
+    def forward(self, *roots: torch.Tensor) -> torch.Tensor:
+        e, p = copy.copy(self._eng), copy.copy(self._b)
+        for (which, name), (is_list, parts) in self.spec.items():
+            views = [roots[i].as_strided(size, stride, off) for i, size, stride, off in parts]
+            setattr(e if which == "eng" else p, name, views if is_list else views[0])
+        return self._make(e, p)()
+
+    def signature(self) -> list:
+        roots = [(tuple(r.shape), str(r.dtype), r.stride()) for r in self.roots]
+        return [roots, sorted((f"{w}.{n}", parts) for (w, n), (_, parts) in self.spec.items())]
+
+
+class AOTInductor:
+    """The default compiler: ``torch.export`` (non-strict) then AOTInductor into a .pt2 package."""
+
+    name = "aotinductor"
+
+    def build(self, module: StaticInputs, path: Path) -> None:
+        with torch.inference_mode(False), torch.no_grad():
+            ep = torch.export.export(module, tuple(module.roots), strict=False)
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+
+    def load(self, path: Path) -> Callable[..., torch.Tensor]:
+        return torch._inductor.aoti_load_package(str(path))
+
+
+class GraphCache:
+    """The graph cache of one run on one device at one precision (see the module docstring).
+
+    Args:
+        directory: the cache folder (``RUN/graphs``; created on the first store).
+        model: the engine's (hardened) model: its weights hash and precision key the entries.
+        device: the engine's device. build: rebuild missing / stale entries (False: refuse them,
+            the caller compiles in memory). compiler: builds and loads packages (:class:`AOTInductor`).
+    """
+
+    def __init__(self, directory, model: torch.nn.Module, device, *, build: bool = True, compiler=None) -> None:
+        self.dir = Path(directory)
+        self.build = build
+        self.compiler = compiler or AOTInductor()
+        q = getattr(model, "quant_meta", None) or {}
+        self.env = {
+            "format": FORMAT,
+            "torch": torch_version(),
+            "weights_sha256": weights_sha256(model),
+            "precision": q.get("scheme", str(model.pos_emb.weight.dtype).removeprefix("torch.")),
+            "device": str(torch.device(device)),
+            "code_sha256": code_sha256(),
+            "compiler": self.compiler.name,
+        }
+
+    @classmethod
+    def beside(cls, run_dir, model: torch.nn.Module, device, **kw) -> GraphCache | None:
+        """The cache of ``run_dir`` if one was built there (``RUN/graphs/manifest.json``), else None."""
+        if run_dir is None or not (Path(run_dir) / DIRNAME / MANIFEST).is_file():
+            return None
+        return cls(Path(run_dir) / DIRNAME, model, device, **kw)
+
+    @staticmethod
+    def create(run_dir) -> Path:
+        """Make ``RUN/graphs`` with an empty manifest unless it has one; returns the folder."""
+        d = Path(run_dir) / DIRNAME
+        d.mkdir(exist_ok=True)
+        if not (d / MANIFEST).exists():
+            tmp = d / f".{MANIFEST}.{os.getpid()}"
+            tmp.write_text(json.dumps({"format": FORMAT, "entries": {}}))
+            os.replace(tmp, d / MANIFEST)
+        return d
+
+    def entries(self) -> dict:
+        """The manifest's entries (empty when there is none). GraphCacheError: unreadable manifest."""
+        p = self.dir / MANIFEST
+        if not p.exists():
+            return {}
+        try:
+            m = json.loads(p.read_text())
+            return dict(m["entries"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GraphCacheError(f"{p}: not a graph-cache manifest ({exc}); rebuild it: hstu export --graphs") from None
+
+    def check(self, name: str) -> Path:
+        """The package file of entry ``name``, verified against this process. Raises GraphCacheError
+        (missing entry, a field that differs, a missing / truncated / corrupt file)."""
+        e = self.entries().get(name)
+        if e is None:
+            raise GraphCacheError(f"{self.dir}: no entry {name}")
+        for field, want in self.env.items():
+            if e.get(field) != want:
+                got, now = str(e.get(field))[:16], str(want)[:16]
+                raise GraphCacheError(f"{self.dir}/{name}.pt2 is stale: built for {field} {got}, this is {now}")
+        path = self.dir / e["file"]
+        size = path.stat().st_size if path.exists() else -1
+        if size != e["bytes"] or file_sha256(path) != e["sha256"]:
+            what = "missing" if size < 0 else f"truncated or corrupt ({size} bytes, sha256 differs; the manifest says {e['bytes']})"
+            raise GraphCacheError(f"{path} is {what}")
+        return path
+
+    @contextmanager
+    def _locked(self):
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / ".lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def store(self, name: str, module: StaticInputs) -> dict:
+        """Build entry ``name`` from ``module`` (a temporary file, renamed when complete) and record
+        it in the manifest. Returns the entry (with compile_s, bytes)."""
+        with self._locked():
+            try:  # another process (a second model worker) built it while this one waited
+                self.check(name)
+                return self.entries()[name]
+            except GraphCacheError:
+                pass
+            tmp = self.dir / f".{name}.{os.getpid()}.pt2"
+            t0 = time.perf_counter()
+            try:
+                self.compiler.build(module, tmp)
+                os.replace(tmp, self.dir / f"{name}.pt2")
+            finally:
+                tmp.unlink(missing_ok=True)
+            path = self.dir / f"{name}.pt2"
+            entry = {**self.env, "file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+            entry["compile_s"] = round(time.perf_counter() - t0, 3)
+            entries = self.entries()
+            entries[name] = entry
+            tmp_m = self.dir / f".{MANIFEST}.{os.getpid()}"
+            tmp_m.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True))
+            os.replace(tmp_m, self.dir / MANIFEST)
+        return entry
+
+
+def entry_name(kind_key: tuple, edge: int, module: StaticInputs, settings: dict) -> str:
+    """``{kind}_E{edge}_{batch}[_{T|W}]_{interface hash}``: one file name per graph and engine layout."""
+    h = hashlib.sha256(json.dumps([module.signature(), settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return "_".join([str(kind_key[0]), f"E{edge}", *map(str, kind_key[1:]), h])
+
+
+class CachedRunner:
+    """A runner served from the graph cache, with the same report attributes as
+    :class:`hstu.backend.graphs.CompiledRunner`. The first call loads the entry (``mode`` "loaded")
+    or, where it is missing or stale and the cache may build, compiles and stores it ("built"); when
+    that fails (or the cache refuses a stale entry) a warning names why and ``fallback`` (a
+    CompiledRunner: torch.compile, then eager) runs this and every later call.
+
+    Attributes: mode, compile_s (seconds of the first call), error (why it fell back, or None),
+    bytes (the package's size), name (the entry).
+    """
+
+    def __init__(self, cache: GraphCache, name: str, module: StaticInputs, fallback: Callable[[], torch.Tensor], label: str) -> None:
+        self.cache, self.name, self.module, self.fallback, self.label = cache, name, module, fallback, label
+        self.mode, self.compile_s, self.error, self.bytes = "pending", 0.0, None, 0
+        self._fn: Callable[[], torch.Tensor] | None = None
+
+    def _open(self) -> Callable[[], torch.Tensor]:
+        try:
+            path, self.mode = self.cache.check(self.name), "loaded"
+        except GraphCacheError as exc:
+            if not self.cache.build:
+                raise
+            if self.name in self.cache.entries():
+                log.warning("%s; rebuilding it", exc)
+            self.cache.store(self.name, self.module)
+            path, self.mode = self.cache.check(self.name), "built"
+        self.bytes = path.stat().st_size
+        loaded, roots = self.cache.compiler.load(path), tuple(self.module.roots)
+        return lambda: loaded(*roots)
+
+    def __call__(self) -> torch.Tensor:
+        if self._fn is not None:
+            return self._fn()
+        t0 = time.perf_counter()
+        try:
+            fn = self._open()
+            out = fn()
+            self._fn = fn
+        except Exception as exc:  # stale and refused, export / AOTInductor / load failure: torch.compile, then eager
+            self.error = describe_failure(exc)
+            log.warning("graph cache for %s not used (%s); compiling it in memory", self.label, self.error)
+            self.mode, self._fn = "fallback", self.fallback
+            out = self.fallback()
+        self.compile_s = time.perf_counter() - t0
+        log.info("%s: %s in %.2f s", self.label, self.mode, self.compile_s)
+        return out
+
+
+__all__ = ["AOTInductor", "CachedRunner", "GraphCache", "GraphCacheError", "StaticInputs", "entry_name", "weights_sha256"]

@@ -1,0 +1,166 @@
+"""The on-disk graph cache (hstu.backend.graph_cache): engines whose graphs come from the cache give
+the eager engine's items (scores within float tolerance) for several batch sizes and strategies;
+a second engine loads every graph instead of building it; a stale or mismatched entry (other
+weights, another torch version, a truncated file, a corrupt manifest) is never used: rebuilt with a
+warning, or refused (build=False) and compiled in memory; a failed build or load falls back to
+torch.compile, then eager, with a warning.
+
+Most tests build with :class:`ExportedProgram`, a second compiler for the same cache: the
+``torch.export`` program of the runner's :class:`StaticInputs` module saved as a .pt2 and run by
+PyTorch (seconds a graph; it checks the cache logic and the static-inputs form, which is what
+AOTInductor compiles). One test builds real AOTInductor packages (marked slow: about a minute a
+graph on 2 cores)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from test_graphs import E, inputs, tiny_model
+
+from hstu.backend import graph_cache as gc
+from hstu.backend.graph_cache import GraphCache, StaticInputs
+from hstu.generate.engine import Engine
+
+
+class ExportedProgram:
+    """torch.export (non-strict) of the static-inputs module, saved / loaded with torch.export."""
+
+    name = "exported-program"
+
+    def __init__(self) -> None:
+        self.built = 0
+
+    def build(self, module: StaticInputs, path) -> None:
+        with torch.inference_mode(False), torch.no_grad():
+            torch.export.save(torch.export.export(module, tuple(module.roots), strict=False), str(path))
+        self.built += 1
+
+    def load(self, path):
+        return torch.export.load(str(path)).module()
+
+
+KW = dict(buckets=(E,), max_batch=2, k_max=3, batch_sizes=(1, 2))
+
+
+def cached_engine(model, directory, compiler, **kw) -> Engine:
+    cache = GraphCache(directory, model, "cpu", compiler=compiler, **kw)
+    return Engine(model, graphs="compile", compile_backend="aot_eager", graph_cache=cache, **KW)
+
+
+def same(eng: Engine, ref: Engine, B: int, strategy: str) -> None:
+    ids, ts, L, feats, ic = inputs(B, seed=B)
+    kw = dict(strategy=strategy, beam_width=2, seed=3, item_category=ic, **feats)
+    a, b = eng.generate(ids, ts, L, 3, **kw), ref.generate(ids, ts, L, 3, **kw)
+    assert torch.equal(a.items, b.items), (strategy, B)
+    torch.testing.assert_close(a.scores, b.scores, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One cache built for the tiny model (greedy at batch sizes 1 and 2), and its compiler."""
+    d = tmp_path_factory.mktemp("graphs")
+    comp = ExportedProgram()
+    eng = cached_engine(tiny_model(), d, comp)
+    for B in (1, 2):
+        same(eng, Engine(tiny_model(), graphs="eager", **KW), B, "greedy")
+    rep = eng.graph_report()
+    assert rep and all(r["mode"] == "built" and r["bytes"] > 0 for r in rep), rep
+    return d, comp.built
+
+
+def test_cached_graphs_match_eager_and_load_without_building(built, tmp_path):
+    d, n_built = built
+    assert n_built == 6  # setup, prefill, step x batch sizes 1, 2
+    comp = ExportedProgram()
+    eng, ref = cached_engine(tiny_model(), d, comp), Engine(tiny_model(), graphs="eager", **KW)
+    for B, s in ((1, "greedy"), (2, "greedy"), (2, "topk"), (1, "topk")):
+        same(eng, ref, B, s)
+    assert comp.built == 0 and {r["mode"] for r in eng.graph_report()} == {"loaded"}
+    same(eng, ref, 2, "beam")  # a new shape (step of 2 beams): built now, into the same cache
+    assert comp.built == 2 and {r["mode"] for r in eng.graph_report()} == {"loaded", "built"}
+
+
+def _copy(built, tmp_path):
+    d = tmp_path / "graphs"
+    shutil.copytree(built[0], d)
+    return d
+
+
+def test_other_weights_rebuild_with_a_warning(built, tmp_path, caplog):
+    d = _copy(built, tmp_path)
+    other = tiny_model()
+    with torch.no_grad():
+        other.item_emb.weight.mul_(1.5)
+    comp = ExportedProgram()
+    eng = cached_engine(other, d, comp)
+    with caplog.at_level(logging.WARNING):
+        same(eng, Engine(other, graphs="eager", **KW), 1, "greedy")  # the other model's items, not the cached one's
+    assert "stale: built for weights_sha256" in caplog.text and comp.built == 3
+    assert {r["mode"] for r in eng.graph_report()} == {"built"}
+
+
+def test_other_torch_version_refused_without_build(built, tmp_path, monkeypatch, caplog):
+    d = _copy(built, tmp_path)
+    monkeypatch.setattr(gc, "torch_version", lambda: "9.9.9")
+    comp = ExportedProgram()
+    eng = cached_engine(tiny_model(), d, comp, build=False)
+    with caplog.at_level(logging.WARNING):
+        same(eng, Engine(tiny_model(), graphs="eager", **KW), 2, "greedy")
+    assert "stale: built for torch" in caplog.text and "9.9.9" in caplog.text and comp.built == 0
+    rep = eng.graph_report()
+    assert {r["mode"] for r in rep} == {"fallback"} and all("GraphCacheError" in r["error"] for r in rep)
+
+
+def test_truncated_file_rebuilt(built, tmp_path, caplog):
+    d = _copy(built, tmp_path)
+    victim = sorted(d.glob("prefill_E20_1_*.pt2"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    comp = ExportedProgram()
+    eng = cached_engine(tiny_model(), d, comp)
+    with caplog.at_level(logging.WARNING):
+        same(eng, Engine(tiny_model(), graphs="eager", **KW), 1, "greedy")
+    assert f"{victim} is truncated or corrupt (100 bytes" in caplog.text and comp.built == 1
+    modes = {r["key"][0]: r["mode"] for r in eng.graph_report()}
+    assert modes == {"setup": "loaded", "prefill": "built", "step": "loaded"}
+
+
+def test_corrupt_manifest_and_failed_build_fall_back(tmp_path, caplog):
+    d = tmp_path / "graphs"
+    d.mkdir()
+    (d / gc.MANIFEST).write_text("{not json")
+
+    class Broken(ExportedProgram):
+        def build(self, module, path):
+            raise RuntimeError("no compiler here")
+
+    for directory, comp in ((d, ExportedProgram()), (tmp_path / "g2", Broken())):
+        eng = cached_engine(tiny_model(), directory, comp)
+        with caplog.at_level(logging.WARNING):
+            same(eng, Engine(tiny_model(), graphs="eager", **KW), 1, "greedy")
+        rep = eng.graph_report()
+        assert {r["mode"] for r in rep} == {"fallback"}, rep
+    assert "not a graph-cache manifest" in caplog.text and "no compiler here" in caplog.text
+    assert not list((tmp_path / "g2").glob("*.pt2"))  # a failed build leaves no file behind
+
+
+@pytest.mark.slow
+def test_aotinductor_packages_match_eager(tmp_path):
+    """Real AOTInductor packages (setup, prefill, step at batch size 1): built by one engine, loaded
+    by a second (no compiler run), both giving the eager engine's items for greedy and top-k."""
+    kw = dict(buckets=(E,), max_batch=1, k_max=3, batch_sizes=(1,))
+    ref = Engine(tiny_model(), graphs="eager", **kw)
+    modes = []
+    for _ in range(2):
+        m = tiny_model()
+        eng = Engine(m, graphs="compile", graph_cache=GraphCache(tmp_path, m, "cpu"), **kw)
+        for s in ("greedy", "topk"):
+            ids, ts, L, feats, ic = inputs(1, seed=7)
+            a = eng.generate(ids, ts, L, 3, strategy=s, seed=1, item_category=ic, **feats)
+            b = ref.generate(ids, ts, L, 3, strategy=s, seed=1, item_category=ic, **feats)
+            assert torch.equal(a.items, b.items), s
+            torch.testing.assert_close(a.scores, b.scores, rtol=1e-5, atol=1e-5)
+        modes.append({r["mode"] for r in eng.graph_report()})
+    assert modes == [{"built"}, {"loaded"}]

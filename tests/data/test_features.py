@@ -102,9 +102,10 @@ def test_feature_changes_the_model_input():
     assert not torch.allclose(out_a[0, 1], out_b[0, 1])
 
 
-def _synthetic(path, users=300, length=16, items=40, buckets=8, seed=0):
+def _synthetic(path, users=300, length=16, items=40, buckets=8, seed=0, brands=("x",)):
     """Each event's price is uniform in [0, 100); the next item is one of the 5 items of the current
-    event's price bucket (equal-width buckets = the quantiles of a uniform price); items carry no signal."""
+    event's price bucket (equal-width buckets = the quantiles of a uniform price); items carry no signal.
+    The brand is drawn from ``brands`` (no signal)."""
     rng = np.random.default_rng(seed)
     per = items // buckets
     rows = []
@@ -114,7 +115,7 @@ def _synthetic(path, users=300, length=16, items=40, buckets=8, seed=0):
         for t in range(1, length):
             b = min(int(price[t - 1] // (100 / buckets)), buckets - 1)
             item.append(b * per + int(rng.integers(1, per + 1)))
-        rows += [(u, item[t], 1_000_000 + 60 * t, round(float(price[t]), 3), "x") for t in range(length)]
+        rows += [(u, item[t], 1_000_000 + 60 * t, round(float(price[t]), 3), brands[int(rng.integers(len(brands)))]) for t in range(length)]
     return _write(path, rows)
 
 
@@ -134,3 +135,90 @@ def test_model_learns_a_feature_that_alone_predicts_the_next_item(tmp_path):
     assert hr["with"] > 0.6, hr
     assert hr["without"] < 0.4, hr
     assert hr["with"] > hr["without"] + 0.3, hr
+
+
+def test_round_trip_eval_generate_api_http(tmp_path, capsys):
+    """One run trained with a numeric and a categorical feature: the CLI eval reproduces the training
+    report, and the CLI generate, the Python API and HTTP give the same items for a history with
+    feature values, equal to the top item of the model scored directly on the load-time token columns."""
+    import json
+
+    import httpx
+    from serving import LiveServer
+
+    from hstu.cli import _run_data, main
+    from hstu.config import ServeConfig
+    from hstu.generate.batch import history_of
+    from hstu.generate.recommend import History, HistoryError, Recommender
+    from hstu.serve.app import ServePolicy, create_app
+
+    path = _synthetic(tmp_path / "s.csv", users=40, length=10, brands=("acme", "zeta", "nova"))
+    (tmp_path / "c.toml").write_text(
+        "[model]\nmax_seq_len = 10\nembedding_dim = 16\nnum_blocks = 1\nnum_heads = 1\nd_qk = 16\nd_v = 16\nmax_output_len = 5\n"
+        "[train]\nepochs = 2\nbatch_size = 16\nnum_negatives = 16\n"
+        f'[data]\ndataset = "csv"\ndata_dir = "{path}"\ncolumns = "{COLUMNS}"\nnumeric_features = {{price = 8}}\n'
+    )
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--feature", "brand", "--out", str(run), "--quiet"]) == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"]["features"] == {"brand": 3, "price": 8}
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--split", "test", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = json.loads((run / "metrics.json").read_text())["test"]
+    assert got["HR@10"] == want["HR@10"] and got["MRR"] == pytest.approx(want["MRR"], abs=1e-9)
+
+    log_ = _run_data(cfg)[0]
+    user = int(log_.users[3])
+    hist = history_of(log_, user)
+    assert hist.features[0].keys() == {"brand", "price"}
+    rec = Recommender.from_run(run)
+    prep = rec.prepare(hist)
+    u = log_.user_index(user)
+    s, e = log_.offsets[u], log_.offsets[u + 1]
+    assert np.array_equal(prep.categories, log_.features[s:e])  # served values bucketised as at load
+    api = [it["item_id"] for it in rec.recommend([prep], 5)[0]]
+
+    # the model scored directly on the load-time token columns (no engine, no id maps)
+    m = rec.model
+    ids = torch.from_numpy(log_.items[s:e]).view(1, -1)
+    ts = torch.from_numpy(np.append(log_.timestamps[s:e], log_.timestamps[e - 1])).view(1, -1)
+    cats = torch.from_numpy(np.concatenate([log_.features[s:e], np.zeros((1, 3), np.int64)])).unsqueeze(0)
+    with torch.no_grad():
+        seq = m.encode(torch.cat([ids, torch.zeros(1, 1, dtype=torch.int64)], 1), ts, torch.tensor([e - s]), categories=cats)
+        scores = m.score_items(m.last_rows(seq, torch.tensor([e - s])), torch.arange(1, m.cfg.num_items + 1).view(1, -1))[0]
+    if rec.untrained_np is not None:
+        scores[torch.from_numpy(rec.untrained_np[1:])] = -float("inf")
+    assert api[0] == int(log_.item_raw_ids[1 + int(scores.argmax())])
+
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--user", str(user), "-k", "5", "--json"]) == 0
+    assert [it["item_id"] for it in json.loads(capsys.readouterr().out)["items"]] == api
+    hfile = tmp_path / "h.json"
+    hfile.write_text(
+        json.dumps([{"item_id": i, "timestamp": t, "features": f} for i, t, f in zip(hist.items, hist.timestamps, hist.features)])
+    )
+    assert main(["generate", "--run", str(run), "--history", str(hfile), "-k", "5", "--json"]) == 0
+    assert [it["item_id"] for it in json.loads(capsys.readouterr().out)["items"]] == api
+
+    # the features matter: without them (each item's last training values) or unknown, the input differs
+    plain = rec.prepare(History(hist.items, hist.timestamps))
+    unknown = rec.prepare(History(hist.items, hist.timestamps, features=[{"price": None, "brand": None}] * len(hist.items)))
+    assert np.array_equal(plain.categories, rec.item_tokens_np[prep.ids]) and (unknown.categories[:, 1:] == 0).all()
+    assert not np.array_equal(plain.categories, prep.categories)
+    with pytest.raises(HistoryError, match=r"^history\[2\]\.features\.colour: unknown feature 'colour'"):
+        rec.prepare(History(hist.items[:3], hist.timestamps[:3], features=[None, None, {"colour": "red"}]))
+
+    events = [{"item_id": i, "timestamp": t, "features": f} for i, t, f in zip(hist.items, hist.timestamps, hist.features)]
+    app = create_app(ServeConfig(buckets=[10]), rec, policy=ServePolicy(warmup=False))
+    with LiveServer(app) as srv:
+        r = httpx.post(srv.url + "/v1/generate", json={"history": events, "k": 5}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert [it["item_id"] for it in r.json()["items"]] == api
+        bad = [dict(ev) for ev in events]
+        bad[1] = {**bad[1], "features": {"colour": "red"}}
+        r = httpx.post(srv.url + "/v1/generate", json={"history": bad, "k": 5}, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].features.colour", r.text
+        bad[1] = {**bad[1], "features": {"price": "cheap"}}
+        r = httpx.post(srv.url + "/v1/generate", json={"history": bad, "k": 5}, timeout=30)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].features.price", r.text

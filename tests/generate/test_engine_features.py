@@ -94,3 +94,10 @@ def test_categories_without_the_feature_columns_are_refused():
     ids, ts, L, rt, acts, cats, tokens = inputs([3, 5], width=10)
     with pytest.raises(ValueError, match=r"categories must have the shape \(2, 10, 3\)"):
         eng.generate(ids, ts, L, 2, categories=cats[..., 0], item_category=tokens)
+
+
+def test_export_refuses_a_model_with_side_features():
+    from hstu.export.encoder import UserEncoder
+
+    with pytest.raises(ValueError, match=r"side features \['price', 'brand'\] \(ModelConfig.features\): export does not take them"):
+        UserEncoder(featured_model(), item_category=torch.zeros(I + 1, dtype=torch.int64))

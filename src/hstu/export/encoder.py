@@ -56,7 +56,8 @@ class UserEncoder(nn.Module):
             needed when the model has category embeddings, ignored otherwise.
     The model's kernel set is set to the reference one (:data:`hstu.model.kernels.REFERENCE`):
     plain PyTorch ops that every exporter and runtime takes (a Triton or NPU kernel is not a
-    graph op). Raises ValueError when the model needs categories and none are given.
+    graph op). Raises ValueError when the model needs categories and none are given, or has side
+    features (:mod:`hstu.data.features`; their per-event values are no input of the exported program).
     """
 
     def __init__(self, model: nn.Module, item_category: torch.Tensor | None = None) -> None:
@@ -65,6 +66,10 @@ class UserEncoder(nn.Module):
         self.model = model.eval()
         self.uses_actions = model.action_emb is not None
         self.uses_categories = model.category_emb is not None
+        if getattr(model, "feature_emb", None) is not None:  # per-event token columns (hstu.data.features): not an input here
+            raise ValueError(
+                f"the model has side features {list(model.cfg.features)} (ModelConfig.features): export does not take them yet"
+            )
         if self.uses_categories and item_category is None:
             raise ValueError("the model has category embeddings: pass idmap.json's item_category")
         cat = item_category if self.uses_categories else torch.zeros(1, dtype=torch.int64)

@@ -32,8 +32,10 @@ quarter of a core at 50 QPS, taken from the server under test on a 2-core box); 
 machine it shares the cores with the server, which lowers the figure: the output records the
 core count, the server's CPU affinity and the client's CPU time per request.
 
-Each phase also reports the server process's CPU time per request (psutil), a figure that a
-busy machine disturbs less than latency: 2 cores / that time bounds the QPS of an idle 2-core box.
+Each phase also reports the server's CPU time per request (psutil): every server process together
+(``server_cpu_ms_per_request``) and the HTTP process alone (``http_cpu_ms_per_request``; the rest is
+its model processes), a figure that a busy machine disturbs less than latency: 2 cores / that
+time bounds the QPS of an idle 2-core box.
 
 ``--json PATH`` writes the result with keys ``max_qps_p99_under_100ms``,
 ``overload_non_http_errors``, ``overload_5xx_other_than_503`` (and the per-step table, the

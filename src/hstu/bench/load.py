@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import numpy as np
+import psutil
 
 import hstu
 
@@ -60,14 +61,14 @@ class Phase:
             if bucket is not None:
                 self.lat_by_bucket.setdefault(bucket, []).append(latency)
 
-    server_cpu_s: float | None = None  # server process CPU seconds (user + system) during the phase
+    server_cpu_s: float | None = None  # CPU seconds (user + system) of every server process during the phase
+    http_cpu_s: float | None = None  # of the HTTP process alone (the rest: its model processes)
     client_cpu_s: float | None = None  # this (load generator) process's CPU seconds during the phase
 
     def summary(self) -> dict:
         lat = np.array(self.lat) if self.lat else np.array([np.nan])
         ok = self.codes.get("200", 0)
-        cpu = None if self.server_cpu_s is None or not self.sent else round(1e3 * self.server_cpu_s / self.sent, 2)
-        ccpu = None if self.client_cpu_s is None or not self.sent else round(1e3 * self.client_cpu_s / self.sent, 2)
+        per = lambda s: None if s is None or not self.sent else round(1e3 * s / self.sent, 3)  # noqa: E731
         pct = lambda q: None if not self.lat else round(float(np.percentile(lat, q)) * 1e3, 2)  # noqa: E731
         return {
             "phase": self.name,
@@ -80,8 +81,9 @@ class Phase:
             "max_ms": pct(100),
             "codes": dict(sorted(self.codes.items())),
             "client_dropped": self.dropped_client,
-            "server_cpu_ms_per_request": cpu,
-            "client_cpu_ms_per_request": ccpu,
+            "server_cpu_ms_per_request": per(self.server_cpu_s),
+            "http_cpu_ms_per_request": per(self.http_cpu_s),
+            "client_cpu_ms_per_request": per(self.client_cpu_s),
             "p99_ms_by_bucket": {b: round(float(np.percentile(v, 99)) * 1e3, 2) for b, v in sorted(self.lat_by_bucket.items(), key=_edge)},
             "answered_by_bucket": {b: len(v) for b, v in sorted(self.lat_by_bucket.items(), key=_edge)},
         }
@@ -108,11 +110,22 @@ def bucket_of(body: bytes) -> str | None:
     return None if m is None else ("cold_start" if m.group(1) == b"null" else m.group(1).decode())
 
 
-def _cpu(server) -> float | None:
+def _cpu(server) -> tuple[float, float] | None:
+    """(CPU seconds of the server and all its live descendants, of the server process alone), or None.
+    psutil's ``children_*`` times count only children that have exited, so the model processes'
+    own times are summed here."""
     if server is None:
         return None
     t = server.cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+    own = t.user + t.system
+    total = own + t.children_user + t.children_system
+    for child in server.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += c.user + c.system
+    return total, own
 
 
 async def run_phase(
@@ -156,7 +169,8 @@ async def run_phase(
     if tasks:
         await asyncio.wait(tasks)
     if cpu0 is not None:
-        phase.server_cpu_s = _cpu(server) - cpu0
+        cpu1 = _cpu(server)
+        phase.server_cpu_s, phase.http_cpu_s = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     phase.client_cpu_s = time.process_time() - client_cpu0
     return phase
 

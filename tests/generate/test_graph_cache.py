@@ -164,3 +164,34 @@ def test_aotinductor_packages_match_eager(tmp_path):
             torch.testing.assert_close(a.scores, b.scores, rtol=1e-5, atol=1e-5)
         modes.append({r["mode"] for r in eng.graph_report()})
     assert modes == [{"built"}, {"loaded"}]
+
+
+def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypatch, capsys):
+    """`hstu export --run RUN --graphs` builds RUN/graphs through a server's warm-up (one line per
+    graph: built, seconds, bytes); `hstu generate --graphs compiled` uses that cache (a new engine
+    layout: built into it) and prints the eager command's items."""
+    import json
+
+    from conftest import tiny_csv_flags
+
+    from hstu.cli import main
+
+    monkeypatch.setattr(gc, "AOTInductor", ExportedProgram)
+    run = tmp_path / "run"
+    assert main(["train", *tiny_csv_flags(tmp_path, train={"epochs": 1}), "--out", str(run), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--graphs", "--max-batch", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 7 and all(" built in " in ln and " MB" in ln for ln in lines[:6]), lines  # 3 kinds x batch 1, 2
+    entries = json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]
+    assert len(entries) == 6 and all((run / "graphs" / e["file"]).stat().st_size == e["bytes"] for e in entries.values())
+    hist = tmp_path / "h.json"
+    hist.write_text(json.dumps([{"item_id": i, "timestamp": 1000 + j} for j, i in enumerate((3, 7, 11, 2, 5))]))
+    out = {}
+    for g in ("eager", "compiled"):
+        assert main(["generate", "--run", str(run), "--history", str(hist), "-k", "3", "--graphs", g, "--json"]) == 0
+        out[g] = json.loads(capsys.readouterr().out)
+    assert [i["item_id"] for i in out["compiled"]["items"]] == [i["item_id"] for i in out["eager"]["items"]]
+    for a, b in zip(out["compiled"]["items"], out["eager"]["items"]):
+        assert a["score"] == pytest.approx(b["score"], abs=1e-5)
+    assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9  # + the one-shot engine's 3

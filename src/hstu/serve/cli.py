@@ -241,8 +241,9 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
         "--graphs",
         choices=["auto", "eager", "compiled"],
         help="per-bucket graphs: auto (CUDA / NPU graphs where the device has them, else eager; the default), eager, "
-        "or compiled (those graphs, else torch.compile: Inductor C++ on the CPU, compiled at warm-up; a failed "
-        "compilation runs eager with a warning)",
+        "or compiled (those graphs, else torch.compile: Inductor C++ on the CPU, compiled at warm-up, or loaded from "
+        "the run's graph cache where `hstu export --run RUN --graphs` built one for these buckets and --max-batch; "
+        "a failed compilation runs eager with a warning)",
     )
 
 

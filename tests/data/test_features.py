@@ -169,6 +169,15 @@ def test_round_trip_eval_generate_api_http(tmp_path, capsys):
     assert got["HR@10"] == want["HR@10"] and got["MRR"] == pytest.approx(want["MRR"], abs=1e-9)
 
     log_ = _run_data(cfg)[0]
+    stored = json.loads((run / "idmap.json").read_text())["features"]
+    assert cfg["data"]["feature_maps"] == stored == log_.feature_maps
+    # another protocol's training events would give other edges; the run's stored maps are used instead
+    paper = prepare_data(DataSpec(**{**cfg["data"], "protocol": "paper"}))[0]
+    fresh = prepare_data(DataSpec(**{**cfg["data"], "protocol": "paper", "feature_maps": None}))[0]
+    assert paper.feature_maps == stored and np.array_equal(paper.features, log_.features)
+    assert fresh.feature_maps[1]["edges"] != stored[1]["edges"]
+    with pytest.raises(ValueError, match=r"the run's side features \['brand'\] are not the data's \['brand', 'price'\]"):
+        prepare_data(DataSpec(**{**cfg["data"], "feature_maps": stored[:1]}))
     user = int(log_.users[3])
     hist = history_of(log_, user)
     assert hist.features[0].keys() == {"brand", "price"}

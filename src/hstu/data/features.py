@@ -105,32 +105,47 @@ def text_column(col: pd.Series) -> np.ndarray:
     return out
 
 
-def apply_features(log_, train_end: np.ndarray):
+def fresh_maps(log_, train: np.ndarray) -> list[dict]:
+    """The maps of ``log_``'s raw feature columns from its training events (``train``: (E,) bool):
+    categorical -> ``{"name", "kind": "categorical", "values"}`` (the distinct texts, ascending; id
+    = position + 1); numeric -> ``{"name", "kind": "numeric", "buckets", "edges"}`` (:func:`quantile_edges`)."""
+    maps = []
+    for name, raw in log_.feature_raw.items():
+        if name in log_.feature_buckets:
+            b = log_.feature_buckets[name]
+            maps.append({"name": name, "kind": "numeric", "buckets": b, "edges": quantile_edges(raw[train], b).tolist()})
+        else:
+            vals = np.unique(np.array([v for v in raw if v is not None], dtype=str))
+            maps.append({"name": name, "kind": "categorical", "values": vals.tolist()})
+    return maps
+
+
+def encode_column(m: dict, raw: np.ndarray) -> np.ndarray:
+    """One feature's raw values ((n,) float64 with NaN, or object texts with None) -> (n,) int64 ids
+    through its map ``m``: numeric :func:`bucketise`; categorical the value's position + 1, 0 for an
+    unknown or missing text."""
+    if m["kind"] == "numeric":
+        return bucketise(raw, np.asarray(m["edges"], np.float64))
+    return (pd.Index(m["values"], dtype=object).get_indexer(pd.Index(raw, dtype=object)) + 1).astype(np.int64)
+
+
+def apply_features(log_, train_end: np.ndarray, stored: list[dict] | None = None):
     """``log_`` with its pending raw feature columns (``log_.feature_raw``: name -> (E,) object texts
-    or float64 numbers; ``log_.feature_buckets``: numeric name -> buckets) encoded: categorical texts -> ids 1..n
-    (ascending text), numeric -> quantile buckets with edges from the training events (each user's
-    rows ``offsets[u] : train_end[u]``). Returns a shallow copy with ``features`` (E, 1+F),
-    ``item_features`` (I+1, 1+F) and ``feature_maps`` (idmap.json ``features``); ``log_`` itself
-    when it has no features."""
+    or float64 numbers; ``log_.feature_buckets``: numeric name -> buckets) encoded through ``stored``
+    maps (a run's, so that evaluation bucketises as training did under any split), else
+    :func:`fresh_maps` from the training events (each user's rows ``offsets[u] : train_end[u]``).
+    Returns a shallow copy with ``features`` (E, 1+F), ``item_features`` (I+1, 1+F) and
+    ``feature_maps`` (idmap.json ``features``); ``log_`` itself when it has no features.
+    ValueError when ``stored`` names other features than the log's columns."""
     if not log_.feature_raw:
         return log_
     train = np.zeros(log_.num_events, bool)
     for s, e in zip(log_.offsets[:-1], train_end):
         train[s:e] = True
-    cols, maps = [log_.categories], []
-    for name, raw in log_.feature_raw.items():
-        if name in log_.feature_buckets:
-            b = log_.feature_buckets[name]
-            edges = quantile_edges(raw[train], b)
-            cols.append(bucketise(raw, edges))
-            maps.append({"name": name, "kind": "numeric", "buckets": b, "edges": edges.tolist()})
-        else:
-            known = np.array([v is not None for v in raw], bool)
-            vals, inv = np.unique(raw[known].astype(str), return_inverse=True)
-            code = np.zeros(len(raw), np.int64)
-            code[known] = inv + 1
-            cols.append(code)
-            maps.append({"name": name, "kind": "categorical", "values": vals.tolist()})
+    maps = fresh_maps(log_, train) if stored is None else stored
+    if [m["name"] for m in maps] != list(log_.feature_raw):
+        raise ValueError(f"the run's side features {[m['name'] for m in maps]} are not the data's {list(log_.feature_raw)}")
+    cols = [log_.categories] + [encode_column(m, log_.feature_raw[m["name"]]) for m in maps]
     features = np.stack(cols, axis=1).astype(np.int64)  # (E, 1 + F)
     item_features = np.zeros((log_.num_items + 1, features.shape[1]), np.int64)
     item_features[:, 0] = log_.item_category
@@ -150,8 +165,6 @@ class FeatureMaps:
     def __init__(self, maps: list[dict] | None) -> None:
         self.maps = list(maps or [])
         self.names = [m["name"] for m in self.maps]
-        self._lut = {m["name"]: {v: i + 1 for i, v in enumerate(m["values"])} for m in self.maps if m["kind"] == "categorical"}
-        self._edges = {m["name"]: np.asarray(m["edges"], np.float64) for m in self.maps if m["kind"] == "numeric"}
 
     def encode(self, name: str, values: list, where: str) -> np.ndarray:
         """Per-event values of feature ``name`` -> (n,) int64 ids: a categorical text through the run's
@@ -163,22 +176,16 @@ class FeatureMaps:
             no finite number, a categorical one that is no text or integer.
         """
         if name not in self.names:
-            raise KeyError(f"{where.format(i=0).rsplit('[', 1)[0]}: unknown feature {name!r}; this run's: {self.names or 'none'}")
-        if name in self._edges:
-            nums = np.full(len(values), np.nan)
-            for i, v in enumerate(values):
-                if v is None:
-                    continue
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise ValueError(f"{where.format(i=i)}: feature {name!r} is numeric: a finite number or null, got {v!r}")
-                nums[i] = float(v)
-            return bucketise(nums, self._edges[name])
-        lut = self._lut[name]
-        out = np.zeros(len(values), np.int64)
+            raise KeyError(f"unknown feature {name!r}; this run's: {self.names or 'none'}")
+        m = self.maps[self.names.index(name)]
+        numeric = m["kind"] == "numeric"
+        raw = np.full(len(values), np.nan) if numeric else np.full(len(values), None, dtype=object)
         for i, v in enumerate(values):
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, (str, int)):
+            if numeric and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise ValueError(f"{where.format(i=i)}: feature {name!r} is numeric: a finite number or null, got {v!r}")
+            if not numeric and (isinstance(v, bool) or not isinstance(v, (str, int))):
                 raise ValueError(f"{where.format(i=i)}: feature {name!r} is categorical: a text or null, got {v!r}")
-            out[i] = lut.get(str(v).strip(), 0)
-        return out
+            raw[i] = float(v) if numeric else (str(v).strip() or None)
+        return encode_column(m, raw)

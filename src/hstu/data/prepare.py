@@ -38,12 +38,18 @@ class DataSpec:
     options: dict = field(default_factory=dict)  # loader options (e.g. column mapping)
     exclude_history: bool | None = None  # drop history items from the candidates; None: EventLog.exclude_history_default
     items: str | None = None  # item metadata file (hstu train --items), copied into idmap.json
+    # the side-feature maps (hstu.data.features) the run was trained with: set by prepare_data from the training
+    # events, stored in config.json, reused by every later prepare_data (eval under any protocol bucketises alike)
+    feature_maps: list | None = None
 
     def validate(self) -> None:
         if not self.dataset:
             raise ValueError("DataSpec.dataset must be a data set name, got ''")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"DataSpec.protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        maps = self.feature_maps
+        if maps is not None and not (isinstance(maps, list) and all(isinstance(m, dict) for m in maps)):
+            raise ValueError(f"DataSpec.feature_maps must be a list of feature maps (hstu.data.features) or null, got {maps!r}")
         if self.max_users is not None and self.max_users < 1:
             raise ValueError(f"DataSpec.max_users must be >= 1 or null, got {self.max_users}")
         is_list = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731 - e.g. features = ["brand"]
@@ -54,14 +60,18 @@ class DataSpec:
 
 def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
     """The event log named by ``spec`` (its first ``max_users`` users) and its split under
-    ``spec.protocol``, side features encoded with the training events' quantile edges
+    ``spec.protocol``, side features encoded through ``spec.feature_maps`` (the run's), else through
+    maps from the training events (quantile edges), which are then set on ``spec``
     (:func:`hstu.data.features.apply_features`). Raises FileNotFoundError / DataFormatError from
     the loaders, ValueError for an unknown data set or ``max_users`` <= 0."""
     log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
     if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
         log_ = subset_users(log_, spec.max_users)
     split = make_split(log_, spec.protocol)
-    return with_options(apply_features(log_, split.train_end), spec), split
+    log_ = apply_features(log_, split.train_end, spec.feature_maps)
+    if spec.feature_maps is None and log_.feature_maps:
+        spec.feature_maps = log_.feature_maps  # recorded with the spec (config.json data): later reads reuse them
+    return with_options(log_, spec), split
 
 
 def with_options(log_: EventLog, spec: DataSpec) -> EventLog:

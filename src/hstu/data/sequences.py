@@ -78,7 +78,7 @@ def as_ids(values, text: bool, where: str = "id") -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype.kind in "iu" and not text:
         return values.astype(np.int64).reshape(-1)
     vals = list(values)
-    if not text and all(type(x) is int for x in vals):  # the common case: no per-item parse
+    if not text and set(map(type, vals)) <= {int}:  # the common case (a type scan in C): no per-item parse
         try:
             return np.asarray(vals, dtype=np.int64).reshape(-1)
         except OverflowError:
@@ -120,10 +120,15 @@ class IdIndex:
         big = None
         if not self.text and not isinstance(values, np.ndarray):
             values = list(values)
-            big = [i for i, x in enumerate(values) if type(x) is int and not -(2**63) <= x < 2**63]
-            for i in big:
-                values[i] = 0  # looked up as the padding id, which is never a match, then set to 0 below
-        raw = as_ids(values, self.text, where)
+            try:
+                raw = as_ids(values, self.text, where)
+            except ValueError:  # an integer past int64 is an unknown id here, not an error: found only on this path
+                big = [i for i, x in enumerate(values) if type(x) is int and not -(2**63) <= x < 2**63]
+                for i in big:
+                    values[i] = 0  # looked up as the padding id, which is never a match, then set to 0 below
+                raw = as_ids(values, self.text, where)
+        else:
+            raw = as_ids(values, self.text, where)
         if not len(self.sorted) or not len(raw):
             return np.zeros(len(raw), np.int64)
         pos = np.searchsorted(self.sorted, raw).clip(max=len(self.sorted) - 1)

@@ -124,11 +124,11 @@ class Recommender:
     def build_engine(self, buckets=None, max_batch: int = ENGINE_MAX_BATCH, **engine_kwargs) -> Engine:
         """A new :class:`hstu.generate.engine.Engine` for this run's model on its device, k_max =
         the model's max_output_len; ``buckets`` default :func:`default_buckets`; other keywords
-        (graphs, kernels, prefix_cache_bytes, ...) go to the engine; compiled graphs load from the
-        run's graph cache where one was built (``hstu export --graphs``; GraphCache.beside). Raises
+        (graphs, kernels, prefix_cache_bytes, ...) go to the engine; graphs "compiled" (and "auto" on
+        the CPU) load from the run's graph cache where one was built (``hstu export --graphs``). Raises
         ValueError as the engine (buckets past max_seq_len, max_batch < 1, ...)."""
         cfg = self.model.cfg
-        if engine_kwargs.get("graphs") in ("compiled", "compile") and "graph_cache" not in engine_kwargs:
+        if engine_kwargs.get("graphs", "auto") in ("auto", "compiled", "compile") and "graph_cache" not in engine_kwargs:
             engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device)
         return Engine(
             self.model,
@@ -234,7 +234,7 @@ class Recommender:
         if rt < int(ts[keep_a].max()):
             warnings.append("request_time is earlier than the last event; using the last event's time")
             rt = int(ts[keep_a].max())
-        block = [int(d) for d in self.dense_ids(h.exclude, "exclude[{i}]") if d > 0]
+        block = [int(d) for d in self.dense_ids(h.exclude, "exclude[{i}]") if d > 0] if h.exclude else []
         return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
 
     def _tokens(self, h: History, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -297,9 +297,15 @@ class Recommender:
         caller runs before a request joins a batch (each row of a batch must pass it, else
         ``generate`` raises for the whole batch)."""
         I = self.model.cfg.num_items
-        block = np.unique(np.asarray(prep.block, dtype=np.int64))
-        block = block[(block > 0) & (block <= I)]
-        hist = np.setdiff1d(prep.ids, block) if self._excl_hist(exclude_history) else np.zeros(0, np.int64)
+        if prep.block:
+            block = np.unique(np.asarray(prep.block, dtype=np.int64))
+            block = block[(block > 0) & (block <= I)]
+        else:
+            block = np.zeros(0, np.int64)
+        if not self._excl_hist(exclude_history):
+            hist = np.zeros(0, np.int64)
+        else:
+            hist = np.setdiff1d(prep.ids, block) if len(block) else np.unique(prep.ids)
         cold = 0
         if self.untrained_np is not None and not self.allows_untrained(allow_untrained):
             cold = self.num_untrained - int(self.untrained_np[block].sum()) - int(self.untrained_np[hist].sum())

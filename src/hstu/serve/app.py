@@ -102,8 +102,8 @@ def create_app(
         EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s, reject_early=svc.reject_early
     )
     _add_error_handlers(app, svc)
+    _add_model_routes(app, svc)  # first: the router tries routes in order, and these take the traffic
     _add_probes(app, svc)
-    _add_model_routes(app, svc)
     _add_schemas(app, (GenerateRequest, ScoreRequest))
     return app
 

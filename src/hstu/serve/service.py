@@ -241,13 +241,16 @@ class Service:
         order = order or self.policy.timestamp_order
         if not history:
             return None, []
+        n = len(history)
+        actions = [e.action for e in history]
+        features = [e.features for e in history]
         h = History(
             [e.item_id for e in history],
             [e.timestamp for e in history],
-            [e.action for e in history] if any(e.action is not None for e in history) else None,
+            None if actions.count(None) == n else actions,  # list.count: one pass in C, not a generator per event
             request_time,
             list(exclude or []),
-            features=[e.features for e in history] if any(e.features is not None for e in history) else None,
+            features=None if features.count(None) == n else features,
         )
         try:
             p = self.rec.prepare(h, unknown=unknown, order=order)  # maps the ids once

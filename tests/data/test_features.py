@@ -231,3 +231,20 @@ def test_round_trip_eval_generate_api_http(tmp_path, capsys):
         bad[1] = {**bad[1], "features": {"price": "cheap"}}
         r = httpx.post(srv.url + "/v1/generate", json={"history": bad, "k": 5}, timeout=30)
         assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].features.price", r.text
+
+
+def test_feature_columns_from_parquet_and_a_headerless_file(tmp_path):
+    import pandas as pd
+
+    rows = [(1, 10, 0, 5.0, "a"), (1, 11, 1, 7.0, "b"), (1, 12, 2, None, "a"), (2, 10, 0, 9.0, None), (2, 13, 1, 1.0, "c")]
+    df = pd.DataFrame(rows, columns=["user", "item", "ts", "price", "brand"])
+    df.to_parquet(tmp_path / "log.parquet")
+    (tmp_path / "log.tsv").write_text("".join("\t".join("" if v is None else str(v) for v in r) + "\n" for r in rows))
+    a = load_dataset("csv", str(tmp_path / "log.parquet"), columns=COLUMNS, features=["brand"], numeric_features={"price": 2})
+    b = load_dataset(
+        "csv", str(tmp_path / "log.tsv"), columns="user=0,item=1,time=2", format="header=none", features="4", numeric_features="3:2"
+    )
+    for log_, (brand, price) in ((a, ("brand", "price")), (b, ("4", "3"))):
+        assert list(log_.feature_raw) == [brand, price] and log_.feature_buckets == {price: 2}
+        assert log_.feature_raw[brand].tolist() == ["a", "b", "a", None, "c"]  # per user, in time order
+        assert np.array_equal(log_.feature_raw[price], [5.0, 7.0, np.nan, 9.0, 1.0], equal_nan=True)

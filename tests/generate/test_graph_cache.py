@@ -72,7 +72,7 @@ def built(tmp_path_factory):
 
 
 def test_cached_graphs_match_eager_and_load_without_building(built, tmp_path):
-    d, n_built = built
+    d, n_built = _copy(built, tmp_path), built[1]  # a copy: this test adds entries
     assert n_built == 6  # setup, prefill, step x batch sizes 1, 2
     comp = ExportedProgram()
     eng, ref = cached_engine(tiny_model(), d, comp), Engine(tiny_model(), graphs="eager", **KW)
@@ -195,3 +195,21 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     for a, b in zip(out["compiled"]["items"], out["eager"]["items"]):
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
     assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9  # + the one-shot engine's 3
+
+
+def test_auto_on_the_cpu_loads_what_the_cache_holds_and_runs_the_rest_eager(built, caplog):
+    """graphs="auto" with a cache (what a server does by default when the run has one): the cached
+    graphs load, a shape the cache lacks (beam search's 2-beam step) runs eager with a warning;
+    nothing is built or compiled."""
+    d, _ = built
+    comp, m = ExportedProgram(), tiny_model()
+    eng = Engine(m, graphs="auto", graph_cache=GraphCache(d, m, "cpu", compiler=comp), **KW)
+    ref = Engine(tiny_model(), graphs="eager", **KW)
+    with caplog.at_level(logging.WARNING):
+        for B, s in ((2, "greedy"), (1, "topk"), (2, "beam")):
+            same(eng, ref, B, s)
+    modes = {tuple(r["key"]): r["mode"] for r in eng.graph_report()}
+    beam = {("step", 1, 2), ("setup", 1, False, 2)}  # the beam group's step and setup (one user, 2 beams)
+    assert {modes.pop(k) for k in beam} == {"fallback"} and "running it eager" in caplog.text and comp.built == 0
+    assert set(modes.values()) == {"loaded"} and len(modes) == 6  # setup, prefill, step at batch 1 and 2
+    assert Engine(m, graphs="auto", **KW).graphs == "eager"  # without a cache, as before

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from hstu.backend.graphs import describe_failure
+from hstu.backend.graphs import CompiledRunner, describe_failure
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def entry_name(kind_key: tuple, edge: int, module: StaticInputs, settings: dict)
 class CachedRunner:
     """A runner served from the graph cache, with the same report attributes as
     :class:`hstu.backend.graphs.CompiledRunner`. The first call loads the entry (``mode`` "loaded")
-    or, where it is missing or stale and the cache may build, compiles and stores it ("built"); when
+    or, where it is missing or stale and the cache and ``build`` allow, compiles and stores it ("built"); when
     that fails (or the cache refuses a stale entry) a warning names why and ``fallback`` (a
     CompiledRunner: torch.compile, then eager) runs this and every later call.
 
@@ -276,8 +276,11 @@ class CachedRunner:
     bytes (the package's size), name (the entry).
     """
 
-    def __init__(self, cache: GraphCache, name: str, module: StaticInputs, fallback: Callable[[], torch.Tensor], label: str) -> None:
+    def __init__(
+        self, cache: GraphCache, name: str, module: StaticInputs, fallback: Callable[[], torch.Tensor], label: str, build: bool = True
+    ) -> None:
         self.cache, self.name, self.module, self.fallback, self.label = cache, name, module, fallback, label
+        self.build = build and cache.build
         self.mode, self.compile_s, self.error, self.bytes = "pending", 0.0, None, 0
         self._fn: Callable[[], torch.Tensor] | None = None
 
@@ -285,7 +288,7 @@ class CachedRunner:
         try:
             path, self.mode = self.cache.check(self.name), "loaded"
         except GraphCacheError as exc:
-            if not self.cache.build:
+            if not self.build:
                 raise
             if self.name in self.cache.entries():
                 log.warning("%s; rebuilding it", exc)
@@ -305,7 +308,8 @@ class CachedRunner:
             self._fn = fn
         except Exception as exc:  # stale and refused, export / AOTInductor / load failure: torch.compile, then eager
             self.error = describe_failure(exc)
-            log.warning("graph cache for %s not used (%s); compiling it in memory", self.label, self.error)
+            how = "compiling it in memory" if isinstance(self.fallback, CompiledRunner) else "running it eager"
+            log.warning("graph cache for %s not used (%s); %s", self.label, self.error, how)
             self.mode, self._fn = "fallback", self.fallback
             out = self.fallback()
         self.compile_s = time.perf_counter() - t0

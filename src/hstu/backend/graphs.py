@@ -105,7 +105,7 @@ class CompiledRunner:
 
     def __init__(self, compiled: Callable[[], torch.Tensor], eager: Callable[[], torch.Tensor], label: str) -> None:
         self.compiled, self.eager, self.label = compiled, eager, label
-        self.mode, self.compile_s, self.error = "pending", 0.0, None
+        self.mode, self.compile_s, self.error, self.bytes = "pending", 0.0, None, 0  # bytes: none on disk
         self._fn: Callable[[], torch.Tensor] | None = None
 
     def __call__(self) -> torch.Tensor:

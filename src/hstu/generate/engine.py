@@ -151,6 +151,7 @@ class Engine:
             traces the same graphs without code generation, which the tests use; or a callable backend).
         graph_cache: under graphs="compile", an :class:`hstu.backend.graph_cache.GraphCache` whose
             AOTInductor packages the graphs load from (or are built into); None: compile in memory.
+            Under "auto" where the device has no graph capture: the graphs it holds, eager for the rest.
     Raises:
         ValueError: bad buckets / sizes / graph mode / kernel-set name (the message quotes the value).
         RuntimeError: a named kernel set that cannot run here (the reason).
@@ -183,6 +184,8 @@ class Engine:
             self.score_dtype = self.model.item_vectors(0, 1).dtype
         self.kernels: KernelSet = self.model.kernels if kernels is None else get_kernels(self.platform.name, kernels)
         self.graphs = self.platform.resolve_graph_mode(graphs)
+        self.cache_only = graphs == "auto" and self.graphs == "eager" and graph_cache is not None  # cached graphs, else eager
+        self.graphs = "compile" if self.cache_only else self.graphs
         # causal row blocks of a prefill's attention from 64 rows (1: one square; None: 2, or 4 from 150 rows).
         # Measured (small ML-1M model, one thread, next-5 of 16 histories at bucket 200): 4 blocks with
         # per-block time buckets 1.6x the one square's call, 2 blocks 1.4x; 1.1x at bucket 100
@@ -299,7 +302,7 @@ class Engine:
         compile_s (seconds of the first call: compilation + one run) and error (None, or why it fell back)."""
         pools = [*self._buckets.values(), *self._recompute.values()]
         return [
-            {"bucket": b.E, "key": list(key), "mode": r.mode, "compile_s": round(r.compile_s, 3), "error": r.error, "bytes": getattr(r, "bytes", 0)}
+            {"bucket": b.E, "key": list(key), "mode": r.mode, "compile_s": round(r.compile_s, 3), "error": r.error, "bytes": r.bytes}
             for b in pools
             for key, r in b.runners.items()
             if isinstance(r, (CompiledRunner, CachedRunner))

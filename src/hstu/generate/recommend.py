@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -456,7 +456,7 @@ class Recommender:
             categories=b["categories"],
             item_category=self.item_tokens,
             bucket=bucket,
-            **asdict(d),  # strategy, top_k, temperature, beam_width, seed
+            **vars(d),  # strategy, top_k, temperature, beam_width, seed (a flat dataclass: no deep copy as asdict)
         )
         return self.results(res.items, res.scores, res.actions, k)
 

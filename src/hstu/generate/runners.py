@@ -32,14 +32,17 @@ def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine,
     is ("eager"); captured into a device graph ("cuda_graph", "npu_graph"); compiled ("compile":
     :class:`hstu.backend.graphs.CompiledRunner`, eager if compiling fails), loaded from or built
     into ``eng.graph_cache`` when the engine has one (:class:`hstu.backend.graph_cache.CachedRunner`,
-    the compiled runner its fallback)."""
+    the compiled runner its fallback; ``eng.cache_only``: loaded where the cache holds it, else eager)."""
     fn = make(eng, b)
     if eng.graphs in ("cuda_graph", "npu_graph"):
         return eng.platform.capture_graph(fn)
     if eng.graphs != "compile":
         return fn
     name = "_".join([key[0], f"E{b.E}", *map(str, key[1:])])
-    compiled = CompiledRunner(eng.platform.compile_graph(fn, name, eng.compile_backend), fn, f"engine graph {name}")
+    if eng.cache_only:  # graphs "auto" with a graph cache: what it holds, else eager (no build, no compile)
+        compiled = fn
+    else:
+        compiled = CompiledRunner(eng.platform.compile_graph(fn, name, eng.compile_backend), fn, f"engine graph {name}")
     if eng.graph_cache is None:
         return compiled
     module = StaticInputs(make, eng, b)
@@ -48,7 +51,8 @@ def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine,
         **{a: str(getattr(eng, a)) for a in ("prefill_blocks", "tb_chunk_elements", "chunk_time_buckets", "k_max", "dtype", "score_dtype")},
         "cfg": repr(eng.model.cfg),
     }
-    return CachedRunner(eng.graph_cache, entry_name(key, b.E, module, settings), module, compiled, f"engine graph {name}")
+    label = f"engine graph {name}"
+    return CachedRunner(eng.graph_cache, entry_name(key, b.E, module, settings), module, compiled, label, build=not eng.cache_only)
 
 
 def time_buckets(eng: Engine, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor | None:

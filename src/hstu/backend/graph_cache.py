@@ -16,7 +16,7 @@ PyTorch docs, "AOTInductor: Ahead-Of-Time Compilation for Torch.Export-ed Models
 (``torch._inductor.aoti_compile_and_package``, ``torch._inductor.aoti_load_package``) and
 "torch.export" (non-strict mode).
 
-Layout: ``RUN/graphs/manifest.json`` (``{"format": 1, "entries": {name: entry}}``) and one
+Layout: ``RUN/graphs/manifest.json`` (``{"format": 2, "entries": {name: entry}}``) and one
 ``NAME.pt2`` per graph. ``name`` = step kind, bucket edge, batch size (and T or W), and a hash of
 the runner's interface (every input's shape, dtype, stride and offset, the engine's settings that
 shape the graph, the model config). An entry records what it was built for: the run's weights
@@ -47,7 +47,7 @@ from hstu.backend.graphs import CompiledRunner, describe_failure
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: packages without the weights (AOTInductor.load supplies them)
 MANIFEST = "manifest.json"
 DIRNAME = "graphs"  # RUN/graphs
 _CODE = ("model", "ops", "generate/runners.py", "generate/pool.py")  # sources the graphs trace (relative to hstu/)
@@ -141,17 +141,29 @@ class StaticInputs(torch.nn.Module):
 
 
 class AOTInductor:
-    """The default compiler: ``torch.export`` (non-strict) then AOTInductor into a .pt2 package."""
+    """The default compiler: ``torch.export`` (non-strict) then AOTInductor into a .pt2 package
+    without the weights (``aot_inductor.package_constants_in_so=False``): :meth:`load` points the
+    package's constants at the module's own parameters (``load_constants(user_managed=True)``), so
+    a package's bytes do not grow with the item table and the loaded graphs share one copy of the
+    weights. GraphCacheError when the package needs a constant the module does not have."""
 
     name = "aotinductor"
 
     def build(self, module: StaticInputs, path: Path) -> None:
         with torch.inference_mode(False), torch.no_grad():
             ep = torch.export.export(module, tuple(module.roots), strict=False)
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+            no_weights = {"aot_inductor.package_constants_in_so": False}
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=no_weights)
 
-    def load(self, path: Path) -> Callable[..., torch.Tensor]:
-        return torch._inductor.aoti_load_package(str(path))
+    def load(self, path: Path, module: StaticInputs) -> Callable[..., torch.Tensor]:
+        runner = torch._inductor.aoti_load_package(str(path))
+        state = dict(module.named_parameters()) | dict(module.named_buffers())
+        need = runner.get_constant_fqns()
+        missing = [f for f in need if f not in state]
+        if missing:
+            raise GraphCacheError(f"{path}: needs constants the model does not have: {missing[:3]}")
+        runner.load_constants({f: state[f] for f in need}, check_full_update=True, user_managed=True)
+        return runner
 
 
 class GraphCache:
@@ -295,7 +307,7 @@ class CachedRunner:
             self.cache.store(self.name, self.module)
             path, self.mode = self.cache.check(self.name), "built"
         self.bytes = path.stat().st_size
-        loaded, roots = self.cache.compiler.load(path), tuple(self.module.roots)
+        loaded, roots = self.cache.compiler.load(path, self.module), tuple(self.module.roots)
         return lambda: loaded(*roots)
 
     def __call__(self) -> torch.Tensor:

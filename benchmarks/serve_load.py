@@ -182,6 +182,7 @@ def parse_args(argv=None):
         help="server model processes (hstu serve --model-workers); 0 = the model on a thread of the HTTP process",
     )
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"], help="server inference precision (hstu serve --precision)")
+    p.add_argument("--device", default="cpu", help="the server's device (hstu serve --device: cpu, cuda, npu)")
     p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
     p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
     p.add_argument("--connections", type=int, default=256, help="client connection pool size")
@@ -228,6 +229,7 @@ def main(argv=None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     args.data_dir = args.data_dir or str(default_data_dir(args.run))
     bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k)
+    args.server_args = [] if args.device == "cpu" else ["--device", args.device]
     proc, url, cpus = start_server(args)
     try:
         try:
@@ -272,6 +274,7 @@ def main(argv=None) -> int:
                 "server_threads": args.threads,
                 "model_workers": args.model_workers,
                 "server_cpus": cpus,
+                "device": args.device,
                 "step_s": args.step_s,
                 "resolution": args.resolution,
                 "server_src": args.server_src,

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The CUDA path end to end, in one prepared run on a machine with an NVIDIA GPU (issue 19, "A GPU check").
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR                 # on the GPU machine, from the repository root
+#   DEVICE=cpu EPOCHS=1 MAX_USERS=200 bash benchmarks/gpu_check.sh /tmp/gc   # the same steps on the CPU (a dry run)
+#
+# Steps (each logs to OUT_DIR/<step>.log; the script goes on after a failed step and exits 1 at the end):
+#   1. device    nvidia-smi, torch / triton versions, the device name (OUT_DIR/device.txt)
+#   2. kernels   pytest of the Triton HSTU attention against the reference (forward and backward, relative
+#                error; tests/model/test_kernels.py, test_attention_config.py) and the backend / device-graph
+#                tests (CUDA graphs against eager: identical items; tests/generate/test_engine_device.py, test_graphs.py)
+#   3. generate  benchmarks/generate.py --device $DEVICE --quick (OUT_DIR/generate_<device>.json)
+#   4. train     hstu train --preset large on ML-1M ($EPOCHS epochs, clean protocol) on the device (OUT_DIR/train/)
+#   5. serve     benchmarks/serve_load.py --device $DEVICE on that run (OUT_DIR/serve_load_<device>.json)
+#
+# What the machine needs: the image's python3 with torch (and triton on CUDA); the packages of the
+# project's `serve` and `test` extras that the image lacks, installed from wheels in .gpu_wheels/ when that
+# folder exists (make it here with `bash benchmarks/gpu_check.sh --wheels`, for the machine's Python); ML-1M in
+# $DATA_DIR (default .gpu_data/ml-1m, a copy of ../shared/data/ml-1m: ../shared does not travel).
+# Results are meant to be committed under benchmarks/results/ with the device named (device.txt).
+set -u
+PY=${PY:-python3}
+if [ "${1:-}" = "--wheels" ]; then  # here, with internet to the registries: wheels for the GPU machine's Python
+  PYVER=${PYVER:-3.12}
+  mkdir -p .gpu_wheels
+  $PY -m pip download -q -d .gpu_wheels --only-binary=:all: --python-version "$PYVER" --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 "fastapi>=0.110,<1" "uvicorn>=0.29,<1" "pydantic>=2.5,<3" "fastapi-offline>=1.7,<2" \
+    "prometheus-client>=0.19,<1" "httpx>=0.27,<1" "aiohttp>=3.9,<4" psutil safetensors tqdm hypothesis
+  mkdir -p .gpu_data && cp -r ../shared/data/ml-1m .gpu_data/
+  du -sh .gpu_wheels .gpu_data
+  exit 0
+fi
+OUT=${1:?usage: gpu_check.sh OUT_DIR | --wheels}
+DEVICE=${DEVICE:-cuda}
+EPOCHS=${EPOCHS:-20}
+MAX_USERS=${MAX_USERS:-}
+DATA_DIR=${DATA_DIR:-.gpu_data/ml-1m}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=()
+step() {  # step NAME CMD...: run, log, remember a failure
+  local name=$1; shift
+  echo "== $name $(date +%T)"
+  if ! "$@" >"$OUT/$name.log" 2>&1; then failed+=("$name"); echo "   $name FAILED (see $OUT/$name.log)"; fi
+  tail -n 3 "$OUT/$name.log"
+}
+if [ -d .gpu_wheels ]; then
+  step wheels $PY -m pip install -q --no-index --find-links .gpu_wheels fastapi uvicorn pydantic fastapi-offline prometheus-client httpx aiohttp psutil safetensors tqdm hypothesis
+fi
+device_info() {
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c "
+import torch, platform
+print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', torch.version.cuda)
+try:
+    import triton; print('triton', triton.__version__)
+except ImportError as e: print('triton: not importable:', e)
+print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+}
+step device device_info
+cp "$OUT/device.log" "$OUT/device.txt"
+step kernels $PY -m pytest -q -rs tests/model/test_kernels.py tests/model/test_attention_config.py tests/backend/test_backend.py \
+  tests/generate/test_engine_device.py tests/generate/test_graphs.py -p no:cacheprovider
+step generate $PY benchmarks/generate.py --device "$DEVICE" --quick --json "$OUT/generate_$DEVICE.json"
+users=()
+[ -n "$MAX_USERS" ] && users=(--max-users "$MAX_USERS")
+step train $PY -m hstu.cli train --preset large --epochs "$EPOCHS" --data-dir "$DATA_DIR" --device "$DEVICE" --out "$OUT/train" "${users[@]}"
+step serve $PY benchmarks/serve_load.py --run "$OUT/train" --data-dir "$DATA_DIR" --device "$DEVICE" --quick \
+  --json "$OUT/serve_load_$DEVICE.json"
+if [ ${#failed[@]} -gt 0 ]; then echo "failed steps: ${failed[*]}"; exit 1; fi
+echo "all steps passed; results in $OUT"

@@ -218,9 +218,9 @@ def cmd_generate(args) -> int:
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
     need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
     rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
-    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec, args.graphs))[
-        0
-    ]  # through the engine, sized for this one call
+    items = rec.recommend(
+        [prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec, args.graphs)
+    )[0]  # through the engine, sized for this one call
     out = {"user": args.user, "items": items}
     if prep.warnings:
         out["warnings"] = prep.warnings

@@ -96,9 +96,12 @@ def run_spec(run_dir: Path, spec: DataSpec) -> DataSpec:
     return spec
 
 
-def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu") -> tuple[dict, list]:
+def train_or_resume(
+    run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, *, device: str = "cpu", **fit_kwargs
+) -> tuple[dict, list]:
     """Finished run (metrics.json present): read it. Otherwise train, continuing from
-    RUN_DIR/last.* when a previous invocation was interrupted. Returns (metrics, history)."""
+    RUN_DIR/last.* when a previous invocation was interrupted. ``fit_kwargs`` (e.g. ``data``,
+    ``max_minutes``) go to :func:`hstu.train.loop.fit`. Returns (metrics, history)."""
     run_dir = Path(run_dir)
     if (run_dir / "metrics.json").exists():
         log.info("%s: finished run found, not retraining (delete the directory to retrain)", run_dir)
@@ -106,7 +109,7 @@ def train_or_resume(run_dir: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: D
     resume = (run_dir / "last.json").exists() and (run_dir / "config.json").exists()
     if resume:
         log.info("%s: resuming an interrupted run", run_dir)
-    metrics = fit(run_dir, mcfg, tcfg, spec, device=device, resume=resume, overwrite=True, progress=False)
+    metrics = fit(run_dir, mcfg, tcfg, spec, device=device, resume=resume, overwrite=True, progress=False, **fit_kwargs)
     return metrics, read_json(run_dir / "history.json")
 
 

@@ -38,11 +38,10 @@ from pathlib import Path
 
 import torch
 
-from _quality import command, git_commit, machine, write_json
+from _quality import command, git_commit, machine, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
 from hstu.data.prepare import DataSpec, prepare_data
 from hstu.train.baselines import evaluate_baseline, make_baseline
-from hstu.train.loop import fit
 
 log = logging.getLogger("benchmarks.datasets")
 
@@ -123,14 +122,7 @@ def train_eval(found: Found, arch: str, spec: DataSpec, data, args) -> dict:
     tcfg = TrainConfig(epochs=args.epochs, early_stopping_patience=args.patience, seed=args.seed, num_threads=args.threads)
     run = Path(args.runs) / f"{found.label}-{arch}"
     t0 = time.perf_counter()
-    if (run / "metrics.json").exists():
-        from hstu.model.checkpoint import read_json
-
-        metrics = read_json(run / "metrics.json")
-    else:
-        resume = (run / "last.json").exists() and (run / "config.json").exists()
-        opts = {"resume": resume, "overwrite": True, "progress": False, "data": data, "max_minutes": args.minutes}
-        metrics = fit(run, mcfg, tcfg, spec, device=args.device, **opts)
+    metrics, _ = train_or_resume(run, mcfg, tcfg, spec, device=args.device, data=data, max_minutes=args.minutes)
     return {
         "test": metrics["test"],
         "epochs": metrics.get("epochs"),

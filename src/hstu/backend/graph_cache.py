@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from hstu.backend.graphs import CompiledRunner, describe_failure
+from hstu.model.checkpoint import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +82,6 @@ def code_sha256() -> str:
         p = root / rel
         for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
     return h.hexdigest()
 
 

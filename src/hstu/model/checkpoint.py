@@ -9,6 +9,7 @@ into place; JSON run files are checked field by field as they are read (hstu.mod
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -50,6 +51,15 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically (temp file + rename)."""
     write_text(path, json.dumps(obj, indent=2))
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def read_json(path: Path) -> Any:

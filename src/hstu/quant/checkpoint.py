@@ -23,7 +23,6 @@ safetensors metadata disagrees with quant.json, or whose tensors have the wrong 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import platform
@@ -37,7 +36,7 @@ from safetensors.torch import save_file
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import read_json, read_safetensors, write_json
+from hstu.model.checkpoint import file_sha256, read_json, read_safetensors, write_json
 from hstu.model.run_files import CONFIG, IDMAP
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
@@ -70,14 +69,6 @@ def versions() -> dict[str, str]:
         "numpy": numpy.__version__,
         "python": platform.python_version(),
     }
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def quantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -160,7 +151,7 @@ def save_quantized_run(
             "layers": layer_table(model),
             "versions": versions(),
             "source_run": str(src.resolve()),
-            "source_weights_sha256": _sha256(float_weights) if float_weights.exists() else None,
+            "source_weights_sha256": file_sha256(float_weights) if float_weights.exists() else None,
             "calibration": calibration,
         }
     )

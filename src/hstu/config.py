@@ -182,6 +182,10 @@ class TrainConfig:
     # "epoch" = the epoch's mean P over its batches, so every position weighs the same whatever its
     # batch (length-bucketed batches of short sequences otherwise weigh their positions up to ~10x).
     loss_divisor: str = "batch"
+    # "pack": each batch's sequences are packed into rows of width max_seq_len (first-fit decreasing,
+    # data/batching.py packed_train_batch) with a same-user attention mask, so short users share a row
+    # instead of padding; the loss is the padded batch's. "off": one sequence per padded row.
+    packing: str = "off"
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256
@@ -199,6 +203,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
         if self.negatives_pool < 0:
             raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
+        if self.packing not in ("off", "pack"):
+            raise ValueError(f"TrainConfig.packing ([train] packing) must be 'off' or 'pack', got {self.packing!r}")
         if self.loss_divisor not in ("batch", "epoch"):
             raise ValueError(f"TrainConfig.loss_divisor must be 'batch' or 'epoch', got {self.loss_divisor!r}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):

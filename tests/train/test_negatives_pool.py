@@ -151,6 +151,7 @@ def test_recipe_is_stated() -> None:
         "batching": "length-bucketed",
         "length_pool": 50,
         "loss_divisor": "batch",
+        "packing": "off",
     }
     r = L.recipe(TrainConfig(negatives_pool=512, length_pool=1))
     assert (r["negatives"], r["negatives_pool"], r["batching"]) == ("pool", 512, "random")
@@ -189,6 +190,7 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
         "batching": "random",
         "length_pool": 1,
         "loss_divisor": "epoch",
+        "packing": "off",
     }
     assert "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, loss divisor epoch" in r.stderr
     assert np.isfinite(json.loads((out / "metrics.json").read_text())["test"]["HR@10"])

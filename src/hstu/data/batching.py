@@ -33,6 +33,10 @@ class SequenceBatch:
     when the log has side features (:mod:`hstu.data.features`).
     lengths: (B,) int64. users: (B,) int64 EventLog rows. targets: (B,) int64 dense target
     item (evaluation) or None. target_actions: (B,) or None.
+    segments: None, or for a packed training batch (:func:`packed_train_batch`) (R, W) int64: row r
+    holds several users' sequences one after another, segments[r, j] the index in ``users`` (U,)
+    of the user at column j, -1 after ``lengths[r]`` (the row's filled width); each user's
+    columns are its training events oldest first.
     """
 
     ids: torch.Tensor
@@ -43,12 +47,12 @@ class SequenceBatch:
     users: torch.Tensor
     targets: torch.Tensor | None = None
     target_actions: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "SequenceBatch":
         f = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return SequenceBatch(
-            *(f(getattr(self, k)) for k in ("ids", "timestamps", "lengths", "actions", "categories", "users", "targets", "target_actions"))
-        )
+        keys = ("ids", "timestamps", "lengths", "actions", "categories", "users", "targets", "target_actions", "segments")
+        return SequenceBatch(*(f(getattr(self, k)) for k in keys))
 
 
 def _pad(log_: EventLog, users: np.ndarray, starts: np.ndarray, ends: np.ndarray, extra: int, query_ts: np.ndarray | None) -> dict:
@@ -77,6 +81,61 @@ def train_batch(log_: EventLog, split: Split, users: np.ndarray, max_seq_len: in
     ends = split.train_end[users]
     starts = np.maximum(log_.offsets[users], ends - max_seq_len)
     return SequenceBatch(**_pad(log_, users, starts, ends, 0, None))
+
+
+def pack_rows(lengths: np.ndarray, width: int) -> list[list[int]]:
+    """First-fit decreasing: the indices of ``lengths`` (U,) (each 1..width) grouped into rows whose
+    lengths sum to at most ``width``, longest first; a row's indices in the order they are laid out.
+    Raises ValueError for a length outside 1..width."""
+    if len(lengths) and (lengths.min() < 1 or lengths.max() > width):
+        raise ValueError(f"pack_rows: lengths must be in 1..{width}, got {int(lengths.min())}..{int(lengths.max())}")
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        L = int(lengths[i])
+        r = next((r for r, f in enumerate(free) if f >= L), None)
+        if r is None:
+            rows.append([int(i)])
+            free.append(width - L)
+        else:
+            rows[r].append(int(i))
+            free[r] -= L
+    return rows
+
+
+def packed_train_batch(log_: EventLog, split: Split, users: np.ndarray, max_seq_len: int) -> SequenceBatch:
+    """The training sequences of ``users`` (as :func:`train_batch`) packed into rows of width
+    ``max_seq_len`` (:func:`pack_rows`): several short users share a row, told apart by
+    ``segments`` (TrainConfig.packing "pack"). ``users`` of the result are reordered as laid
+    out (row by row, left to right), so a row-major walk over the supervised positions visits
+    the users in that order, as a padded batch of them in that order would."""
+    ends = split.train_end[users]
+    starts = np.maximum(log_.offsets[users], ends - max_seq_len)
+    rows = pack_rows(ends - starts, max_seq_len)
+    order = np.array([i for r in rows for i in r], np.int64)
+    R, W = len(rows), max_seq_len
+    tokens = log_.token_categories
+    out = {k: np.zeros((R, W), np.int64) for k in ("ids", "timestamps", "actions")}
+    out["categories"] = np.zeros((R, W, *tokens.shape[1:]), np.int64)
+    seg = np.full((R, W), -1, np.int64)
+    fill = np.zeros(R, np.int64)
+    u = 0
+    for r, row in enumerate(rows):
+        c = 0
+        for i in row:
+            s, e = starts[i], ends[i]
+            L = e - s
+            out["ids"][r, c : c + L] = log_.items[s:e]
+            out["timestamps"][r, c : c + L] = log_.timestamps[s:e]
+            out["actions"][r, c : c + L] = log_.actions[s:e]
+            out["categories"][r, c : c + L] = tokens[s:e]
+            seg[r, c : c + L] = u
+            c, u = c + L, u + 1
+        fill[r] = c
+    b = {k: torch.from_numpy(v) for k, v in out.items()}
+    return SequenceBatch(
+        **b, lengths=torch.from_numpy(fill), users=torch.from_numpy(users[order].astype(np.int64)), segments=torch.from_numpy(seg)
+    )
 
 
 def eval_batch(log_: EventLog, targets: np.ndarray, users: np.ndarray, max_seq_len: int) -> SequenceBatch:

@@ -11,7 +11,7 @@ from torch import nn
 
 from hstu.config import ModelConfig
 from hstu.model.item_index import item_scores
-from hstu.model.meta import KVView
+from hstu.model.meta import KVView, segment_positions
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -161,14 +161,18 @@ class SequentialRecommender(nn.Module):
         lengths: torch.Tensor,
         actions: torch.Tensor | None,
         categories: torch.Tensor | None,
+        segments: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Checked inputs -> encoder input rows x (B, W, d) (dropout in training, padding rows 0)
-        and the validity mask (B, W, 1) in the model dtype. Raises as :meth:`check_inputs`."""
+        and the validity mask (B, W, 1) in the model dtype. ``segments`` (B, W) int64 (packed rows,
+        :class:`hstu.model.meta.AttentionMeta`): positions count from each segment's first row.
+        Raises as :meth:`check_inputs`."""
         self.check_inputs(ids, timestamps, lengths)
         B, W = ids.shape
         pos = torch.arange(W, device=ids.device)
         valid = (pos.view(1, W) < lengths.view(B, 1)).unsqueeze(-1).to(self.pos_emb.weight.dtype)  # (B, W, 1)
-        return self.input_dropout(self.embed(ids, pos.expand(B, W), actions, categories)) * valid, valid
+        positions = pos.expand(B, W) if segments is None else segment_positions(segments)  # (B, W)
+        return self.input_dropout(self.embed(ids, positions, actions, categories)) * valid, valid
 
     def encode(
         self,
@@ -180,6 +184,7 @@ class SequentialRecommender(nn.Module):
         categories: torch.Tensor | None = None,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         normalize: bool = True,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the encoder over padded sequences: the subclass's ``attention_meta`` (one full
         causal pass) and ``forward_layers``; padding rows 0 (SASRec's final LayerNorm would not
@@ -194,15 +199,19 @@ class SequentialRecommender(nn.Module):
             actions, categories: optional (B, W) int64 feature ids (0 = none).
             kv_cache: optional per-layer (k, v) views (B, H, S, d), S >= W, written in place.
             normalize: L2-normalise the output rows.
+            segments: (B, W) int64 packed training rows (:func:`hstu.data.batching.packed_train_batch`):
+                the user of each row, -1 after ``lengths``; each user's rows are encoded as if alone
+                (positions, mask and time buckets within the segment). None: one sequence per row.
         Returns:
             (B, W, d) output rows (padding rows 0).
         Raises:
             TypeError: non-int64 inputs. ValueError: shapes disagree or W > N.
         """
-        x, valid = self.inputs(ids, timestamps, lengths, actions, categories)  # (B, W, d), (B, W, 1)
+        x, valid = self.inputs(ids, timestamps, lengths, actions, categories, segments)  # (B, W, d), (B, W, 1)
         W = x.shape[1]
         kv = None if kv_cache is None else [KVView(k[:, :, :W], v[:, :, :W]) for k, v in kv_cache]
-        x = self.forward_layers(x, self.attention_meta(timestamps, valid), kv) * valid  # (B, W, d)
+        meta = self.attention_meta(timestamps, valid) if segments is None else self.attention_meta(timestamps, valid, segments=segments)
+        x = self.forward_layers(x, meta, kv) * valid  # (B, W, d)
         return l2_normalize(x) if normalize else x
 
     def step(

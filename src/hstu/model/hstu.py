@@ -31,7 +31,7 @@ from hstu.config import ATTENTION_NORMS, ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize  # noqa: F401 (l2_normalize: imported from here by model, train, quant)
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
 from hstu.model.kernels import REFERENCE, KernelSet, get_kernels
-from hstu.model.meta import AttentionMeta, KVView, hstu_attention
+from hstu.model.meta import AttentionMeta, KVView, hstu_attention, segment_positions
 from hstu.model.repeat import RepeatBias
 
 log = logging.getLogger(__name__)
@@ -205,12 +205,19 @@ class HSTUModel(SequentialRecommender):
     def buckets(self, timestamps: torch.Tensor) -> torch.Tensor:
         return time_buckets(timestamps, self.cfg.num_time_buckets, self.cfg.time_bucket_log_base)
 
-    def attention_meta(self, timestamps: torch.Tensor, valid: torch.Tensor) -> AttentionMeta:
+    def attention_meta(self, timestamps: torch.Tensor, valid: torch.Tensor, segments: torch.Tensor | None = None) -> AttentionMeta:
         """The metadata of a full padded pass (training, evaluation, a plain prefill): row i at
         position i attends rows 0..i. timestamps (B, W) int64 seconds as :meth:`encode`;
-        valid (B, W, 1) float, 1 at live rows."""
-        pos = torch.arange(timestamps.shape[1], device=timestamps.device)  # (W,)
+        valid (B, W, 1) float, 1 at live rows. ``segments`` (B, W) int64, packed training rows:
+        row i attends the rows of its own segment up to i, positions count within the segment
+        (:func:`hstu.model.meta.segment_positions`); time buckets are formed over the whole row,
+        and within a segment they are the padded pass's, except at its last row, whose query time
+        is the next segment's first (a row that predicts nothing and only it attends)."""
         tb = self.buckets(timestamps) if self.cfg.use_time_bias else None  # (B, W, W)
+        if segments is not None:
+            pos = segment_positions(segments)  # (B, W)
+            return AttentionMeta(q_pos=pos, k_pos=pos, tb=tb, valid=valid, kernels=self.kernels, segments=segments)
+        pos = torch.arange(timestamps.shape[1], device=timestamps.device)  # (W,)
         return AttentionMeta(q_pos=pos, k_pos=pos, tb=tb, valid=valid, kernels=self.kernels)
 
     # ----- encoder (encode: SequentialRecommender.encode over attention_meta and forward_layers) -----

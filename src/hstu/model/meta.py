@@ -57,6 +57,10 @@ class AttentionMeta:
             0..b-1 only, each with its own time buckets ``block_tb[j]`` (B, b - a, b).
         shared: beam search: the history segment shared by groups of G query rows (the beams of
             a user), attended with this meta's q_pos viewed (B / G, G) against ``kv.shared``.
+        segments: (B, W) int64 packed training rows (TrainConfig.packing "pack"): the segment
+            (user) id of each row, -1 after the last; a query attends only keys of its own segment,
+            and q_pos = k_pos (B, W) count from each segment's first row. Needs a kernel set with
+            ``segments`` (the reference); None: one sequence per row.
     """
 
     q_pos: torch.Tensor
@@ -73,6 +77,7 @@ class AttentionMeta:
     blocks: Sequence[tuple[int, int]] | None = None
     block_tb: Sequence[torch.Tensor] | None = None
     shared: AttentionMeta | None = None
+    segments: torch.Tensor | None = None
 
 
 @dataclass
@@ -106,6 +111,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
     ks = meta.kernels
     if meta.bias is not None and ks.attention_bias is not None:  # formed once per request group
         return ks.attention_bias(q, k, v, bias=meta.bias[layer_index].index_select(1, meta.bias_row), n=n)
+    if meta.segments is not None:  # packed rows: the same contract plus the same-segment mask
+        if not ks.segments:
+            raise ValueError(f"[train] packing = 'pack' needs a kernel set with segment masks; {ks.name!r} has none (use 'reference')")
+        return ks.attention(
+            q, k, v, q_pos=meta.q_pos, k_pos=meta.k_pos, k_valid=meta.k_valid, tb=meta.tb, pos_w=pos_w, ts_w=ts_w, n=n,
+            segments=meta.segments,
+        )  # fmt: skip
     if meta.blocks is None:
         return ks.attention(
             q, k, v, q_pos=meta.q_pos, k_pos=meta.k_pos, k_valid=meta.k_valid, tb=meta.tb, pos_w=pos_w, ts_w=ts_w, n=n
@@ -127,6 +139,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
         for j, (a, b) in enumerate(meta.blocks)
     ]  # (B, b - a, H*d_v) each
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T, H*d_v)
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """(B, W) int64 segment ids of packed rows -> (B, W) int64 position of each row within its
+    segment (0 at a segment's first row: where the id differs from the row before it).
+    E.g. [[0, 0, 0, 1, 1, -1]] -> [[0, 1, 2, 0, 1, 0]]."""
+    B, W = segments.shape
+    idx = torch.arange(W, device=segments.device).expand(B, W)  # (B, W)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, W)
 
 
 def hstu_attention(
@@ -166,4 +189,4 @@ def hstu_attention(
     return av / div if av.requires_grad else av.div_(div)
 
 
-__all__ = ["AttentionMeta", "KVView", "hstu_attention"]
+__all__ = ["AttentionMeta", "KVView", "hstu_attention", "segment_positions"]

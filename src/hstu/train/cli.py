@@ -128,6 +128,11 @@ def _add_recipe_flags(t) -> None:
         help="batch: each batch's mean loss; epoch: its summed loss over the epoch's mean positions per batch (TrainConfig.loss_divisor)",
     )
     t.add_argument(
+        "--packing",
+        choices=["off", "pack"],
+        help="pack: several users' sequences per row of width max_seq_len, masked per user, no padding cost (TrainConfig.packing)",
+    )
+    t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
     )
 
@@ -179,6 +184,7 @@ def cmd_train(args) -> int:
         "negatives_pool",
         "length_pool",
         "loss_divisor",
+        "packing",
         "num_threads",
     ):
         if getattr(args, name, None) is not None:

@@ -37,7 +37,7 @@ import torch
 from hstu import backend
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data import EventLog, Split, train_batch
-from hstu.data.batching import length_bucketed_batches
+from hstu.data.batching import length_bucketed_batches, packed_train_batch
 from hstu.data.prepare import (  # noqa: F401
     PROTOCOL_NEEDS,
     DataSpec,
@@ -168,6 +168,7 @@ class LocalStrategy:
 
     rank, world_size, is_main = 0, 1, True
     extra: dict = {}
+    packs = True  # trains packed rows (TrainConfig.packing "pack"); a strategy without it refuses them in fit
 
     def start(self, device: str, tcfg: TrainConfig) -> None:
         """Select the device (BackendUnavailableError if unusable)."""
@@ -186,7 +187,12 @@ class LocalStrategy:
             raise ValueError(f"{run} holds a distributed run: resume it with `hstu train --distributed --resume` (or torchrun)")
 
     def check_setup(self, mcfg: ModelConfig, log_: EventLog, split: Split, tcfg: TrainConfig) -> None:
-        pass
+        """ValueError naming ``[train] packing`` for packed rows on a model that cannot train them."""
+        if tcfg.packing == "pack" and (mcfg.architecture != "hstu" or mcfg.repeat_window > 0):
+            raise ValueError(
+                f"[train] packing = 'pack' trains architecture 'hstu' without a repeat head; got architecture "
+                f"{mcfg.architecture!r}, repeat_window {mcfg.repeat_window}: set packing = 'off'"
+            )
 
     def prepare(self, model: HSTUModel, tcfg: TrainConfig) -> torch.optim.Optimizer:
         """The optimizer of the model about to be trained (on :attr:`device`)."""
@@ -197,9 +203,10 @@ class LocalStrategy:
 
     def step(self, model: HSTUModel, log_: EventLog, split: Split, ub: np.ndarray, tcfg: TrainConfig, gen) -> tuple[torch.Tensor, int]:
         """Forward and loss of the batch ``ub`` (B,) EventLog rows; returns (loss to backpropagate, P positions)."""
-        b = train_batch(log_, split, ub, model.cfg.max_seq_len).to(self.device)
-        out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories)
-        return training_loss(model, out, b.ids, b.lengths, b.actions, tcfg, generator=gen)
+        make = packed_train_batch if tcfg.packing == "pack" else train_batch
+        b = make(log_, split, ub, model.cfg.max_seq_len).to(self.device)
+        out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories, segments=b.segments)
+        return training_loss(model, out, b.ids, b.lengths, b.actions, tcfg, generator=gen, segments=b.segments)
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The batch's mean loss (every rank's, all-reduced, in the distributed strategy)."""
@@ -389,6 +396,9 @@ def _setup(
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
+    if tcfg.packing != "off" and not getattr(strategy, "packs", False):
+        name = type(strategy).__name__
+        raise ValueError(f"[train] packing = {tcfg.packing!r} is not supported by {name} (--distributed) yet; set it to 'off'")
     strategy.check_setup(mcfg, log_, split, tcfg)
     strategy.backend.manual_seed(tcfg.seed)
     model = build_hstu(mcfg, device=strategy.device).to(strategy.device)

@@ -68,6 +68,17 @@ def uses_dense_logits(positions: int, chunk: int, num_items: int) -> bool:
     return chunk == 1 and positions * (num_items + 1) <= DENSE_LOGITS_MAX
 
 
+def supervised_mask(lengths: torch.Tensor, T: int, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) bool, True at the supervised positions of a batch of width T + 1: row i predicts
+    row i + 1, so i < lengths - 1; for packed rows (``segments`` (B, T + 1) int64, -1 after the
+    fill) also only where row i + 1 is of the same segment, i.e. positions 0..L-2 of every
+    segment of length L, exactly the padded batch's positions of the same users."""
+    mask = torch.arange(T, device=lengths.device).view(1, T) < (lengths.view(-1, 1) - 1)  # (B, T)
+    if segments is not None:
+        mask = mask & (segments[:, 1:] == segments[:, :-1])
+    return mask
+
+
 def sampled_softmax_loss(
     out: torch.Tensor,
     ids: torch.Tensor,
@@ -81,6 +92,7 @@ def sampled_softmax_loss(
     num_items: int,
     neg: torch.Tensor | None = None,
     pool: int = 0,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Mean loss over positions 0..L-2 of each sequence (row i predicts ids[i+1]).
 
@@ -101,6 +113,8 @@ def sampled_softmax_loss(
             and ``num_negatives`` / ``generator`` are not read.
         pool: > 0: per-position negatives from one batch pool of min(pool, I) distinct items
             (:func:`draw_pool`, :func:`pool_softmax_loss`); ``chunk`` is then not read.
+        segments: (B, W) int64 packed rows (:func:`supervised_mask`): the positions are each
+            segment's 0..L-2; a run of ``chunk`` positions may then span two segments.
     Returns:
         (loss scalar, number of supervised positions P).
     Raises:
@@ -111,7 +125,7 @@ def sampled_softmax_loss(
     if pool > 0:
         if neg is not None:
             raise ValueError("pre-drawn negatives (the distributed trainer's) cannot be combined with a negatives pool")
-        mask = torch.arange(T, device=ids.device).view(1, T) < (lengths.view(-1, 1) - 1)  # (B, T)
+        mask = supervised_mask(lengths, T, segments)  # (B, T)
         q, tgt = out[:, :-1][mask], ids[:, 1:][mask]  # (P, d), (P,)
         pool_ids, cols = draw_pool(
             q.shape[0], pool=pool, num_negatives=num_negatives, num_items=num_items, generator=generator, device=ids.device
@@ -120,7 +134,7 @@ def sampled_softmax_loss(
     neg, c, nc = _negatives(neg, B, W, chunk, num_negatives, num_items, generator, ids.device)  # (B*nc, M)
     M = neg.shape[1]
     pad = nc * c - T
-    mask = torch.arange(nc * c, device=ids.device).view(1, -1) < (lengths.view(-1, 1) - 1)  # (B, nc*c)
+    mask = F.pad(supervised_mask(lengths, T, segments), (0, pad))  # (B, nc*c)
     if uses_dense_logits(int(mask.sum()), c, num_items):  # nc*c == T
         return _per_position_dense(
             out[:, :-1][mask],
@@ -286,10 +300,12 @@ def repeat_aware_loss(
     return F.cross_entropy(logits, torch.zeros(P, dtype=torch.long, device=ids.device)), P
 
 
-def next_action_loss(out: torch.Tensor, actions: torch.Tensor, lengths: torch.Tensor, head) -> torch.Tensor:
-    """Cross-entropy of the next action type from each row (row i predicts actions[i+1])."""
-    W = out.shape[1]
-    mask = torch.arange(W - 1, device=out.device).view(1, -1) < (lengths.view(-1, 1) - 1)
+def next_action_loss(
+    out: torch.Tensor, actions: torch.Tensor, lengths: torch.Tensor, head, segments: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross-entropy of the next action type from each row (row i predicts actions[i+1]);
+    ``segments``: packed rows (:func:`supervised_mask`)."""
+    mask = supervised_mask(lengths, out.shape[1] - 1, segments)
     logits = head(out[:, :-1][mask])  # (P, A+1)
     if logits.shape[0] == 0:
         return out.sum() * 0.0
@@ -300,7 +316,7 @@ def recipe(tcfg) -> dict:
     """The negatives scheme and the batching a TrainConfig trains with, as metrics.json's ``recipe``
     and the log's recipe line: {"negatives": "pool" | "per-position" | "chunked", "num_negatives",
     "negatives_chunk", "negatives_pool", "batching": "length-bucketed" | "random", "length_pool",
-    "loss_divisor": "batch" | "epoch"}
+    "loss_divisor": "batch" | "epoch", "packing": "off" | "pack"}
     (:func:`training_loss`; :func:`hstu.data.batching.length_bucketed_batches`)."""
     scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
     return {
@@ -311,6 +327,7 @@ def recipe(tcfg) -> dict:
         "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
         "length_pool": tcfg.length_pool,
         "loss_divisor": tcfg.loss_divisor,
+        "packing": tcfg.packing,
     }
 
 
@@ -324,7 +341,8 @@ def recipe_text(tcfg) -> str:
         "chunked": f"chunked ({r['num_negatives']} shared by runs of {r['negatives_chunk']} positions)",
     }[r["negatives"]]
     bat = "random" if r["batching"] == "random" else f"length-bucketed (pools of {r['length_pool']} batches)"
-    return f"negatives {neg}, batching {bat}, loss divisor {r['loss_divisor']}"
+    pack = ", packed rows" if r["packing"] == "pack" else ""
+    return f"negatives {neg}, batching {bat}{pack}, loss divisor {r['loss_divisor']}"
 
 
 def training_loss(
@@ -338,6 +356,7 @@ def training_loss(
     generator: torch.Generator | None = None,
     neg: torch.Tensor | None = None,
     chunk: int | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The recipe's loss on one batch, for single-process and distributed training alike:
     :func:`repeat_aware_loss` with a repeat head, else :func:`sampled_softmax_loss` (Zhai et al.
@@ -350,6 +369,8 @@ def training_loss(
         tcfg: TrainConfig (num_negatives, negatives_chunk, negatives_pool, action_loss_weight).
         neg, chunk: pre-drawn negatives (B, nc, M) and their run length; None: drawn here from
             ``generator`` with ``tcfg.negatives_chunk``.
+        segments: (B, W) int64 packed rows (TrainConfig.packing "pack", :func:`supervised_mask`);
+            not with a repeat head (ValueError naming ``[train] packing``).
     Returns:
         (mean loss over the P supervised positions, P).
     """
@@ -359,6 +380,8 @@ def training_loss(
         raise ValueError("TrainConfig.negatives_pool is not supported with a repeat head (repeat_window > 0); set it to 0")
     if pool and neg is not None:
         raise ValueError("TrainConfig.negatives_pool is not supported by the distributed trainer (--distributed) yet; set it to 0")
+    if segments is not None and model.repeat is not None:
+        raise ValueError("[train] packing = 'pack' is not supported with a repeat head (repeat_window > 0): its windows would cross users")
     if model.repeat is not None:
         loss, n = repeat_aware_loss(
             out, ids, actions, lengths, model, num_negatives=tcfg.num_negatives, chunk=c, generator=generator, neg=neg
@@ -376,7 +399,8 @@ def training_loss(
             num_items=model.cfg.num_items,
             neg=neg,
             pool=pool,
+            segments=segments,
         )
     if model.action_head is not None:
-        loss = loss + tcfg.action_loss_weight * next_action_loss(out, actions, lengths, model.action_head)
+        loss = loss + tcfg.action_loss_weight * next_action_loss(out, actions, lengths, model.action_head, segments)
     return loss, n

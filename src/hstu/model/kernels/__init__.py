@@ -57,6 +57,8 @@ class KernelSet:
     decode_bias: Callable | None = None
     attention_bias: Callable | None = None
     available: Callable[[str], str | None] = lambda backend: None
+    # whether ``attention`` takes ``segments`` (packed training rows, TrainConfig.packing)
+    segments: bool = False
 
 
 _KERNELS: dict[str, dict[str, KernelSet]] = {name: {} for name in BACKENDS}
@@ -127,6 +129,7 @@ REFERENCE = KernelSet(
     note="PyTorch reference (oracle and fallback)",
     decode_bias=_ref.decode_bias,
     attention_bias=_ref.attention_bias,
+    segments=True,
 )
 NPU = KernelSet(
     "npu",

@@ -77,14 +77,17 @@ def _rab(rel: torch.Tensor, tb: torch.Tensor | None, pos_w: torch.Tensor | None,
     return rab
 
 
-def _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w, segments=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(drop, rab) of every (query, key) pair, shapes and arguments as :func:`attention`: drop (B, T, S)
-    or (T, S) bool, True where key j is after query i (k_pos[j] > q_pos[i]) or invalid; rab the summed
-    bias of :func:`_rab` (None without tables). The one mask of :func:`attention` and :func:`decode_bias`."""
+    or (T, S) bool, True where key j is after query i (k_pos[j] > q_pos[i]), invalid, or (packed rows,
+    ``segments`` (B, T = S)) in another segment; rab the summed bias of :func:`_rab` (None without
+    tables). The one mask of :func:`attention` and :func:`decode_bias`."""
     rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)  # (B, T, S) or (T, S): k_pos[j] - q_pos[i]
     drop = rel > 0
     if k_valid is not None:
         drop = drop | ~k_valid.unsqueeze(1)  # (B, T, S)
+    if segments is not None:
+        drop = drop | (segments.unsqueeze(-1) != segments.unsqueeze(-2))  # (B, T, S): another user's token
     return drop, _rab(rel, tb, pos_w, ts_w)
 
 
@@ -142,6 +145,7 @@ def attention(
     pos_w: torch.Tensor | None,
     ts_w: torch.Tensor | None,
     n: int,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HSTU attention with the relative bias computed inside (eq. 2).
 
@@ -156,6 +160,9 @@ def attention(
         tb: (B, T, S) int64 time buckets (:func:`time_buckets`) or None when ``ts_w`` is None.
         pos_w: (2N - 1,) position table or None (no position bias); ts_w: (nb + 1,) or None.
         n: the divisor, the model's fixed width N.
+        segments: (B, T) int64 segment ids of packed rows (T = S, keys are the query rows): key j is
+            also masked where segments[b, j] != segments[b, i]; q_pos / k_pos then count within
+            each segment. None: one sequence per row.
     Returns:
         (B, T, H * d_v), heads concatenated. Masked scores are set to exactly 0 (masked_fill in
         training; at inference a -M bias (:func:`masked_bias`) whose SiLU is exactly -0.0), never
@@ -165,7 +172,7 @@ def attention(
     """
     B, H, T, _ = q.shape
     s = torch.matmul(q, k.transpose(-1, -2))  # (B, H, T, S)
-    drop, rab = _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w)  # rab summed once, added to every head
+    drop, rab = _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w, segments)  # rab summed once, added to every head
     if s.requires_grad:
         if rab is not None:
             s = s + rab.unsqueeze(-3)  # (B, H, T, S)

@@ -9,9 +9,11 @@
 #   2. kernels   pytest of the Triton HSTU attention against the reference (forward and backward, relative
 #                error; tests/model/test_kernels.py, test_attention_config.py) and the backend / device-graph
 #                tests (CUDA graphs against eager: identical items; tests/generate/test_engine_device.py, test_graphs.py)
-#   3. generate  benchmarks/generate.py --device $DEVICE --quick (OUT_DIR/generate_<device>.json)
-#   4. train     hstu train --preset large on ML-1M ($EPOCHS epochs, clean protocol) on the device (OUT_DIR/train/)
-#   5. serve     benchmarks/serve_load.py --device $DEVICE on that run (OUT_DIR/serve_load_<device>.json)
+#   3. conformance  hstu doctor --conformance --device $DEVICE: every op the model runs against the CPU reference,
+#                device graphs against eager per bucket, next-5 timed (OUT_DIR/conformance_<device>.json)
+#   4. generate  benchmarks/generate.py --device $DEVICE --quick (OUT_DIR/generate_<device>.json)
+#   5. train     hstu train --preset large on ML-1M ($EPOCHS epochs, clean protocol) on the device (OUT_DIR/train/)
+#   6. serve     benchmarks/serve_load.py --device $DEVICE on that run (OUT_DIR/serve_load_<device>.json)
 #
 # What the machine needs: the image's python3 with torch (and triton on CUDA); the packages of the
 # project's `serve` and `test` extras that the image lacks, installed from wheels in .gpu_wheels/ when that
@@ -61,6 +63,7 @@ step device device_info
 cp "$OUT/device.log" "$OUT/device.txt"
 step kernels $PY -m pytest -q -rs tests/model/test_kernels.py tests/model/test_attention_config.py tests/backend/test_backend.py \
   tests/generate/test_engine_device.py tests/generate/test_graphs.py -p no:cacheprovider
+step conformance $PY -m hstu.cli doctor --conformance --device "$DEVICE" --report "$OUT/conformance_$DEVICE.json"
 step generate $PY benchmarks/generate.py --device "$DEVICE" --quick --json "$OUT/generate_$DEVICE.json"
 users=()
 [ -n "$MAX_USERS" ] && users=(--max-users "$MAX_USERS")

@@ -45,6 +45,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from hstu.ops import doctor
 
     _ensure_logging(getattr(args, "verbose", False))
+    if args.conformance:
+        return cmd_conformance(args)
     roots = tuple(Path(r) for r in args.ascend_root) if args.ascend_root else None
     try:
         table = doctor.load_compat(args.compat) if args.compat else doctor.load_compat()
@@ -55,6 +57,39 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     checks = doctor.run_checks(env, table)
     print(doctor.render_json(checks, env) if args.json else doctor.render_text(checks))
     return doctor.exit_code(checks)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    """``hstu doctor --conformance``: exit 2 without the device (nothing written), 1 when a check fails."""
+    from hstu.backend import BackendUnavailableError, select
+    from hstu.ops.conformance import Conformance, render, write_report
+
+    try:
+        be = select(args.device)
+    except (BackendUnavailableError, ValueError) as exc:
+        print(f"hstu doctor --conformance: no {args.device} device here: {exc}", file=sys.stderr)
+        return 2
+    model = _conformance_model(args.run)
+    report = Conformance(model, be.device, reps=args.reps).run()
+    path = write_report(report, Path(args.report or f"hstu_conformance_{be.name}.json"))
+    print(render(report))
+    print(f"report: {path} (send this file back)")
+    return 0 if report["status"] == "pass" else 1
+
+
+def _conformance_model(run: str | None):
+    """The run's float model on the CPU, or the small preset with seeded random weights (ML-1M's 3706 items)."""
+    import torch
+
+    if run:
+        from hstu.runs import load_float_run
+
+        return load_float_run(run, "cpu")[0]
+    from hstu.config import PRESETS, ModelConfig
+    from hstu.model import build_hstu
+
+    torch.manual_seed(0)
+    return build_hstu(ModelConfig(num_items=3706, dropout=0.0, **PRESETS["small"])).eval()
 
 
 # ---------------------------------------------------------------------------------------- diagnose
@@ -218,6 +253,17 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-import-probes", action="store_true", help="skip the subprocess `import torch_npu` / autoload probes (faster, less precise)"
     )
+    c = p.add_argument_group("conformance (hstu.ops.conformance)")
+    c.add_argument(
+        "--conformance",
+        action="store_true",
+        help="replay every op the model runs on --device against the CPU reference (relative error per op), check each "
+        "bucket's device graphs against eager, time next-5; writes one report file; exit 2 without the device",
+    )
+    c.add_argument("--device", default="npu", help="device to check (default npu; cuda; cpu checks the tool itself)")
+    c.add_argument("--run", metavar="RUN", help="check this run's model (default: the small preset, seeded random weights)")
+    c.add_argument("--report", metavar="FILE", help="report path (default hstu_conformance_<device>.json)")
+    c.add_argument("--reps", type=int, default=20, help="timed next-5 rounds per side in the graphs section (default 20)")
 
 
 def _diagnose_arguments(p: argparse.ArgumentParser) -> None:

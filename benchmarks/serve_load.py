@@ -9,7 +9,9 @@ What it does (stops by itself; every phase is bounded in time and in requests in
    for /readyz. ``--url`` targets an already running server instead.
 2. Builds request bodies from ML-1M (``ratings.dat``): a random user, the history cut at a random
    point (the request "happens" then), the most recent ``--history`` (200) events kept by the
-   client, ``k`` items asked for; all three buckets of the small preset get traffic.
+   client, ``k`` items asked for; all three buckets of the small preset get traffic. ``--beam-share F``
+   makes a fraction F of them beam-search requests (``--beam-width``, 16): mixed traffic, whose greedy and
+   beam P99 are reported apart per bucket (``p99_ms_by_bucket``: "200" and "200+beam").
 3. Steps of open-loop Poisson arrivals at increasing rates (``--steps``), ``--step-s`` seconds
    each. Latency is measured from each request's *scheduled* send time, so a client or server
    that falls behind is charged for it (no coordinated omission). Per step: offered and
@@ -66,8 +68,9 @@ REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "Phase", "default_data_dir", "load_histories", "run_phase", "scrape", "start_server", "stop_server"]  # soak.py
 
 
-def load_histories(data_dir: Path, keep: int, n: int, seed: int, k: int) -> list[bytes]:
-    """``n`` pre-encoded /v1/generate bodies from ML-1M users' histories cut at random points."""
+def load_histories(data_dir: Path, keep: int, n: int, seed: int, k: int, beam_share: float = 0.0, beam_width: int = 16) -> list[bytes]:
+    """``n`` pre-encoded /v1/generate bodies from ML-1M users' histories cut at random points; a
+    ``beam_share`` fraction of them (drawn with the same seed) asks for beam search of ``beam_width`` beams."""
     path = data_dir / "ratings.dat"
     if not path.exists():
         sys.exit(f"serve_load: {path} not found; pass --data-dir PATH/ml-1m (MovieLens-1M, GroupLens)")
@@ -84,7 +87,8 @@ def load_histories(data_dir: Path, keep: int, n: int, seed: int, k: int) -> list
         s, e = int(starts[u]), int(ends[u])
         cut = rng.randint(s + 1, e)  # history = events before the cut (>= 1 event)
         lo = max(s, cut - keep)
-        bodies.append(request_body(users[s], items[lo:cut], ts[lo:cut], k))
+        beam = beam_width if beam_share and rng.random() < beam_share else 0
+        bodies.append(request_body(users[s], items[lo:cut], ts[lo:cut], k, beam))
     return bodies
 
 
@@ -171,6 +175,13 @@ def parse_args(argv=None):
     p.add_argument("--recovery-s", type=float, help="seconds of the recovery phase (default 3 quick, 10 full)")
     p.add_argument("-k", type=int, default=5, help="items per request")
     p.add_argument("--history", type=int, default=200, help="most recent events a client sends")
+    p.add_argument(
+        "--beam-share",
+        type=float,
+        default=0.0,
+        help="fraction of requests asking for beam search (mixed traffic; their P99 is reported apart as '<bucket>+beam')",
+    )
+    p.add_argument("--beam-width", type=int, default=16, help="beams of a --beam-share request (default 16)")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--buckets", help="server buckets (default: the server's)")
@@ -228,7 +239,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     load_before = [round(x, 2) for x in os.getloadavg()]
     args.data_dir = args.data_dir or str(default_data_dir(args.run))
-    bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k)
+    bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k, args.beam_share, args.beam_width)
     args.server_args = [] if args.device == "cpu" else ["--device", args.device]
     proc, url, cpus = start_server(args)
     try:
@@ -269,6 +280,8 @@ def main(argv=None) -> int:
             "settings": {
                 "k": args.k,
                 "history": args.history,
+                "beam_share": args.beam_share,
+                "beam_width": args.beam_width,
                 "max_batch": args.max_batch,
                 "max_wait_ms": args.max_wait_ms,
                 "server_threads": args.threads,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 
@@ -78,3 +79,17 @@ def test_p99_per_bucket_from_the_answers_bucket_field():
     ph.add("429", None, None)
     s = ph.summary()
     assert s["p99_ms_by_bucket"] == {"50": 99.01, "200": 300.0} and s["answered_by_bucket"] == {"50": 100, "200": 2}
+
+
+def test_beam_requests_are_labelled_apart():
+    """--beam-share bodies carry a beam decoding and their latencies are keyed "<bucket>+beam", sorted after the bucket."""
+    greedy = load.request_body(1, [10, 11], [5, 6], 5)
+    beam = load.request_body(1, [10, 11], [5, 6], 5, beam_width=16)
+    assert json.loads(beam)["decoding"] == {"strategy": "beam", "beam_width": 16} and "decoding" not in json.loads(greedy)
+    answer = b'{"items": [], "bucket": 20}'
+    assert load.latency_label(greedy, answer) == "20" and load.latency_label(beam, answer) == "20+beam"
+    assert load.latency_label(beam, b"{}") is None
+    ph = load.Phase("p", 10.0, 1.0)
+    for key in ("200+beam", "20+beam", "200", "20"):
+        ph.add("200", 0.01, key)
+    assert list(ph.summary()["p99_ms_by_bucket"]) == ["20", "20+beam", "200", "200+beam"]

@@ -37,10 +37,25 @@ class ServerStartError(RuntimeError):
     """``hstu serve`` did not start or did not become ready; the message says how to see why."""
 
 
-def request_body(user_id: int, items, timestamps, k: int) -> bytes:
-    """A pre-encoded ``POST /v1/generate`` body: original item ids and Unix-second timestamps, oldest first."""
+def request_body(user_id: int, items, timestamps, k: int, beam_width: int = 0) -> bytes:
+    """A pre-encoded ``POST /v1/generate`` body: original item ids and Unix-second timestamps, oldest
+    first; greedy, or beam search of ``beam_width`` beams when > 0 (labelled "+beam" in the per-bucket
+    figures, :func:`latency_label`)."""
     hist = [{"item_id": int(i), "timestamp": int(t)} for i, t in zip(items, timestamps)]
-    return json.dumps({"user_id": int(user_id), "history": hist, "k": int(k)}).encode()
+    body = {"user_id": int(user_id), "history": hist, "k": int(k)}
+    if beam_width:
+        body["decoding"] = {"strategy": "beam", "beam_width": int(beam_width)}
+    return json.dumps(body).encode()
+
+
+_BEAM = b'"strategy": "beam"'
+
+
+def latency_label(request: bytes, answer: bytes) -> str | None:
+    """The key of a 200's latency in ``p99_ms_by_bucket``: the answer's bucket (:func:`bucket_of`),
+    with "+beam" for a beam-search request of :func:`request_body` (so greedy and beam P99 are apart)."""
+    b = bucket_of(answer)
+    return None if b is None else (b + "+beam" if _BEAM in request else b)
 
 
 class Phase:
@@ -98,7 +113,8 @@ class Phase:
 
 
 def _edge(kv) -> tuple:
-    return (0, int(kv[0])) if kv[0].isdigit() else (1, kv[0])
+    head = kv[0].split("+")[0]
+    return (0, int(head), kv[0]) if head.isdigit() else (1, 0, kv[0])
 
 
 _BUCKET = re.compile(rb'"bucket":\s*(\d+|null)')
@@ -144,7 +160,7 @@ async def run_phase(
         try:
             async with client.post("/v1/generate", data=body, headers=headers) as r:
                 got = await r.read()
-                phase.add(str(r.status), loop.time() - scheduled, bucket_of(got) if r.status == 200 else None)
+                phase.add(str(r.status), loop.time() - scheduled, latency_label(body, got) if r.status == 200 else None)
         except asyncio.TimeoutError:
             phase.add("client_timeout", None)
         except aiohttp.ClientError as exc:

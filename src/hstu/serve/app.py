@@ -44,7 +44,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Recommender
 from hstu.serve.batcher import Rejected
-from hstu.serve.edge import BodyTimeout, EdgeMiddleware, error_response, read_body
+from hstu.serve.edge import BodyTimeout, EdgeMiddleware, error_response, json_response, read_body
 from hstu.serve.popularity import Popularity
 from hstu.serve.schemas import public_errors, ErrorBody, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
 from hstu.serve.service import ApiError, ServePolicy, Service
@@ -173,7 +173,7 @@ def _add_probes(app: FastAPI, svc: Service) -> None:
     @app.get("/readyz", summary="model loaded and every bucket warm", responses={503: {"description": "not ready (reason given)"}})
     async def readyz():
         code, body = svc.readiness()
-        return body if code == 200 else JSONResponse(body, status_code=code)
+        return body if code == 200 else json_response(body, code)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)  # documented as text/plain
     async def metrics():
@@ -208,11 +208,11 @@ def _add_model_routes(app: FastAPI, svc: Service) -> None:
 
 def _model_endpoint(body: type[BaseModel], handle):
     """The endpoint that reads a ``body`` request (:func:`read_body`: strict, size-limited) and
-    answers ``await handle(req, arrival)`` as JSON."""
+    answers ``await handle(req, arrival)`` as JSON (:func:`json_response`: orjson)."""
 
     async def endpoint(request: Request) -> Any:
         req = await read_body(request, body)
-        return JSONResponse(await handle(req, _arrival(request)))
+        return json_response(await handle(req, _arrival(request)))
 
     return endpoint
 

@@ -14,7 +14,10 @@ model worker running one batch at a time since one process drives one device:
    first, while that costs less than running them as a batch of their own, by the cost line
    (fixed + per request) that warm-up measured per bucket; if the oldest request of all would
    not be in that batch, its own bucket's batch runs instead (no starvation). Without costs
-   (warm-up off) buckets never mix. Measured on the 2-core box (small ML-1M model, next-5): a
+   (warm-up off) buckets never mix. Which jobs fill it (:func:`pick_fair`): at most ``max_batch``
+   rows (a beam-W request counts W), narrow jobs before wide ones unless a job has waited
+   ``aging_ms`` (then oldest first), so a burst of beam requests or long histories never starves
+   short greedy ones, and no job waits past the aging bound plus the aged jobs ahead of it. Measured on the 2-core box (small ML-1M model, next-5): a
    call costs ~5 ms fixed at any bucket, ~0.2 ms per request at 20 events and ~2 ms at 200, so
    a few short requests ride along with long ones nearly free, while 16 short ones keep their
    own batch.
@@ -56,6 +59,7 @@ log = logging.getLogger(__name__)
 
 SHED_WINDOW_S = 5.0  # "shedding" (/readyz degraded) for this long after the last 429 for load
 LAG_PERIOD_S = 0.02  # the event-loop lag probe sleeps this long and measures its oversleep
+FAIR_AGING_MS = 50.0  # pick_fair: a job waiting this long goes before narrower, younger ones (half a 100 ms P99 goal)
 LAG_DECAY = 0.99  # per probe: the lag estimate is a peak that halves in ~1.4 s of a lag-free loop
 
 
@@ -105,6 +109,62 @@ def plan_batch(waiting: dict[int, int], oldest: int, max_batch: int, costs: dict
     return oldest, take_into(oldest)
 
 
+def job_rows(job: Job) -> int:
+    """Rows ``job`` takes in a batch: a beam job its beam width (the engine holds W rows per user),
+    any other job 1."""
+    d = job.decoding
+    return max(1, int(d.beam_width)) if job.kind == "generate" and d.strategy == "beam" else 1
+
+
+def fair_key(job: Job, now: float, aging_s: float) -> tuple[int, int, float]:
+    """Priority of a queued job (smaller first) under the fair policy (:func:`pick_fair`): a job
+    that has waited ``aging_s`` or longer goes first, oldest first; below that age, fewer rows first,
+    then oldest first. ``now`` and ``job.enqueued_at`` on the event loop's clock (s)."""
+    if now - job.enqueued_at >= aging_s:
+        return (0, 0, job.enqueued_at)
+    return (1, job_rows(job), job.enqueued_at)
+
+
+def pick_fair(queues: dict[int, deque], take: dict[int, int], rows: int, now: float, aging_s: float) -> list[tuple[int, Job]]:
+    """The jobs of the next batch, removed from ``queues`` (the others keep their order).
+
+    Policy (fair batching under mixed traffic): a batch holds at most ``rows`` rows
+    (:func:`job_rows`: a beam-W request counts W), and at most ``take[e]`` jobs of bucket ``e``
+    (:func:`plan_batch`). Candidates from the buckets in ``take`` are taken in :func:`fair_key`
+    order, first fit: a job wider than the room left is passed over (it keeps its place and age)
+    and narrower ones fill the room; the first job is taken whatever its width (a beam wider than
+    ``rows`` runs alone). So a short greedy request never waits behind a burst of beam requests
+    younger than ``aging_s``; a passed-over job is at most ``aging_s`` from going first, and then
+    waits only for the aged jobs older than itself (no starvation either way).
+
+    Args:
+        queues: bucket edge -> waiting jobs, oldest first (``enqueued_at`` set).
+        take: bucket edge -> the most jobs to take from it.
+        rows: the batch's row budget (>= 1; the batcher's ``max_batch``).
+        now: the current time on the clock of ``enqueued_at`` (s). aging_s: the aging bound (s, >= 0).
+    Returns:
+        [(edge, job), ...] in the order taken.
+    """
+    cands = sorted(((fair_key(j, now, aging_s), e, i) for e in take for i, j in enumerate(queues[e])), key=lambda c: c[0])
+    room, left, chosen = rows, dict(take), []
+    for _, e, i in cands:
+        job = queues[e][i]
+        r = job_rows(job)
+        if left[e] > 0 and (r <= room or not chosen):
+            chosen.append((e, i))
+            room, left[e] = room - r, left[e] - 1
+        if room <= 0 or not any(left.values()):
+            break
+    picked = [(e, queues[e][i]) for e, i in chosen]
+    for e in take:
+        gone = {i for ce, i in chosen if ce == e}
+        if gone:
+            kept = [j for i, j in enumerate(queues[e]) if i not in gone]
+            queues[e].clear()
+            queues[e].extend(kept)
+    return picked
+
+
 class MicroBatcher:
     """Queues and collectors in front of one model executor.
 
@@ -118,6 +178,8 @@ class MicroBatcher:
         request_timeout_s: time a request may wait for its result before 503 (> 0).
         max_queue_delay_s: refuse (429) when the predicted queueing delay is longer (> 0;
             default ``request_timeout_s``).
+        aging_ms: fair batching's aging bound (:func:`pick_fair`; >= 0; 0 = oldest first, rows
+            still budgeted).
 
     Raises:
         ValueError: a setting out of range (the message names it).
@@ -135,10 +197,13 @@ class MicroBatcher:
         max_queue: int,
         request_timeout_s: float,
         max_queue_delay_s: float | None = None,
+        aging_ms: float = FAIR_AGING_MS,
     ) -> None:
         for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1)):
             if int(value) < low:
                 raise ValueError(f"{name} must be >= {low}, got {value!r}")
+        if aging_ms < 0:
+            raise ValueError(f"aging_ms must be >= 0, got {aging_ms!r}")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
         if request_timeout_s <= 0:
@@ -148,6 +213,7 @@ class MicroBatcher:
         self.model, self.metrics = model, metrics
         self.max_batch, self.max_wait = int(max_batch), float(max_wait_ms) / 1000.0
         self.max_queue, self.timeout = int(max_queue), float(request_timeout_s)
+        self.aging_s = float(aging_ms) / 1000.0  # fair batching's aging bound (pick_fair)
         self.max_delay = float(max_queue_delay_s) if max_queue_delay_s is not None else self.timeout
         self.queues: dict[int, deque] = {e: deque() for e in model.buckets}
         self._arrived = asyncio.Event()
@@ -342,19 +408,18 @@ class MicroBatcher:
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 except asyncio.TimeoutError:
                     break
-            oldest = min((e for e, q in self.queues.items() if q), key=lambda e: self.queues[e][0].enqueued_at)
-            edge, take = plan_batch({e: len(q) for e, q in self.queues.items()}, oldest, self.max_batch, self.model.costs)
-            batch, now = [], loop.time()
-            for e, n in take.items():
-                wait = self.metrics.queue_wait.labels(bucket=str(e))
-                for _ in range(n):
-                    j = self.queues[e].popleft()
-                    batch.append(j)
-                    self.tallies[e].remove(j)
-                    predicted = self._admitted.pop(id(j), 0.0)
-                    if not j.expired:
-                        wait.observe(now - j.enqueued_at)
-                        self.delay.learn_wait(predicted, now - j.enqueued_at)
+            now = loop.time()
+            first = min((e for e, q in self.queues.items() if q), key=lambda e: min(fair_key(j, now, self.aging_s) for j in self.queues[e]))
+            edge, take = plan_batch({e: len(q) for e, q in self.queues.items()}, first, self.max_batch, self.model.costs)
+            picked = pick_fair(self.queues, take, self.max_batch, now, self.aging_s)
+            batch = [j for _, j in picked]
+            for e, j in picked:
+                self.tallies[e].remove(j)
+                predicted = self._admitted.pop(id(j), 0.0)
+                if not j.expired:
+                    self.metrics.queue_wait.labels(bucket=str(e)).observe(now - j.enqueued_at)
+                    self.delay.learn_wait(predicted, now - j.enqueued_at)
+            for e in take:
                 self.metrics.queue_depth.labels(bucket=str(e)).set(len(self.queues[e]))
             live = [j for j in batch if not j.expired and not j.future.done()]
             if not live:

@@ -15,10 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
+
+import orjson
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -52,14 +55,27 @@ class BodyTimeout(StarletteHTTPException):
         )
 
 
+def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
+    """``body`` (dicts, lists, str, int, float, bool, None) as an ``application/json`` response, encoded
+    by orjson: one pass in native code (a 5-item /v1/generate answer: ~1.4 us against ~11 us for
+    Starlette's JSONResponse, ``json.dumps``; ``benchmarks/serve_load.py --wire`` measures both).
+    Compact UTF-8 as JSONResponse, except that a non-finite float is written as ``null`` (where
+    JSONResponse raises).
+
+    Raises:
+        TypeError: (orjson.JSONEncodeError) a value JSON cannot hold (an integer beyond 64 bits, a non-str key).
+    """
+    return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
 def error_response(
     status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None, errors: list[dict] | None = None
-) -> JSONResponse:
+) -> Response:
     """The common error body as a response (``errors``: every validation error, when several)."""
     body = error_body(type_, message, field)
     if errors:
         body["errors"] = errors
-    return JSONResponse(body, status_code=status, headers=headers)
+    return json_response(body, status, headers)
 
 
 class EdgeMiddleware:
@@ -161,4 +177,4 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
 
 
-__all__ = ["ENDPOINTS", "MODEL_ENDPOINTS", "BodyTimeout", "BodyTooLarge", "EdgeMiddleware", "error_response", "read_body"]
+__all__ = ["ENDPOINTS", "MODEL_ENDPOINTS", "BodyTimeout", "BodyTooLarge", "EdgeMiddleware", "error_response", "json_response", "read_body"]

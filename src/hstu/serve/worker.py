@@ -3,8 +3,8 @@
 :class:`ProcessModel` runs ``spec.workers`` model processes (``spawn``; each loads the run and
 builds the runner once), so the event loop and the model run on separate cores in parallel (vLLM
 V1 splits its API server and engine core the same way). Each process has one duplex
-``multiprocessing`` pipe: the event loop sends a call (pickled: a 200-event history is ~5 KB) and
-reads the answer in a ``loop.add_reader`` callback, so no thread of this process takes part
+``multiprocessing`` pipe: the event loop sends a call (a batch packed as one header and its arrays'
+bytes, :mod:`hstu.serve.wire`; the rare calls pickled) and reads the answer in a ``loop.add_reader`` callback, so no thread of this process takes part
 (``ProcessPoolExecutor`` routes every call through a manager and a feeder thread, each waiting for
 the GIL behind the event loop: 0.7 ms per round trip alone, more under load; a bare pipe 0.3 ms).
 A process that dies (killed, out of memory) is seen as the pipe's end, is replaced in the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import gc
 import logging
 import multiprocessing
@@ -37,6 +36,7 @@ from hstu.serve.admission import BucketCost
 from hstu.serve.executor import BatchOutcome, LocalModel, ModelRestart, batch_guard, execute, warm_and_measure
 from hstu.generate.requests import smallest_edge
 from hstu.serve.runner import BatchRunner, Job
+from hstu.serve.wire import TAG, pack_jobs, unpack_jobs
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +127,14 @@ def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     _worker_init(spec, warm)
     while True:
         try:
-            op, args = conn.recv()
+            buf = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        try:  # a batch comes packed (hstu.serve.wire), any other call pickled
+            op, args = ("execute", unpack_jobs(buf)) if buf[:1] == TAG else ForkingPickler.loads(buf)
+        except Exception as exc:  # noqa: BLE001 - a message that does not decode: answered, the process keeps serving
+            conn.send(("err", RuntimeError(f"model process: cannot read the call: {type(exc).__name__}: {exc}")))
+            continue
         if op == "stop":
             return
         try:
@@ -182,6 +187,10 @@ class _Channel:
 
     def call(self, op: str, *args: Any) -> asyncio.Future:
         """Send a call; the future resolves with its answer, its exception, or ModelProcessDied."""
+        return self.send(bytes(ForkingPickler.dumps((op, args))))
+
+    def send(self, message: bytes) -> asyncio.Future:
+        """Send one encoded call (pickled ``(op, args)``, or a packed batch of :mod:`hstu.serve.wire`); as :meth:`call`."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if self.loop is not loop and not self.dead:  # first call in this loop
@@ -191,7 +200,7 @@ class _Channel:
             loop.add_reader(self.conn.fileno(), self._on_readable)
         if not self.dead:
             try:
-                self.conn.send((op, args))
+                self.conn.send_bytes(message)
             except OSError:  # BrokenPipeError: the process is gone
                 self._died()
         if self.dead:
@@ -369,10 +378,10 @@ class ProcessModel:
         with none live, raises ModelRestart (503)."""
         free = self._free_queue()
         i = await free.get()
-        sent = [dataclasses.replace(j, future=None) for j in jobs]  # the asyncio future stays here
+        message = pack_jobs(edge, jobs)  # arrays in one buffer, no pickled Job (the asyncio future stays here)
         died = False
         try:
-            return await self.channels[i].call("execute", edge, sent)
+            return await self.channels[i].send(message)
         except ModelProcessDied:
             died = True
         finally:

@@ -157,6 +157,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+LOCAL_TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad")  # TrainConfig.table_optimizer (hstu.train.sparse_optim)
+
+
 @dataclass
 class TrainConfig:
     """Training recipe (HSTU ML-1M: AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
@@ -192,6 +195,11 @@ class TrainConfig:
     early_stopping_patience: int = 5  # epochs without a better valid NDCG@10
     eval_every: int = 1
     num_threads: int = 0  # 0: torch default
+    # Optimizer of the item table in the single-process recipe (hstu.train.sparse_optim): "adamw" (the
+    # recipe's AdamW on every parameter) or "rowwise_adagrad" (only the rows a batch looks up, one float32
+    # state per row; for tables whose AdamW moments do not fit), at table_learning_rate (0: its default, 0.1).
+    table_optimizer: str = "adamw"
+    table_learning_rate: float = 0.0
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "num_negatives", "eval_batch_size"):
@@ -218,6 +226,13 @@ class TrainConfig:
         for name in ("early_stopping_patience", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.table_optimizer not in LOCAL_TABLE_OPTIMIZERS:
+            raise ValueError(
+                f"TrainConfig.table_optimizer ([train] table_optimizer) must be one of {', '.join(LOCAL_TABLE_OPTIMIZERS)}, "
+                f"got {self.table_optimizer!r}"
+            )
+        if not (math.isfinite(self.table_learning_rate) and self.table_learning_rate >= 0):
+            raise ValueError(f"TrainConfig.table_learning_rate must be a finite number >= 0, got {self.table_learning_rate}")
 
 
 # Decoding ranges, shared by `hstu generate` and the HTTP schema (hstu.serve.schemas.Decoding).

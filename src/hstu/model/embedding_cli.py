@@ -64,6 +64,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host-mem", type=_size, default=None, help="host memory (default: available memory of this machine)")
     p.add_argument("--cache-bytes", type=_size, default=0, help="device-side hot-row cache for host shards (default 0)")
     p.add_argument("--reserve", type=float, default=0.1, help="fraction of each memory kept free (default 0.1)")
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "rowwise_adagrad"],
+        default=None,
+        help="plan for training with this table optimizer ([train] table_optimizer): adds its state and the table's gradient",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=plan_memory_command)
 
@@ -117,6 +123,7 @@ def plan_memory_command(args: argparse.Namespace) -> int:
             reserve_ratio=args.reserve,
             cache_bytes=args.cache_bytes,
             max_shard_bytes=args.max_shard_bytes,
+            optimizer=args.optimizer,
         )
     except ValueError as exc:
         print(f"hstu plan-memory: error: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hstu.backend.memory_guard import format_bytes, parse_bytes
+from hstu.config import LOCAL_TABLE_OPTIMIZERS
 from hstu.model.embedding_rows import PLACEMENTS, _per_shard, dtype_name, parse_dtype, shard_row_counts
 
 # ---------------------------------------------------------------------------------------------
@@ -60,6 +61,8 @@ class MemoryPlan:
     reserve_ratio: float
     problems: list[str] = field(default_factory=list)
     rows_exact: bool = True  # False: rows per shard estimated (the table was refused before counting)
+    optimizer: str | None = None  # training table optimizer planned for (None: the table alone)
+    optimizer_bytes: int = 0  # its state + the table's gradient (:func:`state_bytes`, :func:`grad_bytes`), in the totals
 
     @property
     def fits(self) -> bool:
@@ -97,6 +100,8 @@ class MemoryPlan:
         lines.append(f"row index ({T:,} rows) on device: {format_bytes(self.index_bytes)}")
         if self.cache_bytes:
             lines.append(f"hot-row cache on device: {format_bytes(self.cache_bytes)}")
+        if self.optimizer is not None:
+            lines.append(f"training with {self.optimizer}: state + table gradient {format_bytes(self.optimizer_bytes)} (with each shard)")
 
         def budget(b: int | None) -> str:
             return "unknown" if b is None else format_bytes(b)
@@ -242,6 +247,22 @@ def _shared_memory_problems(need: int, host_budget: int | None, host_mem: int | 
     ]
 
 
+def state_bytes(table_optimizer: str, rows: int, dim: int) -> int:
+    """Bytes of the optimizer state of an R x d table: AdamW two float32 moments (R * d * 8),
+    row-wise AdaGrad one float32 per row (R * 4). ValueError for an unknown optimizer."""
+    if table_optimizer == "adamw":
+        return int(rows) * int(dim) * 8
+    if table_optimizer == "rowwise_adagrad":
+        return int(rows) * 4
+    raise ValueError(f"[train] table_optimizer: unknown {table_optimizer!r}; valid: {', '.join(LOCAL_TABLE_OPTIMIZERS)}")
+
+
+def grad_bytes(table_optimizer: str, rows: int, dim: int, itemsize: int) -> int:
+    """Bytes of the table's gradient during a step: dense under AdamW (R * d * itemsize, the row
+    dtype), sparse (only the looked-up rows: bounded by the batch, counted 0 here) under row-wise AdaGrad."""
+    return int(rows) * int(dim) * int(itemsize) if table_optimizer == "adamw" else 0
+
+
 def plan_memory(
     num_embeddings: int,
     embedding_dim: int,
@@ -257,6 +278,7 @@ def plan_memory(
     cache_bytes: int | str = 0,
     max_shard_bytes: int | str = "1GiB",
     shard_rows: Sequence[int] | None = None,
+    optimizer: str | None = None,
 ) -> MemoryPlan:
     """Plan per-shard rows, bytes and placement of a V x d table; allocates nothing (O(chunk) scratch).
 
@@ -275,6 +297,9 @@ def plan_memory(
         max_shard_bytes: upper size of one shard when S is chosen automatically.
         shard_rows: exact [R_s] if already known (else counted by :func:`shard_row_counts`, unless the
             whole table exceeds all the memory given: then refused at once with an even-split estimate).
+        optimizer: None (serving: the table alone) or the training table optimizer
+            (``[train] table_optimizer``: "adamw" or "rowwise_adagrad"): its state and the table's gradient,
+            :func:`state_bytes` + :func:`grad_bytes` per shard, are added to the shard's memory.
     Returns:
         :class:`MemoryPlan`; check ``.fits`` or call ``.require()``.
     Raises:
@@ -311,8 +336,9 @@ def plan_memory(
     any_host = "host" in places
     cache_used = cache if any_host else 0
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
-    device_bytes = index_bytes + cache_used + sum(s.bytes for s in shards if s.placement == "device")
-    host_bytes = sum(s.bytes for s in shards if s.placement == "host")
+    opt = [0 if optimizer is None else state_bytes(optimizer, r, d) + grad_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
+    device_bytes = index_bytes + cache_used + sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "device")
+    host_bytes = sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "host")
     if device_is_host:
         problems = _shared_memory_problems(device_bytes + host_bytes, host_budget, host_mem, reserve_ratio)
     else:
@@ -321,4 +347,5 @@ def plan_memory(
         num_embeddings=V, num_overflow_rows=O, embedding_dim=d, shards=shards, index_bytes=index_bytes, cache_bytes=cache_used,
         device_bytes=device_bytes, host_bytes=host_bytes, device_budget=dev_budget, host_budget=host_budget,
         device_is_host=device_is_host, reserve_ratio=reserve_ratio, problems=problems, rows_exact=rows_exact,
+        optimizer=optimizer, optimizer_bytes=sum(opt),
     )  # fmt: skip

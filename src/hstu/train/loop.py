@@ -74,6 +74,7 @@ from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import recipe, recipe_text, training_loss
+from hstu.train.sparse_optim import ROWWISE_DEFAULT_LR, TableAndDenseOptimizer
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
 # hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
@@ -195,8 +196,16 @@ class LocalStrategy:
             )
 
     def prepare(self, model: HSTUModel, tcfg: TrainConfig) -> torch.optim.Optimizer:
-        """The optimizer of the model about to be trained (on :attr:`device`)."""
-        return dense_adamw(model.parameters(), tcfg)
+        """The optimizer of the model about to be trained (on :attr:`device`): AdamW on every
+        parameter, or with ``tcfg.table_optimizer`` "rowwise_adagrad" AdamW on all but the item table
+        and row-wise AdaGrad on the table's looked-up rows (its lookups switched to sparse gradients;
+        :mod:`hstu.train.sparse_optim`)."""
+        if tcfg.table_optimizer != "rowwise_adagrad":
+            return dense_adamw(model.parameters(), tcfg)
+        model.item_emb.sparse = True  # nn.Embedding and ShardedEmbedding: F.embedding(sparse=True)
+        dense = [p for n, p in model.named_parameters() if not n.startswith("item_emb.")]
+        table = [p for n, p in model.named_parameters() if n.startswith("item_emb.")]
+        return TableAndDenseOptimizer(dense, table, tcfg, tcfg.table_learning_rate or ROWWISE_DEFAULT_LR)
 
     def train(self, model: HSTUModel) -> None:
         model.train()

@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -114,6 +115,7 @@ def plan_memory(args) -> dict:
     """``hstu plan-memory --json`` for the table (exit 3 = refused: raised with its message)."""
     cmd = [sys.executable, "-m", "hstu", "plan-memory", "--items", str(args.items), "--dim", str(args.dim), "--dtype", "bf16"]
     cmd += ["--shards", str(args.shards), "--placement", args.placement, "--overflow-rows", "1", "--json"]
+    cmd += [] if args.no_train else ["--optimizer", args.table_optimizer]  # the plan counts the training optimizer's state
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"hstu plan-memory refused the table (exit {p.returncode}): {p.stderr.strip() or p.stdout.strip()}")
@@ -136,7 +138,9 @@ def train(args, model, log_, split) -> dict:
     from hstu.config import TrainConfig
     from hstu.train.loop import LocalStrategy, train_one_epoch
 
-    tcfg = TrainConfig(epochs=1, batch_size=args.batch_size, num_negatives=args.negatives, seed=args.seed)
+    tcfg = TrainConfig(
+        epochs=1, batch_size=args.batch_size, num_negatives=args.negatives, seed=args.seed, table_optimizer=args.table_optimizer
+    )
     strategy = LocalStrategy()
     strategy.start("cpu", tcfg)
     opt = strategy.prepare(model, tcfg)
@@ -149,6 +153,7 @@ def train(args, model, log_, split) -> dict:
     out = train_one_epoch(strategy, model, log_, split, tcfg, opt, torch.Generator().manual_seed(args.seed), 1, False, on_step)
     steps = np.diff(stamps)
     return {
+        "table_optimizer": args.table_optimizer,
         "steps": len(steps),
         "step_seconds_p50": float(np.median(steps)),
         "step_seconds_p90": float(np.percentile(steps, 90)),
@@ -230,6 +235,7 @@ def run(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"args": vars(args), "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}}
+    res["machine"]["loadavg_start"] = os.getloadavg()  # the machine is shared: other jobs may run
     res["plan"] = plan_memory(args)
     path = out_dir / "events.parquet"
     _, res["write_seconds"], _ = measured(lambda: write_event_log(path, args.items, args.events, args.users, args.zipf, args.seed))
@@ -240,7 +246,7 @@ def run(args) -> dict:
     (model, res["build_seconds"], res["build_peak_rss"]) = measured(lambda: build_model(args, log_))
     table_bytes = sum(p.numel() * p.element_size() for p in model.item_emb.shards)
     res["table_bytes_built"] = {"bytes": table_bytes, "dtype": model.cfg.item_table_dtype}
-    res["train_state_bytes"] = 4 * table_bytes  # rows + dense gradient + AdamW's two moments, all in the rows' dtype
+    res["train_state_bytes"] = res["plan"].get("optimizer_bytes", 0)  # the table optimizer's state + the table's gradient
     if not args.no_train:
         (res["train"], res["train_seconds"], res["train_peak_rss"]) = measured(lambda: train(args, model, log_, split))
     model.eval()
@@ -258,6 +264,7 @@ def run(args) -> dict:
             res["ann"] = ann(args, model, log_, split)
         except ImportError as exc:
             res["ann"] = {"skipped": str(exc)}
+    res["machine"]["loadavg_end"] = os.getloadavg()
     return res
 
 
@@ -282,6 +289,12 @@ def parse_args(argv=None):
     p.add_argument("--ann-users", type=int, default=256)
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent a (P(rank r) ~ r^-a)")
     p.add_argument("--no-train", action="store_true", help="skip training: fp16 rows at their seeded init (eval / generation only)")
+    p.add_argument(
+        "--table-optimizer",
+        choices=["adamw", "rowwise_adagrad"],
+        default="adamw",
+        help="[train] table_optimizer: adamw (dense state and update) or rowwise_adagrad (looked-up rows only, R x 4 bytes of state)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

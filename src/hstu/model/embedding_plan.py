@@ -247,11 +247,12 @@ def _shared_memory_problems(need: int, host_budget: int | None, host_mem: int | 
     ]
 
 
-def state_bytes(table_optimizer: str, rows: int, dim: int) -> int:
-    """Bytes of the optimizer state of an R x d table: AdamW two float32 moments (R * d * 8),
-    row-wise AdaGrad one float32 per row (R * 4). ValueError for an unknown optimizer."""
+def state_bytes(table_optimizer: str, rows: int, dim: int, itemsize: int = 4) -> int:
+    """Bytes of the optimizer state of an R x d table with rows of ``itemsize`` bytes: AdamW two
+    moments in the rows' dtype (``torch.optim.AdamW`` allocates them like the parameter: R * d * 2 *
+    itemsize), row-wise AdaGrad one float32 per row (R * 4). ValueError for an unknown optimizer."""
     if table_optimizer == "adamw":
-        return int(rows) * int(dim) * 8
+        return int(rows) * int(dim) * 2 * int(itemsize)
     if table_optimizer == "rowwise_adagrad":
         return int(rows) * 4
     raise ValueError(f"[train] table_optimizer: unknown {table_optimizer!r}; valid: {', '.join(LOCAL_TABLE_OPTIMIZERS)}")
@@ -336,7 +337,7 @@ def plan_memory(
     any_host = "host" in places
     cache_used = cache if any_host else 0
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
-    opt = [0 if optimizer is None else state_bytes(optimizer, r, d) + grad_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
+    opt = [0 if optimizer is None else state_bytes(optimizer, r, d, it) + grad_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
     device_bytes = index_bytes + cache_used + sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "device")
     host_bytes = sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "host")
     if device_is_host:

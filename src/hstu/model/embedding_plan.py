@@ -264,6 +264,21 @@ def grad_bytes(table_optimizer: str, rows: int, dim: int, itemsize: int) -> int:
     return int(rows) * int(dim) * int(itemsize) if table_optimizer == "adamw" else 0
 
 
+def _check_sizes(num_embeddings, embedding_dim, num_overflow_rows, reserve_ratio) -> tuple[int, int, int]:
+    """(V, d, O) as ints; ValueError naming a field below 1 or a reserve_ratio outside [0, 1)."""
+    V, d, O = int(num_embeddings), int(embedding_dim), int(num_overflow_rows)
+    for name, value, ok in (
+        ("num_embeddings", num_embeddings, V >= 1),
+        ("embedding_dim", embedding_dim, d >= 1),
+        ("num_overflow_rows", num_overflow_rows, O >= 1),
+    ):
+        if not ok:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    if not 0.0 <= reserve_ratio < 1.0:
+        raise ValueError(f"reserve_ratio must be in [0, 1), got {reserve_ratio!r}")
+    return V, d, O
+
+
 def plan_memory(
     num_embeddings: int,
     embedding_dim: int,
@@ -306,16 +321,7 @@ def plan_memory(
     Raises:
         ValueError: a field out of range (the message names it).
     """
-    V, d, O = int(num_embeddings), int(embedding_dim), int(num_overflow_rows)
-    for name, value, ok in (
-        ("num_embeddings", num_embeddings, V >= 1),
-        ("embedding_dim", embedding_dim, d >= 1),
-        ("num_overflow_rows", num_overflow_rows, O >= 1),
-    ):
-        if not ok:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
-    if not 0.0 <= reserve_ratio < 1.0:
-        raise ValueError(f"reserve_ratio must be in [0, 1), got {reserve_ratio!r}")
+    V, d, O = _check_sizes(num_embeddings, embedding_dim, num_overflow_rows, reserve_ratio)
     T = V + O
     cache = parse_bytes(cache_bytes, field="cache_bytes")
     S = _shard_count(num_shards, dtype, T * d, parse_bytes(max_shard_bytes, field="max_shard_bytes"))

@@ -3,18 +3,15 @@ checkpoint every epoch → final evaluation of the best weights.
 
 One recipe for one process and for torchrun: :func:`fit` runs the epochs, evaluation, checkpoints
 and early stopping and calls a strategy's hooks for what differs (the PyTorch Lightning "strategy"
-idea): :class:`LocalStrategy` here (one device, the whole batch, AdamW on every parameter) and
-:class:`hstu.train.distributed.DistributedStrategy` (process group, TorchRec-sharded item table with
-its fused optimizer, DDP, each rank's slice of the global batch, all-reduced metrics, rank-0 writes).
-Both draw the same batches (:func:`epoch_batches`) and compute the same loss
-(:func:`hstu.train.losses.training_loss`).
+idea): :class:`LocalStrategy` here (one device, the whole batch, AdamW, or row-wise AdaGrad on the item
+table: ``[train] table_optimizer``) and :class:`hstu.train.distributed.DistributedStrategy` (TorchRec-sharded
+item table with its fused optimizer, DDP, each rank's slice of the global batch, all-reduced metrics, rank-0
+writes). Both draw the same batches (:func:`epoch_batches`) and compute the same loss (:func:`training_loss`).
 
-Features: deterministic with a seed (batch order, negatives, init); length-bucketed batches
-(padding costs little; results do not depend on the width since the divisor N is fixed);
-progress with loss and sequences/s (a bar on a terminal only) and one line per epoch
-(:mod:`hstu.train.logs`); metrics.csv written with each epoch's commit (:mod:`hstu.model.curves`);
-``resume`` continues from RUN_DIR/last.*; ``max_minutes`` stops after the epoch in which that much
-wall time has passed (committed, resumable; metrics.json ``status`` says so).
+Features: deterministic with a seed; length-bucketed or packed batches (``[train] packing``); progress and one
+line per epoch (:mod:`hstu.train.logs`); metrics.csv with each epoch's commit (:mod:`hstu.model.curves`);
+``resume`` continues from RUN_DIR/last.*; ``max_minutes`` stops after the epoch in which that much wall time
+has passed (committed, resumable; metrics.json ``status`` says so).
 
 Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs;
 BackendUnavailableError for a missing device; FileExistsError when RUN_DIR holds a run and

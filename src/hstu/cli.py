@@ -81,8 +81,8 @@ def cmd_eval(args) -> int:
     from hstu.train.evaluate import evaluate
     from hstu.train.logs import policy_text
 
-    model, cfg, _ = load_for_inference(args.run, args.device, args.precision)
-    log_, split, spec = _run_data(cfg, args.data_dir, args.protocol)
+    model, cfg, ids = load_for_inference(args.run, args.device, args.precision)
+    log_, split, spec = _run_data(cfg, args.data_dir, args.protocol, args=args, run=(args.run, ids))
     excl = log_.exclude_history_default if args.exclude_history is None else args.exclude_history
     out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device, exclude=excl)
     slices = _eval_slices(model, log_, split, args, excl) if args.slices else None
@@ -175,18 +175,30 @@ def run_data_dir(cfg: dict, data_dir: str | None = None) -> str:
     return recorded
 
 
-def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = None):
+def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = None, *, args=None, run=None):
     """The run's data set (:func:`run_data_dir`), as (EventLog, Split, DataSpec); a missing
-    directory says how to point at it."""
+    directory says how to point at it. ``args``: the command's flags, whose --columns / --format
+    must agree with the run's loader options (:func:`hstu.train.cli.run_loader_options`);
+    ``run``: (run directory, its idmap.json dict or None): the data's item ids must be the run's
+    (ValueError otherwise, :func:`hstu.runs.check_resume_items`)."""
+    from hstu.train.cli import run_loader_options
     from hstu.train.loop import DataSpec, prepare_data
 
-    spec = DataSpec(**{**cfg["data"], "data_dir": run_data_dir(cfg, data_dir), "items": None})  # item metadata: in idmap.json
+    data = cfg["data"]
+    if args is not None:
+        where = Path(run[0]) / "config.json" if run else "config.json"
+        data = {**data, "options": run_loader_options(data, args, where)}
+    spec = DataSpec(**{**data, "data_dir": run_data_dir(cfg, data_dir), "items": None})  # item metadata: in idmap.json
     if protocol:
         spec.protocol = protocol
     try:
         log_, split = prepare_data(spec)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{exc} (the run's {spec.dataset} data; pass --data-dir or set HSTU_DATA_DIR if it moved)") from None
+    if run is not None:
+        from hstu.runs import check_resume_items
+
+        check_resume_items(Path(run[0]), log_, ids=run[1], command=f"hstu {getattr(args, 'command', 'eval')}")
     return log_, split, spec
 
 
@@ -197,7 +209,7 @@ def cmd_generate(args) -> int:
     from hstu.model.checkpoint import read_json
 
     if args.all_users:  # the batch job (hstu.generate.batch): the data set read once
-        return cmd_all_users(args, lambda cfg: _run_data(cfg, args.data_dir)[0])
+        return cmd_all_users(args, lambda cfg: _run_data(cfg, args.data_dir, args=args, run=(args.run, None))[0])
     reject_batch_flags(args)
     if (args.user is None) == (args.history is None):
         raise ValueError("give exactly one of --user USER_ID, --history FILE or --all-users")
@@ -205,9 +217,12 @@ def cmd_generate(args) -> int:
     check_k(args.k, rec.model.cfg.max_output_len, "-k")
     cfg = read_json(Path(args.run) / "config.json")
     if args.history:
+        from hstu.train.cli import run_loader_options
+
+        run_loader_options(cfg["data"], args, Path(args.run) / "config.json")  # no data read, but a contradicting flag is refused
         hist = _history_from_file(args.history)
     else:
-        log_ = _run_data(cfg, args.data_dir)[0]
+        log_ = _run_data(cfg, args.data_dir, args=args, run=(args.run, rec.idmap))[0]
         args.user = log_.user_id(args.user)  # the data set's id (int, or trimmed text); KeyError names an unknown one
         hist = history_of(log_, args.user)
     if args.request_time is not None:
@@ -328,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_eval(sub) -> None:
+    from hstu.train.cli import add_loader_flags
+
     e = sub.add_parser("eval", help="evaluate a run (full ranking)")
     e.add_argument("--run", required=True)
     e.add_argument("--split", default="test", choices=["valid", "test"])
@@ -340,6 +357,7 @@ def _add_eval(sub) -> None:
     e.add_argument("--json", action="store_true")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     e.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
+    add_loader_flags(e, run=True)
     e.add_argument(
         "--slices",
         action="store_true",
@@ -351,6 +369,8 @@ def _add_eval(sub) -> None:
 
 
 def _add_generate(sub) -> None:
+    from hstu.train.cli import add_loader_flags
+
     q = sub.add_parser("generate", help="next-k items for a user, a history file, or every user (--all-users)")
     q.add_argument("--run", required=True)
     q.add_argument("--user", help="original user id in the run's data set (an integer, or a text id as in the data)")
@@ -372,6 +392,7 @@ def _add_generate(sub) -> None:
         help="the run's data set (for --user), if it moved since training "
         "(default: $HSTU_DATA_DIR, else the directory recorded in the run)",
     )
+    add_loader_flags(q, run=True)
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])

@@ -218,17 +218,19 @@ def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
             )
 
 
-def check_resume_items(run: Path, log_: EventLog) -> None:
-    """ValueError when the data's item ids are not the run's (idmap.json): its embeddings are
-    indexed by them, so training on (or rewriting the id map from) other data breaks the run."""
+def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, command: str = "--resume") -> None:
+    """ValueError when the data's item ids are not the run's (idmap.json, or ``ids``, that file
+    already read): its embeddings are indexed by them, so training on (or rewriting the id map
+    from) other data breaks the run, and evaluating or generating on other data (hstu eval /
+    generate, ``command`` in the message) scores the wrong items."""
     path = Path(run) / IDMAP
-    if not path.exists():
+    if ids is None and not path.exists():
         return
-    saved = read_json(path).get("item_raw_ids")
+    saved = (ids if ids is not None else read_json(path)).get("item_raw_ids")
     if saved is not None and saved != log_.item_raw_ids.tolist():
         raise ValueError(
-            f"--resume: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
-            f"({path}); resume with the data the run was trained on (--data-dir / $HSTU_DATA_DIR)"
+            f"{command}: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
+            f"({path}); use the data the run was trained on (--data-dir / $HSTU_DATA_DIR)"
         )
 
 

@@ -59,8 +59,7 @@ def add_train_parser(sub) -> None:
         "paper: all but last / last",
     )
     t.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows (the count is reported)")
-    t.add_argument("--columns", help="csv columns by name or 0-based position, e.g. user=uid,item=iid,time=ts (no time: order-only)")
-    t.add_argument("--format", help="csv file format, e.g. sep=;,header=none (sep: a character or tab|comma|semicolon|pipe|space)")
+    add_loader_flags(t)
     _add_feature_flags(t)
     t.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     t.add_argument(
@@ -135,6 +134,15 @@ def _add_recipe_flags(t) -> None:
     t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
     )
+
+
+def add_loader_flags(p, run: bool = False) -> None:
+    """``--columns`` / ``--format``, the loader options (DataSpec.options) of ``hstu train`` and, with
+    ``run``, of ``hstu eval`` / ``hstu generate``, where they default to the run's
+    (:func:`run_loader_options`)."""
+    tail = " (default: the run's; a different value is an error)" if run else ""
+    p.add_argument("--columns", help="csv columns by name or 0-based position, e.g. user=uid,item=iid,time=ts (no time: order-only)" + tail)
+    p.add_argument("--format", help="csv file format, e.g. sep=;,header=none (sep: a character or tab|comma|semicolon|pipe|space)" + tail)
 
 
 def _add_feature_flags(t) -> None:
@@ -356,3 +364,40 @@ def _data_options(args) -> dict:
         if getattr(args, k, None):
             flags[k] = ",".join(getattr(args, k))
     return {**getattr(args, "data_options", {}), **{k: v for k, v in flags.items() if v}}
+
+
+def run_loader_options(data: dict, args, config_path: Path) -> dict:
+    """The loader options of a trained run for ``hstu eval`` / ``hstu generate``: the run's
+    (config.json ``data.options``), with the --columns / --format given (:func:`_data_options`)
+    checked against them; a run that recorded none takes the flags.
+
+    Args:
+        data: the run's config.json ``data`` table; args: the command's parsed flags;
+        config_path: that config.json (named in the error).
+    Returns the options for DataSpec.options (a new dict).
+    Raises ValueError naming the flag, both values and the file where a flag's value differs from
+    the run's (compared parsed, :func:`hstu.data.delimited.parse_format` / ``parse_columns``, so
+    ``sep=tab`` equals ``sep=\\t``): the run's item ids and splits come from the data read its way.
+    """
+    given = _data_options(args)
+    saved = data.get("options")
+    if saved is None:
+        return given
+    for name, value in given.items():
+        if not _same_option(name, value, saved.get(name)):
+            raise ValueError(
+                f"--{name} is {value!r} here but {saved.get(name)!r} in the run ({config_path} data.options.{name}); "
+                "drop the flag (the run's is the default) or pass the run's value"
+            )
+    return dict(saved)
+
+
+def _same_option(name: str, a, b) -> bool:
+    """Whether two values of loader option ``name`` read the data the same way (None: not given)."""
+    from hstu.data.delimited import parse_columns, parse_format
+
+    if name == "format":
+        return parse_format(a) == parse_format(b)
+    if name == "columns" and a is not None and b is not None:
+        return parse_columns(a) == parse_columns(b)
+    return a == b

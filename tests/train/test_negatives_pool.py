@@ -152,12 +152,15 @@ def test_recipe_is_stated() -> None:
         "length_pool": 50,
         "loss_divisor": "batch",
         "packing": "off",
+        "table_optimizer": "adamw",
+        "table_learning_rate": TrainConfig().learning_rate,  # AdamW trains the table with the rest
     }
     r = L.recipe(TrainConfig(negatives_pool=512, length_pool=1))
     assert (r["negatives"], r["negatives_pool"], r["batching"]) == ("pool", 512, "random")
     assert L.recipe(TrainConfig(negatives_pool=0, negatives_chunk=1))["negatives"] == "per-position"
     assert L.recipe_text(TrainConfig(negatives_pool=0, negatives_chunk=4, num_negatives=9, length_pool=3)) == (
-        "negatives chunked (9 shared by runs of 4 positions), batching length-bucketed (pools of 3 batches), loss divisor batch"
+        "negatives chunked (9 shared by runs of 4 positions), batching length-bucketed (pools of 3 batches), loss divisor batch, "
+        "item table adamw (lr 0.001)"
     )
 
 
@@ -191,6 +194,8 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
         "length_pool": 1,
         "loss_divisor": "epoch",
         "packing": "off",
+        "table_optimizer": "adamw",
+        "table_learning_rate": train["learning_rate"],
     }
     assert "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, loss divisor epoch" in r.stderr
     assert np.isfinite(json.loads((out / "metrics.json").read_text())["test"]["HR@10"])

@@ -137,6 +137,8 @@ def test_world_of_one_runs_the_single_process_recipe(ml1m_dir, tmp_path) -> None
     for part in ("valid", "test"):
         assert dist[part] == pytest.approx(local[part], abs=1e-9)
     assert dist["distributed"]["world_size"] == 1 and "distributed" not in local
+    assert (dist["recipe"]["table_optimizer"], dist["recipe"]["table_learning_rate"]) == ("sgd", TABLE_LR)  # the strategy's own
+    assert (local["recipe"]["table_optimizer"], local["recipe"]["table_learning_rate"]) == ("adamw", tcfg.learning_rate)
     assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == sorted(p.name for p in (tmp_path / "local").iterdir())
 
 

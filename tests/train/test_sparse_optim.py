@@ -125,3 +125,61 @@ def test_bf16_hashed_table_trains_and_resumes_with_rowwise_adagrad(tmp_path):
     hist = read_history(tmp_path / "run")
     assert len(hist) == 2 and all(0 < e["loss"] < float("inf") for e in hist)
     assert all(abs(v) < float("inf") for k, v in m["test"].items() if k != "users")
+
+
+def test_table_optimizer_flags_train_as_the_config_fields_and_the_recipe_states_them(tmp_path, capsys):
+    """hstu train --table-optimizer rowwise_adagrad --table-learning-rate 0.05 trains the same
+    weights as fit with those [train] fields (same seed), other weights than AdamW's; config.json,
+    metrics.json's recipe and the log's recipe line state them; refusals name the flag."""
+    import json
+    import logging
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import TINY_MODEL, tiny_csv_flags
+
+    from hstu.cli import main
+    from hstu.data.prepare import DataSpec
+    from hstu.model.checkpoint import read_safetensors
+    from hstu.train import loop
+
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda rec: lines.append(rec.getMessage())
+    logger = logging.getLogger("hstu.train.loop")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        table = ["--table-optimizer", "rowwise_adagrad", "--table-learning-rate", "0.05"]
+        assert main(["train", *flags, *table, "--out", str(tmp_path / "cli"), "--quiet"]) == 0
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    train = json.loads((tmp_path / "cli" / "config.json").read_text())["train"]
+    assert (train["table_optimizer"], train["table_learning_rate"]) == ("rowwise_adagrad", 0.05)
+    rec = json.loads((tmp_path / "cli" / "metrics.json").read_text())["recipe"]
+    assert (rec["table_optimizer"], rec["table_learning_rate"]) == ("rowwise_adagrad", 0.05)
+    assert any(x.startswith("recipe: ") and x.endswith(", item table rowwise_adagrad (lr 0.05)") for x in lines), lines
+
+    spec = DataSpec("csv", flags[flags.index("--data-dir") + 1], options={"columns": "user=u,item=i,time=t"})
+    common = dict(epochs=1, batch_size=8, num_negatives=4, early_stopping_patience=99)
+    for name, kw in (("api", {"table_optimizer": "rowwise_adagrad", "table_learning_rate": 0.05}), ("adamw", {})):
+        loop.fit(tmp_path / name, ModelConfig(num_items=0, **TINY_MODEL), TrainConfig(**common, **kw), spec, progress=False)
+    w = {n: read_safetensors(tmp_path / n / "model.safetensors")["item_emb.weight"] for n in ("cli", "api", "adamw")}
+    assert torch.equal(w["cli"], w["api"]) and not torch.equal(w["cli"], w["adamw"])
+
+    capsys.readouterr()
+    for extra, err in (
+        (["--table-optimizer", "sgd"], "--table-optimizer sgd: FBGEMM's, only with --distributed; in one process: adamw, rowwise_adagrad"),
+        (["--table-learning-rate", "0.1"], "--table-learning-rate 0.1 needs --table-optimizer rowwise_adagrad"),
+        (["--distributed", "--table-optimizer", "adamw"], "--table-optimizer adamw: not an FBGEMM optimizer (--distributed)"),
+    ):
+        assert main(["train", *flags, *extra, "--out", str(tmp_path / "bad"), "--quiet"]) == 2
+        assert err in capsys.readouterr().err
+    data = flags[: flags.index("--config")]
+    resume = ["train", *data, "--epochs", "2", "--out", str(tmp_path / "cli"), "--resume", "--quiet"]
+    assert main([*resume, "--table-optimizer", "adamw"]) == 2
+    assert "--table-optimizer is 'adamw' here but 'rowwise_adagrad' in the run" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def add_train_parser(sub) -> None:
         "metrics.json status says why it stopped",
     )
     t.add_argument("--tensorboard", metavar="DIR", help="also write epoch scalars for TensorBoard to DIR (pip install 'hstu[tensorboard]')")
-    from hstu.train.dist_setup import SHARDING_TYPES, TABLE_OPTIMIZERS
+    from hstu.train.dist_setup import SHARDING_TYPES
 
     d = t.add_argument_group("distributed", "TorchRec-sharded item table, DDP dense layers (hstu.train.distributed)")
     d.add_argument(
@@ -89,16 +89,6 @@ def add_train_parser(sub) -> None:
     )
     d.add_argument(
         "--sharding", choices=list(SHARDING_TYPES), help="TorchRec layout of the item table (default row_wise; with --resume: the run's)"
-    )
-    d.add_argument(
-        "--table-optimizer",
-        choices=list(TABLE_OPTIMIZERS),
-        help="fused FBGEMM optimizer of the item table (CPU: sgd, adagrad, rowwise_adagrad; default rowwise_adagrad; --resume: the run's)",
-    )
-    d.add_argument(
-        "--table-learning-rate",
-        type=number_in(float, 0, lo_open=True),
-        help="default 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types); with --resume and the run's optimizer: the run's",
     )
     t.set_defaults(func=cmd_train)
 
@@ -133,6 +123,22 @@ def _add_recipe_flags(t) -> None:
     )
     t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
+    )
+    from hstu.config import LOCAL_TABLE_OPTIMIZERS
+    from hstu.train.dist_setup import TABLE_OPTIMIZERS
+
+    t.add_argument(
+        "--table-optimizer",
+        choices=list(dict.fromkeys([*LOCAL_TABLE_OPTIMIZERS, *TABLE_OPTIMIZERS])),
+        help="optimizer of the item table. One process: adamw (default; dense state) or rowwise_adagrad (looked-up rows only; "
+        "[train] table_optimizer); --distributed: FBGEMM's fused sgd, adagrad, rowwise_adagrad (default), adam, "
+        "partial_rowwise_adam (CPU: the first three). With --resume: the run's",
+    )
+    t.add_argument(
+        "--table-learning-rate",
+        type=number_in(float, 0, lo_open=True),
+        help="its learning rate. One process, rowwise_adagrad: default 0.1 ([train] table_learning_rate; adamw trains the table "
+        "at --learning-rate); --distributed: 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types). With --resume: the run's",
     )
 
 
@@ -197,6 +203,8 @@ def cmd_train(args) -> int:
     ):
         if getattr(args, name, None) is not None:
             setattr(tcfg, name, getattr(args, name))
+    if not args.distributed:  # under --distributed the flags choose FBGEMM's optimizer (_distributed_strategy)
+        _local_table_flags(args, tcfg, saved.get("train"))
     spec = DataSpec(
         args.dataset,
         str(Path(data_dir).resolve()),  # absolute: the run is read from any directory later
@@ -236,9 +244,11 @@ def torchrun_rank(args) -> int:
 def _distributed_strategy(args, saved: dict):
     """The --distributed strategy from the group's flags, those not given from the resumed run's
     config.json ``distributed`` table (``saved``); a missing TorchRec is an error a user can fix (exit 2)."""
-    from hstu.train.dist_setup import DistConfig
+    from hstu.train.dist_setup import TABLE_OPTIMIZERS, DistConfig
 
     opt = args.table_optimizer or saved.get("table_optimizer", "rowwise_adagrad")
+    if opt not in TABLE_OPTIMIZERS:
+        raise ValueError(f"--table-optimizer {opt}: not an FBGEMM optimizer (--distributed); valid: {', '.join(TABLE_OPTIMIZERS)}")
     lr = args.table_learning_rate
     if lr is None and opt == saved.get("table_optimizer"):
         lr = saved.get("table_learning_rate")
@@ -248,6 +258,30 @@ def _distributed_strategy(args, saved: dict):
         return DistributedStrategy(DistConfig(args.sharding or saved.get("sharding", "row_wise"), opt, lr))
     except ImportError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _local_table_flags(args, tcfg, saved: dict | None) -> None:
+    """--table-optimizer / --table-learning-rate onto ``tcfg`` (one process): ValueError for an
+    FBGEMM-only optimizer, a rate without rowwise_adagrad, or (``saved``: the resumed run's train
+    table) another optimizer than the run's, whose optimizer state has other groups."""
+    from hstu.config import LOCAL_TABLE_OPTIMIZERS
+
+    opt = args.table_optimizer
+    if opt is not None and opt not in LOCAL_TABLE_OPTIMIZERS:
+        raise ValueError(f"--table-optimizer {opt}: FBGEMM's, only with --distributed; in one process: {', '.join(LOCAL_TABLE_OPTIMIZERS)}")
+    if saved is not None and opt is not None and opt != saved.get("table_optimizer", "adamw"):
+        raise ValueError(
+            f"--resume: --table-optimizer is {opt!r} here but {saved.get('table_optimizer', 'adamw')!r} in the run "
+            f"({Path(args.out) / 'config.json'} train.table_optimizer); its optimizer state is that optimizer's"
+        )
+    tcfg.table_optimizer = opt or tcfg.table_optimizer
+    if args.table_learning_rate is not None:
+        if tcfg.table_optimizer != "rowwise_adagrad":
+            raise ValueError(
+                f"--table-learning-rate {args.table_learning_rate:g} needs --table-optimizer rowwise_adagrad "
+                f"(with {tcfg.table_optimizer} the table trains at --learning-rate)"
+            )
+        tcfg.table_learning_rate = args.table_learning_rate
 
 
 def _model_cfg(args):

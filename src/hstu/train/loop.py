@@ -71,7 +71,7 @@ from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import recipe, recipe_text, training_loss
-from hstu.train.sparse_optim import ROWWISE_DEFAULT_LR, TableAndDenseOptimizer
+from hstu.train.sparse_optim import TableAndDenseOptimizer, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
 # hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
@@ -202,7 +202,7 @@ class LocalStrategy:
         model.item_emb.sparse = True  # nn.Embedding and ShardedEmbedding: F.embedding(sparse=True)
         dense = [p for n, p in model.named_parameters() if not n.startswith("item_emb.")]
         table = [p for n, p in model.named_parameters() if n.startswith("item_emb.")]
-        return TableAndDenseOptimizer(dense, table, tcfg, tcfg.table_learning_rate or ROWWISE_DEFAULT_LR)
+        return TableAndDenseOptimizer(dense, table, tcfg, table_learning_rate(tcfg))
 
     def train(self, model: HSTUModel) -> None:
         model.train()
@@ -318,7 +318,7 @@ def _report(
         "exclude_history": bool(log_.exclude_history_default),  # the candidate policy of valid and test
         "status": status,
         "machine": strategy.machine(),
-        "recipe": recipe(tcfg),
+        "recipe": recipe(tcfg, strategy.extra.get("distributed")),
         **strategy.extra,
     }
     if calibration is not None:
@@ -430,7 +430,7 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
             remove_run_files(run)
         write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
         write_idmap(run, log_, split)
-        log.info("recipe: %s", recipe_text(tcfg))
+        log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed")))
     strategy.barrier()
     started, status = clock(), "completed"
     try:

@@ -30,6 +30,15 @@ from hstu.config import TrainConfig
 ROWWISE_DEFAULT_LR = 0.1
 
 
+def table_learning_rate(tcfg: TrainConfig) -> float:
+    """The item table's learning rate in the single-process recipe: ``tcfg.learning_rate`` under
+    ``table_optimizer`` "adamw" (the table is one of AdamW's parameters), else
+    ``tcfg.table_learning_rate`` or, when that is 0, :data:`ROWWISE_DEFAULT_LR`."""
+    if tcfg.table_optimizer != "rowwise_adagrad":
+        return tcfg.learning_rate
+    return tcfg.table_learning_rate or ROWWISE_DEFAULT_LR
+
+
 class RowwiseAdagrad(torch.optim.Optimizer):
     """Row-wise AdaGrad over 2-d parameters (R, d) with sparse (COO, from ``F.embedding(sparse=True)``)
     or dense gradients; see the module docstring for the update.

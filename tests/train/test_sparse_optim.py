@@ -183,3 +183,7 @@ def test_table_optimizer_flags_train_as_the_config_fields_and_the_recipe_states_
     resume = ["train", *data, "--epochs", "2", "--out", str(tmp_path / "cli"), "--resume", "--quiet"]
     assert main([*resume, "--table-optimizer", "adamw"]) == 2
     assert "--table-optimizer is 'adamw' here but 'rowwise_adagrad' in the run" in capsys.readouterr().err
+    assert main([*resume, "--table-learning-rate", "0.2"]) == 2
+    assert "--table-learning-rate is 0.2 here but 0.05 in the run" in capsys.readouterr().err
+    assert main([*resume, "--table-learning-rate", "0.05"]) == 0  # the run's own rate: resumed
+    assert len(json.loads((tmp_path / "cli" / "history.json").read_text())) == 2

@@ -263,7 +263,8 @@ def _distributed_strategy(args, saved: dict):
 def _local_table_flags(args, tcfg, saved: dict | None) -> None:
     """--table-optimizer / --table-learning-rate onto ``tcfg`` (one process): ValueError for an
     FBGEMM-only optimizer, a rate without rowwise_adagrad, or (``saved``: the resumed run's train
-    table) another optimizer than the run's, whose optimizer state has other groups."""
+    table) another optimizer or rate than the run's (its saved optimizer state has the run's groups
+    and rate)."""
     from hstu.config import LOCAL_TABLE_OPTIMIZERS
 
     opt = args.table_optimizer
@@ -275,6 +276,12 @@ def _local_table_flags(args, tcfg, saved: dict | None) -> None:
             f"({Path(args.out) / 'config.json'} train.table_optimizer); its optimizer state is that optimizer's"
         )
     tcfg.table_optimizer = opt or tcfg.table_optimizer
+    lr, was = args.table_learning_rate, (saved or {}).get("table_learning_rate", 0.0)
+    if saved is not None and lr is not None and lr != was:  # the saved param groups carry the run's rate
+        raise ValueError(
+            f"--resume: --table-learning-rate is {lr:g} here but {was:g} in the run ({Path(args.out) / 'config.json'} "
+            "train.table_learning_rate); the optimizer state resumes with the run's"
+        )
     if args.table_learning_rate is not None:
         if tcfg.table_optimizer != "rowwise_adagrad":
             raise ValueError(

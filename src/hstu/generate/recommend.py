@@ -90,6 +90,17 @@ class Prepared:
     block: list[int]
 
 
+@dataclass
+class Ranked:
+    """One history's generated items before they are described (what a model process answers,
+    :mod:`hstu.serve.wire`): ``items`` (k,) int64 dense ids, ``scores`` (k,) the engine's float
+    scores (cosine / temperature), ``actions`` (k,) int64 predicted action ids (0 = none) or None."""
+
+    items: np.ndarray
+    scores: np.ndarray
+    actions: np.ndarray | None = None
+
+
 class Recommender:
     def __init__(self, model: HSTUModel, idmap: dict, device: str = "cpu") -> None:
         self.model = model.eval()
@@ -338,16 +349,23 @@ class Recommender:
             never=never,
         )
 
-    def results(self, items: torch.Tensor, scores: torch.Tensor, actions: torch.Tensor | None, k: int) -> list[list[dict]]:
-        """Item dicts (:meth:`describe`) of (B, >= k) generated ``items`` / ``scores`` / ``actions``.
-        Raises ValueError naming the row when a score is not finite (JSON has no inf / nan)."""
+    def ranked(self, items: torch.Tensor, scores: torch.Tensor, actions: torch.Tensor | None, k: int) -> list[Ranked]:
+        """One :class:`Ranked` per row of (B, >= k) generated ``items`` / ``scores`` / ``actions``
+        (host arrays; bfloat16 scores widened to float32, exactly). Raises ValueError naming the
+        row when a score is not finite (JSON has no inf / nan)."""
         bad = (~torch.isfinite(scores[:, :k])).nonzero()
         if len(bad):
             r, j = (int(v) for v in bad[0])
             raise ValueError(f"generation produced a non-finite score ({float(scores[r, j])}) at row {r}, step {j}")
-        it, sc = items[:, :k].cpu().tolist(), scores[:, :k].cpu().tolist()
-        acts = actions[:, :k].cpu().tolist() if actions is not None else None
-        return [[self.describe(it[i][j], sc[i][j], acts[i][j] if acts else None) for j in range(k)] for i in range(len(it))]
+        sc = scores[:, :k].float() if scores.dtype == torch.bfloat16 else scores[:, :k]
+        it, sc = items[:, :k].cpu().numpy(), sc.cpu().numpy()
+        acts = actions[:, :k].cpu().numpy() if actions is not None else None
+        return [Ranked(it[i], sc[i], acts[i] if acts is not None else None) for i in range(len(it))]
+
+    def describe_ranked(self, r: Ranked) -> list[dict]:
+        """The item dicts (:meth:`describe`) of one history's :class:`Ranked` items, in rank order."""
+        acts = r.actions.tolist() if r.actions is not None else [None] * len(r.items)
+        return [self.describe(i, s, a) for i, s, a in zip(r.items.tolist(), r.scores.tolist(), acts)]
 
     def _action_ids(self, actions: list[str] | None, keep: np.ndarray, warnings: list[str]) -> np.ndarray:
         """(len(keep),) int64 action ids (1.. in ``action_names`` order, 0 = none) of the kept
@@ -407,8 +425,13 @@ class Recommender:
             item["meta"] = meta
         return item
 
+    def recommend(self, preps: list[Prepared], k: int = 5, **options) -> list[list[dict]]:
+        """Next-k items for each prepared history: one list of k item dicts (:meth:`describe`)
+        per history, in order. ``options`` and errors as :meth:`rank`, whose items these are."""
+        return [self.describe_ranked(r) for r in self.rank(preps, k, **options)]
+
     @torch.inference_mode()
-    def recommend(
+    def rank(
         self,
         preps: list[Prepared],
         k: int = 5,
@@ -419,9 +442,9 @@ class Recommender:
         engine: Engine | None = None,
         bucket: int | None = None,
         **decode_kwargs,
-    ) -> list[list[dict]]:
-        """Next-k items for each prepared history, through the engine; one list of k item dicts
-        (:meth:`describe`) per history, in order.
+    ) -> list[Ranked]:
+        """Next-k items for each prepared history, through the engine, as dense ids: one
+        :class:`Ranked` per history, in order (:meth:`recommend` describes them).
 
         Args:
             preps: histories from :meth:`prepare` (1..max_seq_len known events each).
@@ -458,7 +481,7 @@ class Recommender:
             bucket=bucket,
             **vars(d),  # strategy, top_k, temperature, beam_width, seed (a flat dataclass: no deep copy as asdict)
         )
-        return self.results(res.items, res.scores, res.actions, k)
+        return self.ranked(res.items, res.scores, res.actions, k)
 
 
 _UNSET = object()  # a feature an event does not name (History.features)

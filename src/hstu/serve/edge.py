@@ -58,7 +58,7 @@ class BodyTimeout(StarletteHTTPException):
 def json_response(body: Any, status: int = 200, headers: dict | None = None) -> Response:
     """``body`` (dicts, lists, str, int, float, bool, None) as an ``application/json`` response, encoded
     by orjson: one pass in native code (a 5-item /v1/generate answer: ~1.4 us against ~11 us for
-    Starlette's JSONResponse, ``json.dumps``; ``benchmarks/serve_load.py --wire`` measures both).
+    Starlette's JSONResponse, ``json.dumps``; ``benchmarks/serve_wire.py`` measures both).
     Compact UTF-8 as JSONResponse, except that a non-finite float is written as ``null`` (where
     JSONResponse raises).
 

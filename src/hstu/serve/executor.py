@@ -35,7 +35,8 @@ from hstu.serve.runner import BatchRunner, Job
 class BatchOutcome:
     """What one batch produced.
 
-    results: per job, a result or the exception it raised (None when the batch was shed).
+    results: per job, a result (generate: :class:`~hstu.generate.recommend.Ranked`; score: (C,)
+    float64 scores) or the exception it raised (None when the batch was shed).
     seconds: model time of the batch (s). memory: (free bytes after the guard's action, total
     bytes) when the guard checked. triggered: free memory was below the threshold.
     shed: the message when memory stayed low and the batch was not run.
@@ -106,7 +107,8 @@ class Executor(Protocol):
 
 
 def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: list[Job]) -> BatchOutcome:
-    """Memory guard, then ``runner.run_batch``: the body of a batch on either executor."""
+    """Memory guard, then ``runner.run_batch``: the body of a batch on either executor. Generate
+    results stay :class:`~hstu.generate.recommend.Ranked` (the service describes them)."""
     memory, triggered = None, False
     if guard is not None:
         res = guard.check()
@@ -117,7 +119,7 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
                     None, 0.0, memory, True, f"free memory {res.free_after} B is below the guard threshold {res.threshold} B; load shed"
                 )
     t0 = time.perf_counter()
-    results = runner.run_batch(edge, jobs)
+    results = runner.run_batch(edge, jobs, describe=False)
     return BatchOutcome(results, time.perf_counter() - t0, memory, triggered)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from hstu.config import DecodeOptions  # re-exported: the one decoding-options type (hstu.serve.schemas.Decoding maps onto it)
-from hstu.generate.recommend import Prepared, Recommender
+from hstu.generate.recommend import Prepared, Ranked, Recommender
 from hstu.generate.requests import smallest_edge
 
 log = logging.getLogger(__name__)
@@ -140,12 +140,15 @@ class BatchRunner:
 
     # ----- execution -----
     @torch.inference_mode()
-    def run_batch(self, bucket: int, jobs: list[Job]) -> list[Any]:
+    def run_batch(self, bucket: int, jobs: list[Job], describe: bool = True) -> list[Any]:
         """Execute one bucket's batch; returns, per job in order, a result or the exception it raised.
 
         A generate result is the list of k item dicts of ``Recommender.describe``
-        ({"item_id" (original id), "score", "title"?, "action"?, "category"?}); a score result is
-        a (C,) float64 NumPy array of scores in candidate order (NaN where the id is unknown).
+        ({"item_id" (original id), "score", "title"?, "action"?, "category"?}), or with
+        ``describe=False`` its :class:`~hstu.generate.recommend.Ranked` dense ids, scores and
+        actions (what the executors answer: the service describes them, so a model process sends
+        arrays, :mod:`hstu.serve.wire`); a score result is a (C,) float64 NumPy array of scores in
+        candidate order (NaN where the id is unknown).
         """
         if bucket not in self.buckets:
             raise ValueError(f"unknown bucket {bucket}; valid: {self.buckets}")
@@ -159,6 +162,8 @@ class BatchRunner:
                 self._guarded(out, score_idx, lambda sub: self._score(bucket, [jobs[i] for i in sub]))
             for idx, run in self._generate_groups(bucket, jobs):
                 self._guarded(out, idx, run)
+        if describe:
+            out = [self.rec.describe_ranked(r) if isinstance(r, Ranked) else r for r in out]
         return out
 
     @staticmethod
@@ -207,11 +212,11 @@ class BatchRunner:
             allow = self.rec.allows_untrained(j0.allow_untrained)
             yield idx, (lambda sub, e=excl, a=allow: self._generate(bucket, [jobs[i] for i in sub], e, a))
 
-    def _generate(self, bucket: int, group: list[Job], excl: bool, allow: bool) -> list[list[dict]]:
+    def _generate(self, bucket: int, group: list[Job], excl: bool, allow: bool) -> list[Ranked]:
         d = group[0].decoding
         kmax = max(j.k for j in group)
         preps = [j.prepared for j in group]
-        lists = self.rec.recommend(
+        ranked = self.rec.rank(
             preps,
             kmax,
             decoding=d,
@@ -220,7 +225,7 @@ class BatchRunner:
             engine=self.engine,
             bucket=bucket if self.engine is not None else None,
         )
-        return [items[: j.k] for items, j in zip(lists, group)]
+        return [Ranked(r.items[: j.k], r.scores[: j.k], None if r.actions is None else r.actions[: j.k]) for r, j in zip(ranked, group)]
 
     def _score(self, bucket: int, jobs: list[Job]) -> list[np.ndarray]:
         model = self.model

@@ -328,7 +328,7 @@ class Service:
             dec = d.options() if d else DecodeOptions()
             self.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone
             bucket = self.model.bucket_for(len(prep.ids))
-            items = await self.batcher.submit(
+            ranked = await self.batcher.submit(
                 bucket,
                 Job(
                     "generate",
@@ -340,7 +340,7 @@ class Service:
                 ),
                 time.perf_counter() - t0,
             )
-            n, cold = len(prep.ids), False
+            items, n, cold = self.rec.describe_ranked(ranked), len(prep.ids), False  # dense ids -> original ids, titles
         dt = time.perf_counter() - t0
         self.metrics.request_duration.labels(endpoint="/v1/generate", bucket="cold_start" if cold else str(bucket)).observe(dt)
         self.metrics.generated_items.inc(len(items))

@@ -4,7 +4,9 @@
 builds the runner once), so the event loop and the model run on separate cores in parallel (vLLM
 V1 splits its API server and engine core the same way). Each process has one duplex
 ``multiprocessing`` pipe: the event loop sends a call (a batch packed as one header and its arrays'
-bytes, :mod:`hstu.serve.wire`; the rare calls pickled) and reads the answer in a ``loop.add_reader`` callback, so no thread of this process takes part
+bytes, :mod:`hstu.serve.wire`, answered the same way: dense item ids, scores and action ids, or an
+error; the rare calls and their answers pickled) and reads the answer in a ``loop.add_reader``
+callback, so no thread of this process takes part
 (``ProcessPoolExecutor`` routes every call through a manager and a feeder thread, each waiting for
 the GIL behind the event loop: 0.7 ms per round trip alone, more under load; a bare pipe 0.3 ms).
 A process that dies (killed, out of memory) is seen as the pipe's end, is replaced in the
@@ -36,7 +38,7 @@ from hstu.serve.admission import BucketCost
 from hstu.serve.executor import BatchOutcome, LocalModel, ModelRestart, batch_guard, execute, warm_and_measure
 from hstu.generate.requests import smallest_edge
 from hstu.serve.runner import BatchRunner, Job
-from hstu.serve.wire import TAG, pack_jobs, unpack_jobs
+from hstu.serve.wire import ANSWER, TAG, pack_answer, pack_jobs, unpack_answer, unpack_jobs
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +123,10 @@ _OPS = {"info": _worker_info, "execute": _worker_execute, "warmup": _worker_warm
 
 
 def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
-    """The model process: load, then answer calls ``(op, args)`` in order with ``("ok", value)``
-    or ``("err", exception)`` until "stop" or the pipe's end (the serving process is gone)."""
+    """The model process: load, then answer calls in order until "stop" or the pipe's end (the
+    serving process is gone): a packed batch with a packed answer (its outcome or its error,
+    :func:`hstu.serve.wire.pack_answer`), a pickled ``(op, args)`` with ``("ok", value)`` or
+    ``("err", exception)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains, then stops us
     _worker_init(spec, warm)
     while True:
@@ -130,21 +134,32 @@ def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
             buf = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        try:  # a batch comes packed (hstu.serve.wire), any other call pickled
-            op, args = ("execute", unpack_jobs(buf)) if buf[:1] == TAG else ForkingPickler.loads(buf)
+        packed = buf[:1] == TAG  # a batch comes packed and is answered packed (hstu.serve.wire), any other call pickled
+        try:
+            op, args = ("execute", unpack_jobs(buf)) if packed else ForkingPickler.loads(buf)
         except Exception as exc:  # noqa: BLE001 - a message that does not decode: answered, the process keeps serving
-            conn.send(("err", RuntimeError(f"model process: cannot read the call: {type(exc).__name__}: {exc}")))
+            _reply_error(conn, packed, RuntimeError(f"model process: cannot read the call: {type(exc).__name__}: {exc}"))
             continue
         if op == "stop":
             return
         try:
-            reply = ("ok", _OPS[op](*args))
-        except Exception as exc:  # noqa: BLE001 - raised again in the serving process, as itself
-            reply = ("err", exc)
+            value, ok = _OPS[op](*args), True
+        except Exception as exc:  # noqa: BLE001 - raised again in the serving process (wire.error_from / pickled as itself)
+            value, ok = exc, False
         try:
-            conn.send(reply)
-        except Exception as exc:  # noqa: BLE001 - an answer that does not pickle (send writes nothing then)
-            conn.send(("err", RuntimeError(f"model process: cannot send the {op} answer: {type(exc).__name__}: {exc}")))
+            if packed:
+                conn.send_bytes(pack_answer(value))
+            else:
+                conn.send(("ok", value) if ok else ("err", value))
+        except Exception as exc:  # noqa: BLE001 - an answer that does not encode (nothing was written then)
+            _reply_error(conn, packed, RuntimeError(f"model process: cannot send the {op} answer: {type(exc).__name__}: {exc}"))
+
+
+def _reply_error(conn, packed: bool, err: Exception) -> None:
+    if packed:
+        conn.send_bytes(pack_answer(err))
+    else:
+        conn.send(("err", err))
 
 
 class ModelProcessDied(RuntimeError):
@@ -215,8 +230,12 @@ class _Channel:
                 buf = self.conn.recv_bytes()
                 fut = self.pending.popleft()
                 try:
-                    status, value = ForkingPickler.loads(buf)
-                except Exception as exc:  # noqa: BLE001 - e.g. an exception type that does not unpickle
+                    if buf[:1] == ANSWER:  # a batch's answer (hstu.serve.wire): an outcome, or the call's error
+                        value = unpack_answer(buf)
+                        status = "err" if isinstance(value, BaseException) else "ok"
+                    else:
+                        status, value = ForkingPickler.loads(buf)
+                except Exception as exc:  # noqa: BLE001 - a frame that does not decode, an exception type that does not unpickle
                     status, value = "err", RuntimeError(f"cannot read the model process's answer: {type(exc).__name__}: {exc}")
                 if not fut.done():  # a cancelled waiter's answer is dropped
                     fut.set_result(value) if status == "ok" else fut.set_exception(value)

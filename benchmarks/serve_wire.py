@@ -1,0 +1,125 @@
+"""The model-process pipe side by side: packed frames (hstu.serve.wire) against pickle, per batch.
+
+    python benchmarks/serve_wire.py --run RUN_DIR [--batch 16] [--k 5] [--json PATH]
+
+One process, one thread, rounds interleaved, median of ``--rounds``. A batch of ``--batch`` generate
+jobs of 20..200 ML-1M-sized events (dense ids drawn from the run's items) and its answer:
+
+- ``call``: the serving process encodes the batch, the model process decodes it. Pickle of the Job
+  list (``multiprocessing``'s ForkingPickler, what a pipe ``send`` does) against
+  :func:`~hstu.serve.wire.pack_jobs` / :func:`~hstu.serve.wire.unpack_jobs`.
+- ``answer``: the model process encodes the outcome, the serving process decodes it and has the
+  item dicts of every job. Before: the model process described the items (``Recommender.describe``)
+  and pickled ``("ok", BatchOutcome)`` of dict lists; now it packs the dense ids, scores and actions
+  (:func:`~hstu.serve.wire.pack_answer`) and the serving process unpacks and describes them. The
+  figures are split by process (``model_us``, ``serving_us``): the serving process's share is the
+  one the HTTP event loop pays.
+- ``response``: a 5-item /v1/generate body encoded by orjson (``edge.json_response``) against
+  ``json.dumps`` (Starlette's JSONResponse).
+
+The load average before and after is recorded; on a shared machine the ratios of interleaved
+timings move less than the microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from hstu.config import DecodeOptions
+from hstu.generate.recommend import Prepared, Ranked, Recommender
+from hstu.serve.executor import BatchOutcome
+from hstu.serve.runner import Job
+from hstu.serve.wire import pack_answer, pack_jobs, unpack_answer, unpack_jobs
+
+
+def _batch(n_items: int, batch: int, k: int, seed: int) -> tuple[list[Job], list[Ranked]]:
+    rng = np.random.default_rng(seed)
+    jobs, ranked = [], []
+    for _ in range(batch):
+        n = int(rng.integers(20, 201))
+        ids = rng.integers(1, n_items + 1, n).astype(np.int64)
+        ts = np.sort(rng.integers(9e8, 1e9, n)).astype(np.int64)
+        prep = Prepared(ids, ts, np.zeros(n, np.int64), np.zeros(n, np.int64), 10**9, [], [])
+        jobs.append(Job("generate", prep, k=k, decoding=DecodeOptions()))
+        items = rng.choice(np.arange(1, n_items + 1), k, replace=False).astype(np.int64)
+        ranked.append(Ranked(items, np.sort(rng.standard_normal(k).astype(np.float32))[::-1].copy(), None))
+    return jobs, ranked
+
+
+def _us(fn, reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="run directory (its id map and titles describe the items)")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=300)
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    rec = Recommender.mapping_only(args.run)
+    jobs, ranked = _batch(rec.model.cfg.num_items, args.batch, args.k, 0)
+    seconds, memory = 0.0123, (1 << 33, 1 << 34)
+    dumps, loads = (lambda o: bytes(ForkingPickler.dumps(o))), ForkingPickler.loads
+
+    def old_model() -> bytes:  # describe in the model process, pickle the dict lists
+        return dumps(("ok", BatchOutcome([rec.describe_ranked(r) for r in ranked], seconds, memory)))
+
+    def new_model() -> bytes:
+        return pack_answer(BatchOutcome(ranked, seconds, memory))
+
+    old_answer, new_answer = old_model(), new_model()
+    old_call, new_call = dumps(("execute", (50, jobs))), pack_jobs(50, jobs)
+    cases = {
+        "call_encode": (lambda: dumps(("execute", (50, jobs))), lambda: pack_jobs(50, jobs)),
+        "call_decode": (lambda: loads(old_call), lambda: unpack_jobs(new_call)),
+        "answer_model": (old_model, new_model),
+        "answer_serving": (lambda: loads(old_answer), lambda: [rec.describe_ranked(r) for r in unpack_answer(new_answer).results]),
+    }
+    body = {"user_id": 7, "items": rec.describe_ranked(ranked[0]), "bucket": 50, "latency_ms": 3.2, "history_length": 44, "warnings": []}
+    cases["response"] = (lambda: json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(), lambda: orjson.dumps(body))
+    assert loads(old_answer)[1].results == [rec.describe_ranked(r) for r in unpack_answer(new_answer).results]
+    times: dict[str, tuple[list[float], list[float]]] = {c: ([], []) for c in cases}
+    for _ in range(args.rounds):
+        for name, (old, new) in cases.items():
+            times[name][0].append(_us(old, args.reps))
+            times[name][1].append(_us(new, args.reps))
+    out = {
+        "command": "benchmarks/serve_wire.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "batch": args.batch,
+        "k": args.k,
+        "bytes": {"call_pickle": len(old_call), "call_packed": len(new_call)}
+        | {"answer_pickle": len(old_answer), "answer_packed": len(new_answer)},
+        "load_avg_start": load_start,
+    }
+    for name, (old, new) in times.items():
+        o, n = statistics.median(old), statistics.median(new)
+        out[name] = {"before_us": round(o, 1), "now_us": round(n, 1), "ratio": round(o / n, 2)}
+    out["load_avg_end"] = os.getloadavg()
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

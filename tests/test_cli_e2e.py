@@ -331,3 +331,16 @@ def test_eval_and_generate_refuse_data_with_other_items(semicolon_run, command, 
     cmd = ["eval", "--run", str(d / "run")] if command == "eval" else ["generate", "--run", str(d / "run"), "--user", "3"]
     assert main([*cmd, "--data-dir", str(d / "other.txt")]) == 2
     assert f"hstu {command}: the data's 19 item ids are not the run's 20" in capsys.readouterr().err
+
+
+def test_a_loader_flag_against_a_run_without_that_option_names_the_default():
+    from argparse import Namespace
+    from pathlib import Path
+
+    from hstu.train.cli import run_loader_options
+
+    given = Namespace(columns=None, format="sep=;")
+    with pytest.raises(ValueError, match=r"--format is 'sep=;' here but none \(the loader's default\) in the run \(r/config\.json"):
+        run_loader_options({"options": {}}, given, Path("r/config.json"))
+    assert run_loader_options({"options": {}}, Namespace(columns=None, format="header=yes"), Path("c")) == {}  # the default, spelt out
+    assert run_loader_options({}, given, Path("c")) == {"format": "sep=;"}  # a run that recorded no options: the flags

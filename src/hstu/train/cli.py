@@ -426,8 +426,9 @@ def run_loader_options(data: dict, args, config_path: Path) -> dict:
         return given
     for name, value in given.items():
         if not _same_option(name, value, saved.get(name)):
+            was = repr(saved[name]) if name in saved else "none (the loader's default)"
             raise ValueError(
-                f"--{name} is {value!r} here but {saved.get(name)!r} in the run ({config_path} data.options.{name}); "
+                f"--{name} is {value!r} here but {was} in the run ({config_path} data.options.{name}); "
                 "drop the flag (the run's is the default) or pass the run's value"
             )
     return dict(saved)

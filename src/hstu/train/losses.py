@@ -275,9 +275,12 @@ class _SampledScores(torch.autograd.Function):
             P, K = q.shape[0], rows.shape[0]
             c = max(1, SCORE_BLOCK // max(K, 1))
             grows = rows.new_zeros(rows.shape[1], K)  # (d, K): qᵀ G measured ~20 % faster than Gᵀ q
+            buf = g.new_zeros(min(c, P), K)  # one block of G, zeroed once and reset at its M entries per row
             for a in range(0, P, c):
-                G = g.new_zeros(min(c, P - a), K).scatter_add_(1, cols[a : a + c], g[a : a + c])
+                G = buf[: min(c, P - a)]
+                G.scatter_add_(1, cols[a : a + c], g[a : a + c])
                 grows.addmm_(q[a : a + c].T, G)
+                G.scatter_(1, cols[a : a + c], 0.0)
             grows = grows.T
         return gq, grows, None
 

@@ -291,9 +291,10 @@ def sampled_scores(q: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> t
     its autograd gradients (up to float rounding), without holding the (P x K) product or its
     gradient: the forward takes blocks of ~``SCORE_BLOCK`` elements of q · rowsᵀ and keeps the
     picked columns; the backward computes dL/dq as a weighted bag of rows (``F.embedding_bag``,
-    per-sample weights dL/dout) and dL/drows = Gᵀ q by blocks of the sparse (P x K) G. Measured on
-    ML-1M (P ~ 14k, K = 3707, M = 128, d = 50, 1 thread): ~145 ms forward and backward where the
-    whole-S autograd graph took ~410 ms (benchmarks/packing_speed.py measures the training step).
+    per-sample weights dL/dout) and dL/drows = Gᵀ q by blocks of the sparse (P x K) G. Measured side
+    by side at ML-1M sizes (P = 14k, K = 3707, M = 128, d = 50, 1 thread, load ~4): 135-170 ms forward
+    and backward where the whole product's autograd graph took 505-545 ms (benchmarks/packing_speed.py
+    --scores measures the training step).
 
     Args:
         q: (P, d) float rows; rows: (K, d) of the same dtype and device.

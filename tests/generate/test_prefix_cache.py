@@ -88,18 +88,14 @@ def test_truncated_history_shifts_and_misses(model):
 
 def test_lru_bound_in_bytes():
     def entry(n):
-        z = torch.zeros(n, dtype=torch.int64)
-        return PrefixEntry(
-            ids=z, timestamps=z.clone(), actions=z.clone(), categories=z.clone(), k=[torch.zeros(1, n - 1, 4)], v=[torch.zeros(1, n - 1, 4)]
-        )
+        return PrefixEntry(events=torch.zeros(n, 4, dtype=torch.int64), k=torch.zeros(2, 1, n - 1, 4), v=torch.zeros(2, 1, n - 1, 4))
 
-    one = 4 * 8 * 10 + 2 * 4 * 9 * 4  # 4 int64 vectors of 10 + two float32 (1, 9, 4)
+    one = 4 * 8 * 10 + 2 * 2 * 4 * 9 * 4  # (10, 4) int64 events + two float32 (2, 1, 9, 4)
     cache = PrefixCache(max_bytes=3 * one)
     for u in "abc":
         assert cache.put(u, entry(10))
     assert cache.bytes == 3 * one and len(cache) == 3
-    z = torch.zeros(10, dtype=torch.int64)
-    assert cache.lookup("a", z, z, z, z) is not None  # "a" is now the most recent
+    assert cache.lookup("a", torch.zeros(10, 4, dtype=torch.int64)) is not None  # "a" is now the most recent
     cache.put("d", entry(10))
     assert "b" not in cache and {"a", "c", "d"} <= {u for u in "abcd" if u in cache}
     assert cache.stats.evictions == 1 and cache.bytes <= cache.max_bytes

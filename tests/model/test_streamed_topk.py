@@ -124,6 +124,19 @@ def test_pick_streamed_equals_pick_on_the_full_scores(strategy):
     assert torch.equal(got_score, scores.gather(1, want.view(-1, 1)).view(-1))
 
 
+def test_greedy_pick_is_the_first_maximal_index_under_ties():
+    """pick("greedy") is argmax: the lowest id among exact ties, -inf rows and half / bfloat16 scores
+    included; checked against a Python scan of each row (not against argmax itself)."""
+    g = torch.Generator().manual_seed(4)
+    for I in (7, 3707, 9001):
+        s = torch.randint(0, 3, (9, I), generator=g).float()  # many exact ties
+        s[0] = float("-inf")
+        s[1, :5] = float("-inf")
+        for t in (s, s.half(), s.bfloat16(), s[:, 1:]):
+            want = [max(range(t.shape[1]), key=lambda j, r=r: (t[r, j].item(), -j)) for r in range(t.shape[0])]
+            assert pick(t, "greedy", 1, 1.0, None).tolist() == want
+
+
 def test_beam_candidates_equal_the_full_log_softmax_top_w():
     model = _float_model()
     index = model.item_index()

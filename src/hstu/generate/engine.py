@@ -381,11 +381,9 @@ class Engine:
         for E in self.edges:
             rows = [i for i in range(len(r.bucket_of)) if r.bucket_of[i] == E]
             hits: dict[int, PrefixEntry] = {}
-            if rows and self.prefix is not None and r.user_ids is not None and r.use_cache:
+            if rows and r.events is not None:
                 for i in rows:
-                    e = self.prefix.lookup(
-                        r.user_ids[i], *(r.req[n][i, : r.lengths[i]] for n in ("ids", "timestamps", "actions", "categories"))
-                    )
+                    e = self.prefix.lookup(r.user_ids[i], r.events[i, : r.lengths[i]])
                     if e is not None:
                         hits[i] = e
             for g in ([i for i in rows if i not in hits], [i for i in rows if i in hits]):
@@ -410,7 +408,7 @@ class Engine:
     def _run_group(self, E: int, rows: list[int], r: EngineCall, hits: dict[int, PrefixEntry]) -> None:
         """Rows ``rows`` of the call (one bucket, at most max_batch // W users): load the bucket's
         static inputs, prefill (or copy cached prefixes and extend), decode, write ``r.out``."""
-        c, dev, W, k, req, out, use_cache = self.model.cfg, self.device, r.width, r.k, r.req, r.out, r.use_cache
+        dev, W, k, req, out, use_cache = self.device, r.width, r.k, r.req, r.out, r.use_cache
         strategy, top_k, temperature = r.strategy, r.top_k, r.temperature
         b = self._bucket(E, use_cache)
         Bu = len(rows)
@@ -429,18 +427,16 @@ class Engine:
             b.start[:Bp].zero_()
             b.start[:Bu] = P
             for j, i in enumerate(rows):
-                e = hits[i]
-                for li in range(c.num_blocks):
-                    b.hk[li][j, :, : e.rows].copy_(e.k[li])
-                    b.hv[li][j, :, : e.rows].copy_(e.v[li])
+                b.load_prefix(j, hits[i])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
             user = self._runner(b, ("extend", Bp, T), lambda e, p: runners.extend_fn(e, p, Bp, T))()
             out.prefix_rows[ri] = P
         else:
             user = self._runner(b, ("prefill", Bp), lambda e, p: runners.prefill_fn(e, p, Bp))()
-        if self.prefix is not None and r.user_ids is not None and use_cache:
-            self._store_prefix(b, rows, L, r.user_ids)
+        for j, i in enumerate(rows if r.events is not None else ()):  # the prefix cache: rows 0..L-2 of each history
+            if r.lengths[i] >= 2:
+                self.prefix.put(r.user_ids[i], b.prefix_entry(j, r.events[i, : r.lengths[i]]))
         # ---- decode ----
         if W > 1:
             user = user.repeat_interleave(W, dim=0)  # (R, d)
@@ -465,11 +461,6 @@ class Engine:
         if out.beam_logprob is not None and blp is not None:
             out.beam_logprob[ri] = blp[:Bu]
         decode_loop.store_exclusions(req["exclude"], ri, None if final_excl is None else final_excl[:Bu], items[:Bu])
-
-    def _store_prefix(self, b: BucketPool, rows, L: torch.Tensor, user_ids) -> None:
-        for j, i in enumerate(rows):
-            if int(L[j]) >= 2:
-                self.prefix.put(user_ids[i], b.prefix_entry(j, int(L[j])))
 
     def _repeat(self, req: dict, ri: torch.Tensor, Bp: int, W: int) -> tuple | None:
         """The repeat head's bias of a group (rows ``ri`` of the request, padded to Bp users, each

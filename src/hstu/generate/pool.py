@@ -176,17 +176,19 @@ class BucketPool:
         ]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
-    def prefix_entry(self, j: int, n: int) -> PrefixEntry:
-        """Row j's first n events and the K/V of their first n - 1 rows, copied out for the user-prefix
-        cache (the last row is recomputed on a hit: its time bias used this request's time)."""
-        return PrefixEntry(
-            ids=self.ids[j, :n].clone(),
-            timestamps=self.t[j, :n].clone(),
-            actions=self.actions[j, :n].clone(),
-            categories=self.categories[j, :n].clone(),
-            k=[hk[j, :, : n - 1].clone() for hk in self.hk],
-            v=[hv[j, :, : n - 1].clone() for hv in self.hv],
-        )
+    def prefix_entry(self, j: int, events: torch.Tensor) -> PrefixEntry:
+        """Row j's history ``events`` (n, 3 + F) int64 (:func:`hstu.generate.prefix_cache.history_events`)
+        and the K/V of its first n - 1 rows in every layer, copied out for the user-prefix cache (the
+        last row is recomputed on a hit: its time bias used this request's time); one stack per K / V."""
+        n = events.shape[0]
+        k = torch.stack([t[j, :, : n - 1] for t in self.hk])  # (Ly, H, n - 1, d_qk)
+        return PrefixEntry(events=events.clone(), k=k, v=torch.stack([t[j, :, : n - 1] for t in self.hv]))
+
+    def load_prefix(self, j: int, e: PrefixEntry) -> None:
+        """A prefix-cache hit's rows 0..P-1 of every layer into row j's history slots."""
+        for li, (hk, hv) in enumerate(zip(self.hk, self.hv)):
+            hk[j, :, : e.rows].copy_(e.k[li])
+            hv[j, :, : e.rows].copy_(e.v[li])
 
     def load(self, req: dict, ri: torch.Tensor, L: torch.Tensor, rt: torch.Tensor, Bp: int, arange: torch.Tensor) -> None:
         """Copy request rows ``ri`` (Bu,) into the static inputs, then Bp - Bu padding users (length 1,

@@ -12,7 +12,7 @@ Invalidation: a history that does not start with the cached events (edited, reor
 shifted because it passed the longest bucket and was truncated to its most recent events)
 drops the entry and counts as a miss.
 
-Symbols: Ly layers, H heads, P = L - 1 cached rows, d_qk / d_v. Tensors live on the engine's
+Symbols: Ly layers, H heads, P = L - 1 cached rows, d_qk / d_v, F side-feature columns. Tensors live on the engine's
 device. Thread-safe (one lock around the table).
 """
 
@@ -33,26 +33,33 @@ log = logging.getLogger(__name__)
 class PrefixEntry:
     """One user's cached prefix.
 
-    ids, timestamps, actions, categories: (L,) int64, the L events the rows were computed from.
-    k, v: per layer (H, L - 1, d_qk) and (H, L - 1, d_v): rows 0..L-2 of every layer.
+    events: (L, 3 + F) int64, the L events the rows were computed from, one row each: item id,
+        timestamp, action, category column(s) (:func:`history_events`; zeros where absent).
+    k, v: (Ly, H, L - 1, d_qk) and (Ly, H, L - 1, d_v): rows 0..L-2 of every layer, one tensor each
+        (one copy in and out per user, whatever the depth).
     """
 
-    ids: torch.Tensor
-    timestamps: torch.Tensor
-    actions: torch.Tensor
-    categories: torch.Tensor
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    events: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
     nbytes: int = 0
 
     @property
     def length(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.events.shape[0])
 
     @property
     def rows(self) -> int:
         """Reusable rows P = L - 1."""
         return self.length - 1
+
+
+def history_events(ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor, categories: torch.Tensor) -> torch.Tensor:
+    """A batch's events as the prefix cache keys them: (B, W) int64 ids, timestamps and actions and
+    (B, W) or (B, W, 1 + F) int64 categories -> (B, W, 3 + F) int64, one op for the batch, so that a
+    lookup compares one (L, 3 + F) block per user instead of four vectors."""
+    B, W = ids.shape
+    return torch.cat([ids.unsqueeze(-1), timestamps[:, :W].unsqueeze(-1), actions.unsqueeze(-1), categories.reshape(B, W, -1)], dim=-1)
 
 
 @dataclass
@@ -87,12 +94,10 @@ class PrefixCache:
     def __contains__(self, user: Hashable) -> bool:
         return user in self._table
 
-    def lookup(
-        self, user: Hashable, ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor, categories: torch.Tensor
-    ) -> PrefixEntry | None:
+    def lookup(self, user: Hashable, events: torch.Tensor) -> PrefixEntry | None:
         """The entry whose events are a prefix of this history (L' >= L), else None.
 
-        Args: one history's live events, (L',) int64 each (actions / categories zeros if absent).
+        Args: ``events`` (L', 3 + F) int64, one history's live events (:func:`history_events`).
         A present entry that is not a prefix is dropped (invalidation). A hit moves the entry
         to the most-recent end. Counts hits / misses / invalidations.
         """
@@ -102,15 +107,7 @@ class PrefixCache:
                 self.stats.misses += 1
                 return None
             L = e.length
-            ok = (
-                ids.shape[0] >= L
-                and e.rows >= 1
-                and torch.equal(ids[:L], e.ids)
-                and torch.equal(timestamps[:L], e.timestamps)
-                and torch.equal(actions[:L], e.actions)
-                and torch.equal(categories[:L], e.categories)
-            )
-            if not ok:
+            if not (events.shape[0] >= L and e.rows >= 1 and torch.equal(events[:L], e.events)):
                 self._drop(user)
                 self.stats.invalidations += 1
                 self.stats.misses += 1
@@ -123,9 +120,7 @@ class PrefixCache:
     def put(self, user: Hashable, entry: PrefixEntry) -> bool:
         """Store (replace) a user's entry, evicting least-recently-used ones to fit. False if
         the entry alone exceeds ``max_bytes`` (not stored)."""
-        entry.nbytes = sum(
-            t.numel() * t.element_size() for t in (entry.ids, entry.timestamps, entry.actions, entry.categories, *entry.k, *entry.v)
-        )
+        entry.nbytes = sum(t.numel() * t.element_size() for t in (entry.events, entry.k, entry.v))
         with self._lock:
             self._drop(user)
             if entry.nbytes > self.max_bytes:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from hstu.generate.hardening import check_inputs_on
+from hstu.generate.prefix_cache import history_events
 from hstu.generate.sampler import Exclusions, GenerationResult, check_candidates
 
 if TYPE_CHECKING:
@@ -37,7 +38,9 @@ class EngineCall(NamedTuple):
     """One checked call: ``req`` the (B, ...) tensors the groups read (ids, timestamps, lengths,
     actions, categories, request_time, exclude, item_category), ``bucket_of`` / ``lengths`` B host
     ints, ``width`` beams per user (1 unless beam search), ``out`` the result to fill, and the
-    call's decoding arguments as Engine.generate takes them."""
+    call's decoding arguments as Engine.generate takes them. ``events``: (B, W, 3 + F) int64
+    (:func:`hstu.generate.prefix_cache.history_events`) when the user-prefix cache is on for this
+    call (a cache, ``user_ids`` and the KV cache), else None."""
 
     req: dict
     bucket_of: list[int]
@@ -50,6 +53,7 @@ class EngineCall(NamedTuple):
     temperature: float
     user_ids: Sequence[Hashable] | None
     use_cache: bool
+    events: torch.Tensor | None = None
 
 
 def check_engine_sizes(cfg, buckets, max_batch: int, k_max: int) -> tuple[int, ...]:
@@ -135,7 +139,8 @@ def prepare_request(
     )
     req = {"ids": ids, "timestamps": timestamps, "lengths": lengths, "actions": actions, "categories": categories}
     req.update(request_time=request_time, exclude=exclude, item_category=item_category)
-    return EngineCall(req, bucket_of, L_host, W, out, k, strategy, top_k, temperature, user_ids, use_cache)
+    events = history_events(ids, timestamps, actions, categories) if eng.prefix is not None and user_ids is not None and use_cache else None
+    return EngineCall(req, bucket_of, L_host, W, out, k, strategy, top_k, temperature, user_ids, use_cache, events)
 
 
 def smallest_edge(edges, length: int, *, truncate: bool = False) -> int:

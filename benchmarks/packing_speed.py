@@ -6,7 +6,8 @@ negatives scheme; prints and writes sequences/s of each, their ratio, the paddin
 ``--scores``: also the packed per-position recipe (negatives_chunk 1) with its loss's sampled scores
 computed by blocks (:func:`hstu.train.losses.sampled_scores`, the loss as it is) against the whole
 (positions x items) product and its autograd gradient (the formula it replaced), and the packed chunked
-scheme (negatives_chunk 16) for scale, alternating per batch.
+scheme (negatives_chunk 16) and the default recipe (its own length-bucketed batches of the same epoch;
+``--batches 47``: the whole epoch) for scale, alternating per batch.
 
     OMP_NUM_THREADS=1 python benchmarks/packing_speed.py --batches 12 --scores --out benchmarks/results/packing_speed.json
 """
@@ -27,6 +28,7 @@ from hstu.data.batching import packed_train_batch, train_batch
 from hstu.data.prepare import DataSpec, model_config_for, prepare_data
 from hstu.model.hstu import build_hstu
 from hstu.train.loop import LocalStrategy, dense_adamw, epoch_batches
+from hstu.train.losses import recipe
 
 
 def whole_product_scores(q: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -34,30 +36,34 @@ def whole_product_scores(q: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
     return (q @ rows.T).gather(1, cols)
 
 
-def timed_steps(log_, split, batches, variants: dict) -> tuple[dict, int]:
-    """Seconds of each variant's training steps (batch, forward, loss, backward, AdamW) on the same
-    batches, alternating per batch, each variant with its own model from the same seed;
-    ``variants``: name -> (TrainConfig, sampled-scores function). Batch 0 warms up."""
+def timed_steps(log_, split, batches, variants: dict) -> tuple[dict, dict]:
+    """Seconds and sequences of each variant's training steps (batch, forward, loss, backward, AdamW),
+    alternating per batch, each variant with its own model from the same seed; ``variants``: name ->
+    (TrainConfig, sampled-scores function[, its own batches]), by default ``batches`` (then the same
+    batches and negatives for every variant). Each variant's batch 0 warms up."""
     models, opts = {}, {}
-    for name, (tc, _) in variants.items():
+    for name, (tc, *_) in variants.items():
         torch.manual_seed(0)
         models[name] = build_hstu(model_config_for(log_, model_config_from_preset("small"), True)).train()
         opts[name] = dense_adamw(models[name].parameters(), tc)
+    own = {name: (v[2] if len(v) > 2 else batches) for name, v in variants.items()}
     st = LocalStrategy()
     st.start("cpu", next(iter(variants.values()))[0])
-    secs, seqs = dict.fromkeys(variants, 0.0), 0
-    for i, ub in enumerate(batches):
-        for name, (tc, scores) in variants.items():  # alternate: every variant sees the same load
+    secs, seqs = dict.fromkeys(variants, 0.0), dict.fromkeys(variants, 0)
+    for i in range(max(len(b) for b in own.values())):
+        for name, (tc, scores, *_) in variants.items():  # alternate: every variant sees the same load
+            if i >= len(own[name]):
+                continue
             losses.sampled_scores = scores
             gen = torch.Generator().manual_seed(i)  # the same negatives for every variant
             t0 = time.perf_counter()
-            loss, _ = st.step(models[name], log_, split, ub, tc, gen)
+            loss, _ = st.step(models[name], log_, split, own[name][i], tc, gen)
             opts[name].zero_grad(set_to_none=True)
             loss.backward()
             opts[name].step()
             if i:
                 secs[name] += time.perf_counter() - t0
-        seqs += len(ub) if i else 0
+                seqs[name] += len(own[name][i])
     losses.sampled_scores = BLOCKED
     return secs, seqs
 
@@ -80,7 +86,8 @@ def main(argv=None) -> int:
     for chunk in (int(c) for c in args.chunks.split(",") if c):
         tc = {m: TrainConfig(negatives_chunk=chunk, length_pool=1, packing=m) for m in ("off", "pack")}
         batches = epoch_batches(log_, split, tc["off"], W, 1)[: args.batches + 1]
-        secs, seqs = timed_steps(log_, split, batches, {m: (tc[m], BLOCKED) for m in tc})
+        secs, n = timed_steps(log_, split, batches, {m: (tc[m], BLOCKED) for m in tc})
+        seqs = n["off"]
         tokens = {"off": [0, 0], "pack": [0, 0]}
         for ub in batches[1:]:
             for mode, make in (("off", train_batch), ("pack", packed_train_batch)):
@@ -100,17 +107,22 @@ def main(argv=None) -> int:
         batches = epoch_batches(log_, split, tc, W, 1)[: args.batches + 1]
         c16 = TrainConfig(negatives_chunk=16, length_pool=1, packing="pack")  # the chunked scheme, for scale
         variants = {"whole_product": (tc, whole_product_scores), "blocks": (tc, BLOCKED), "chunk16": (c16, BLOCKED)}
-        secs, seqs = timed_steps(log_, split, batches, variants)
-        r = {m: seqs / secs[m] for m in secs}
+        dflt = TrainConfig()  # the default recipe, on its own (length-bucketed) batches of the same epoch
+        variants["default"] = (dflt, BLOCKED, epoch_batches(log_, split, dflt, W, 1)[: args.batches + 1])
+        secs, n = timed_steps(log_, split, batches, variants)
+        r = {m: n[m] / secs[m] for m in secs}
+        seqs = n["blocks"]
         ratio = r["blocks"] / r["whole_product"]
         results["chunk1_pack_scores"] = {
             "sequences_per_s": r,
             "blocks_over_whole_product": ratio,
             "blocks_over_chunk16": r["blocks"] / r["chunk16"],
-            "sequences_timed": seqs,
+            "blocks_over_default": r["blocks"] / r["default"],
+            "default_recipe": recipe(dflt),
+            "sequences_timed": n,
         }
         print(f"packed chunk 1: whole product {r['whole_product']:.1f}, blocks {r['blocks']:.1f} seq/s, ratio {ratio:.2f}", flush=True)
-        print(f"packed chunk 16 (shared negatives): {r['chunk16']:.1f} seq/s", flush=True)
+        print(f"packed chunk 16 (shared negatives): {r['chunk16']:.1f}, the default recipe {r['default']:.1f} seq/s", flush=True)
     out = {
         "machine": machine(),
         "git_commit": git_commit(),

@@ -237,7 +237,8 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
     ``args.url`` when set. ``args`` fields: url, run, max_batch, max_wait_ms, threads, buckets,
     precision, model_workers (0: no model process), server_args (more flags), server_cpus ("0,1"),
     client_cpus_rest, verbose, server_src (optional: the src/ directory the server imports hstu from;
-    default the one this module is in). Returns (process or None, base URL, the server's CPUs or None).
+    default the one this module is in), ready_timeout_s (optional, default 120; a start that compiles
+    its graphs takes longer). Returns (process or None, base URL, the server's CPUs or None).
 
     Raises:
         ServerStartError: the server printed no "listening on" line or was not ready in time.
@@ -287,7 +288,8 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
         proc.kill()
         raise ServerStartError(f"hstu serve did not start (got {line!r}); run `{' '.join(cmd)}` to see why")
     url = m.group(1)
-    deadline = time.monotonic() + 120
+    ready_s = getattr(args, "ready_timeout_s", None) or 120
+    deadline = time.monotonic() + ready_s
     while True:
         try:
             if httpx.get(url + "/readyz", timeout=5).status_code == 200:
@@ -296,7 +298,7 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
             pass
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
-            raise ServerStartError("hstu serve was not ready within 120 s")
+            raise ServerStartError(f"hstu serve was not ready within {ready_s:g} s")
         time.sleep(0.2)
     if cpus is not None and args.client_cpus_rest:
         rest = [c for c in range(ncpu) if c not in cpus]

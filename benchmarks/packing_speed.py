@@ -6,8 +6,9 @@ negatives scheme; prints and writes sequences/s of each, their ratio, the paddin
 ``--scores``: also the packed per-position recipe (negatives_chunk 1) with its loss's sampled scores
 computed by blocks (:func:`hstu.train.losses.sampled_scores`, the loss as it is) against the whole
 (positions x items) product and its autograd gradient (the formula it replaced), and the packed chunked
-scheme (negatives_chunk 16) and the default recipe (its own length-bucketed batches of the same epoch;
-``--batches 47``: the whole epoch) for scale, alternating per batch.
+scheme (negatives_chunk 16) and the former default recipe (before issue 20: chunk 16, length pools of 50, not
+packed; its own length-bucketed batches of the same epoch; ``--batches 47``: the whole epoch) for scale,
+alternating per batch. (The packed per-position recipe is today's default, TrainConfig().)
 
     OMP_NUM_THREADS=1 python benchmarks/packing_speed.py --batches 12 --scores --out benchmarks/results/packing_speed.json
 """
@@ -23,7 +24,7 @@ import torch
 
 import hstu.train.losses as losses
 from _quality import command, git_commit, machine, write_json
-from hstu.config import TrainConfig, model_config_from_preset
+from hstu.config import LEGACY_TRAIN_DEFAULTS, TrainConfig, model_config_from_preset
 from hstu.data.batching import packed_train_batch, train_batch
 from hstu.data.prepare import DataSpec, model_config_for, prepare_data
 from hstu.model.hstu import build_hstu
@@ -107,8 +108,8 @@ def main(argv=None) -> int:
         batches = epoch_batches(log_, split, tc, W, 1)[: args.batches + 1]
         c16 = TrainConfig(negatives_chunk=16, length_pool=1, packing="pack")  # the chunked scheme, for scale
         variants = {"whole_product": (tc, whole_product_scores), "blocks": (tc, BLOCKED), "chunk16": (c16, BLOCKED)}
-        dflt = TrainConfig()  # the default recipe, on its own (length-bucketed) batches of the same epoch
-        variants["default"] = (dflt, BLOCKED, epoch_batches(log_, split, dflt, W, 1)[: args.batches + 1])
+        dflt = TrainConfig(**LEGACY_TRAIN_DEFAULTS)  # the former default, on its own (length-bucketed) batches of the epoch
+        variants["former_default"] = (dflt, BLOCKED, epoch_batches(log_, split, dflt, W, 1)[: args.batches + 1])
         secs, n = timed_steps(log_, split, batches, variants)
         r = {m: n[m] / secs[m] for m in secs}
         seqs = n["blocks"]
@@ -117,12 +118,12 @@ def main(argv=None) -> int:
             "sequences_per_s": r,
             "blocks_over_whole_product": ratio,
             "blocks_over_chunk16": r["blocks"] / r["chunk16"],
-            "blocks_over_default": r["blocks"] / r["default"],
-            "default_recipe": recipe(dflt),
+            "blocks_over_former_default": r["blocks"] / r["former_default"],
+            "former_default_recipe": recipe(dflt),
             "sequences_timed": n,
         }
         print(f"packed chunk 1: whole product {r['whole_product']:.1f}, blocks {r['blocks']:.1f} seq/s, ratio {ratio:.2f}", flush=True)
-        print(f"packed chunk 16 (shared negatives): {r['chunk16']:.1f}, the default recipe {r['default']:.1f} seq/s", flush=True)
+        print(f"packed chunk 16 (shared negatives): {r['chunk16']:.1f}, former default {r['former_default']:.1f} seq/s", flush=True)
     out = {
         "machine": machine(),
         "git_commit": git_commit(),

@@ -8,7 +8,11 @@ interval over users of the test HR@10 / NDCG@10 difference (benchmarks/ablate_ml
     python benchmarks/recipe_small.py --base both --run default=/tmp/hC/run_default \\
         --command default='hstu train --preset small --epochs 5 --out /tmp/hC/run_default' ... --out benchmarks/results
 
-Trains nothing: the runs are made beforehand (one at a time, in the background).
+Trains nothing: the runs are made beforehand (one at a time, in the background). A run's name is only a label:
+what it trained is its metrics.json ``recipe``. `hstu train` without recipe flags trains the default recipe,
+since issue 20 the packed per-position one (negatives_chunk 1, length_pool 1, packing "auto"); the files named
+``default`` committed before that (recipe_small_default*.json) hold the former default, which the flags
+``--negatives-chunk 16 --length-pool 50 --packing off`` still train.
 """
 
 from __future__ import annotations

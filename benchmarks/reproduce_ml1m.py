@@ -10,7 +10,7 @@ full-ranking evaluation), side by side with the published numbers and the refere
     python benchmarks/reproduce_ml1m.py --epochs 2 --paper-epochs 2 --max-users 200 --runs /tmp/m --out /tmp/m_out  # smoke
 
 Recipe (issue 3 / reference ML-1M config): AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
-batch 128, 128 uniform negatives per position (paper protocol; clean shares a set per 16), temperature 0.05,
+batch 128, 128 uniform negatives per position, random batches, packed rows (TrainConfig defaults), temperature 0.05,
 L2-normalised embeddings, dropout 0.2,
 max_seq_len 200, up to 101 epochs.
 
@@ -74,15 +74,18 @@ REFERENCE_TRAJECTORY = {
     45: (0.2863, 0.1609),
 }
 TOLERANCE = 0.005
-# Batching per protocol: the paper protocol reproduces the reference's trajectory with its random
-# batches (measured: length-sorted batches reach test HR@10 .179 at epoch 5, random ones .198; the
-# reference .205); the clean protocol keeps length-sorted batches, ~3x faster per epoch on CPU.
-POOL_DEFAULT = {"paper": 1, "clean": 50}
-# Negatives per protocol: the paper protocol uses the reference's per-position negatives (1), with which our
-# trajectory tracks the reference's (test HR@10 .2046 / .2540 at epochs 5 / 10 against .1982 / .2502 with one
-# set per 16 positions and the reference's .2048 / .2561); the clean protocol shares a set per 16 positions
-# (~1.3x faster per epoch here).
-CHUNK_DEFAULT = {"paper": 1, "clean": 16}
+# The recipe per protocol: the default one (issue 20) for both, the reference's per-position negatives (1) and
+# random batches (1), packed rows where the trainer and kernel set can (TrainConfig.packing "auto"). Measured:
+# on the small preset, 5 epochs, clean protocol, test HR@10 .2058 / NDCG@10 .1093 against the reference-like
+# recipe's .2055 / .1097 (paired CI contains 0), paper protocol epoch 5 .2127 against the reference's .2048
+# (benchmarks/results/recipe_small_pack_chunk1_blocks.json); the former clean recipe (one set of negatives per 16
+# positions, length-sorted pools of 50 batches: --negatives-chunk 16 --length-pool 50 --packing off) reached .1762.
+POOL_DEFAULT = {"paper": 1, "clean": 1}
+CHUNK_DEFAULT = {"paper": 1, "clean": 1}
+# Run directories are named against the recipe each protocol had before issue 20 (clean: chunk 16, pool 50, not
+# packed; paper: 1, 1, not packed), so the runs already in RUNS/ keep their meaning: the former clean default is
+# RUNS/hstu-small-clean, today's RUNS/hstu-small-clean-chunk1-pool1-packauto.
+NAMED_AGAINST = {"paper": (1, 1, "off"), "clean": (16, 50, "off")}
 SPEED_FLOOR_SMALL = 85.0
 # The reference's ML-1M training recipe (issue 3), shared with benchmarks/ablate_ml1m.py.
 RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0, "num_negatives": 128}
@@ -102,16 +105,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--length-pool",
         type=int,
-        help="batches sorted by length within pools of this many batches; default 1 (random batches, "
-        "the reference's) under the paper protocol, 50 (our faster recipe) under clean; another "
-        "value adds a -poolN suffix to the run directory",
+        help="batches sorted by length within pools of this many batches; default 1 (random batches, the reference's "
+        "and TrainConfig's); 50 was the clean protocol's before issue 20",
     )
     p.add_argument(
         "--negatives-chunk",
         type=int,
-        help="positions sharing one set of 128 negatives; default 1 (per position, the reference's scheme) "
-        "under the paper protocol, 16 (~1.3x faster per epoch here) under clean; another value adds "
-        "a -chunkN suffix to the run directory",
+        help="positions sharing one set of 128 negatives; default 1 (per position, the reference's and TrainConfig's); "
+        "16 was the clean protocol's before issue 20",
+    )
+    p.add_argument(
+        "--packing",
+        choices=["auto", "off", "pack"],
+        default="auto",
+        help="TrainConfig.packing (default auto: packed rows where the trainer and kernel set can); the former clean "
+        "recipe: --negatives-chunk 16 --length-pool 50 --packing off (the run directory RUNS/MODEL-clean)",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -175,10 +183,12 @@ def main(argv=None) -> int:
         for protocol in protocols:
             pool = args.length_pool or POOL_DEFAULT[protocol]
             chunk = args.negatives_chunk or CHUNK_DEFAULT[protocol]
+            was_chunk, was_pool, was_packing = NAMED_AGAINST[protocol]
             run = runs / (
                 f"{name}-{protocol}"
-                + (f"-chunk{chunk}" if chunk != CHUNK_DEFAULT[protocol] else "")
-                + (f"-pool{pool}" if pool != POOL_DEFAULT[protocol] else "")
+                + (f"-chunk{chunk}" if chunk != was_chunk else "")
+                + (f"-pool{pool}" if pool != was_pool else "")
+                + (f"-pack{args.packing}" if args.packing != was_packing else "")
                 + (f"-seed{args.seed}" if args.seed != 42 else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
                 epochs=epochs,
                 negatives_chunk=chunk,
                 length_pool=pool,
+                packing=args.packing,
                 seed=args.seed,
                 early_stopping_patience=args.patience,
                 num_threads=args.threads,
@@ -272,8 +283,8 @@ def main(argv=None) -> int:
                     "holds": c["test"]["HR@10"] > sas["test"]["HR@10"] and c["test"]["NDCG@10"] > sas["test"]["NDCG@10"],
                 }
     speed = {f"{n}-{p}": results[n][p]["sequences_per_s"] for n in results for p in protocols if p in results[n]}
-    # the floor is on our recipe (clean: length-sorted batches, negatives per 16 positions); the paper protocol
-    # runs the reference's slower recipe on purpose (random batches, per-position negatives), reported as is
+    # the floor is on the clean protocol's run of the recipe trained (the default: per-position negatives, random
+    # batches, packed rows); both protocols train the same recipe since issue 20
     floors["speed_sequences_per_s"] = {
         "values": speed,
         "floor_small": SPEED_FLOOR_SMALL,

@@ -173,22 +173,25 @@ class TrainConfig:
     weight_decay: float = 0.0
     num_negatives: int = 128
     # Each run of this many consecutive positions shares its own 128 negatives (1 = per
-    # position as in the reference, >= max_seq_len = per sequence); see train/losses.py.
-    negatives_chunk: int = 16
+    # position as in the reference, the default; >= max_seq_len = per sequence); see train/losses.py.
+    negatives_chunk: int = 1
     # > 0: per-position negatives drawn from one pool of this many distinct items per batch, scored
     # as one (positions x pool) GEMM (train/losses.py pool_softmax_loss); negatives_chunk is then unused.
     negatives_pool: int = 0
     # Batches of sequences of similar length (pools of this many batches are sorted by length
-    # before cutting; padding costs little) or 1 = random batches as in the reference.
-    length_pool: int = 50
+    # before cutting; padding costs little) or 1 = random batches as in the reference (the default).
+    length_pool: int = 1
     # The divisor of a batch's summed position losses: "batch" = its own positions P_b (the mean);
     # "epoch" = the epoch's mean P over its batches, so every position weighs the same whatever its
     # batch (length-bucketed batches of short sequences otherwise weigh their positions up to ~10x).
     loss_divisor: str = "batch"
     # "pack": each batch's sequences are packed into rows of width max_seq_len (first-fit decreasing,
     # data/batching.py packed_train_batch) with a same-user attention mask, so short users share a row
-    # instead of padding; the loss is the padded batch's. "off": one sequence per padded row.
-    packing: str = "off"
+    # instead of padding; the loss is the padded batch's. "off": one sequence per padded row. "auto" (the
+    # default): "pack" where the trainer and the run's attention kernel set support it (KernelSet.segments,
+    # an hstu model without a repeat head), else "off"; resolved once when training starts
+    # (train/losses.py resolve_packing) and recorded resolved in config.json and metrics.json "recipe".
+    packing: str = "auto"
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256
@@ -211,8 +214,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
         if self.negatives_pool < 0:
             raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
-        if self.packing not in ("off", "pack"):
-            raise ValueError(f"TrainConfig.packing ([train] packing) must be 'off' or 'pack', got {self.packing!r}")
+        if self.packing not in ("auto", "off", "pack"):
+            raise ValueError(f"TrainConfig.packing ([train] packing) must be 'auto', 'off' or 'pack', got {self.packing!r}")
         if self.loss_divisor not in ("batch", "epoch"):
             raise ValueError(f"TrainConfig.loss_divisor must be 'batch' or 'epoch', got {self.loss_divisor!r}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
@@ -458,5 +461,13 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return _from_dict(ModelConfig, data, "model config")
 
 
-def train_config_from_dict(data: dict[str, Any]) -> TrainConfig:
-    return _from_dict(TrainConfig, data, "train config")
+# The recipe fields whose defaults changed (issue 20: the packed per-position recipe became the default) and
+# their values before: a run's saved config.json without one of them was trained with these.
+LEGACY_TRAIN_DEFAULTS: dict[str, Any] = {"negatives_chunk": 16, "length_pool": 50, "packing": "off"}
+
+
+def train_config_from_dict(data: dict[str, Any], *, saved: bool = False) -> TrainConfig:
+    """A TrainConfig from ``data`` (a ``[train]`` table, or with ``saved`` a run's config.json ``train``
+    table, whose missing fields of :data:`LEGACY_TRAIN_DEFAULTS` take those old values, not today's
+    defaults: an older run resumes with its own recipe). ValueError names the field."""
+    return _from_dict(TrainConfig, {**LEGACY_TRAIN_DEFAULTS, **data} if saved else data, "train config")

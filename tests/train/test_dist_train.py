@@ -57,7 +57,10 @@ def _configs(data_dir: str):
     from hstu.train.distributed import DistConfig
 
     mcfg = model_config_from_preset("small", max_seq_len=20, embedding_dim=16, d_qk=16, d_v=16, dropout=0.0)
-    tcfg = TrainConfig(epochs=1, batch_size=21, num_negatives=16, negatives_chunk=4, seed=3, eval_batch_size=64, learning_rate=1e-3)
+    # length_pool 50: the batches _reference cuts (length_bucketed_batches' default pool), pinned since the default became 1
+    tcfg = TrainConfig(
+        epochs=1, batch_size=21, num_negatives=16, negatives_chunk=4, length_pool=50, seed=3, eval_batch_size=64, learning_rate=1e-3
+    )
     spec = DataSpec("ml-1m", data_dir, max_users=64)
     return mcfg, tcfg, spec, DistConfig(table_optimizer="sgd", table_learning_rate=TABLE_LR)
 

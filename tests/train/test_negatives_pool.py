@@ -143,7 +143,7 @@ def test_training_loss_uses_the_pool_of_the_config() -> None:
 
 
 def test_recipe_is_stated() -> None:
-    assert L.recipe(TrainConfig(negatives_pool=0, negatives_chunk=16, length_pool=50)) == {
+    assert L.recipe(TrainConfig(negatives_pool=0, negatives_chunk=16, length_pool=50, packing="off")) == {
         "negatives": "chunked",
         "num_negatives": 128,
         "negatives_chunk": 16,
@@ -188,16 +188,17 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
     assert rec == {
         "negatives": "pool",
         "num_negatives": 4,
-        "negatives_chunk": 16,
+        "negatives_chunk": 1,  # the default (unused by the pool scheme)
         "negatives_pool": 12,
         "batching": "random",
         "length_pool": 1,
         "loss_divisor": "epoch",
-        "packing": "off",
+        "packing": "pack",  # the default "auto", resolved: this run can pack
         "table_optimizer": "adamw",
         "table_learning_rate": train["learning_rate"],
     }
-    assert "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, loss divisor epoch" in r.stderr
+    line = "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, packed rows, loss divisor epoch"
+    assert line in r.stderr
     assert np.isfinite(json.loads((out / "metrics.json").read_text())["test"]["HR@10"])
 
 

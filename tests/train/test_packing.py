@@ -149,3 +149,20 @@ def test_hstu_train_packing_flag_is_stated_in_the_recipe(tmp_path) -> None:
     assert json.loads((out / "config.json").read_text())["train"]["packing"] == "pack"
     assert json.loads((out / "metrics.json").read_text())["recipe"]["packing"] == "pack"
     assert "batching random, packed rows, loss divisor batch" in r.stderr
+
+
+def test_a_step_of_auto_is_the_packed_step_where_it_can_pack(ml1m_slice) -> None:
+    """LocalStrategy.step on a TrainConfig left at "auto" (callers of train_one_epoch outside fit): the
+    packed step, to the bit, on the CPU's reference kernels; the padded one where the model cannot pack."""
+    log_, split = ml1m_slice
+    users, st = _users(log_, split), LocalStrategy()
+    st.start("cpu", TrainConfig())
+
+    def loss(model, packing: str) -> float:
+        tcfg = TrainConfig(num_negatives=8, packing=packing)
+        return st.step(model, log_, split, users, tcfg, torch.Generator().manual_seed(5))[0].detach().item()
+
+    model = _model(log_)
+    assert loss(model, "auto") == loss(model, "pack") != loss(model, "off")  # chunk 1: the draws follow the layout
+    sasrec = _model(log_, architecture="sasrec")
+    assert loss(sasrec, "auto") == loss(sasrec, "off")

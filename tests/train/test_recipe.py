@@ -82,7 +82,10 @@ def _tiny(data_dir):
     from hstu.data.prepare import DataSpec
 
     mcfg = model_config_from_preset("small", max_seq_len=20, embedding_dim=16, d_qk=16, d_v=16, dropout=0.0)
-    tcfg = TrainConfig(epochs=2, batch_size=21, num_negatives=16, negatives_chunk=4, seed=3, eval_batch_size=64, early_stopping_patience=99)
+    # packing "off": the distributed trainer does not pack (its "auto" resolves to "off", the single process's to "pack")
+    tcfg = TrainConfig(
+        epochs=2, batch_size=21, num_negatives=16, negatives_chunk=4, packing="off", seed=3, eval_batch_size=64, early_stopping_patience=99
+    )
     return mcfg, tcfg, DataSpec("ml-1m", str(data_dir), max_users=64)
 
 

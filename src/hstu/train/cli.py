@@ -99,7 +99,8 @@ def _add_recipe_flags(t) -> None:
     t.add_argument(
         "--negatives-chunk",
         type=number_in(int, 1),
-        help="consecutive positions sharing one set of uniform negatives (1: per position, as the reference; TrainConfig.negatives_chunk)",
+        help="consecutive positions sharing one set of uniform negatives (default 1: per position, as the reference; "
+        "TrainConfig.negatives_chunk)",
     )
     t.add_argument(
         "--negatives-pool",
@@ -109,7 +110,8 @@ def _add_recipe_flags(t) -> None:
     t.add_argument(
         "--length-pool",
         type=number_in(int, 1),
-        help="batches sorted by length inside pools of this many batches (1: random batches, as the reference; TrainConfig.length_pool)",
+        help="batches sorted by length inside pools of this many batches (default 1: random batches, as the reference; "
+        "TrainConfig.length_pool)",
     )
     t.add_argument(
         "--loss-divisor",
@@ -118,8 +120,9 @@ def _add_recipe_flags(t) -> None:
     )
     t.add_argument(
         "--packing",
-        choices=["off", "pack"],
-        help="pack: several users' sequences per row of width max_seq_len, masked per user, no padding cost (TrainConfig.packing)",
+        choices=["auto", "off", "pack"],
+        help="pack: several users' sequences per row of width max_seq_len, masked per user, no padding cost; auto (default): "
+        "pack where the trainer and the attention kernel set support it, else off (TrainConfig.packing)",
     )
     t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
@@ -186,7 +189,7 @@ def cmd_train(args) -> int:
     mcfg, tcfg = _model_cfg(args)
     if "train" in saved:  # the run's settings, then a --config [train] table's fields, then flags
         given = load_config_tables(args.config).get("train", {}) if args.config else {}
-        tcfg = train_config_from_dict({**saved["train"], **given})
+        tcfg = train_config_from_dict({**saved["train"], **given}, saved=True)  # fields it lacks: the old defaults
     tcfg = tcfg or TrainConfig()
     for name in (
         "epochs",

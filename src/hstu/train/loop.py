@@ -25,7 +25,7 @@ import math
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +70,7 @@ from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.tra
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
-from hstu.train.losses import recipe, recipe_text, training_loss
+from hstu.train.losses import recipe, recipe_text, resolve_packing, training_loss
 from hstu.train.sparse_optim import TableAndDenseOptimizer, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -209,7 +209,7 @@ class LocalStrategy:
 
     def step(self, model: HSTUModel, log_: EventLog, split: Split, ub: np.ndarray, tcfg: TrainConfig, gen) -> tuple[torch.Tensor, int]:
         """Forward and loss of the batch ``ub`` (B,) EventLog rows; returns (loss to backpropagate, P positions)."""
-        make = packed_train_batch if tcfg.packing == "pack" else train_batch
+        make = packed_train_batch if resolve_packing(tcfg, model.cfg, self.backend.name, self.packs) == "pack" else train_batch
         b = make(log_, split, ub, model.cfg.max_seq_len).to(self.device)
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories, segments=b.segments)
         return training_loss(model, out, b.ids, b.lengths, b.actions, tcfg, generator=gen, segments=b.segments)
@@ -387,7 +387,7 @@ def _setup(
     strategy: LocalStrategy, run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features: bool, data
 ):
     """Data, model configuration and the initial model on the strategy's device (same seed: the same
-    init for every strategy and rank). Nothing is written. Returns (log_, split, mcfg, model)."""
+    init for every strategy and rank), ``tcfg.packing`` resolved. Nothing is written. Returns (log_, split, mcfg, tcfg, model)."""
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     check_table_trainable(mcfg)  # before the data is read
@@ -402,6 +402,7 @@ def _setup(
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
+    tcfg = replace(tcfg, packing=resolve_packing(tcfg, mcfg, strategy.backend.name, getattr(strategy, "packs", False)))  # resolved
     if tcfg.packing != "off" and not getattr(strategy, "packs", False):
         name = type(strategy).__name__
         raise ValueError(f"[train] packing = {tcfg.packing!r} is not supported by {name} (--distributed) yet; set it to 'off'")
@@ -412,11 +413,11 @@ def _setup(
         model.set_cold_items(train_item_counts(log_, split))
     if model.repeat is not None and not resume:
         model.repeat.init_from_prior(repeat_share(log_, split, mcfg.repeat_window, mcfg.max_seq_len), mcfg.num_items)
-    return log_, split, mcfg, model
+    return log_, split, mcfg, tcfg, model
 
 
 def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features, data, opts) -> dict:
-    log_, split, mcfg, model = _setup(strategy, run, mcfg, tcfg, spec, resume, use_features, data)
+    log_, split, mcfg, tcfg, model = _setup(strategy, run, mcfg, tcfg, spec, resume, use_features, data)
     opt = strategy.prepare(model, tcfg)
     gen = torch.Generator(device=strategy.device)
     gen.manual_seed(tcfg.seed)

@@ -13,13 +13,18 @@ Symbols: B sequences, W width, P live positions, M negatives, K pool items, d wi
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
 from hstu.model.hstu import l2_normalize
+from hstu.model.kernels import get_kernels
 from hstu.model.repeat import windows
+
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()  # the outcomes of resolve_packing logged so far
 
 
 def draw_negatives(
@@ -378,7 +383,7 @@ def recipe(tcfg, table: dict | None = None) -> dict:
     """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
     as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
     "chunked", "num_negatives", "negatives_chunk", "negatives_pool", "batching": "length-bucketed" |
-    "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack",
+    "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved, :func:`resolve_packing`),
     "table_optimizer", "table_learning_rate"} (:func:`training_loss`;
     :func:`hstu.data.batching.length_bucketed_batches`). ``table``: a strategy's own item-table
     optimizer, {"table_optimizer", "table_learning_rate", ...} (the distributed strategy's
@@ -400,6 +405,23 @@ def recipe(tcfg, table: dict | None = None) -> dict:
         "table_optimizer": opt,
         "table_learning_rate": lr,
     }
+
+
+def resolve_packing(tcfg, mcfg, backend: str, packs: bool) -> str:
+    """``tcfg.packing`` resolved (an "auto" outcome logged once): "auto" -> "pack" where the trainer packs
+    (``packs``, a strategy's attribute), the kernel set of ``[model] attention`` on ``backend`` takes
+    segment masks (KernelSet.segments) and the model is an hstu one without a repeat head
+    (:func:`training_loss`), else "off"; "off" / "pack" as given."""
+    if tcfg.packing != "auto":
+        return tcfg.packing
+    segments = get_kernels(backend, mcfg.attention, field="[model] attention").segments
+    bad = {"the trainer does not pack": not packs, "the attention kernel set has no segment masks": not segments}
+    bad |= {f"architecture {mcfg.architecture!r}": mcfg.architecture != "hstu", "a repeat head": mcfg.repeat_window > 0}
+    why = "; ".join(w for w, b in bad.items() if b)
+    if (said := f"'off' ({why})" if why else "'pack'") not in _SAID:  # once per outcome (LocalStrategy.step resolves per batch)
+        _SAID.add(said)
+        log.info("[train] packing = 'auto' resolved to %s", said)
+    return "off" if why else "pack"
 
 
 def recipe_text(tcfg, table: dict | None = None) -> str:

@@ -1,0 +1,85 @@
+"""The default training recipe (issue 20 A): per-position negatives, random batches, packing "auto".
+
+"auto" resolves once per run (:func:`hstu.train.losses.resolve_packing`) to "pack" only where the trainer,
+the attention kernel set (KernelSet.segments) and the model all can train packed rows, and the resolved
+value is what config.json, metrics.json ``recipe`` and the log state. A run saved before the defaults
+changed (config.json without the new fields) resumes with its own recipe, not today's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_csv_flags
+
+from hstu.config import LEGACY_TRAIN_DEFAULTS, ModelConfig, TrainConfig, train_config_from_dict
+from hstu.model import kernels as K
+from hstu.train.losses import resolve_packing
+
+
+def _train(flags: list[str], out, *extra: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", *flags, "--threads", "1", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_the_defaults_are_the_packed_per_position_recipe() -> None:
+    t = TrainConfig()
+    assert (t.negatives_chunk, t.length_pool, t.packing) == (1, 1, "auto")
+    t.validate()
+    with pytest.raises(ValueError, match=r"\[train\] packing\) must be 'auto', 'off' or 'pack'"):
+        TrainConfig(packing="on").validate()
+
+
+def test_auto_packs_only_where_trainer_kernels_and_model_can(monkeypatch) -> None:
+    auto, hstu = TrainConfig(), ModelConfig(num_items=9)
+    assert K.get_kernels("cpu", "auto").segments  # the CPU's set is the reference, which takes segment masks
+    assert resolve_packing(auto, hstu, "cpu", packs=True) == "pack"
+    assert resolve_packing(auto, hstu, "cpu", packs=False) == "off"  # e.g. the distributed strategy
+    assert resolve_packing(auto, ModelConfig(num_items=9, architecture="sasrec"), "cpu", packs=True) == "off"
+    assert resolve_packing(auto, ModelConfig(num_items=9, repeat_window=4), "cpu", packs=True) == "off"
+    for given in ("off", "pack"):  # an explicit value is kept (refused later where it cannot run)
+        assert resolve_packing(TrainConfig(packing=given), ModelConfig(num_items=9, architecture="sasrec"), "cpu", packs=False) == given
+    # a kernel set without segment masks (as the fused Triton / NPU sets: K.TRITON.segments is False)
+    monkeypatch.setitem(K._KERNELS["cpu"], "reference", dataclasses.replace(K.REFERENCE, segments=False))
+    assert not K.TRITON.segments and not K.NPU.segments
+    assert resolve_packing(auto, ModelConfig(num_items=9, attention="reference"), "cpu", packs=True) == "off"
+
+
+def test_saved_train_tables_without_the_new_fields_read_as_the_former_defaults() -> None:
+    old = train_config_from_dict({"epochs": 3}, saved=True)
+    assert {k: getattr(old, k) for k in LEGACY_TRAIN_DEFAULTS} == {"negatives_chunk": 16, "length_pool": 50, "packing": "off"}
+    kept = train_config_from_dict({"negatives_chunk": 4, "packing": "pack"}, saved=True)  # what a run saved, it keeps
+    assert (kept.negatives_chunk, kept.length_pool, kept.packing) == (4, 50, "pack")
+    assert train_config_from_dict({"epochs": 3}).packing == "auto"  # a [train] table: today's defaults
+
+
+def test_hstu_train_records_the_resolved_recipe_and_an_old_run_resumes_with_its_own(tmp_path) -> None:
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
+    out = tmp_path / "run"
+    r = _train(flags, out)
+    cfg = json.loads((out / "config.json").read_text())
+    rec = json.loads((out / "metrics.json").read_text())["recipe"]
+    assert (cfg["train"]["negatives_chunk"], cfg["train"]["length_pool"], cfg["train"]["packing"]) == (1, 1, "pack")
+    assert (rec["negatives"], rec["batching"], rec["packing"]) == ("per-position", "random", "pack")
+    assert "[train] packing = 'auto' resolved to 'pack'" in r.stderr
+    assert "recipe: negatives per-position (4 per position), batching random, packed rows" in r.stderr
+    # the same run as one saved before issue 20 (no negatives_chunk / length_pool / packing in config.json)
+    for name in LEGACY_TRAIN_DEFAULTS:
+        del cfg["train"][name]
+    (out / "config.json").write_text(json.dumps(cfg))
+    r = _train(["--resume", "--epochs", "2"], out)
+    train = json.loads((out / "config.json").read_text())["train"]
+    rec = json.loads((out / "metrics.json").read_text())["recipe"]
+    assert (train["negatives_chunk"], train["length_pool"], train["packing"], train["epochs"]) == (16, 50, "off", 2)
+    assert (rec["negatives"], rec["negatives_chunk"], rec["length_pool"], rec["packing"]) == ("chunked", 16, 50, "off")
+    assert "recipe: negatives chunked (4 shared by runs of 16 positions), batching length-bucketed (pools of 50 batches)," in r.stderr

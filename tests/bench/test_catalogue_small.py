@@ -50,9 +50,10 @@ def test_zipf_ids_follow_the_power_law(catalogue):
 
 # Peak RSS the build and training steps may take beyond the plan (hstu plan-memory: rows, hash index,
 # row-wise AdaGrad state): the batches' activations, sampled rows and gradients (64 x 20 positions x 32
-# negatives, d 16: a few MB). Measured 5.8 MiB over a plan of 76.3 MiB (2M items); a table-sized extra
-# (a bf16 copy of the rows or a dense table gradient, 61 MiB) exceeds it.
-PLAN_SLACK = 16 << 20
+# negatives, d 16: a few MB). Measured 5.8 and 22 MiB over a plan of 76.3 MiB (2M items, two runs: the
+# allocator's arenas vary); a table-sized extra (a bf16 copy of the rows or a dense table gradient, 61 MiB)
+# exceeds it.
+PLAN_SLACK = 32 << 20
 
 
 def _build_and_train(catalogue, out, n: int):
@@ -67,7 +68,8 @@ def _build_and_train(catalogue, out, n: int):
     base = catalogue.peak_rss()
     model = catalogue.build_model(args, log_)
     stats = catalogue.train(args, model, log_, split)
-    stats["peak_rss_growth"] = catalogue.peak_rss() - base
+    stats["peak_rss"] = catalogue.peak_rss()
+    stats["peak_rss_growth"] = stats["peak_rss"] - base
     return path, log_, split, args, model, stats
 
 
@@ -106,8 +108,8 @@ def test_training_ran_on_the_hashed_sharded_table(trained):
 
 @pytest.mark.slow
 def test_build_and_training_stay_within_the_memory_plan(trained):
-    """Peak RSS over building the 2M-item table and training on it: at least half the table's bytes (the
-    measure sees the rows), at most hstu plan-memory's estimate + PLAN_SLACK (the issue's memory bound;
+    """Peak RSS over building the 2M-item table and training on it: its growth at most hstu plan-memory's
+    estimate + PLAN_SLACK, the absolute peak at least the table's bytes (the issue's memory bound;
     the 120M run: benchmarks/results/catalogue_120m.json)."""
     *_, model, stats = trained
     plan, grew = stats["plan"], stats["peak_rss_growth"]
@@ -116,9 +118,11 @@ def test_build_and_training_stay_within_the_memory_plan(trained):
     assert planned == plan["table_bytes"] + plan["index_bytes"] + plan["optimizer_bytes"]
     assert plan["table_bytes"] == sum(p.numel() * p.element_size() for p in model.item_emb.shards)  # 2-byte rows (bf16, then fp16)
     assert plan["optimizer_bytes"] == (N + 2) * 4  # one float32 accumulator per row (padding and overflow rows included)
-    # the lower bound shows the measure sees the rows; half of them, as a process that freed large blocks
-    # before (other tests) may place some rows in memory it already holds (glibc's moving mmap threshold)
-    assert plan["table_bytes"] // 2 <= grew <= planned + PLAN_SLACK, (grew, planned)
+    # the growth can be anything from 0 up: a process that freed large blocks before (other tests) may place
+    # the rows in memory it already holds (glibc's moving mmap threshold; CI measured 0), so the measure's
+    # sanity check is the absolute peak, which holds the table whatever the allocator reused
+    assert stats["peak_rss"] >= plan["table_bytes"], stats["peak_rss"]
+    assert grew <= planned + PLAN_SLACK, (grew, planned)
 
 
 class Largest(TorchDispatchMode):

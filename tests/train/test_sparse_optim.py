@@ -187,3 +187,76 @@ def test_table_optimizer_flags_train_as_the_config_fields_and_the_recipe_states_
     assert "--table-learning-rate is 0.2 here but 0.05 in the run" in capsys.readouterr().err
     assert main([*resume, "--table-learning-rate", "0.05"]) == 0  # the run's own rate: resumed
     assert len(json.loads((tmp_path / "cli" / "history.json").read_text())) == 2
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_fp16_rows_step_equals_float64_hand_computation(shards):
+    """fp16 rows looked up twice in a step (inputs and targets, as training does): the gradient reaches
+    each shard as a float32 sparse tensor (no Half sparse sum), and the rows after two steps equal a
+    float64 row-wise AdaGrad rounded once to fp16 per step; gradients of 1e-6 (subnormal in fp16) keep
+    their precision. Rows not looked up are bit-identical."""
+    torch.manual_seed(2)
+    V, d, lr, eps = 40, 4, 0.1, 1e-8
+    emb = ShardedEmbedding(V, d, num_shards=shards, dtype="fp16", num_overflow_rows=1, check_memory=False, sparse=True, init_std=0.1)
+    opt = TableAndDenseOptimizer([torch.nn.Parameter(torch.zeros(1))], list(emb.shards), TrainConfig(), lr, eps=eps)
+    ids_a, ids_b = torch.tensor([3, 7, 3, 11]), torch.tensor([7, 19, 11])
+    up_a, up_b = torch.randn(4, d).double() * 1e-6, torch.randn(3, d).double() * 1e-6
+    T = V + 1
+    w0 = emb._lookup_global(torch.arange(T)).detach().double()  # (T, d) global rows, exact fp16 values
+    w, s = w0.clone(), torch.zeros(T, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        ((emb(ids_a).double() * up_a).sum() + (emb(ids_b).double() * up_b).sum()).backward()
+        assert all(p.grad is None or (p.grad.is_sparse and p.grad.dtype == torch.float32) for p in emb.shards)
+        opt.step()
+        ids, up = torch.cat([ids_a, ids_b]), torch.cat([up_a, up_b])
+        want, s = _hand_step(w, ids, up, lr, eps, s)
+        w = want.to(torch.float16).double()  # the stored rows: rounded once per step
+        got = emb._lookup_global(torch.arange(T)).detach().double()
+        # one fp16 rounding of the float64 result (half a unit in the last place, 2^-11 relative) apart at most
+        torch.testing.assert_close(got, w, atol=0, rtol=2.0**-10)
+    untouched = torch.tensor([r for r in range(T) if r not in (3, 7, 11, 19)])
+    assert torch.equal(got[untouched], w0[untouched])  # bit-identical
+    assert all(p.dtype == torch.float16 for p in emb.shards)
+    sums = torch.cat([opt.state[p]["sum"] for p in emb.shards if p in opt.state])
+    assert sums.dtype == torch.float32 and int((sums > 0).sum()) == 4
+
+
+def test_fp16_table_is_refused_under_adamw_and_accepted_under_rowwise_adagrad():
+    from hstu.train.sparse_optim import check_table_trainable
+
+    mcfg = ModelConfig(num_items=10, item_table="hashed", item_table_dtype="fp16")
+    with pytest.raises(ValueError, match=r"item_table_dtype = 'fp16' cannot be trained \(AdamW.*table_optimizer = 'rowwise_adagrad'"):
+        check_table_trainable(mcfg, TrainConfig())
+    check_table_trainable(mcfg, TrainConfig(table_optimizer="rowwise_adagrad"))
+
+
+def test_fp16_hashed_table_trains_and_resumes_with_rowwise_adagrad(tmp_path):
+    """A tiny hashed fp16 run through fit: the loss falls over epochs, the run resumes, the rows stay fp16."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conftest import TINY_MODEL, tiny_csv
+
+    from hstu.data.prepare import DataSpec
+    from hstu.model.checkpoint import read_safetensors
+    from hstu.runs import read_history
+    from hstu.train import loop
+
+    spec = DataSpec("csv", str(tiny_csv(tmp_path)), options={"columns": "user=u,item=i,time=t"})
+    mcfg = ModelConfig(**TINY_MODEL, item_table="hashed", item_table_shards=2, item_table_dtype="fp16")
+
+    def fit(epochs, **kw):
+        tcfg = TrainConfig(epochs=epochs, batch_size=8, num_negatives=4, table_optimizer="rowwise_adagrad", early_stopping_patience=99)
+        return loop.fit(tmp_path / "run", mcfg, tcfg, spec, progress=False, **kw)
+
+    fit(2)
+    m = fit(4, resume=True)
+    hist = read_history(tmp_path / "run")
+    losses = [e["loss"] for e in hist]
+    assert len(losses) == 4 and all(0 < x < float("inf") for x in losses)
+    assert losses[-1] < losses[0], losses
+    assert all(abs(v) < float("inf") for k, v in m["test"].items() if k != "users")
+    w = read_safetensors(tmp_path / "run" / "model.safetensors")
+    assert {w[f"item_emb.shards.{s}"].dtype for s in range(2)} == {torch.float16}

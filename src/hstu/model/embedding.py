@@ -61,6 +61,7 @@ from hstu.model.embedding_rows import (
     OVERFLOW_SALT,
     PLACEMENTS,
     SHARD_SALT,
+    SparseRows,
     _per_shard,
     dtype_name,
     fill_shards,
@@ -99,7 +100,8 @@ class ShardedEmbedding(nn.Module):
             copied block by block instead of random init (missing overflow rows get the random init).
         cache_bytes: bytes of device-side hot-row cache shared (pro rata by rows) by the host shards; 0 = none.
         cache_policy: "lru" | "lfu"; cache_ways: set associativity.
-        sparse: produce sparse gradients (``F.embedding(sparse=True)``; use SGD/SparseAdam).
+        sparse: sparse gradients: each shard's ``grad`` a float32 sparse COO tensor whatever its dtype
+            (``grad_dtype`` float32; :class:`SparseRows`), for the row-wise optimizer of :mod:`hstu.train.sparse_optim`.
         check_memory: plan and check memory (free device memory, available host memory) before allocating.
         reserve_ratio: fraction of memory left free by that check.
 
@@ -239,15 +241,24 @@ class ShardedEmbedding(nn.Module):
         """Rows ``shards[s][local]`` as (c, d) on the compute device in the shard dtype (autograd kept)."""
         w = self.shards[s]
         if self.placements[s] == "device":
-            return F.embedding(local, w, sparse=self.sparse)
+            return self._gather(local, w)
         cache = self.caches.get(s)
         training = torch.is_grad_enabled() and w.requires_grad
         if cache is not None and not training:
             return cache.lookup(local, w)
         if not training and self._pin and self.backend.supports_pinned_memory():
             return gather_staged(w, local.to(w.device), self.compute_device)
-        rows = F.embedding(local.to(w.device), w, sparse=self.sparse)
+        rows = self._gather(local.to(w.device), w)
         return rows.to(self.compute_device)
+
+    def _gather(self, local: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``w[local]`` (c, d): a dense-gradient ``F.embedding``, or with ``sparse`` rows in the compute dtype
+        whose gradient reaches ``w`` as a float32 sparse COO tensor (:class:`SparseRows`)."""
+        if not self.sparse:
+            return F.embedding(local, w)
+        if w.grad_dtype != torch.float32:
+            w.grad_dtype = torch.float32  # the engine sums the lookups' sparse gradients in float32
+        return SparseRows.apply(local, w, self.compute_dtype)
 
     def _lookup_global(self, g: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         """(n,) global rows on the compute device -> (n, d) compute-dtype rows in the same order.

@@ -263,3 +263,26 @@ def init_rows(emb, gen: torch.Generator, gen_rows: int, start: int, end: int, ou
             full = torch.randn(hi - lo, emb.embedding_dim, generator=gen)
             out[a - start : z - start] = full[a - lo : z - lo]
     out.mul_(emb.init_std)
+
+
+class SparseRows(torch.autograd.Function):
+    """rows = w[local].to(out_dtype): (c,) int64 local rows of a shard w (R_s, d) -> (c, d) ``out_dtype``;
+    backward: dL/dw as an uncoalesced (R_s, d) float32 sparse COO tensor (duplicates summed later by
+    ``coalesce``). ``F.embedding(sparse=True)`` would give a gradient in w's dtype: for fp16 rows that
+    rounds each lookup's gradient to fp16 and, when a step looks the table up more than once, the
+    engine's sum of the sparse gradients has no Half kernel on the CPU (PyTorch 2.13: "cadd_sparse" not
+    implemented for 'Half'). With ``w.grad_dtype`` float32 (set by :meth:`hstu.model.embedding.ShardedEmbedding._gather`)
+    the gradient is widened once, summed and kept in float32; the row-wise optimizer
+    (:mod:`hstu.train.sparse_optim`) rounds the updated rows once to w's dtype."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(local)
+        ctx.table_shape = w.shape
+        return w.index_select(0, local).to(out_dtype)  # (c, d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (local,) = ctx.saved_tensors
+        g = torch.sparse_coo_tensor(local.unsqueeze(0), grad.to(torch.float32), ctx.table_shape, is_coalesced=False, check_invariants=False)
+        return None, g, None

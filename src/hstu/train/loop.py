@@ -71,7 +71,7 @@ from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import recipe, recipe_text, resolve_packing, training_loss
-from hstu.train.sparse_optim import TableAndDenseOptimizer, table_learning_rate
+from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
 # hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
@@ -199,7 +199,7 @@ class LocalStrategy:
         :mod:`hstu.train.sparse_optim`)."""
         if tcfg.table_optimizer != "rowwise_adagrad":
             return dense_adamw(model.parameters(), tcfg)
-        model.item_emb.sparse = True  # nn.Embedding and ShardedEmbedding: F.embedding(sparse=True)
+        model.item_emb.sparse = True  # nn.Embedding: F.embedding(sparse=True); ShardedEmbedding: float32 sparse grads
         dense = [p for n, p in model.named_parameters() if not n.startswith("item_emb.")]
         table = [p for n, p in model.named_parameters() if n.startswith("item_emb.")]
         return TableAndDenseOptimizer(dense, table, tcfg, table_learning_rate(tcfg))
@@ -371,18 +371,6 @@ def fit(
         strategy.stop()
 
 
-def check_table_trainable(mcfg: ModelConfig) -> None:
-    """ValueError for an item table that the recipe cannot train: fp16 rows under AdamW (the second
-    moment of small gradients underflows to 0 in fp16 and eps = 1e-8 is below fp16's smallest
-    subnormal, 6e-8, so updates divide by zero: the loss is nan after the first steps). bf16 has
-    float32's range and trains; fp16 storage is for serving (``hstu quantize --scheme fp16``)."""
-    if mcfg.item_table == "hashed" and mcfg.item_table_dtype == "fp16":
-        raise ValueError(
-            "[model] item_table_dtype = 'fp16' cannot be trained (AdamW's second moment underflows in fp16: the loss "
-            "becomes nan); train with 'fp32' or 'bf16' and store fp16 rows for serving with `hstu quantize --scheme fp16`"
-        )
-
-
 def _setup(
     strategy: LocalStrategy, run: Path, mcfg: ModelConfig, tcfg: TrainConfig, spec: DataSpec, resume: bool, use_features: bool, data
 ):
@@ -390,13 +378,13 @@ def _setup(
     init for every strategy and rank), ``tcfg.packing`` resolved. Nothing is written. Returns (log_, split, mcfg, tcfg, model)."""
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
-    check_table_trainable(mcfg)  # before the data is read
+    check_table_trainable(mcfg, tcfg)  # before the data is read
     log_, split = (with_options(data[0], spec), data[1]) if data is not None else prepare_data(spec)
     if resume:
         saved = read_config(run)
         strategy.check_resume(run, saved)
         mcfg = ModelConfig(**saved["model"])
-        check_table_trainable(mcfg)
+        check_table_trainable(mcfg, tcfg)
         check_resume_data(run / CONFIG, saved.get("data", {}), asdict(spec))
         check_resume_items(run, log_)
     else:

@@ -13,17 +13,18 @@ Rows not looked up are not read or written (bit-identical after the step), unlik
 float32 moments per element (R x d x 8 bytes) and dense update over the whole table do not fit a
 120M-row table in host memory (the plan's accounting: :func:`hstu.model.embedding_plan.state_bytes`).
 Duplicate ids in a batch are summed first (the gradient is coalesced).
-bf16 rows: the update is computed in float32 and rounded once to the row dtype. fp16 tables stay
-refused (:func:`hstu.train.loop.check_table_trainable`): PyTorch 2.13's CPU sparse-gradient
-accumulation has no fp16 kernel ("cadd_sparse" not implemented for 'Half'). Weight decay does not
-apply to the table.
+fp16 and bf16 rows: the hashed table's sparse lookups give float32 gradients whatever the row dtype
+(:class:`hstu.model.embedding_rows.SparseRows`; ``F.embedding(sparse=True)`` on fp16 rows has no CPU
+kernel to sum two lookups' gradients, "cadd_sparse" not implemented for 'Half' in PyTorch 2.13), the
+update is computed in float32 and rounded once to the row dtype. AdamW on fp16 rows stays refused
+(:func:`check_table_trainable`). Weight decay does not apply to the table.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hstu.config import TrainConfig
+from hstu.config import ModelConfig, TrainConfig
 
 # Default learning rate of the row-wise table optimizer: the distributed recipe's, measured there
 # (hstu.train.dist_setup.TABLE_DEFAULT_LR["rowwise_adagrad"]).
@@ -37,6 +38,20 @@ def table_learning_rate(tcfg: TrainConfig) -> float:
     if tcfg.table_optimizer != "rowwise_adagrad":
         return tcfg.learning_rate
     return tcfg.table_learning_rate or ROWWISE_DEFAULT_LR
+
+
+def check_table_trainable(mcfg: ModelConfig, tcfg: TrainConfig) -> None:
+    """ValueError for an item table that the recipe cannot train: fp16 rows of a hashed table under
+    ``[train] table_optimizer`` "adamw" (the second moment of small gradients underflows to 0 in fp16 and
+    eps = 1e-8 is below fp16's smallest subnormal, 6e-8, so updates divide by zero: the loss is nan after
+    the first steps). bf16 has float32's range and trains; fp16 rows train under "rowwise_adagrad"
+    (float32 gradient and accumulator, the update rounded once to fp16)."""
+    if mcfg.item_table == "hashed" and mcfg.item_table_dtype == "fp16" and tcfg.table_optimizer != "rowwise_adagrad":
+        raise ValueError(
+            "[model] item_table_dtype = 'fp16' cannot be trained (AdamW's second moment underflows in fp16: the loss "
+            "becomes nan); train with 'fp32' or 'bf16' and store fp16 rows for serving with `hstu quantize --scheme fp16`, "
+            "or train the fp16 rows with [train] table_optimizer = 'rowwise_adagrad'"
+        )
 
 
 class RowwiseAdagrad(torch.optim.Optimizer):

@@ -317,3 +317,39 @@ def test_table_options_are_checked() -> None:
     fp = table_fused_params(DistConfig(table_optimizer="sgd", table_learning_rate=0.5), TrainConfig(), torch.device("cpu"))
     assert fp["learning_rate"] == 0.5 and fp["optimizer"].name == "EXACT_SGD"
     assert [table_width(50, "row_wise", 2), table_width(50, "column_wise", 2), table_width(16, "column_wise", 4)] == [52, 56, 16]
+
+
+def test_config_table_optimizer_reaches_the_distributed_recipe(tmp_path, capsys) -> None:
+    """--distributed takes [train] table_optimizer / table_learning_rate from the --config file:
+    flag > config file > the resumed run's > default; the config's rate only for the optimizer it
+    names; "adamw" (no fused FBGEMM form) refused naming the file and field."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_csv_flags
+
+    from hstu.cli import main
+    from hstu.train.cli import _distributed_strategy
+
+    def dist(train: dict, saved: dict | None = None, **flags):
+        (tmp_path / "c.toml").write_text("[train]\n" + "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in train.items()))
+        args = SimpleNamespace(config=str(tmp_path / "c.toml"), sharding=None, table_optimizer=None, table_learning_rate=None)
+        d = _distributed_strategy(SimpleNamespace(**{**vars(args), **flags}), saved or {}).dcfg
+        return d.table_optimizer, d.table_learning_rate
+
+    rowwise = {"table_optimizer": "rowwise_adagrad", "table_learning_rate": 0.05}
+    assert dist({}) == ("rowwise_adagrad", None)  # the default, FBGEMM's rate
+    assert dist(rowwise) == ("rowwise_adagrad", 0.05)  # was ignored: FBGEMM's default 0.1
+    assert dist({"table_learning_rate": 0.05}) == ("rowwise_adagrad", 0.05)
+    assert dist(rowwise, table_optimizer="sgd") == ("sgd", None)  # flag first; the config's rate is rowwise_adagrad's
+    assert dist(rowwise, table_learning_rate=0.2) == ("rowwise_adagrad", 0.2)
+    saved = {"table_optimizer": "sgd", "table_learning_rate": 1.0}
+    assert dist(rowwise, saved) == ("rowwise_adagrad", 0.05) and dist({}, saved) == ("sgd", 1.0)
+    with pytest.raises(ValueError, match=r"c.toml \[train\] table_optimizer = 'adamw': .*FBGEMM's fused.*rowwise_adagrad"):
+        dist({"table_optimizer": "adamw"})
+    assert dist({"table_optimizer": "adamw"}, table_optimizer="adagrad") == ("adagrad", None)
+
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1, "table_optimizer": '"adamw"'})
+    capsys.readouterr()
+    assert main(["train", *flags, "--distributed", "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert "[train] table_optimizer = 'adamw': the distributed recipe" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

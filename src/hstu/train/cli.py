@@ -245,14 +245,27 @@ def torchrun_rank(args) -> int:
 
 
 def _distributed_strategy(args, saved: dict):
-    """The --distributed strategy from the group's flags, those not given from the resumed run's
-    config.json ``distributed`` table (``saved``); a missing TorchRec is an error a user can fix (exit 2)."""
+    """The --distributed strategy from the group's flags, those not given from the --config file's
+    ``[train] table_optimizer / table_learning_rate``, then the resumed run's config.json ``distributed``
+    table (``saved``), then the defaults; a missing TorchRec is an error a user can fix (exit 2). The
+    config's local names: "rowwise_adagrad" is FBGEMM's too; "adamw" has no fused FBGEMM form (ValueError)."""
+    from hstu.config import load_config_tables
     from hstu.train.dist_setup import TABLE_OPTIMIZERS, DistConfig
 
-    opt = args.table_optimizer or saved.get("table_optimizer", "rowwise_adagrad")
+    given = load_config_tables(args.config).get("train", {}) if args.config else {}
+    conf = given.get("table_optimizer")
+    if args.table_optimizer is None and conf is not None and conf not in TABLE_OPTIMIZERS:
+        raise ValueError(
+            f"{args.config} [train] table_optimizer = {conf!r}: the distributed recipe trains the table with FBGEMM's fused "
+            f"optimizers ({', '.join(TABLE_OPTIMIZERS)}; 'adamw' has none, FBGEMM's adam has no CPU kernel): set "
+            "table_optimizer = 'rowwise_adagrad' or pass --table-optimizer"
+        )
+    opt = args.table_optimizer or conf or saved.get("table_optimizer", "rowwise_adagrad")
     if opt not in TABLE_OPTIMIZERS:
         raise ValueError(f"--table-optimizer {opt}: not an FBGEMM optimizer (--distributed); valid: {', '.join(TABLE_OPTIMIZERS)}")
     lr = args.table_learning_rate
+    if lr is None and given.get("table_learning_rate") and opt == given.get("table_optimizer", "rowwise_adagrad"):
+        lr = float(given["table_learning_rate"])  # the config's rate, for the optimizer it names (0: the default)
     if lr is None and opt == saved.get("table_optimizer"):
         lr = saved.get("table_learning_rate")
     try:

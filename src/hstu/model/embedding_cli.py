@@ -68,7 +68,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "--optimizer",
         choices=["adamw", "rowwise_adagrad"],
         default=None,
-        help="plan for training with this table optimizer ([train] table_optimizer): adds its state and the table's gradient",
+        help="plan for training with this table optimizer ([train] table_optimizer): adds its state, gradient and step temporaries",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=plan_memory_command)

@@ -62,7 +62,8 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)
     rows_exact: bool = True  # False: rows per shard estimated (the table was refused before counting)
     optimizer: str | None = None  # training table optimizer planned for (None: the table alone)
-    optimizer_bytes: int = 0  # its state + the table's gradient (:func:`state_bytes`, :func:`grad_bytes`), in the totals
+    # its state + the table's gradient + the step's temporaries (:func:`state_bytes`, :func:`grad_bytes`, :func:`step_bytes`), in the totals
+    optimizer_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -101,7 +102,8 @@ class MemoryPlan:
         if self.cache_bytes:
             lines.append(f"hot-row cache on device: {format_bytes(self.cache_bytes)}")
         if self.optimizer is not None:
-            lines.append(f"training with {self.optimizer}: state + table gradient {format_bytes(self.optimizer_bytes)} (with each shard)")
+            opt = format_bytes(self.optimizer_bytes)
+            lines.append(f"training with {self.optimizer}: state + table gradient + step temporaries {opt} (with each shard)")
 
         def budget(b: int | None) -> str:
             return "unknown" if b is None else format_bytes(b)
@@ -264,6 +266,18 @@ def grad_bytes(table_optimizer: str, rows: int, dim: int, itemsize: int) -> int:
     return int(rows) * int(dim) * int(itemsize) if table_optimizer == "adamw" else 0
 
 
+def step_bytes(table_optimizer: str, rows: int, dim: int, itemsize: int) -> int:
+    """Bytes of the table-sized temporaries alive during one optimizer step, besides state and gradient.
+    AdamW (``torch.optim.AdamW``, foreach on CPU and CUDA: ``torch.optim.adam._multi_tensor_adam``,
+    torch 2.13): ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)``, one R x d tensor in the
+    moments' (the rows') dtype, alive until the ``_foreach_addcdiv_`` into the parameters; every other
+    op is in place (``_foreach_lerp_`` of exp_avg, ``_foreach_mul_`` / ``_foreach_addcmul_`` of
+    exp_avg_sq, the decoupled weight decay's ``_foreach_mul_``; ``_foreach_mul(grads, 1 - beta2)`` only
+    when beta2 is a tensor, never here): R * d * itemsize. Row-wise AdaGrad's temporaries are the
+    batch's rows only (counted 0)."""
+    return int(rows) * int(dim) * int(itemsize) if table_optimizer == "adamw" else 0
+
+
 def _check_sizes(num_embeddings, embedding_dim, num_overflow_rows, reserve_ratio) -> tuple[int, int, int]:
     """(V, d, O) as ints; ValueError naming a field below 1 or a reserve_ratio outside [0, 1)."""
     V, d, O = int(num_embeddings), int(embedding_dim), int(num_overflow_rows)
@@ -314,8 +328,9 @@ def plan_memory(
         shard_rows: exact [R_s] if already known (else counted by :func:`shard_row_counts`, unless the
             whole table exceeds all the memory given: then refused at once with an even-split estimate).
         optimizer: None (serving: the table alone) or the training table optimizer
-            (``[train] table_optimizer``: "adamw" or "rowwise_adagrad"): its state and the table's gradient,
-            :func:`state_bytes` + :func:`grad_bytes` per shard, are added to the shard's memory.
+            (``[train] table_optimizer``: "adamw" or "rowwise_adagrad"): its state, the table's gradient and
+            the step's table-sized temporaries, :func:`state_bytes` + :func:`grad_bytes` + :func:`step_bytes`
+            per shard, are added to the shard's memory.
     Returns:
         :class:`MemoryPlan`; check ``.fits`` or call ``.require()``.
     Raises:
@@ -343,7 +358,10 @@ def plan_memory(
     any_host = "host" in places
     cache_used = cache if any_host else 0
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
-    opt = [0 if optimizer is None else state_bytes(optimizer, r, d, it) + grad_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
+    opt = [
+        0 if optimizer is None else state_bytes(optimizer, r, d, it) + grad_bytes(optimizer, r, d, it) + step_bytes(optimizer, r, d, it)
+        for r, it in zip(rows, itemsizes)
+    ]
     device_bytes = index_bytes + cache_used + sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "device")
     host_bytes = sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "host")
     if device_is_host:

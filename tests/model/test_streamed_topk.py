@@ -13,8 +13,9 @@ from hstu.config import ModelConfig
 from hstu.generate import decode
 from hstu.generate.sampler import exclusion_mask, next_scores, pick, pick_streamed
 from hstu.model import item_index as ii
+from hstu.model.embedding import ShardedEmbedding
 from hstu.model.hstu import build_hstu
-from hstu.model.item_index import FloatIndex, HalfIndex, RowsIndex, item_scores, stream_ranks, stream_topk, top_rows
+from hstu.model.item_index import FloatIndex, HalfIndex, RowsIndex, ShardIndex, item_scores, stream_ranks, stream_topk, top_rows
 from hstu.train.metrics import target_ranks
 
 V, D, B = 9000, 6, 5
@@ -30,7 +31,15 @@ def _indexes(tab):
         "float-table-major": _table_major(tab),
         "half": HalfIndex(tab.half(), block=1000),
         "rows": RowsIndex(lambda a, b: tab[a:b], V, block=777),
+        "shard": ShardIndex(_sharded(tab), block=512),
     }
+
+
+def _sharded(tab):
+    """A 3-shard hashed table (7 overflow rows) holding ``tab``'s rows."""
+    emb = ShardedEmbedding(tab.shape[0], tab.shape[1], num_shards=3, num_overflow_rows=7, init_std=0.0)
+    emb.write_rows(torch.arange(1, tab.shape[0]), tab[1:])
+    return emb
 
 
 def _table_major(tab):
@@ -60,7 +69,7 @@ def test_top_rows_breaks_ties_by_lower_column_like_a_stable_sort():
     assert torch.equal(i, y.sort(dim=1, descending=True, stable=True).indices[:, :5])
 
 
-@pytest.mark.parametrize("name", ["float-user-major", "float-table-major", "half", "rows"])
+@pytest.mark.parametrize("name", ["float-user-major", "float-table-major", "half", "rows", "shard"])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_stream_topk_equals_the_full_sort_with_forced_ties(name, sparse):
     tab, user = _ints((V, D), 0), _ints((B, D), 1)
@@ -77,7 +86,7 @@ def test_stream_topk_equals_the_full_sort_with_forced_ties(name, sparse):
         assert torch.equal(v, sv[:, :k]), (name, k)
 
 
-@pytest.mark.parametrize("name", ["float-user-major", "half", "rows"])
+@pytest.mark.parametrize("name", ["float-user-major", "half", "rows", "shard"])
 def test_stream_ranks_equal_target_ranks(name):
     tab, user = _ints((V, D), 4), _ints((B, D), 5)
     index = _indexes(tab)[name]
@@ -192,3 +201,36 @@ def test_beam_search_streams_above_the_threshold_with_the_same_beams(monkeypatch
     assert torch.equal(got.items, want.items)
     assert torch.allclose(got.scores, want.scores, rtol=0, atol=1e-6)
     assert torch.allclose(got.beam_logprob, want.beam_logprob, rtol=0, atol=1e-5)  # logsumexp by blocks vs log_softmax
+
+
+def test_shard_index_maps_positions_to_ids_and_scores_like_float64():
+    """ShardIndex scores the shards in storage order: positions map back to every id once, the full
+    scores are in id order (a float64 reference of the cosine), and beam search's logsumexp over
+    the streamed blocks equals the full one (the overflow rows are never scored)."""
+    g = torch.Generator().manual_seed(8)
+    tab, user = torch.randn(V, D, generator=g), torch.nn.functional.normalize(torch.randn(B, D, generator=g), dim=1)
+    tab[0] = 0
+    index = ShardIndex(_sharded(tab), block=512)
+    ids = torch.arange(V)
+    pos = index.positions(ids)
+    assert torch.equal(index.ids_at(pos), ids) and pos.unique().numel() == V and index.num_rows == V + 7
+    assert len(index.dead) == 8 and index.storage_order  # padding + 7 overflow rows
+    t64 = tab.double()
+    want = (t64 / t64.norm(dim=1, keepdim=True).clamp(min=1e-6)) @ user.double().T  # (V, B)
+    torch.testing.assert_close(index.cosine(user).double(), want.T, atol=1e-6, rtol=1e-5)
+    full = item_scores(index, user, 0.5)
+    full[:, 0] = float("-inf")
+    _, _, lse = stream_topk(index, user, 0.5, 5, rows=1024, lse=True)
+    torch.testing.assert_close(lse, torch.logsumexp(full, dim=1))
+
+
+def test_a_large_hashed_table_is_scored_in_storage_order(monkeypatch):
+    monkeypatch.setattr(ii, "ROWS_INDEX_BYTES", 1000)  # "large": any float32 copy over 1 kB
+    cfg = ModelConfig(num_items=3000, max_seq_len=8, embedding_dim=8, d_qk=8, d_v=8, num_blocks=1, num_heads=1)
+    cfg.item_table, cfg.item_table_shards, cfg.item_table_dtype = "hashed", 3, "fp16"
+    model = build_hstu(cfg).eval()
+    with torch.inference_mode():
+        index = model.item_index()
+        assert isinstance(index, ShardIndex)
+        user = torch.nn.functional.normalize(torch.randn(3, 8), dim=1)
+        torch.testing.assert_close(index.cosine(user), FloatIndex(model.item_vectors()).cosine(user), atol=1e-6, rtol=1e-5)

@@ -330,6 +330,17 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"rows({start}, {end}): need 0 <= start <= end <= num_embeddings={self.num_embeddings}")
         return self(torch.arange(start, end, device=self.compute_device))
 
+    def storage_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where each id's row is stored, with the shards laid end to end in shard order: (n,) int64 ids
+        (any, as :meth:`forward`) -> (n,) int64 positions in [0, T), shard s's local row r at
+        ``sum(R_0 .. R_{s-1}) + r``. Scoring the shards in storage order (``item_index.ShardIndex``)
+        reads the rows without hashing or gathering them."""
+        g = to_global_rows(ids.reshape(-1).to(self.compute_device, torch.int64), self.num_embeddings, self.num_overflow_rows)
+        if self.num_shards == 1:
+            return g
+        starts = torch.tensor([0, *np.cumsum(self.shard_rows)[:-1].tolist()], dtype=torch.int64, device=g.device)
+        return starts[shard_of(g, self.num_shards)] + self._local_row[g].long()
+
     @torch.no_grad()
     def write_rows(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         """Overwrite the rows of ``ids`` (n,) with ``values`` (n, d), keeping hot-row caches coherent.

@@ -29,6 +29,7 @@ float32 copy of a 16-bit or INT8 table:
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 
 import torch
 
@@ -47,6 +48,30 @@ class ItemIndex:
 
     num_rows: int
     nbytes: int
+    dead = (0,)  # positions that are never an item (the padding row), scored -inf by the streamed paths
+
+    def item_ids(self, start: int, end: int) -> torch.Tensor | None:
+        """The item id at each position [start, end) of :meth:`cosine_rows`, (end - start,) int64
+        (-1: no item), or None where position r is item r (every index but :class:`ShardIndex`)."""
+        return None
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 item ids -> (n,) int64 positions of :meth:`cosine_rows` (the identity here)."""
+        return ids
+
+    def ids_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """int64 positions (any shape) -> the int64 item ids stored there (the identity here)."""
+        return pos
+
+    storage_order = False  # True: positions are not item ids (:class:`ShardIndex`)
+
+    def blocks(self, step: int) -> list[tuple[int, int]]:
+        """The streamed paths' position ranges [a, b): ``step`` rows each, the last one short."""
+        return [(a, min(self.num_rows, a + step)) for a in range(0, self.num_rows, step)]
+
+    def dead_in(self, start: int, end: int) -> list[int]:
+        """The :attr:`dead` positions in [start, end), relative to ``start``."""
+        return [p - start for p in self.dead[bisect_left(self.dead, start) : bisect_left(self.dead, end)]]
 
     def cosine(self, user: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -126,6 +151,73 @@ class RowsIndex(ItemIndex):
 
     def cosine(self, user, out=None):
         return self.cosine_rows(user, 0, self.num_rows) if out is None else self._into(user, 0, self.num_rows, out)
+
+
+class ShardIndex(ItemIndex):
+    """A hash-sharded table (:class:`hstu.model.embedding.ShardedEmbedding`, 16- or 32-bit shards)
+    scored in storage order: position p is row p of the shards laid end to end
+    (``ShardedEmbedding.storage_positions``), each shard scored as a :class:`HalfIndex` over its own
+    rows (no copy, no hashing or gather per call; 12M x 32 fp16 rows, 2 users, one thread: 0.61 s
+    for a streamed top-10 against 5.7 s reading rows by item id through :class:`RowsIndex`).
+
+    A shard stores its rows in increasing id order, so the streamed blocks (:meth:`blocks`) stay
+    inside one shard and :func:`stream_topk` merges their candidates in id order: ties at the k-th
+    score go to the lower id, as on every other index. The streamed paths map exclusions to
+    positions (:meth:`positions`) and picks back to ids (:meth:`ids_at`). Overflow rows read as ids
+    V, V+1, ... and are never scored (:attr:`dead`, with the padding row).
+    Holds (T,) float32 inverse norms and (T,) int32 / int64 ids: 8 to 12 bytes per row.
+    """
+
+    storage_order = True
+
+    def __init__(self, emb, block: int = 8192) -> None:
+        self.emb, self.block = emb, block
+        self.parts = [HalfIndex(w.detach(), block=block) for w in emb.shards]  # storage order
+        self.starts = [0]
+        for w in emb.shards:
+            self.starts.append(self.starts[-1] + w.shape[0])
+        V, T = emb.num_embeddings, self.starts[-1]
+        dev = emb.compute_device
+        item = torch.full((T,), -1, dtype=torch.int32 if T < 2**31 else torch.int64, device=dev)
+        for a in range(0, V, 1 << 18):  # blocks of ids: the hashing temporaries stay ~10 x 2 MB
+            ids = torch.arange(a, min(V, a + (1 << 18)), device=dev)
+            item[emb.storage_positions(ids)] = ids.to(item.dtype)
+        over = item.lt(0).nonzero().view(-1)  # the overflow rows' positions
+        item[over] = torch.arange(V, V + over.numel(), device=dev).to(item.dtype)
+        self.item = item  # (T,): the id at each position (overflow: V ..)
+        self.dead = tuple(sorted(self.positions(torch.zeros(1, dtype=torch.int64, device=dev)).tolist() + over.tolist()))
+        self.num_rows = T
+        self.nbytes = sum(x.nbytes for x in self.parts) + item.numel() * item.element_size()
+
+    def blocks(self, step):
+        return [(a, min(hi, a + step)) for lo, hi in zip(self.starts, self.starts[1:]) for a in range(lo, hi, step)]
+
+    def item_ids(self, start, end):
+        return self.item[start:end].long()
+
+    def positions(self, ids):
+        return self.emb.storage_positions(ids)
+
+    def ids_at(self, pos):
+        return self.item[pos].long()
+
+    def cosine_rows(self, user, start, end):
+        out = torch.empty(user.shape[0], end - start, dtype=torch.float32, device=user.device)
+        for part, lo in zip(self.parts, self.starts):
+            a, b = max(start, lo), min(end, lo + part.num_rows)
+            if a < b:
+                part._into(user, a - lo, b - lo, out[:, a - start : b - start])
+        return out
+
+    def cosine(self, user, out=None):
+        """(B, d) -> (B, V) in id order (overflow rows left out), block by block."""
+        V = self.emb.num_embeddings
+        out = torch.empty(user.shape[0], V, dtype=torch.float32, device=user.device) if out is None else out
+        for a, b in self.blocks(max(self.block, STREAM_CHUNK_BYTES // (4 * max(user.shape[0], 1)))):
+            ids = self.item_ids(a, b)
+            keep = ids.lt(V).nonzero().view(-1)
+            out.index_copy_(1, ids[keep], self.cosine_rows(user, a, b).index_select(1, keep))
+        return out
 
 
 class Int8Index(ItemIndex):
@@ -212,19 +304,23 @@ def top_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat) -> torch.Tensor:
-    """(B, b - a) item_scores of rows [a, b) with -inf at padding row 0 and the exclusions."""
+    """(B, b - a) item_scores of positions [a, b) (:meth:`ItemIndex.item_ids`) with -inf at the dead
+    positions (padding row 0) and the exclusions; ``exclude_pairs`` as (rows, positions)."""
     s = index.cosine_rows(user, a, b).div_(temperature)
+    ids = index.item_ids(a, b)  # None: position = item id
+    cols = (lambda m: m[:, a:b]) if ids is None else (lambda m: m.index_select(1, ids.clamp(max=m.shape[1] - 1)))  # overflow ids: dead  # noqa: E731
     if repeat is not None:
         module, static, inwin = repeat
-        module.add_to(s, user, static[:, a:b], inwin[:, a:b])
-    if a == 0:
-        s[:, 0] = float("-inf")
+        module.add_to(s, user, cols(static), cols(inwin))
+    dead = index.dead_in(a, b)
+    if dead:
+        s[:, dead] = float("-inf")
     if exclude is not None:
-        s.masked_fill_(exclude[:, a:b], float("-inf"))
+        s.masked_fill_(cols(exclude), float("-inf"))
     if exclude_pairs is not None:
-        rows, ids = exclude_pairs
-        hit = (ids >= a) & (ids < b)
-        s[rows[hit], ids[hit] - a] = float("-inf")
+        rows, pos = exclude_pairs
+        hit = (pos >= a) & (pos < b)
+        s[rows[hit], pos[hit] - a] = float("-inf")
     return s
 
 
@@ -264,17 +360,23 @@ def stream_topk(
     step = chunk_rows(user.shape[0], k, align=getattr(index, "block", HALF_BLOCK_ROWS)) if rows is None else rows
     best_v = best_i = None
     total = torch.full((user.shape[0],), float("-inf"), device=user.device) if lse else None
-    for a in range(0, V, step):
-        b = min(V, a + step)
+    if exclude_pairs is not None:
+        exclude_pairs = (exclude_pairs[0], index.positions(exclude_pairs[1]))
+    for a, b in index.blocks(step):
         s = _block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat)
         if lse:
             total = torch.logaddexp(total, torch.logsumexp(s, dim=1))
         v, i = top_rows(s, min(k, b - a))
+        i = index.ids_at(i + a)  # item ids, ascending with the position inside a block
         if best_v is None:
-            best_v, best_i = v, i + a
+            best_v, best_i = v, i
             continue
-        v, pos = top_rows(torch.cat([best_v, v], dim=1), k)  # earlier blocks first: position order = id order
-        best_i, best_v = torch.cat([best_i, i + a], dim=1).gather(1, pos), v
+        cv, ci = torch.cat([best_v, v], dim=1), torch.cat([best_i, i], dim=1)  # identity order: ids ascending already
+        if index.storage_order:  # candidates put in id order: top_rows's lower-column tie rule is then the lower id
+            o = ci.argsort(dim=1, stable=True)
+            cv, ci = cv.gather(1, o), ci.gather(1, o)
+        best_v, pos = top_rows(cv, k)
+        best_i = ci.gather(1, pos)
     return (best_v, best_i, total) if lse else (best_v, best_i)
 
 
@@ -294,18 +396,22 @@ def stream_ranks(
     :func:`hstu.train.metrics.target_ranks` on the full (B, V) scores. The target scores are read
     first from the blocks that hold them (the same block calls, so the same float values), then
     every block is counted: V / rows + (distinct target blocks) block products."""
-    V = index.num_rows
     step = chunk_rows(user.shape[0], align=getattr(index, "block", HALF_BLOCK_ROWS)) if rows is None else rows
-    block = lambda a: _block_scores(index, user, temperature, a, min(V, a + step), exclude, exclude_pairs, repeat)  # noqa: E731
+    if exclude_pairs is not None:
+        exclude_pairs = (exclude_pairs[0], index.positions(exclude_pairs[1]))
+    spans = index.blocks(step)
+    starts = torch.tensor([a for a, _ in spans], dtype=torch.int64, device=user.device)
+    block = lambda j: _block_scores(index, user, temperature, *spans[j], exclude, exclude_pairs, repeat)  # noqa: E731
     t = torch.empty(user.shape[0], 1, dtype=torch.float32, device=user.device)
-    starts = targets - targets % step
-    for a in starts.unique().tolist():
-        sel = (starts == a).nonzero().view(-1)
-        t[sel] = block(a)[sel].gather(1, (targets[sel] - a).view(-1, 1))
+    tpos = index.positions(targets)
+    where = torch.searchsorted(starts, tpos, right=True) - 1  # (B,) the block holding each target
+    for j in where.unique().tolist():
+        sel = (where == j).nonzero().view(-1)
+        t[sel] = block(j)[sel].gather(1, (tpos[sel] - spans[j][0]).view(-1, 1))
     ranks = torch.zeros(user.shape[0], dtype=torch.int64, device=user.device)
-    for a in range(0, V, step):
-        ranks += (block(a) >= t).sum(dim=1)
-    return ranks
+    for j in range(len(spans)):
+        ranks += (block(j) >= t).sum(dim=1)
+    return ranks.clamp_(max=index.num_rows - len(index.dead) + 1)  # a -inf target: behind the V items, not the overflow rows
 
 
 def build_item_index(model) -> ItemIndex:
@@ -323,6 +429,9 @@ def build_item_index(model) -> ItemIndex:
     if isinstance(w, torch.Tensor) and w.dtype in (torch.float16, torch.bfloat16):
         return HalfIndex(w.detach())
     rows = model.cfg.num_items + 1
-    if hasattr(emb, "rows") and rows * model.cfg.embedding_dim * 4 > ROWS_INDEX_BYTES:
+    big = rows * model.cfg.embedding_dim * 4 > ROWS_INDEX_BYTES
+    if big and hasattr(emb, "storage_positions") and all(w.dtype in (torch.float16, torch.bfloat16, torch.float32) for w in emb.shards):
+        return ShardIndex(emb)
+    if hasattr(emb, "rows") and big:
         return RowsIndex(lambda a, b: model.item_vectors(a, b).detach().to(torch.float32), rows)
     return FloatIndex(model.item_vectors())

@@ -9,8 +9,9 @@ through /proc/self/clear_refs, so each figure is that step's own peak):
               keep their rows, as a shop's unsold items do).
   2. plan     ``hstu plan-memory`` for the table (the same plan the model's table checks before allocating).
   3. train    one epoch of the training recipe (``train.loop.train_one_epoch``: sampled softmax, AdamW)
-              with ``item_table = "hashed"``, --shards shards placed explicitly (--placement), bf16 rows
-              (fp16 rows cannot be trained: ``train.loop.check_table_trainable``); per-step seconds.
+              with ``item_table = "hashed"``, --shards shards placed explicitly (--placement), fp16 rows
+              under the row-wise table optimizer (bf16 under AdamW, whose moments underflow in fp16:
+              ``train.sparse_optim.check_table_trainable``); per-step seconds.
   4. fp16     the shards cast to fp16 (``ShardedEmbedding.cast_storage``, what ``hstu quantize`` stores).
   5. eval     full-ranking HR@10 / NDCG@10 of --eval-users test targets: ``train.evaluate.evaluate``,
               whose ranks are streamed over table blocks above ``item_index.STREAM_BYTES``
@@ -111,9 +112,14 @@ def measured(fn):
     return out, time.perf_counter() - t, peak_rss()
 
 
+def row_dtype(args) -> str:
+    """The table's row dtype: fp16, except bf16 when AdamW trains it (fp16 moments underflow)."""
+    return "bf16" if args.table_optimizer == "adamw" and not args.no_train else "fp16"
+
+
 def plan_memory(args) -> dict:
     """``hstu plan-memory --json`` for the table (exit 3 = refused: raised with its message)."""
-    cmd = [sys.executable, "-m", "hstu", "plan-memory", "--items", str(args.items), "--dim", str(args.dim), "--dtype", "bf16"]
+    cmd = [sys.executable, "-m", "hstu", "plan-memory", "--items", str(args.items), "--dim", str(args.dim), "--dtype", row_dtype(args)]
     cmd += ["--shards", str(args.shards), "--placement", args.placement, "--overflow-rows", "1", "--json"]
     cmd += [] if args.no_train else ["--optimizer", args.table_optimizer]  # the plan counts the training optimizer's state
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -128,7 +134,7 @@ def build_model(args, log_):
 
     d = args.dim
     cfg = ModelConfig(num_items=log_.num_items, max_seq_len=args.max_seq_len, embedding_dim=d, d_qk=d, d_v=d, num_blocks=1, num_heads=1)
-    cfg.item_table, cfg.item_table_shards, cfg.item_table_dtype = "hashed", args.shards, "fp16" if args.no_train else "bf16"
+    cfg.item_table, cfg.item_table_shards, cfg.item_table_dtype = "hashed", args.shards, row_dtype(args)
     cfg.item_table_placement = args.placement
     torch.manual_seed(args.seed)
     return build_hstu(cfg, device="cpu")

@@ -1,4 +1,4 @@
-"""Training guards found by a fresh-user trial: an fp16 hashed table is refused before the data is read
+"""Training guards found by a fresh-user trial: an fp16 hashed table under AdamW is refused before the data is read
 (it trained to a nan loss and a run marked completed), a diverged epoch (non-finite loss) stops the run
 with nothing of that epoch written, ``hstu.fit`` never replaces a run unless asked, the run records an
 absolute data path, and Ctrl-C / an abbreviated flag give one line."""

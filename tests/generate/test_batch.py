@@ -161,7 +161,11 @@ def test_a_stopped_job_resumes_without_recomputing(full, run_dir, ratings, tmp_p
     res = batch.run_batch(spec, out, log_, users, chunk_users=7, on_chunk=lambda i, n: again.append(i))
     assert res["chunks"] == 9 and res["computed"] == 6 and sorted(again) == sorted(set(range(9)) - set(seen))
     assert not parts.exists()
-    pd.testing.assert_frame_equal(_read(out), _read(full).iloc[: 60 * K].reset_index(drop=True), check_exact=True)
+    got, want = _read(out), _read(full).iloc[: 60 * K].reset_index(drop=True)
+    # chunks of 7 users here, 50 in ``full``: other batch shapes, so the GEMMs may round the last bit otherwise
+    # (11 % of the scores did on one CPU); the items and every other column are exact
+    pd.testing.assert_frame_equal(got.drop(columns="score"), want.drop(columns="score"), check_exact=True)
+    np.testing.assert_allclose(got.score.to_numpy(), want.score.to_numpy(), rtol=1e-6, atol=1e-6)
 
     # the same OUT.parts with other flags is another job: refused, naming the field
     def stop(i, n):

@@ -293,6 +293,14 @@ def _check_sizes(num_embeddings, embedding_dim, num_overflow_rows, reserve_ratio
     return V, d, O
 
 
+def training_bytes(optimizer: str | None, rows: int, dim: int, itemsize: int) -> int:
+    """Bytes a shard of ``rows`` x ``dim`` needs beyond its rows while ``optimizer`` trains it:
+    :func:`state_bytes` + :func:`grad_bytes` + :func:`step_bytes`; 0 for None (serving)."""
+    if optimizer is None:
+        return 0
+    return sum(f(optimizer, rows, dim, itemsize) for f in (state_bytes, grad_bytes, step_bytes))
+
+
 def plan_memory(
     num_embeddings: int,
     embedding_dim: int,
@@ -358,10 +366,7 @@ def plan_memory(
     any_host = "host" in places
     cache_used = cache if any_host else 0
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
-    opt = [
-        0 if optimizer is None else state_bytes(optimizer, r, d, it) + grad_bytes(optimizer, r, d, it) + step_bytes(optimizer, r, d, it)
-        for r, it in zip(rows, itemsizes)
-    ]
+    opt = [training_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
     device_bytes = index_bytes + cache_used + sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "device")
     host_bytes = sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "host")
     if device_is_host:

@@ -307,7 +307,7 @@ def _block_scores(index, user, temperature, a, b, exclude, exclude_pairs, repeat
     """(B, b - a) item_scores of positions [a, b) (:meth:`ItemIndex.item_ids`) with -inf at the dead
     positions (padding row 0) and the exclusions; ``exclude_pairs`` as (rows, positions)."""
     s = index.cosine_rows(user, a, b).div_(temperature)
-    ids = index.item_ids(a, b)  # None: position = item id
+    ids = index.item_ids(a, b) if repeat is not None or exclude is not None else None  # None: position = item id, or unused
     cols = (lambda m: m[:, a:b]) if ids is None else (lambda m: m.index_select(1, ids.clamp(max=m.shape[1] - 1)))  # overflow ids: dead  # noqa: E731
     if repeat is not None:
         module, static, inwin = repeat

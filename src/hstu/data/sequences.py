@@ -41,6 +41,15 @@ def is_text(ids) -> bool:
     return np.asarray(ids).dtype.kind in "OUS"
 
 
+def same_item_ids(a, b) -> bool:
+    """Whether two id maps (``item_raw_ids``: lists as idmap.json holds them, or arrays: int64,
+    object or unicode text) hold the same ids in the same order; integer ids never equal text ids."""
+    if len(a) != len(b) or is_text(a) != is_text(b):
+        return False
+    dtype = object if is_text(a) else np.int64
+    return bool(np.array_equal(np.asarray(a, dtype=dtype), np.asarray(b, dtype=dtype)))
+
+
 def as_id(x, text: bool, where: str):
     """One original id as :func:`as_ids` reads it; ValueError starting with ``where``."""
     if isinstance(x, (bool, np.bool_)):
@@ -106,13 +115,18 @@ def _id_column(col: pd.Series, name: str, what: str) -> np.ndarray:
 class IdIndex:
     """Original id -> dense id over an id map whose row 0 is the padding entry (one binary
     search over the sorted ids, not a dict lookup per event). ``raw``: (I+1,) int64 or text ids
-    (idmap.json ``item_raw_ids``, ``EventLog.item_raw_ids``)."""
+    (idmap.json ``item_raw_ids``, ``EventLog.item_raw_ids``). When raw[1:] is already ascending (the
+    loaders number integer ids in ascending order) it is searched as it is, a view of ``raw``:
+    no argsort and no sorted copy (at 120M ids 3 GB less); dense id = position + 1."""
 
     def __init__(self, raw) -> None:
         raw = np.asarray(raw, dtype=object) if is_text(raw) else np.asarray(raw, dtype=np.int64)
         self.text = raw.dtype == object
-        order = np.argsort(raw[1:], kind="stable")
-        self.sorted, self.dense_sorted = raw[1:][order], (order + 1).astype(np.int64)
+        if _ascending(raw[1:]):
+            self.sorted, self.dense_sorted = raw[1:], None  # dense id of self.sorted[p]: p + 1
+        else:
+            order = np.argsort(raw[1:], kind="stable")
+            self.sorted, self.dense_sorted = raw[1:][order], (order + 1).astype(np.int64)
 
     def dense(self, values, where: str = "item_id") -> np.ndarray:
         """(n,) int64 dense ids of original ids ``values`` (0 where unknown, an integer past int64
@@ -132,10 +146,21 @@ class IdIndex:
         if not len(self.sorted) or not len(raw):
             return np.zeros(len(raw), np.int64)
         pos = np.searchsorted(self.sorted, raw).clip(max=len(self.sorted) - 1)
-        out = np.where(self.sorted[pos] == raw, self.dense_sorted[pos], 0).astype(np.int64)
+        dense = pos + 1 if self.dense_sorted is None else self.dense_sorted[pos]
+        out = np.where(self.sorted[pos] == raw, dense, 0).astype(np.int64)
         if big:
             out[big] = 0
         return out
+
+
+def _ascending(a: np.ndarray, block: int = 1 << 22) -> bool:
+    """Whether ``a`` (n,) never decreases; compared in blocks (a bool temporary of ``block``, not n)."""
+    last = len(a) - 1  # pairs (a[i], a[i + 1]) for i < last
+    for s in range(0, max(last, 0), block):
+        e = min(s + block, last)
+        if not (a[s + 1 : e + 1] >= a[s:e]).all():
+            return False
+    return True
 
 
 @dataclass

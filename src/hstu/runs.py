@@ -5,6 +5,8 @@ RUN_DIR/ (``hstu train``)
   config.json             model, train and data settings (+ ``distributed``), hstu version
   idmap.json              dense id -> original item id, titles, categories, action names, the history
                           exclusion default, training-item counts, data facts
+  items.npz               only above INLINE_ITEM_ROWS items: idmap.json's per-item lists (ids, categories,
+                          counts, side features) as NumPy arrays; idmap.json names it (items_file)
   model.safetensors       best weights (by valid NDCG@10; last epoch under --protocol paper)
   metrics.json            {"valid": {...}, "test": {...}, "epochs": n, "train_seconds": s, ...}
   history.json            per-epoch loss, throughput and metrics
@@ -16,7 +18,8 @@ RUN_DIR/ (``hstu train``)
 RUN_DIR_Q/ (``hstu quantize``): config.json and idmap.json copied, model.quant.safetensors and
   quant.json instead of model.safetensors (format: :mod:`hstu.quant.checkpoint`).
 
-No pickle: tensors in safetensors, everything else in JSON. Every file is written to NAME.tmp and
+No pickle: tensors in safetensors, a large catalogue's per-item arrays in items.npz (read with
+allow_pickle=False), everything else in JSON. Every file is written to NAME.tmp and
 renamed into place; JSON run files are checked field by field as they are read
 (:mod:`hstu.model.run_files`), so a malformed file is one ValueError naming file and field.
 
@@ -36,6 +39,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -44,19 +48,33 @@ from hstu import backend
 from hstu.config import ModelConfig, TrainConfig, model_config_from_dict, to_dict
 from hstu.data import EventLog, Split
 from hstu.data.prepare import DataSpec, train_item_counts
-from hstu.data.sequences import is_text
+from hstu.data.sequences import is_text, same_item_ids
 from hstu.model.checkpoint import (
     crash_point,
     load_state,
     load_weights,
+    read_idmap,
     read_json,
     read_safetensors,
     read_safetensors_metadata,
     save_weights,
     write_json,
+    write_npz,
 )
 from hstu.model.curves import METRICS_CSV, render, write_curves
-from hstu.model.run_files import CONFIG, HISTORY, IDMAP, LAST_JSON, LAST_WEIGHTS, METRICS, WEIGHTS, check_history, check_last
+from hstu.model.run_files import (
+    CONFIG,
+    HISTORY,
+    IDMAP,
+    ITEM_FIELDS,
+    ITEMS,
+    LAST_JSON,
+    LAST_WEIGHTS,
+    METRICS,
+    WEIGHTS,
+    check_history,
+    check_last,
+)
 from hstu.quant.checkpoint import META as QUANT_META
 from hstu.quant.checkpoint import (  # noqa: F401 (check_quantized_out, save_quantized_run: the quantized variant, re-exported)
     PRECISIONS,
@@ -73,10 +91,16 @@ log = logging.getLogger(__name__)
 
 RUN_FILES = (WEIGHTS, LAST_JSON, LAST_WEIGHTS, HISTORY, METRICS_CSV, METRICS)  # what training writes per epoch / at the end
 MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifest
+# idmap.json holds the per-item lists up to this many rows (I+1); a larger catalogue's go to items.npz (issue 21:
+# 120M items are > 1 GB of JSON and 4-13 GB of Python lists once read); tests monkeypatch it small
+INLINE_ITEM_ROWS = 1_000_000
 __all__ = [
     "CONFIG",
     "HISTORY",
     "IDMAP",
+    "INLINE_ITEM_ROWS",
+    "ITEMS",
+    "ITEM_FIELDS",
     "LAST_JSON",
     "LAST_WEIGHTS",
     "METRICS",
@@ -107,6 +131,7 @@ __all__ = [
     "save_train_state",
     "write_config",
     "write_idmap",
+    "write_idmap_dict",
     "write_metrics",
 ]
 
@@ -136,36 +161,66 @@ def make_idmap(log_: EventLog, split: Split | None = None) -> dict:
     ``item_category`` (I+1), titles, ``item_meta`` (the items file's columns, when given), action
     names, side-feature maps (``features``: categorical values / numeric quantile edges, and
     ``item_features``: (I+1, F) the items' last values; :mod:`hstu.data.features`), the exclusion default, the last timestamp
-    (Unix s), data facts, and with ``split`` ``item_train_counts`` (I+1 training events per item)."""
-    raw = log_.item_raw_ids.tolist()
+    (Unix s), data facts, and with ``split`` ``item_train_counts`` (I+1 training events per item).
+    Above :data:`INLINE_ITEM_ROWS` rows (I+1) the four per-item values stay NumPy arrays, no Python
+    lists of them built (:func:`write_idmap` puts them in items.npz)."""
+    inline = len(log_.item_raw_ids) <= INLINE_ITEM_ROWS
+    per_item = (lambda a: a.tolist()) if inline else (lambda a: a)  # noqa: E731
+    raw = per_item(log_.item_raw_ids)
+    titles = {str(r): log_.titles[r] for r in raw[1:] if r in log_.titles} if log_.titles else {}
     return {
         "dataset": log_.name,
         "item_raw_ids": raw,
         "user_ids": "text" if is_text(log_.users) else "int",
-        "item_category": log_.item_category.tolist(),
+        "item_category": per_item(log_.item_category),
         "category_raw_ids": None if log_.category_raw_ids is None else log_.category_raw_ids.tolist(),
         "action_names": log_.action_names,
         "titles": {
-            **{str(r): log_.titles[r] for r in raw[1:] if r in log_.titles},
+            **titles,
             **{r: m["title"] for r, m in log_.item_meta.items() if isinstance(m.get("title"), str)},  # --items FILE titles
         },
         **({"item_meta": log_.item_meta} if log_.item_meta else {}),
-        **({"features": log_.feature_maps, "item_features": log_.item_features[:, 1:].tolist()} if log_.feature_maps else {}),
+        **({"features": log_.feature_maps, "item_features": per_item(log_.item_features[:, 1:])} if log_.feature_maps else {}),
         "exclude_history_default": log_.exclude_history_default,
         "last_timestamp": int(log_.timestamps.max()),
         "data_facts": {"events": log_.num_events, "users": log_.num_users, "skipped_rows": log_.skipped_rows, **log_.facts},
-        **({"item_train_counts": train_item_counts(log_, split).tolist()} if split is not None else {}),
+        **({"item_train_counts": per_item(train_item_counts(log_, split))} if split is not None else {}),
     }
 
 
 def write_idmap(run: Path, log_: EventLog, split: Split | None = None) -> None:
-    """Write idmap.json (:func:`make_idmap`) atomically."""
-    write_json(Path(run) / IDMAP, make_idmap(log_, split))
+    """Write idmap.json (:func:`make_idmap`) atomically, a large catalogue's items.npz first
+    (:func:`write_idmap_dict`)."""
+    write_idmap_dict(run, make_idmap(log_, split))
 
 
-def read_idmap(run: str | Path) -> dict:
-    """idmap.json, checked field by field. Raises FileNotFoundError / ValueError naming file and field."""
-    return read_json(Path(run) / IDMAP)
+def write_idmap_dict(run: Path, obj: dict) -> None:
+    """Write an idmap.json object atomically. Up to :data:`INLINE_ITEM_ROWS` rows (len of
+    ``item_raw_ids``) its per-item values (:data:`ITEM_FIELDS`, lists or arrays) are JSON lists in it,
+    and an items.npz left by an earlier, larger write is removed; above, they go to items.npz as
+    arrays (:func:`_stored`), written before idmap.json so that no idmap.json names a missing file,
+    and idmap.json records ``items_file``, ``item_rows`` (I+1) and ``item_fields`` instead."""
+    run, rows = Path(run), len(obj["item_raw_ids"])
+    if rows <= INLINE_ITEM_ROWS:
+        write_json(run / IDMAP, {k: v.tolist() if k in ITEM_FIELDS and isinstance(v, np.ndarray) else v for k, v in obj.items()})
+        (run / ITEMS).unlink(missing_ok=True)
+        return
+    arrays = {k: _stored(k, obj[k]) for k in ITEM_FIELDS if k in obj}
+    write_npz(run / ITEMS, arrays)
+    rest = {k: v for k, v in obj.items() if k not in ITEM_FIELDS}
+    write_json(run / IDMAP, {**rest, "items_file": ITEMS, "item_rows": rows, "item_fields": list(arrays)})
+
+
+def _stored(name: str, values) -> np.ndarray:
+    """A per-item field as items.npz holds it: ids int64 or fixed-width unicode, features (I+1, F)
+    int64, category / counts the smallest signed integer type holding their range."""
+    a = np.asarray(values)
+    if name == "item_raw_ids":
+        return a.astype(str) if is_text(a) else a.astype(np.int64, copy=False)
+    if name == "item_features" or not a.size:
+        return a.astype(np.int64, copy=False)
+    lo, hi = int(a.min()), int(a.max())
+    return a.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64) if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max), copy=False)
 
 
 def read_history(run: str | Path) -> list[dict]:
@@ -226,8 +281,8 @@ def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, co
     path = Path(run) / IDMAP
     if ids is None and not path.exists():
         return
-    saved = (ids if ids is not None else read_json(path)).get("item_raw_ids")
-    if saved is not None and saved != log_.item_raw_ids.tolist():
+    saved = (ids if ids is not None else read_idmap(run)).get("item_raw_ids")
+    if saved is not None and not same_item_ids(saved, log_.item_raw_ids):
         raise ValueError(
             f"{command}: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
             f"({path}); use the data the run was trained on (--data-dir / $HSTU_DATA_DIR)"

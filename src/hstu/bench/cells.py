@@ -65,13 +65,14 @@ def write_preset_run(preset: str, num_items: int, out: Path, seed: int = 0) -> P
     from hstu.config import model_config_from_preset
     from hstu.model.checkpoint import save_weights, write_json
     from hstu.model.hstu import build_hstu
+    from hstu.runs import write_idmap_dict
 
     torch.manual_seed(seed)
     cfg = model_config_from_preset(preset, num_items=num_items, dropout=0.0)
     out.mkdir(parents=True, exist_ok=True)
     save_weights(out / "model.safetensors", build_hstu(cfg).eval())
     write_json(out / "config.json", {"model": cfg.__dict__})
-    write_json(out / "idmap.json", {"item_raw_ids": list(range(num_items + 1))})
+    write_idmap_dict(out, {"item_raw_ids": np.arange(num_items + 1, dtype=np.int64)})  # items.npz past runs.INLINE_ITEM_ROWS
     return out
 
 

@@ -11,6 +11,8 @@ renamed into place):
                          scores = user_vector @ items.T / temperature (Zhai et al. 2024, §4.1.1)
     idmap.json           the run's id map: dense id j <-> original id ``item_raw_ids[j]``,
                          ``action_names``, ``item_train_counts`` (0: never trained)
+    items.npz            only for a large catalogue: idmap.json's per-item arrays (``items_file``;
+                         read both with :func:`hstu.runs.read_idmap`)
 
 Each program is checked on export: its output on seeded inputs of another batch size (lengths
 1..E) against the eager model (:data:`TOLERANCE`); a larger error is an ExportError.
@@ -30,7 +32,7 @@ import torch
 
 from hstu.export import onnx_export, pt2_export
 from hstu.export.encoder import UserEncoder, example_inputs, max_abs_error
-from hstu.model.run_files import CONFIG, IDMAP
+from hstu.model.run_files import CONFIG, IDMAP, ITEMS
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +179,9 @@ def export_run(
         entries = [_export_bucket(fmt, enc, E, tmp, batch) for E in edges]
         with torch.no_grad():
             np.save(tmp / "items.npy", model.item_vectors().to(torch.float32).cpu().numpy())
-        shutil.copyfile(run / IDMAP, tmp / IDMAP)
+        for name in (ITEMS, IDMAP):  # a large catalogue's per-item arrays (items.npz) beside its idmap.json
+            if name == IDMAP or (run / name).exists():
+                shutil.copyfile(run / name, tmp / name)
         manifest = _manifest(fmt, run, enc, entries, batch, scheme)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _place(tmp, out)

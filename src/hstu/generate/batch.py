@@ -340,7 +340,7 @@ def job_identity(spec: BatchSpec, users: list[int], chunk_users: int, fmt: str) 
     users (SHA-256 of the id list), the chunk size and format. Not the worker count or engine."""
     run = Path(spec.run)
     files = {}
-    for name in ("config.json", "idmap.json", "model.safetensors", "model.quant.safetensors"):
+    for name in ("config.json", "idmap.json", "items.npz", "model.safetensors", "model.quant.safetensors"):
         if (run / name).exists():
             st = (run / name).stat()
             files[name] = [st.st_size, st.st_mtime_ns]
@@ -383,7 +383,7 @@ def run_batch(
     Returns {"users", "rows", "chunks", "computed" (chunks computed by this call), "out"}.
     Raises ValueError for bad arguments, another job's parts, or a user (HistoryError naming it).
     """
-    from hstu.model.checkpoint import read_json
+    from hstu.model.checkpoint import read_idmap
 
     fmt = output_format(out)
     if chunk_users < 1 or workers < 1 or spec.batch_users < 1:
@@ -395,7 +395,7 @@ def run_batch(
         check_ray()
     elif engine != "local":
         raise ValueError(f"--engine: unknown {engine!r}; valid: local, ray")
-    columns = output_columns(read_json(Path(spec.run) / "idmap.json"))
+    columns = output_columns(read_idmap(spec.run))  # a large catalogue's ids from items.npz (their kind: int or text)
     store = PartStore(out, fmt, columns, job_identity(spec, users, chunk_users, fmt))
     n = (len(users) + chunk_users - 1) // chunk_users
     todo = [i for i in range(n) if not store.done(i)]

@@ -111,7 +111,7 @@ class Recommender:
         self.raw_ids = raw  # (I+1,) original id of each dense id
         self.titles = idmap.get("titles", {})
         self.item_meta: dict[str, dict] = idmap.get("item_meta") or {}  # str(original id) -> {column: value} (--items FILE)
-        self.item_category_np = np.asarray(idmap.get("item_category") or [0] * len(raw), dtype=np.int64)  # (I+1,) for prepare
+        self.item_category_np = np.asarray(idmap.get("item_category", np.zeros(len(raw), np.int64)), dtype=np.int64)  # (I+1,) for prepare
         self.item_category = torch.from_numpy(self.item_category_np).to(self.device)  # (I+1,) for generation
         self.category_raw = idmap.get("category_raw_ids")
         # side features (hstu.data.features): the run's maps, when the model reads them, and the (I+1, 1+F)
@@ -495,6 +495,6 @@ def _untrained(counts, n: int) -> np.ndarray | None:
     if len(counts) != n:
         log.warning("idmap.json item_train_counts has %d entries for %d ids; every item counts as trained", len(counts), n)
         return None
-    out = np.asarray(counts, dtype=np.int64) == 0
+    out = np.asarray(counts) == 0  # a list, or items.npz's array in its stored dtype (no int64 copy)
     out[0] = False
     return out

@@ -13,14 +13,16 @@ import hashlib
 import json
 import os
 import signal
+import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from hstu.model.run_files import check_run_json
+from hstu.model.run_files import IDMAP, check_items, check_run_json
 
 KILL_AT_ENV = "HSTU_TEST_KILL_AT"  # test seam, see crash_point
 _renames: dict[str, int] = {}
@@ -73,6 +75,57 @@ def read_json(path: Path) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from exc
     return check_run_json(path, obj)
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write NumPy arrays (no object arrays: nothing pickled) as an uncompressed .npz atomically
+    (``path.tmp``, :func:`crash_point`, rename)."""
+    bad = [k for k, a in arrays.items() if a.dtype.hasobject]
+    if bad:  # np.savez would pickle them (its allow_pickle keyword is numpy >= 2.1's only)
+        raise ValueError(f"{path}: {bad[0]} is an object array; store ids as int64 or fixed-width unicode")
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to a name
+        np.savez(f, **arrays)
+    crash_point(tmp)
+    os.replace(tmp, path)
+
+
+def read_npz(path: Path, fields: list[str]) -> dict[str, np.ndarray]:
+    """The arrays ``fields`` of an .npz file that holds them (absent ones left out), loaded without
+    pickle. ValueError names the file (and the array) when it is missing, truncated or corrupt."""
+    if not Path(path).exists():
+        raise ValueError(f"{path}: not found; the run may be incomplete")
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a readable .npz file ({exc}); the run may be incomplete or corrupt") from exc
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: not an .npz archive (a single array); the run may be corrupt")
+    out = {}
+    with npz:
+        for name in fields:
+            if name not in npz.files:
+                continue
+            try:
+                out[name] = npz[name]
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+                raise ValueError(f"{path}: {name} is not readable ({exc}); the run may be incomplete or corrupt") from exc
+    return out
+
+
+def read_idmap(run: str | Path) -> dict:
+    """A run's idmap.json, checked field by field, with a large catalogue's per-item arrays from its
+    sidecar (``items_file``, items.npz) under the same keys as inline lists (NumPy arrays then: int64
+    or object str ids; :func:`hstu.model.run_files.check_items`). Raises FileNotFoundError without
+    idmap.json, ValueError naming the file and field (items.npz missing, unreadable, or wrong)."""
+    run = Path(run)
+    ids = read_json(run / IDMAP)
+    if "items_file" in ids:
+        path = run / ids["items_file"]
+        if not path.exists():
+            raise ValueError(f"{path}: not found, but {run / IDMAP} items_file names it; the run is incomplete")
+        ids.update(check_items(str(path), read_npz(path, ids["item_fields"]), ids["item_fields"], ids["item_rows"]))
+    return ids
 
 
 def read_safetensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

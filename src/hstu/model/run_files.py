@@ -1,4 +1,5 @@
-"""Checks of the JSON run files as they are read: config.json, idmap.json, last.json, history.json.
+"""Checks of the JSON run files as they are read: config.json, idmap.json, last.json, history.json,
+and of idmap.json's sidecar items.npz (a large catalogue's per-item arrays, :func:`check_items`).
 
 Each field's type and range is checked where the file is read (:func:`hstu.model.checkpoint.read_json`
 calls :func:`check_run_json`), so a truncated, corrupt or hand-edited file is one ValueError naming
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hstu.config import ModelConfig, TrainConfig, _from_dict
 from hstu.data.prepare import DataSpec
 
@@ -23,6 +26,10 @@ from hstu.data.prepare import DataSpec
 # they live here, below quant, because the quantized weights format reads and copies them too).
 CONFIG, IDMAP, WEIGHTS, METRICS, HISTORY = "config.json", "idmap.json", "model.safetensors", "metrics.json", "history.json"
 LAST_WEIGHTS, LAST_JSON = "last.safetensors", "last.json"
+# a large catalogue's per-item arrays (issue 21): NumPy arrays in items.npz beside idmap.json, which then holds
+# "items_file": ITEMS, "item_rows": I+1 and "item_fields" (the keys stored) in place of those lists
+ITEMS = "items.npz"
+ITEM_FIELDS = ("item_raw_ids", "item_category", "item_train_counts", "item_features")
 
 
 def _is_int(v: Any) -> bool:
@@ -79,16 +86,27 @@ def check_config(where: str, obj: Any) -> dict:
 
 def check_idmap(where: str, obj: Any) -> dict:
     """idmap.json: ``item_raw_ids`` ([0, original id of dense id 1, ...]) and the per-item lists
-    of its length, titles, action names, the exclusion default."""
+    of its length, titles, action names, the exclusion default. A large catalogue's file names its
+    sidecar instead (``items_file`` = items.npz, ``item_rows`` = I+1, ``item_fields``: the
+    per-item keys stored there, none of them inline; :func:`check_items` checks the arrays)."""
     _object(where, obj)
-    raw = _field(
-        where,
-        obj,
-        "item_raw_ids",
-        lambda v: (_ints(v) and len(v) >= 1 and v[0] == 0) or (_texts(v) and len(v) >= 1 and v[0] == ""),
-        'a list of integer ids starting with 0, or of text ids starting with "" (padding)',
-    )
-    n = len(raw)
+    if "items_file" in obj:
+        _field(where, obj, "items_file", lambda v: v == ITEMS, repr(ITEMS))
+        n = _field(where, obj, "item_rows", lambda v: _is_int(v) and v >= 1, "an integer >= 1 (I+1 rows of items.npz)")
+        ok_fields = lambda v: isinstance(v, list) and "item_raw_ids" in v and set(v) <= set(ITEM_FIELDS)  # noqa: E731
+        stored = _field(where, obj, "item_fields", ok_fields, f"a list of {list(ITEM_FIELDS)} holding item_raw_ids")
+        both = [k for k in stored if k in obj]
+        if both:
+            raise ValueError(f"{where}: {both[0]} is both inline and in {ITEMS} (items_file)")
+    else:
+        raw = _field(
+            where,
+            obj,
+            "item_raw_ids",
+            lambda v: (_ints(v) and len(v) >= 1 and v[0] == 0) or (_texts(v) and len(v) >= 1 and v[0] == ""),
+            'a list of integer ids starting with 0, or of text ids starting with "" (padding)',
+        )
+        n = len(raw)
     for name in ("item_category", "item_train_counts"):  # one entry per item
         per_item = f"a list of {n} integers >= 0 (one per item_raw_ids entry)"
         _field(where, obj, name, lambda v: _ints(v) and len(v) == n and min(v, default=0) >= 0, per_item, optional=True)
@@ -120,6 +138,38 @@ def check_idmap(where: str, obj: Any) -> dict:
     _field(where, obj, "dataset", lambda v: isinstance(v, str), "a text", optional=True)
     _field(where, obj, "data_facts", lambda v: isinstance(v, dict), "an object", optional=True)
     return obj
+
+
+_KINDS = {"item_raw_ids": "iU", "item_category": "iu", "item_train_counts": "iu", "item_features": "iu"}  # NumPy dtype kinds
+
+
+def check_items(where: str, arrays: dict, fields: list[str], rows: int) -> dict[str, np.ndarray]:
+    """items.npz (issue 21): the arrays ``fields`` (idmap.json ``item_fields``) as read from it, each
+    ``rows`` long (idmap.json ``item_rows``, I+1): ``item_raw_ids`` (I+1,) int64 ids starting with 0
+    or fixed-width unicode ids starting with "" (returned as an object array of str, the form
+    ``EventLog.item_raw_ids`` holds), ``item_category`` / ``item_train_counts`` (I+1,) integers >= 0,
+    ``item_features`` (I+1, F) integers. Returns name -> array (the others as stored). Raises
+    ValueError naming ``where`` and the field: missing, wrong shape or dtype, a bad padding entry, a
+    negative count or category."""
+    out = {}
+    for name in fields:
+        if name not in arrays:
+            raise ValueError(f"{where}: {name} is missing (idmap.json item_fields lists it)")
+        v = arrays[name]
+        ndim = 2 if name == "item_features" else 1
+        if v.ndim != ndim or len(v) != rows:
+            raise ValueError(f"{where}: {name} must hold {rows} rows (idmap.json item_rows) in {ndim} dimension(s), got shape {v.shape}")
+        if v.dtype.kind not in _KINDS[name]:
+            want = "int64 or unicode ids" if name == "item_raw_ids" else "integers"
+            raise ValueError(f"{where}: {name} must be {want}, got dtype {v.dtype}")
+        if name == "item_raw_ids":
+            if v[0] != ("" if v.dtype.kind == "U" else 0):
+                raise ValueError(f'{where}: item_raw_ids must start with the padding id (0, or "" for text ids), got {v[0]!r}')
+            v = v.astype(object) if v.dtype.kind == "U" else v.astype(np.int64, copy=False)
+        elif ndim == 1 and rows and v.min() < 0:
+            raise ValueError(f"{where}: {name} must be >= 0 (one per item), got {v.min()} at dense id {int(v.argmin())}")
+        out[name] = v
+    return out
 
 
 def check_history(where: str, obj: Any) -> list:

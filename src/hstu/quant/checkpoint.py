@@ -1,7 +1,7 @@
 """Quantized run directories: safetensors weights + JSON metadata, loaded with a scheme check.
 
 RUN_DIR_Q/
-  config.json, idmap.json     copied from the float run (same model sizes and id map)
+  config.json, idmap.json     copied from the float run (same model sizes and id map; its items.npz too, if any)
   model.quant.safetensors     the quantized state dict; safetensors metadata {"hstu_quant_scheme": scheme,
                               "hstu_quant_format": "1"}. INT8 scheme: ``{layer}.weight_int8`` (N, K) int8 and
                               ``{layer}.weight_scale`` (N,) float32 per quantized Linear, float32 biases,
@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import file_sha256, read_json, read_safetensors, write_json
-from hstu.model.run_files import CONFIG, IDMAP
+from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, write_json
+from hstu.model.run_files import CONFIG, IDMAP, ITEMS
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
 from hstu.quant.lowp import LOWP, to_low_precision
@@ -142,8 +142,9 @@ def save_quantized_run(
         raise ValueError("model has no quantization scheme (quant_meta): convert it with hstu.quant.apply_precision first")
     state = quantized_state(model)
     out.mkdir(parents=True, exist_ok=True)
-    for f in (CONFIG, IDMAP):
-        shutil.copyfile(src / f, out / f)
+    for f in (CONFIG, ITEMS, IDMAP):  # items.npz (a large catalogue's, when there is one) before the idmap.json naming it
+        if f != ITEMS or (src / f).exists():
+            shutil.copyfile(src / f, out / f)
     float_weights = src / FLOAT_WEIGHTS
     meta.update(
         {
@@ -235,7 +236,7 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
         )
     _check(run, meta, scheme)
     cfg = read_json(run / CONFIG)
-    ids = read_json(run / IDMAP)
+    ids = read_idmap(run)  # with items.npz's arrays for a large catalogue
     from hstu.model.hstu import build_hstu
 
     dev = backend.select(device)

@@ -8,7 +8,7 @@ ties broken by the smaller dense id. The score reported for such an item is its 
 training events (count / total, 0..1), which says plainly that it is not a model score.
 
 The counts come from the run's ``idmap.json`` when it stores them (key ``item_train_counts``:
-I + 1 ints indexed by dense id), else they are computed when the server loads the run, from the
+I + 1 ints indexed by dense id; a large catalogue's array in its items.npz, :func:`hstu.runs.read_idmap`), else they are computed when the server loads the run, from the
 data set recorded in the run's ``config.json`` (``data`` entry: dataset, data_dir, protocol,
 max_users, ...; ``data_dir`` can be overridden). If neither is available the service still
 starts, with cold start disabled (an empty history then answers 422 saying so).
@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from hstu.data import EventLog, Split
+from hstu.data.sequences import same_item_ids
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def popularity_for_run(run_cfg: dict, idmap: dict, data_dir: str | Path | None =
     except (FileNotFoundError, ValueError, KeyError, TypeError, OSError) as exc:
         log.warning("cold start disabled: cannot load the run's training data (%s); pass --data-dir to enable it", exc)
         return None
-    if idmap.get("item_raw_ids", []) != log_.item_raw_ids.tolist():  # int or text ids, as idmap.json holds them
+    if not same_item_ids(idmap.get("item_raw_ids", []), log_.item_raw_ids):  # lists (idmap.json) or arrays (items.npz)
         log.warning("cold start disabled: the data at %s does not match the run's item vocabulary", spec.data_dir)
         return None
     return popularity_from_log(log_, split, source=f"{spec.dataset} at {spec.data_dir} (training events, protocol {spec.protocol})")

@@ -167,3 +167,30 @@ def test_distributed_training_refuses_a_hashed_table(tmp_path):
 
     with pytest.raises(ValueError, match="item_table = 'hashed'.*without --distributed"):
         fit_distributed(tmp_path / "d", hashed_cfg(), TrainConfig(epochs=1), spec())
+
+
+def test_approximate_candidates_from_a_flat_index_change_no_answer(runs, capsys):
+    """``--ann Flat`` (faiss's exhaustive inner-product index: its candidates are the exact
+    neighbours) on the hashed run: hstu generate and /v1/generate answer the exact items, and the
+    index is built once into RUN/ann/ and reused."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("fastapi")
+    from serving import post, serve
+
+    from hstu.generate.recommend import Recommender
+
+    hashed, _ = runs
+    exact = cli_json(capsys, "generate", "--run", hashed, "--user", USER, "-k", 5, "--json")["items"]
+    approx = cli_json(capsys, "generate", "--run", hashed, "--user", USER, "-k", 5, "--json", "--ann", "Flat", "--ann-candidates", 8)[
+        "items"
+    ]
+    assert [i["item_id"] for i in approx] == [i["item_id"] for i in exact]
+    built = sorted((hashed / "ann").glob("*.faiss"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    hist = history(USER)[-30:]
+    with serve(Recommender.from_run(hashed), ann="Flat", ann_candidates=8) as s:
+        r = post(s.url, "/v1/generate", {"history": hist, "k": 3})
+    assert r.status_code == 200, r.text
+    assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in api(hashed, hist, k=3)]
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt

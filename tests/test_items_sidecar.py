@@ -103,6 +103,8 @@ def test_sidecar_run_recommends_as_the_inline_run(pair):
     hist = [History(raw[s : s + n], list(range(1000, 1000 + 60 * n, 60))) for s, n in ((0, 3), (2, 5), (4, 1))]
     got = [r.recommend([r.prepare(h) for h in hist], k=3, allow_untrained=True) for r in (ra, rb)]
     assert got[0] == got[1] and all(len(items) == 3 for items in got[0])
+    ma = Recommender.mapping_only(sidecar)  # what an HTTP process holds beside a model process
+    assert np.array_equal(ma.raw_ids, rb.raw_ids) and ma.dense_ids(raw[:4]).tolist() == rb.dense_ids(raw[:4]).tolist()
 
 
 def test_quantized_and_exported_runs_carry_the_sidecar(pair, tmp_path):

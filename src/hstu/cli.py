@@ -214,6 +214,7 @@ def cmd_generate(args) -> int:
     if (args.user is None) == (args.history is None):
         raise ValueError("give exactly one of --user USER_ID, --history FILE or --all-users")
     rec = Recommender.from_run(args.run, args.device, args.precision)
+    rec.attach_ann(args.ann, args.ann_nprobe, args.ann_candidates)  # --ann: approximate candidates (none without)
     check_k(args.k, rec.model.cfg.max_output_len, "-k")
     cfg = read_json(Path(args.run) / "config.json")
     if args.history:
@@ -411,7 +412,9 @@ def _add_generate(sub) -> None:
     )
     q.add_argument("--json", action="store_true")
     from hstu.generate.batch_cli import add_arguments
+    from hstu.serve.cli import add_ann_flags
 
+    add_ann_flags(q)  # --ann FACTORY ... (as hstu serve)
     add_arguments(q)  # --all-users --out ... (batch inference)
     q.set_defaults(func=cmd_generate)
 

@@ -321,10 +321,18 @@ class ServeConfig:
     # the engine's graphs: "auto" (CUDA / NPU graph capture where the device has it, else eager), "eager",
     # "compiled" (capture where the device has it, else torch.compile; a failed compilation runs eager, warned)
     graphs: str = "auto"
+    # approximate candidates (hstu.model.ann): a faiss index_factory string ("" = exact picks), its IVF
+    # cells probed per query, and the candidates per row rescored exactly; the index is kept in RUN/ann/
+    ann: str = ""
+    ann_nprobe: int = 16
+    ann_candidates: int = 256
 
     def validate(self) -> None:
         if self.graphs not in ("auto", "eager", "compiled"):
             raise ValueError(f"ServeConfig.graphs must be auto, eager or compiled, got {self.graphs!r}")
+        for name in ("ann_nprobe", "ann_candidates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeConfig.port must be in 0..65535, got {self.port}")
         for name in ("max_batch", "max_queue"):

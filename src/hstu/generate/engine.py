@@ -152,6 +152,8 @@ class Engine:
         graph_cache: under graphs="compile", an :class:`hstu.backend.graph_cache.GraphCache` whose
             AOTInductor packages the graphs load from (or are built into); None: compile in memory.
             Under "auto" where the device has no graph capture: the graphs it holds, eager for the rest.
+        ann: an :class:`hstu.model.ann.AnnIndex` of the item rows: streamed picks among its
+            ``ann_candidates`` per row, scored exactly (:func:`hstu.model.ann.ann_topk`); None: exact.
     Raises:
         ValueError: bad buckets / sizes / graph mode / kernel-set name (the message quotes the value).
         RuntimeError: a named kernel set that cannot run here (the reason).
@@ -171,6 +173,8 @@ class Engine:
         prefix_cache_bytes: int = 0,
         compile_backend: str | Callable = "inductor",
         graph_cache: GraphCache | None = None,
+        ann=None,
+        ann_candidates: int | None = None,
     ) -> None:
         self.edges = check_engine_sizes(model.cfg, buckets, max_batch, k_max)
         self.max_batch, self.k_max = int(max_batch), int(k_max)
@@ -196,6 +200,7 @@ class Engine:
         self.compile_backend = compile_backend
         self.graph_cache = graph_cache if self.graphs == "compile" else None
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.ann, self.ann_candidates = ann, ann_candidates  # approximate candidates (hstu.model.ann): streamed picks
         self.kv_pool = kv_pool_for(self, max(self.edges) + 1)  # one KV cache, viewed by every bucket
         self._buckets = {E: BucketPool(self, E, self.kv_pool) for E in self.edges}
         self._recompute: dict[int, BucketPool] = {}  # use_cache=False buckets (width E + K), made on first use
@@ -209,7 +214,7 @@ class Engine:
         R, K, I1, dev = self.max_batch, self.k_max, self.model.cfg.num_items + 1, self.device
         self._arange = torch.arange(max(self.model.cfg.width + K + 2, R + 1), device=dev)  # positions and batch rows
         self._bidx = self._arange[:R]
-        self.streamed = item_index.streams(self._index, R)
+        self.streamed = self.ann is not None or item_index.streams(self._index, R)
         if self.streamed:
             self._excl = self._excl_scratch = self._scores = None
             saved = R * I1 * (2 + torch.finfo(self.score_dtype).bits // 8) / 2**20
@@ -243,6 +248,11 @@ class Engine:
         """Rebuild the similarity index (:mod:`hstu.model.item_index`) after the model's weights change."""
         with torch.inference_mode():
             self._index = self.model.item_index()  # .cosine(user (R, d)) -> (R, I+1), in the table's storage
+        if self.ann is not None:  # the approximate index is the caller's: rebuilt by it when the weights change
+            from hstu.model.ann import ANN_CANDIDATES, AnnItemIndex, l2_vectors
+
+            cand = self.ann_candidates or ANN_CANDIDATES
+            self._index = AnnItemIndex(self._index, self.ann, l2_vectors(self.model), cand)
 
     # ----- public helpers -----
     def bucket_for(self, length: int) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from hstu.backend.graph_cache import GraphCache
 from hstu.config import DecodeOptions
 from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.hardening import harden
+from hstu.generate.histories import History, HistoryError, Prepared, Ranked  # noqa: F401 (their home; imported from here too)
 from hstu.generate.requests import smallest_edge
 from hstu.generate.sampler import Exclusions, exclusion_mask, exclusion_pairs
 from hstu.data.features import FeatureMaps
@@ -50,55 +50,6 @@ def default_buckets(max_seq_len: int) -> tuple[int, ...]:
     below ``max_seq_len``, then ``max_seq_len`` itself, so every prepared history fits (e.g.
     max_seq_len 50 -> (20, 50); 300 -> (20, 50, 100, 200, 300))."""
     return tuple(b for b in DEFAULT_BUCKETS if b < max_seq_len) + (int(max_seq_len),)
-
-
-class HistoryError(ValueError):
-    """A history that cannot be used; the message names the field and index."""
-
-
-@dataclass
-class History:
-    """One user's events, original ids. items, timestamps (Unix s), actions: equal lengths.
-
-    Item ids are the run's original ids, int or text (:mod:`hstu.data.sequences`: a text id is
-    trimmed, case kept; an int given to a run of text ids is its decimal text, a decimal text
-    given to a run of integer ids is that integer); a bool is refused (HistoryError).
-
-    ``features``: per event, None or {feature name: value} for a run with side features
-    (:mod:`hstu.data.features`): a number for a numeric feature (bucketised with the run's stored
-    quantile edges), a text for a categorical one (through the run's map; unknown -> 0); a value
-    None is unknown (0). A feature an event does not name takes the item's last value in the
-    training data (as a generated item does). An unknown name is refused (HistoryError naming
-    ``history[i].features.NAME``)."""
-
-    items: list[int | str]
-    timestamps: list[int]
-    actions: list[str] | None = None
-    request_time: int | None = None  # default: the last event's time
-    exclude: list[int | str] = field(default_factory=list)  # user block list (original ids)
-    features: list[dict | None] | None = None  # per event {name: value}; see above
-
-
-@dataclass
-class Prepared:
-    ids: np.ndarray
-    timestamps: np.ndarray
-    actions: np.ndarray
-    categories: np.ndarray
-    request_time: int
-    warnings: list[str]
-    block: list[int]
-
-
-@dataclass
-class Ranked:
-    """One history's generated items before they are described (what a model process answers,
-    :mod:`hstu.serve.wire`): ``items`` (k,) int64 dense ids, ``scores`` (k,) the engine's float
-    scores (cosine / temperature), ``actions`` (k,) int64 predicted action ids (0 = none) or None."""
-
-    items: np.ndarray
-    scores: np.ndarray
-    actions: np.ndarray | None = None
 
 
 class Recommender:
@@ -141,6 +92,8 @@ class Recommender:
         cfg = self.model.cfg
         if engine_kwargs.get("graphs", "auto") in ("auto", "compiled", "compile") and "graph_cache" not in engine_kwargs:
             engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device)
+        if self.ann is not None:  # :meth:`attach_ann`
+            engine_kwargs = {"ann": self.ann, "ann_candidates": self.ann_candidates, **engine_kwargs}
         return Engine(
             self.model,
             buckets=tuple(buckets or default_buckets(cfg.max_seq_len)),
@@ -149,6 +102,25 @@ class Recommender:
             device=self.device,
             **engine_kwargs,
         )
+
+    ann = None  # an hstu.model.ann.AnnIndex of the item rows (attach_ann), or None: exact picks
+    ann_candidates: int | None = None
+
+    def attach_ann(self, factory: str | None, nprobe: int | None = None, candidates: int | None = None) -> None:
+        """Generate from approximate candidates from now on (``hstu generate / serve --ann``): an
+        :class:`hstu.model.ann.AnnIndex` of ``factory`` (a faiss index_factory string; None or ""
+        does nothing) probing ``nprobe`` IVF cells (default 16), loaded from RUN/ann/ or built and
+        stored there (:func:`hstu.model.ann.ann_for_run`); each engine built after this rescores
+        ``candidates`` per row (default :data:`hstu.model.ann.ANN_CANDIDATES`) exactly. Raises
+        ImportError without faiss, ValueError for a factory faiss rejects or a table the index
+        cannot rescore (INT8) or a Recommender without a run directory."""
+        if not factory:
+            return
+        from hstu.model.ann import ann_for_run
+
+        if self.run_dir is None:
+            raise ValueError("--ann: the approximate index is kept beside a run; load the Recommender with from_run")
+        self.ann, self.ann_candidates, self._engine = ann_for_run(self.run_dir, self.model, factory, nprobe=nprobe or 16), candidates, None
 
     def engine_for(self, preps: list[Prepared], decoding: DecodeOptions, graphs: str = "eager") -> Engine:
         """The smallest engine for one call on ``preps``: the one default bucket that holds the
@@ -189,10 +161,10 @@ class Recommender:
         holds the weights: no second full-size copy of the tables. Raises FileNotFoundError /
         ValueError naming a missing or broken run file."""
         from hstu.config import model_config_from_dict
-        from hstu.model.checkpoint import read_json
+        from hstu.model.checkpoint import read_idmap, read_json
         from hstu.model.hstu import build_hstu
 
-        cfg, ids = read_json(Path(run_dir) / "config.json"), read_json(Path(run_dir) / "idmap.json")
+        cfg, ids = read_json(Path(run_dir) / "config.json"), read_idmap(run_dir)  # with a large catalogue's items.npz
         with torch.device("meta"):
             model = build_hstu(model_config_from_dict(cfg["model"]))
         return cls(model, ids, "cpu")

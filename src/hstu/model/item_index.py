@@ -351,12 +351,21 @@ def stream_topk(
     Returns:
         (values (B, k) float32 descending, item ids (B, k) int64[, logsumexp (B,)]): the first two
         equal to the first k of ``scores.sort(descending=True, stable=True)`` on the full scores.
+        An index with an approximate candidate source (:class:`hstu.model.ann.AnnItemIndex`)
+        ranks its candidates instead (:func:`hstu.model.ann.ann_topk`).
     Raises:
         ValueError: k outside [1, V].
     """
     V = index.num_rows
     if not 1 <= k <= V:
         raise ValueError(f"stream_topk: k={k} outside [1, {V}] (the table's rows)")
+    if getattr(index, "ann", None) is not None:  # approximate candidates, scored exactly (hstu.model.ann)
+        from hstu.model.ann import ann_topk
+
+        out = ann_topk(index, user, temperature, k, exclude=exclude, exclude_pairs=exclude_pairs, repeat=repeat, lse=lse)
+        if out is not None:
+            return out
+        index = index.exact
     step = chunk_rows(user.shape[0], k, align=getattr(index, "block", HALF_BLOCK_ROWS)) if rows is None else rows
     best_v = best_i = None
     total = torch.full((user.shape[0],), float("-inf"), device=user.device) if lse else None

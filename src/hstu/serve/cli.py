@@ -102,11 +102,16 @@ def _settings(args: argparse.Namespace):
         "body_timeout_s",
         "header_timeout_s",
         "graphs",
+        "ann",
+        "ann_nprobe",
+        "ann_candidates",
     ):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)  # flags are range-checked by argparse; a --config file's values here
     cfg.validate()
+    if cfg.ann and args.engine == "never":
+        raise ValueError("--ann: approximate candidates are the engine's picks; drop --engine never")
     explicit = parse_buckets(args.buckets) if args.buckets is not None else (list(cfg.buckets) if args.config else None)
     max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
     if max_body_bytes < MIN_BODY_BYTES:
@@ -245,6 +250,20 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
         "the run's graph cache where `hstu export --run RUN --graphs` built one for these buckets and --max-batch; "
         "a failed compilation runs eager with a warning)",
     )
+    add_ann_flags(s)
+
+
+def add_ann_flags(s: argparse.ArgumentParser) -> None:
+    """--ann, --ann-nprobe, --ann-candidates: approximate candidates (hstu.model.ann), for catalogues
+    where the exact streamed top-k is too slow (120M items: seconds per call)."""
+    s.add_argument(
+        "--ann",
+        metavar="FACTORY",
+        help="pick among approximate candidates of a faiss index (index_factory string, e.g. IVF4096,SQ8 or HNSW32; "
+        "needs the 'ann' extra), rescored exactly; built once per weights file and kept in RUN/ann/ (default: exact picks)",
+    )
+    s.add_argument("--ann-nprobe", type=number_in(int, 1), help="IVF cells probed per query (default 16)")
+    s.add_argument("--ann-candidates", type=number_in(int, 1), help="approximate candidates per row rescored exactly (default 256)")
 
 
 def add_subcommands(subparsers) -> None:

@@ -132,6 +132,8 @@ class Service:
         """The model thread (its runner built here), or model processes (not started yet)."""
         cfg, policy = self.cfg, self.policy
         if not policy.model_process:
+            if cfg.ann:
+                self.rec.attach_ann(cfg.ann, cfg.ann_nprobe, cfg.ann_candidates)
             runner = BatchRunner(self.rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine, graphs=cfg.graphs)
             return LocalModel(runner, batch_guard(runner, self.backend, cfg.memory_threshold))
         if run_dir is None:
@@ -151,6 +153,9 @@ class Service:
             cfg.memory_threshold,
             policy.model_workers,
             cfg.graphs,
+            cfg.ann,
+            cfg.ann_nprobe,
+            cfg.ann_candidates,
         )
         return ProcessModel(spec, start=False)
 

@@ -51,6 +51,7 @@ class WorkerSpec:
     :class:`BatchRunner`. threads: torch intra-op threads in the worker (None: torch's default).
     memory_threshold: the guard's minimum free fraction. workers: model processes (each loads
     the run and runs one batch at a time; more than one only where memory allows a copy each).
+    ann, ann_nprobe, ann_candidates: approximate candidates (``Recommender.attach_ann``; "" = exact).
     """
 
     run_dir: str
@@ -63,6 +64,9 @@ class WorkerSpec:
     memory_threshold: float = 0.10
     workers: int = 1
     graphs: str = "auto"
+    ann: str = ""  # approximate candidates: ServeConfig.ann, ann_nprobe, ann_candidates
+    ann_nprobe: int = 16
+    ann_candidates: int = 256
 
 
 # ----- the model process -----
@@ -81,6 +85,8 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
         torch.set_num_threads(threads)
     try:
         rec = Recommender.from_run(spec.run_dir, spec.device, spec.precision)
+        if spec.ann:
+            rec.attach_ann(spec.ann, spec.ann_nprobe, spec.ann_candidates)
     except Exception as exc:  # noqa: BLE001 - kept and raised by the first call, in the parent, as itself
         _WORKER["load_error"] = exc  # answered to the first call ("info" at start-up)
         return

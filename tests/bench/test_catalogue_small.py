@@ -142,11 +142,12 @@ class Largest(TorchDispatchMode):
 
 @pytest.mark.slow
 def test_eval_streams_in_bounded_memory_with_the_full_ranks(trained, catalogue, monkeypatch):
-    _, log_, split, model, _ = trained
+    _, log_, split, model, stats = trained
     users = np.nonzero(split.targets("test") >= 0)[0][:100]
     with torch.inference_mode():
         index = model.item_index()
     assert isinstance(index, ii.ShardIndex)  # no float32 copy of the 2M rows: the shards scored in place
+    assert index.nbytes == stats["plan"]["scoring_bytes"]  # hstu plan-memory's figure for it
     assert ii.streams(index, len(users))
     chunk = ii.chunk_rows(len(users), align=index.block)
     rec = Largest()

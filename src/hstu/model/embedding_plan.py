@@ -64,6 +64,9 @@ class MemoryPlan:
     optimizer: str | None = None  # training table optimizer planned for (None: the table alone)
     # its state + the table's gradient + the step's temporaries (:func:`state_bytes`, :func:`grad_bytes`, :func:`step_bytes`), in the totals
     optimizer_bytes: int = 0
+    # the similarity index evaluation, generation and serving build over the table (:func:`scoring_bytes`), on the
+    # device, beside the totals (the table's fit and placement are the table's; the index exists while scoring)
+    scoring_bytes: int = 0
 
     @property
     def fits(self) -> bool:
@@ -101,6 +104,7 @@ class MemoryPlan:
         lines.append(f"row index ({T:,} rows) on device: {format_bytes(self.index_bytes)}")
         if self.cache_bytes:
             lines.append(f"hot-row cache on device: {format_bytes(self.cache_bytes)}")
+        lines.append(f"similarity index while scoring (eval / generate / serve), besides: {format_bytes(self.scoring_bytes)}")
         if self.optimizer is not None:
             opt = format_bytes(self.optimizer_bytes)
             lines.append(f"training with {self.optimizer}: state + table gradient + step temporaries {opt} (with each shard)")
@@ -293,6 +297,19 @@ def _check_sizes(num_embeddings, embedding_dim, num_overflow_rows, reserve_ratio
     return V, d, O
 
 
+def scoring_bytes(num_embeddings: int, shard_rows: Sequence[int], dim: int) -> int:
+    """Bytes of the similarity index :func:`hstu.model.item_index.build_item_index` builds over a hashed
+    table for evaluation and generation: a float32 (V, d) copy (``FloatIndex``) up to
+    ``ROWS_INDEX_BYTES``, above it ``ShardIndex``: per stored row a float32 inverse norm and an int32
+    (int64 from 2**31 rows) item id, plus one float32 block buffer of ``block`` x d per shard."""
+    from hstu.model.item_index import ROWS_INDEX_BYTES
+
+    if num_embeddings * dim * 4 <= ROWS_INDEX_BYTES:
+        return num_embeddings * dim * 4
+    T = sum(shard_rows)
+    return T * (4 + (4 if T < 2**31 else 8)) + len(shard_rows) * min(8192, max(shard_rows)) * dim * 4
+
+
 def training_bytes(optimizer: str | None, rows: int, dim: int, itemsize: int) -> int:
     """Bytes a shard of ``rows`` x ``dim`` needs beyond its rows while ``optimizer`` trains it:
     :func:`state_bytes` + :func:`grad_bytes` + :func:`step_bytes`; 0 for None (serving)."""
@@ -367,6 +384,7 @@ def plan_memory(
     cache_used = cache if any_host else 0
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
     opt = [training_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
+    scoring = scoring_bytes(V, rows, d)
     device_bytes = index_bytes + cache_used + sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "device")
     host_bytes = sum(s.bytes + o for s, o in zip(shards, opt) if s.placement == "host")
     if device_is_host:
@@ -377,5 +395,5 @@ def plan_memory(
         num_embeddings=V, num_overflow_rows=O, embedding_dim=d, shards=shards, index_bytes=index_bytes, cache_bytes=cache_used,
         device_bytes=device_bytes, host_bytes=host_bytes, device_budget=dev_budget, host_budget=host_budget,
         device_is_host=device_is_host, reserve_ratio=reserve_ratio, problems=problems, rows_exact=rows_exact,
-        optimizer=optimizer, optimizer_bytes=sum(opt),
+        optimizer=optimizer, optimizer_bytes=sum(opt), scoring_bytes=scoring,
     )  # fmt: skip

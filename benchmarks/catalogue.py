@@ -23,18 +23,26 @@ through /proc/self/clear_refs, so each figure is that step's own peak):
   7. ann      optional (faiss): an approximate index (--ann, a faiss factory string) over the normalised
               rows, recall@10 against the exact streamed top-k of the same user vectors, and per-batch
               latency of both.
+  8. serve    optional (--serve): the model written as a run directory (what ``hstu train`` writes;
+              idmap.json's per-item arrays in its items.npz sidecar), the benchmark's copy freed, then
+              ``hstu serve --run OUT/run --ann FACTORY`` started as a user starts it: seconds to ready
+              (the approximate index built into RUN/ann/ on the first start), --serve-requests
+              sequential /v1/generate next-10 calls (latency), the served items against step 6's
+              exact engine for the same users (overlap@10), and the server processes' peak RSS.
 Memory is reported against the plan's table bytes (what the rows take) and the (B, N) float32 matrix a
 full-ranking step would have built.
 
 Usage:
   python benchmarks/catalogue.py --items 2000000 --events 400000 --out /tmp/cat --json benchmarks/results/catalogue_2m.json
   python benchmarks/catalogue.py --items 120000000 --events 3000000 --out /tmp/cat120 (check the plan first: 23 GiB here)
+  python benchmarks/catalogue.py --items 120000000 --events 3000000 --table-optimizer rowwise_adagrad --ann IVF1024,SQ8 --serve ...
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -188,25 +196,31 @@ def user_vectors(model, log_, split, users: np.ndarray) -> tuple[torch.Tensor, o
 
 
 def generate(args, model, log_, split) -> dict:
-    """Next-10 greedy, history excluded, through the product's Engine (what ``hstu generate``, the
-    Recommender and ``hstu serve`` run): --gen-users rows in one chunk, streamed picks and no
-    (R, N + 1) buffers when ``item_index.streams`` says so for those rows."""
+    """Next-10 greedy, history and items without training events excluded (what a served request
+    excludes by default), through the product's Engine (what ``hstu generate``, the Recommender and
+    ``hstu serve`` run): --gen-users rows in one chunk, streamed picks and no (R, N + 1) buffers when
+    ``item_index.streams`` says so for those rows (exclusions as sparse pairs + one shared row)."""
+    from hstu.data.prepare import train_item_counts
     from hstu.generate.engine import Engine
-    from hstu.generate.sampler import exclusion_mask
+    from hstu.generate.sampler import exclusion_pairs
 
     users = np.nonzero(split.targets("test") >= 0)[0][: args.gen_users]
     _, b = user_vectors(model, log_, split, users)
-    excl = exclusion_mask(model.cfg.num_items, len(users), b.ids, b.lengths)
+    never = torch.from_numpy(train_item_counts(log_, split) == 0)  # (I+1,) bool: untrained items
+    excl = exclusion_pairs(model.cfg.num_items, len(users), b.ids, b.lengths, never=never)
     req = b.timestamps.gather(1, (b.lengths - 1).view(-1, 1)).view(-1) + 60
     eng = Engine(model, buckets=(model.cfg.max_seq_len,), max_batch=len(users), k_max=10, graphs="eager")
     res = eng.generate(b.ids, b.timestamps, b.lengths, 10, request_time=req, exclude=excl)
     report = {"streamed": eng.streamed, "decode_buffer_bytes": eng.memory_report()["shared_decode_buffers"]}
-    return {"users": len(users), "engine": report, "first_items": res.items[0].tolist()}
+    return {"users": len(users), "engine": report, "items": res.items.tolist()}
 
 
 @torch.inference_mode()
-def ann(args, model, log_, split) -> dict:
-    from hstu.model.ann import AnnIndex, recall_at_k
+def ann(args, model, log_, split, run_dir: Path | None = None) -> dict:
+    """Recall@10 and latency of the approximate index against the exact streamed top-k; with
+    ``run_dir`` (--serve) the index is the run's (``hstu.model.ann.ann_for_run``: built and stored in
+    RUN/ann/, where the server then loads it instead of building it again)."""
+    from hstu.model.ann import AnnIndex, ann_for_run, recall_at_k
     from hstu.model.item_index import stream_topk
 
     users = np.nonzero(split.targets("test") >= 0)[0][: args.ann_users]
@@ -220,7 +234,10 @@ def ann(args, model, log_, split) -> dict:
     t = time.perf_counter()
     exact = torch.cat([stream_topk(index, user[s : s + 16], 1.0, 11)[1] for s in range(0, len(user), 16)])
     exact_s = (time.perf_counter() - t) / math.ceil(len(user) / 16)
-    (idx, build_s, build_peak) = measured(lambda: AnnIndex(rows, V, args.dim, args.ann, nprobe=args.nprobe))
+    if run_dir is None:
+        (idx, build_s, build_peak) = measured(lambda: AnnIndex(rows, V, args.dim, args.ann, nprobe=args.nprobe))
+    else:
+        (idx, build_s, build_peak) = measured(lambda: ann_for_run(run_dir, model, args.ann, nprobe=args.nprobe))
     out = {"factory": args.ann, "build_seconds": build_s, "build_peak_rss": build_peak, "exact_seconds_per_16": exact_s}
     for nprobe in sorted({1, 4, args.nprobe, 4 * args.nprobe}):
         idx.set_search(nprobe=nprobe)
@@ -231,6 +248,118 @@ def ann(args, model, log_, split) -> dict:
             "seconds_per_16": (time.perf_counter() - t) / math.ceil(len(user) / 16),
         }
     return out
+
+
+def write_run(args, model, log_, split) -> Path:
+    """The benchmark's model as the run directory ``hstu train`` writes (OUT/run: config.json,
+    idmap.json with its items.npz sidecar, model.safetensors), for ``hstu serve``."""
+    from hstu import runs
+    from hstu.config import TrainConfig
+    from hstu.data.prepare import DataSpec
+
+    run = Path(args.out) / "run"
+    run.mkdir(exist_ok=True)
+    spec = DataSpec(
+        "csv", str(Path(args.out) / "events.parquet"), options={"columns": "user=user,item=item,time=time"}, exclude_history=True
+    )
+    tcfg = TrainConfig(
+        epochs=1, batch_size=args.batch_size, num_negatives=args.negatives, seed=args.seed, table_optimizer=args.table_optimizer
+    )
+    runs.write_config(run, runs.config_json(model.cfg, tcfg, spec))
+    runs.write_idmap(run, log_, split)
+    runs.save_best_weights(run, model)
+    return run
+
+
+def tree_peak_rss(pid: int) -> int:
+    """Summed peak resident bytes (VmHWM) of process ``pid`` and its children (Linux /proc)."""
+    total, todo = 0, [pid]
+    while todo:
+        q = todo.pop()
+        try:
+            status = Path(f"/proc/{q}/status").read_text()
+            todo += [int(c) for t in Path(f"/proc/{q}/task").iterdir() for c in (t / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += next(int(ln.split()[1]) * 1024 for ln in status.splitlines() if ln.startswith("VmHWM:"))
+    return total
+
+
+def request_bodies(log_, split, users: np.ndarray, max_len: int) -> list[dict]:
+    """/v1/generate bodies for ``users``' test histories (the events before the test target), next-10,
+    request time 60 s after the last event (as :func:`generate`)."""
+    from hstu.data.batching import eval_batch
+
+    b = eval_batch(log_, split.targets("test"), users, max_len)
+    raw = log_.item_raw_ids
+    out = []
+    for r in range(len(users)):
+        n = int(b.lengths[r])
+        ids, ts = b.ids[r, :n].tolist(), b.timestamps[r, :n].tolist()
+        out.append(
+            {"history": [{"item_id": int(raw[i]), "timestamp": int(t)} for i, t in zip(ids, ts)], "k": 10, "request_time": int(ts[-1]) + 60}
+        )
+    return out
+
+
+def serve(args, run: Path, bodies: list[dict], exact: list[list[int]]) -> dict:
+    """``hstu serve --run RUN --ann FACTORY`` started as a user starts it: seconds to the first 200 on
+    /readyz, then --serve-requests sequential /v1/generate calls (client-side latency), the served
+    next-10 against the in-process exact engine's (:func:`generate`: overlap@10 and first-item
+    agreement), and the server's peak RSS (its processes together)."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cmd = [sys.executable, "-m", "hstu", "serve", "--run", str(run), "--port", str(port), "--threads", str(args.threads)]
+    cmd += ["--ann", args.ann, "--ann-nprobe", str(args.nprobe)] if args.ann else []
+    url, log_path = f"http://127.0.0.1:{port}", Path(args.out) / "serve.log"
+    t = time.perf_counter()
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"hstu serve exited {proc.returncode} before ready; see {log_path}")
+            try:
+                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.perf_counter() - t > args.serve_timeout:
+                raise SystemExit(f"hstu serve not ready within {args.serve_timeout} s; see {log_path}")
+            time.sleep(1.0)
+        out = {"command": " ".join(cmd[1:]), "ready_seconds": time.perf_counter() - t, "ready_peak_rss": tree_peak_rss(proc.pid)}
+        lat, served, codes = [], [], {}
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for j in range(args.serve_requests):
+                t1 = time.perf_counter()
+                r = c.post("/v1/generate", json=bodies[j % len(bodies)])
+                lat.append(time.perf_counter() - t1)
+                codes[r.status_code] = codes.get(r.status_code, 0) + 1
+                if r.status_code == 200 and j < len(bodies):
+                    served.append([int(i["item_id"]) for i in r.json()["items"]])
+        lat_ms = np.asarray(lat) * 1e3
+        pairs = list(zip(served, exact))
+        out.update(
+            requests=len(lat),
+            status=codes,
+            latency_ms={"p50": float(np.percentile(lat_ms, 50)), "p99": float(np.percentile(lat_ms, 99)), "max": float(lat_ms.max())},
+            overlap_at_10=float(np.mean([len(set(a) & set(b)) / 10 for a, b in pairs])) if pairs else None,
+            first_item_agreement=float(np.mean([a[0] == b[0] for a, b in pairs])) if pairs else None,
+            compared_users=len(pairs),
+            peak_rss=tree_peak_rss(proc.pid),
+        )
+        return out
+    finally:
+        proc.send_signal(2)  # SIGINT: a graceful stop
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def run(args) -> dict:
@@ -265,11 +394,21 @@ def run(args) -> dict:
     res["streams"] = {"eval": ii.streams(index, args.eval_batch), "generate": ii.streams(index, args.gen_users)}
     (res["eval"], res["eval_seconds"], res["eval_peak_rss"]) = measured(lambda: evaluate_users(args, model, log_, split))
     (res["generate"], res["generate_seconds"], res["generate_peak_rss"]) = measured(lambda: generate(args, model, log_, split))
+    run_dir = None
+    if args.serve:  # the run first: the approximate index below is then built into RUN/ann/ for the server
+        users = np.nonzero(split.targets("test") >= 0)[0][: args.gen_users]
+        bodies = request_bodies(log_, split, users, args.max_seq_len)
+        (run_dir, res["write_run_seconds"], res["write_run_peak_rss"]) = measured(lambda: write_run(args, model, log_, split))
+        res["run_bytes"] = {f.name: f.stat().st_size for f in run_dir.iterdir() if f.is_file()}
     if args.ann:
         try:
-            res["ann"] = ann(args, model, log_, split)
+            res["ann"] = ann(args, model, log_, split, run_dir)
         except ImportError as exc:
             res["ann"] = {"skipped": str(exc)}
+    if args.serve:
+        del model, index  # the server loads its own copy
+        gc.collect()
+        res["serve"] = serve(args, run_dir, bodies, res["generate"]["items"])
     res["machine"]["loadavg_end"] = os.getloadavg()
     return res
 
@@ -301,6 +440,9 @@ def parse_args(argv=None):
         default="adamw",
         help="[train] table_optimizer: adamw (dense state and update) or rowwise_adagrad (looked-up rows only, R x 4 bytes of state)",
     )
+    p.add_argument("--serve", action="store_true", help="then write the run and serve it: hstu serve --run OUT/run --ann FACTORY")
+    p.add_argument("--serve-requests", type=int, default=64, help="sequential /v1/generate calls to the served run")
+    p.add_argument("--serve-timeout", type=float, default=3600, help="seconds to wait for the server's /readyz")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -47,6 +47,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -316,6 +317,7 @@ def serve(args, run: Path, bodies: list[dict], exact: list[list[int]]) -> dict:
         port = sk.getsockname()[1]
     cmd = [sys.executable, "-m", "hstu", "serve", "--run", str(run), "--port", str(port), "--threads", str(args.threads)]
     cmd += ["--ann", args.ann, "--ann-nprobe", str(args.nprobe)] if args.ann else []
+    cmd += shlex.split(args.serve_args)
     url, log_path = f"http://127.0.0.1:{port}", Path(args.out) / "serve.log"
     t = time.perf_counter()
     with open(log_path, "w") as logf:
@@ -406,9 +408,12 @@ def run(args) -> dict:
         except ImportError as exc:
             res["ann"] = {"skipped": str(exc)}
     if args.serve:
-        del model, index  # the server loads its own copy
+        del model, index, log_, split  # the server loads its own copy (the log's per-item arrays: 2 GB at 120M)
         gc.collect()
-        res["serve"] = serve(args, run_dir, bodies, res["generate"]["items"])
+        try:
+            res["serve"] = serve(args, run_dir, bodies, res["generate"]["items"])
+        except SystemExit as exc:  # the measurements so far are kept
+            res["serve"] = {"error": str(exc)}
     res["machine"]["loadavg_end"] = os.getloadavg()
     return res
 
@@ -443,6 +448,7 @@ def parse_args(argv=None):
     p.add_argument("--serve", action="store_true", help="then write the run and serve it: hstu serve --run OUT/run --ann FACTORY")
     p.add_argument("--serve-requests", type=int, default=64, help="sequential /v1/generate calls to the served run")
     p.add_argument("--serve-timeout", type=float, default=3600, help="seconds to wait for the server's /readyz")
+    p.add_argument("--serve-args", default="", help="more hstu serve flags, e.g. '--no-model-process' (one copy of the id map, not two)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -30,6 +30,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -128,12 +130,31 @@ def _worker_warmup(edge: int) -> tuple[float, tuple[float, float], BucketCost]:
 _OPS = {"info": _worker_info, "execute": _worker_execute, "warmup": _worker_warmup}
 
 
+def exit_with_parent(interval: float = 0.5) -> None:
+    """End this process once its parent (the serving process) is gone, even mid-load: a daemon
+    thread polls ``os.getppid()`` every ``interval`` seconds and exits when it changes (the
+    process was re-parented). Without it, a server killed while a model process still loads a
+    large run (minutes, GBs) leaves that process running; after loading, the pipe's end does it.
+    The parent is the one that spawned us (``multiprocessing.parent_process``), so a parent that
+    died before this call is noticed too."""
+    spawner = multiprocessing.parent_process()
+    parent = spawner.pid if spawner is not None else os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hstu-parent-watch", daemon=True).start()
+
+
 def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     """The model process: load, then answer calls in order until "stop" or the pipe's end (the
     serving process is gone): a packed batch with a packed answer (its outcome or its error,
     :func:`hstu.serve.wire.pack_answer`), a pickled ``(op, args)`` with ``("ok", value)`` or
     ``("err", exception)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains, then stops us
+    exit_with_parent()
     _worker_init(spec, warm)
     while True:
         try:

@@ -364,6 +364,25 @@ def serve(args, run: Path, bodies: list[dict], exact: list[list[int]]) -> dict:
             proc.kill()
 
 
+def serve_again(args) -> dict:
+    """--serve-again FILE: step 8 alone on the run and log an earlier --serve run left in --out (other
+    server flags, e.g. --serve-args); the exact items to compare with are FILE's (its step 6)."""
+    from hstu.data.sequences import make_split
+
+    torch.set_num_threads(args.threads)
+    prev = json.loads(Path(args.serve_again).read_text())
+    log_ = catalogue_log(Path(args.out) / "events.parquet", args.items)
+    split = make_split(log_)
+    users = np.nonzero(split.targets("test") >= 0)[0][: args.gen_users]
+    bodies = request_bodies(log_, split, users, args.max_seq_len)
+    del log_, split
+    gc.collect()
+    res = {"args": vars(args), "machine": {"cpu": platform.processor() or platform.machine(), "loadavg_start": os.getloadavg()}}
+    res["serve"] = serve(args, Path(args.out) / "run", bodies, prev["generate"]["items"])
+    res["machine"]["loadavg_end"] = os.getloadavg()
+    return res
+
+
 def run(args) -> dict:
     from hstu.data.sequences import make_split
     from hstu.model import item_index as ii
@@ -448,6 +467,7 @@ def parse_args(argv=None):
     p.add_argument("--serve", action="store_true", help="then write the run and serve it: hstu serve --run OUT/run --ann FACTORY")
     p.add_argument("--serve-requests", type=int, default=64, help="sequential /v1/generate calls to the served run")
     p.add_argument("--serve-timeout", type=float, default=3600, help="seconds to wait for the server's /readyz")
+    p.add_argument("--serve-again", metavar="FILE", help="only step 8, on the run and log in --out, compared with FILE's exact items")
     p.add_argument("--serve-args", default="", help="more hstu serve flags, e.g. '--no-model-process' (one copy of the id map, not two)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -459,7 +479,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    res = run(args)
+    res = serve_again(args) if args.serve_again else run(args)
     text = json.dumps(res, indent=2, default=str)
     print(text)
     if args.json:

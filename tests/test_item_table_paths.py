@@ -194,3 +194,7 @@ def test_approximate_candidates_from_a_flat_index_change_no_answer(runs, capsys)
     assert r.status_code == 200, r.text
     assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in api(hashed, hist, k=3)]
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    from hstu.cli import main
+
+    assert main(["generate", "--run", str(hashed), "--all-users", "--out", str(hashed / "x.jsonl"), "--ann", "Flat"]) == 2
+    assert "--ann: the batch job (--all-users) picks exactly" in capsys.readouterr().err and not (hashed / "x.jsonl").exists()

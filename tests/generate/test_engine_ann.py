@@ -132,3 +132,32 @@ def test_run_index_is_stored_reloaded_and_rebuilt(tmp_path, caplog):
     save_weights(tmp_path / "model.safetensors", m)
     ann_for_run(tmp_path, m, "Flat")
     assert len(list((tmp_path / "ann").glob("*.faiss"))) == 2
+
+
+def test_unusable_factories_are_refused_in_one_line_before_any_work(monkeypatch, tmp_path, caplog):
+    """A type the item filter cannot search (PQ, a PCA pre-transform) is refused before training;
+    an IVF with more cells than items says so; a bad string names --ann; a run directory where
+    faiss cannot write keeps the index unsaved with a warning; INT8 item rows are refused."""
+    m = model_with(3)
+    rows = lambda a, b: m.item_vectors(a, b).detach().float()  # noqa: E731
+    for factory, message in (
+        ("PQ4", "cannot filter items"),
+        ("PCA8,IVF4,Flat", "cannot filter items"),
+        ("IVF4096,Flat", "cannot train it on 300 item rows"),
+        ("Bogus", "--ann Bogus: faiss cannot parse it"),
+    ):
+        with pytest.raises(ValueError, match=message) as info:
+            AnnIndex(rows, V, m.cfg.embedding_dim, factory)
+        assert "\n" not in str(info.value), factory
+    save_weights(tmp_path / "model.safetensors", m)
+
+    def read_only(self, path):
+        raise RuntimeError(f"Error in faiss::FileIOWriter: could not open {path}.tmp for writing: Read-only file system")
+
+    monkeypatch.setattr(AnnIndex, "save", read_only)
+    with caplog.at_level("WARNING"):
+        assert ann_for_run(tmp_path, m, "Flat").index.ntotal == I
+    assert "cannot store the index" in caplog.text
+    m.item_emb.weight_int8 = torch.zeros(V, m.cfg.embedding_dim, dtype=torch.int8)
+    with pytest.raises(ValueError, match="INT8"):
+        ann_for_run(tmp_path, m, "Flat")

@@ -743,3 +743,18 @@ def test_mapping_only_recommender_prepares_like_the_full_one_without_weights(run
         assert np.array_equal(getattr(a, f), getattr(b, f)), f
     assert a.warnings == b.warnings and a.request_time == b.request_time
     assert light.describe(3, 0.5) == rec.describe(3, 0.5)
+
+
+def test_cli_refuses_ann_settings_it_cannot_serve_before_starting(run_dir, capsys, monkeypatch) -> None:
+    """--ann with --engine never, or on a run whose item rows are INT8 (quant.json embeddings = int8),
+    exits 2 with one line before a socket or model process exists (a model process would fail at
+    every restart)."""
+    import hstu.quant.checkpoint as qc
+    from hstu.cli import main
+
+    assert main(["serve", "--run", str(run_dir), "--ann", "Flat", "--engine", "never"]) == 2
+    assert "drop --engine never" in capsys.readouterr().err
+    monkeypatch.setattr(qc, "read_quant_meta", lambda run: {"scheme": "int8", "embeddings": "int8"})
+    assert main(["serve", "--run", str(run_dir), "--ann", "Flat"]) == 2
+    err = capsys.readouterr().err
+    assert "--ann: approximate picks need a float or 16-bit item table" in err and err.count("\n") == 1

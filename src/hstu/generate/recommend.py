@@ -120,7 +120,11 @@ class Recommender:
 
         if self.run_dir is None:
             raise ValueError("--ann: the approximate index is kept beside a run; load the Recommender with from_run")
-        self.ann, self.ann_candidates, self._engine = ann_for_run(self.run_dir, self.model, factory, nprobe=nprobe or 16), candidates, None
+        try:
+            index = ann_for_run(self.run_dir, self.model, factory, nprobe=nprobe or 16)
+        except ImportError as exc:  # faiss is an optional extra: a usage error, said in one line
+            raise ValueError(f"--ann: {exc}") from None
+        self.ann, self.ann_candidates, self._engine = index, candidates, None
 
     def engine_for(self, preps: list[Prepared], decoding: DecodeOptions, graphs: str = "eager") -> Engine:
         """The smallest engine for one call on ``preps``: the one default bucket that holds the

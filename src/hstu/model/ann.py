@@ -84,12 +84,16 @@ class AnnIndex:
         try:
             self.index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as exc:
-            raise ValueError(f"AnnIndex: faiss rejects the factory string {factory!r}: {exc}") from None
+            raise ValueError(f"--ann {factory}: faiss cannot parse it ({_last_line(exc)})") from None
         self.num_rows, self.dim, self.factory = num_rows, dim, factory
+        self._params(None)  # an index type the item filter cannot search: refused before any work
         if not self.index.is_trained:
             n = min(train_rows, num_rows - 1)
             pick = np.sort(np.random.default_rng(seed).choice(num_rows - 1, size=n, replace=False)) + 1
-            self.index.train(_sample(rows, pick, dim))
+            try:
+                self.index.train(_sample(rows, pick, dim))
+            except RuntimeError as exc:  # e.g. IVF4096 over 3,706 items: fewer training points than cells
+                raise ValueError(f"--ann {factory}: cannot train it on {n} item rows ({_last_line(exc)})") from None
         for a in range(1, num_rows, ADD_BLOCK):
             b = min(num_rows, a + ADD_BLOCK)
             self.index.add(np.ascontiguousarray(rows(a, b).detach().to(torch.float32).cpu().numpy()))
@@ -156,7 +160,16 @@ class AnnIndex:
             return faiss.SearchParametersHNSW(sel=sel, efSearch=index.hnsw.efSearch)
         if isinstance(index, faiss.IndexFlat):
             return faiss.SearchParameters(sel=sel)
-        raise ValueError(f"AnnIndex: item filters are supported on IVF, HNSW and flat indexes, not {type(index).__name__} ({self.factory})")
+        raise ValueError(
+            f"--ann {self.factory}: a {type(index).__name__} cannot filter items; use an IVF (IVF1024,Flat, IVF4096,SQ8, ...), "
+            "HNSW (HNSW32) or Flat index"
+        )
+
+
+def _last_line(exc: BaseException) -> str:
+    """faiss's message without its C++ location lines."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1].split(": ", 1)[-1] if lines else type(exc).__name__
 
 
 def _sample(rows, pick: np.ndarray, dim: int) -> np.ndarray:
@@ -281,6 +294,8 @@ def ann_for_run(run_dir, model, factory: str, *, nprobe: int = 16, weights: str 
 
     from hstu.model.checkpoint import file_sha256
 
+    if getattr(model.item_emb, "weight_int8", None) is not None:
+        raise ValueError("--ann: approximate picks need a float or 16-bit item table; this run's item rows are INT8 (--embeddings int8)")
     run = Path(run_dir)
     wfile = run / (
         weights or next((f for f in ("model.safetensors", "model.quant.safetensors") if (run / f).exists()), "model.safetensors")
@@ -312,7 +327,7 @@ def ann_for_run(run_dir, model, factory: str, *, nprobe: int = 16, weights: str 
         tmp = meta.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(key, indent=1))
         os.replace(tmp, meta)
-    except OSError as exc:  # a read-only run directory: the index serves, unsaved
+    except (OSError, RuntimeError) as exc:  # a read-only run directory (faiss raises RuntimeError): the index serves, unsaved
         log.warning("ann: cannot store the index in %s (%s); it is rebuilt at the next start", path.parent, exc)
     return index
 

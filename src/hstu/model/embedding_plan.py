@@ -104,7 +104,7 @@ class MemoryPlan:
         lines.append(f"row index ({T:,} rows) on device: {format_bytes(self.index_bytes)}")
         if self.cache_bytes:
             lines.append(f"hot-row cache on device: {format_bytes(self.cache_bytes)}")
-        lines.append(f"similarity index while scoring (eval / generate / serve), besides: {format_bytes(self.scoring_bytes)}")
+        lines.append(f"exact scoring index (eval / generate / serve; not counted below): {format_bytes(self.scoring_bytes)}")
         if self.optimizer is not None:
             opt = format_bytes(self.optimizer_bytes)
             lines.append(f"training with {self.optimizer}: state + table gradient + step temporaries {opt} (with each shard)")

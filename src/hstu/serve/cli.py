@@ -112,6 +112,11 @@ def _settings(args: argparse.Namespace):
     cfg.validate()
     if cfg.ann and args.engine == "never":
         raise ValueError("--ann: approximate candidates are the engine's picks; drop --engine never")
+    if cfg.ann:  # said here, before any model process starts (there it would fail at every restart)
+        from hstu.quant.checkpoint import read_quant_meta
+
+        if (read_quant_meta(Path(args.run)) or {}).get("embeddings") == "int8":
+            raise ValueError(f"--ann: approximate picks need a float or 16-bit item table; {args.run} stores INT8 item rows")
     explicit = parse_buckets(args.buckets) if args.buckets is not None else (list(cfg.buckets) if args.config else None)
     max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
     if max_body_bytes < MIN_BODY_BYTES:

@@ -194,13 +194,14 @@ class Service:
             self.model.warm.update(self.model.buckets)
             self.metrics.ready.set(1)
         log.info(
-            "serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s",
+            "serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s, picks %s",
             policy.device,
             self.rec.model.cfg.num_items,
             self.model.buckets,
             cfg.max_batch,
             cfg.max_wait_ms,
             self.model.backend_name,
+            f"among approximate candidates ({cfg.ann}, nprobe {cfg.ann_nprobe}, {cfg.ann_candidates} per row)" if cfg.ann else "exact",
         )
 
     async def stop(self) -> None:

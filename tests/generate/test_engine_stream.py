@@ -203,3 +203,17 @@ def test_recommender_through_the_streamed_engine(rec, monkeypatch):
         assert [[i["item_id"] for i in r] for r in got] == [[i["item_id"] for i in r] for r in want], opts
         for a, b in zip(got, want):
             assert [i["score"] for i in a] == pytest.approx([i["score"] for i in b], rel=1e-5, abs=1e-5)
+
+
+def test_never_count_is_counted_once_per_mask_and_again_after_a_write():
+    from hstu.generate import sampler
+
+    never = torch.zeros(V, dtype=torch.bool)
+    never[[0, 5, 9]] = True  # padding is not an item
+    assert sampler.never_count(never) == 2
+    assert sampler._NEVER[0] is never and sampler.never_count(never) == 2
+    never[10] = True  # in place: the version moves, counted again
+    assert sampler.never_count(never) == 3
+    other = never.clone()
+    other[11] = True
+    assert sampler.never_count(other) == 4 and sampler.never_count(never) == 3

@@ -105,12 +105,12 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def peak_rss() -> int:
-    """The process's peak resident bytes since :func:`reset_peak` (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def peak_rss(pid: int | str = "self") -> int:
+    """A process's peak resident bytes (VmHWM; this one's since :func:`reset_peak`)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
 
 
 def measured(fn):
@@ -273,16 +273,15 @@ def write_run(args, model, log_, split) -> Path:
 
 
 def tree_peak_rss(pid: int) -> int:
-    """Summed peak resident bytes (VmHWM) of process ``pid`` and its children (Linux /proc)."""
+    """Summed peak resident bytes (:func:`peak_rss`) of process ``pid`` and its children (Linux /proc)."""
     total, todo = 0, [pid]
     while todo:
         q = todo.pop()
         try:
-            status = Path(f"/proc/{q}/status").read_text()
             todo += [int(c) for t in Path(f"/proc/{q}/task").iterdir() for c in (t / "children").read_text().split()]
+            total += peak_rss(q)
         except (FileNotFoundError, ProcessLookupError):
             continue
-        total += next(int(ln.split()[1]) * 1024 for ln in status.splitlines() if ln.startswith("VmHWM:"))
     return total
 
 
@@ -304,37 +303,29 @@ def request_bodies(log_, split, users: np.ndarray, max_len: int) -> list[dict]:
 
 
 def serve(args, run: Path, bodies: list[dict], exact: list[list[int]]) -> dict:
-    """``hstu serve --run RUN --ann FACTORY`` started as a user starts it: seconds to the first 200 on
-    /readyz, then --serve-requests sequential /v1/generate calls (client-side latency), the served
-    next-10 against the in-process exact engine's (:func:`generate`: overlap@10 and first-item
-    agreement), and the server's peak RSS (its processes together)."""
-    import socket
-
+    """``hstu serve --run RUN --ann FACTORY`` started as a user starts it (``hstu.bench.load.start_server``:
+    an OS-chosen port, waited for until /readyz answers 200): its seconds to ready, then --serve-requests
+    sequential /v1/generate calls (client-side latency), the served next-10 against the in-process
+    exact engine's (:func:`generate`: overlap@10 and first-item agreement), and the server's peak RSS
+    (its processes together). The server's log goes to this process's stderr."""
     import httpx
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    cmd = [sys.executable, "-m", "hstu", "serve", "--run", str(run), "--port", str(port), "--threads", str(args.threads)]
-    cmd += ["--ann", args.ann, "--ann-nprobe", str(args.nprobe)] if args.ann else []
-    cmd += shlex.split(args.serve_args)
-    url, log_path = f"http://127.0.0.1:{port}", Path(args.out) / "serve.log"
+    from hstu.bench import load
+
+    extra = shlex.split(args.serve_args) + (["--ann", args.ann, "--ann-nprobe", str(args.nprobe)] if args.ann else [])
+    opts = argparse.Namespace(
+        url=None, run=str(run), max_batch=16, max_wait_ms=5.0, threads=args.threads, buckets=None, precision=None,
+        model_workers=0 if "--no-model-process" in extra else 1, server_args=[f for f in extra if f != "--no-model-process"],
+        server_cpus=None, client_cpus_rest=False, verbose=True, ready_timeout_s=args.serve_timeout,
+    )  # fmt: skip
     t = time.perf_counter()
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"hstu serve exited {proc.returncode} before ready; see {log_path}")
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.perf_counter() - t > args.serve_timeout:
-                raise SystemExit(f"hstu serve not ready within {args.serve_timeout} s; see {log_path}")
-            time.sleep(1.0)
-        out = {"command": " ".join(cmd[1:]), "ready_seconds": time.perf_counter() - t, "ready_peak_rss": tree_peak_rss(proc.pid)}
+        proc, url, _ = load.start_server(opts)
+    except load.ServerStartError as exc:
+        raise SystemExit(f"hstu serve --run {run}: {exc}") from None
+    try:
+        out = {"command": "hstu serve --run RUN " + " ".join(extra), "ready_seconds": time.perf_counter() - t}
+        out["ready_peak_rss"] = tree_peak_rss(proc.pid)
         lat, served, codes = [], [], {}
         with httpx.Client(base_url=url, timeout=120) as c:
             for j in range(args.serve_requests):
@@ -357,11 +348,7 @@ def serve(args, run: Path, bodies: list[dict], exact: list[list[int]]) -> dict:
         )
         return out
     finally:
-        proc.send_signal(2)  # SIGINT: a graceful stop
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        load.stop_server(proc)
 
 
 def serve_again(args) -> dict:

@@ -122,7 +122,7 @@ class AnnIndex:
         try:
             index = faiss.read_index(str(path))
         except RuntimeError as exc:
-            raise ValueError(f"{path}: not a readable faiss index ({str(exc).strip().splitlines()[-1]})") from None
+            raise ValueError(f"{path}: not a readable faiss index ({_last_line(exc)})") from None
         if index.ntotal != num_rows - 1 or index.d != dim:
             raise ValueError(f"{path}: holds {index.ntotal} rows x {index.d}, the table has {num_rows - 1} x {dim}")
         obj = cls.__new__(cls)
@@ -284,22 +284,21 @@ def ann_topk(index: AnnItemIndex, user, temperature, k, *, exclude=None, exclude
     return (*out, torch.logsumexp(s, dim=1)) if lse else out
 
 
-def ann_for_run(run_dir, model, factory: str, *, nprobe: int = 16, weights: str | None = None) -> AnnIndex:
+def ann_for_run(run_dir, model, factory: str, *, nprobe: int = 16) -> AnnIndex:
     """The approximate index of ``model``'s item rows for the run at ``run_dir``: loaded from
-    RUN/ann/ when an index of this factory was built there for the same weights file (sha256),
-    table shape and dtype, else built (:class:`AnnIndex` over ``model.item_vectors``, logged with
-    its seconds) and stored there (its key in a JSON file beside it). ``weights``: the weights file
-    name in the run (default: model.safetensors, or the quantized run's file)."""
+    RUN/ann/ when an index of this factory was built there for the same weights file (sha256:
+    model.safetensors, or a quantized run's model.quant.safetensors), table shape and dtype, else
+    built (:class:`AnnIndex` over ``model.item_vectors``, logged with its seconds) and stored there
+    (its key in a JSON file beside it)."""
     import time
 
-    from hstu.model.checkpoint import file_sha256
+    from hstu.model.checkpoint import file_sha256, write_json
+    from hstu.model.run_files import WEIGHTS
 
     if getattr(model.item_emb, "weight_int8", None) is not None:
         raise ValueError("--ann: approximate picks need a float or 16-bit item table; this run's item rows are INT8 (--embeddings int8)")
     run = Path(run_dir)
-    wfile = run / (
-        weights or next((f for f in ("model.safetensors", "model.quant.safetensors") if (run / f).exists()), "model.safetensors")
-    )
+    wfile = run / next((f for f in (WEIGHTS, "model.quant.safetensors") if (run / f).exists()), WEIGHTS)
     V, d = model.cfg.num_items + 1, model.cfg.embedding_dim
     key = {
         "factory": factory,
@@ -324,9 +323,7 @@ def ann_for_run(run_dir, model, factory: str, *, nprobe: int = 16, weights: str 
     try:
         path.parent.mkdir(exist_ok=True)
         index.save(path)
-        tmp = meta.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(key, indent=1))
-        os.replace(tmp, meta)
+        write_json(meta, key)
     except (OSError, RuntimeError) as exc:  # a read-only run directory (faiss raises RuntimeError): the index serves, unsaved
         log.warning("ann: cannot store the index in %s (%s); it is rebuilt at the next start", path.parent, exc)
     return index

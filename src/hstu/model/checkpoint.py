@@ -179,9 +179,9 @@ def load_weights(path: Path, module: torch.nn.Module, device: torch.device | str
     own = module.state_dict()  # views of the parameters and buffers
     try:
         with safe_open(str(path), "pt", device=str(device)) as fh:
-            sizes = {k: fh.get_slice(k) for k in fh.keys()}
-            shapes = {k: tuple(v.get_shape()) for k, v in sizes.items()}
-            sizes = {k: math.prod(shapes[k]) * _DTYPE_BYTES.get(v.get_dtype(), 1) for k, v in sizes.items()}
+            slices = {k: fh.get_slice(k) for k in fh.keys()}
+            shapes = {k: tuple(v.get_shape()) for k, v in slices.items()}
+            sizes = {k: math.prod(shapes[k]) * _DTYPE_BYTES.get(v.get_dtype(), 1) for k, v in slices.items()}
             big = sorted(k for k, n in sizes.items() if n > STREAM_TENSOR_BYTES and k in own)
             for k in big:  # copied in place; the call below sees them as the module's own (a self-copy), hooks and all
                 if shapes[k] != tuple(own[k].shape):

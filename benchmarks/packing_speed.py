@@ -29,7 +29,7 @@ from hstu.data.batching import packed_train_batch, train_batch
 from hstu.data.prepare import DataSpec, model_config_for, prepare_data
 from hstu.model.hstu import build_hstu
 from hstu.train.loop import LocalStrategy, dense_adamw, epoch_batches
-from hstu.train.losses import recipe
+from hstu.train.recipe import recipe
 
 
 def whole_product_scores(q: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

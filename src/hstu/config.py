@@ -196,6 +196,10 @@ class TrainConfig:
     seed: int = 42
     eval_batch_size: int = 256
     early_stopping_patience: int = 5  # epochs without a better valid NDCG@10
+    # Learning-rate decay on a plateau (train/recipe.py decay_on_plateau): every lr x lr_decay_factor at
+    # each lr_decay_patience-th evaluation in a row without a better valid NDCG@10; 0: a constant lr.
+    lr_decay_patience: int = 3
+    lr_decay_factor: float = 0.5
     eval_every: int = 1
     num_threads: int = 0  # 0: torch default
     # Optimizer of the item table in the single-process recipe (hstu.train.sparse_optim): "adamw" (the
@@ -226,6 +230,10 @@ class TrainConfig:
         for name in ("weight_decay", "action_loss_weight", "num_threads"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.lr_decay_patience < 0:
+            raise ValueError(f"TrainConfig.lr_decay_patience must be >= 0 (0: a constant learning rate), got {self.lr_decay_patience}")
+        if not (math.isfinite(self.lr_decay_factor) and 0 < self.lr_decay_factor < 1):
+            raise ValueError(f"TrainConfig.lr_decay_factor must be in (0, 1), got {self.lr_decay_factor}")
         for name in ("early_stopping_patience", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -471,7 +479,8 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
 
 # The recipe fields whose defaults changed (issue 20: the packed per-position recipe became the default) and
 # their values before: a run's saved config.json without one of them was trained with these.
-LEGACY_TRAIN_DEFAULTS: dict[str, Any] = {"negatives_chunk": 16, "length_pool": 50, "packing": "off"}
+# Issue 20 again: the learning-rate decay on a plateau became the default (runs before it had a constant lr).
+LEGACY_TRAIN_DEFAULTS: dict[str, Any] = {"negatives_chunk": 16, "length_pool": 50, "packing": "off", "lr_decay_patience": 0}
 
 
 def train_config_from_dict(data: dict[str, Any], *, saved: bool = False) -> TrainConfig:

@@ -57,7 +57,12 @@ def test_auto_packs_only_where_trainer_kernels_and_model_can(monkeypatch) -> Non
 
 def test_saved_train_tables_without_the_new_fields_read_as_the_former_defaults() -> None:
     old = train_config_from_dict({"epochs": 3}, saved=True)
-    assert {k: getattr(old, k) for k in LEGACY_TRAIN_DEFAULTS} == {"negatives_chunk": 16, "length_pool": 50, "packing": "off"}
+    assert {k: getattr(old, k) for k in LEGACY_TRAIN_DEFAULTS} == {
+        "negatives_chunk": 16,
+        "length_pool": 50,
+        "packing": "off",
+        "lr_decay_patience": 0,
+    }
     kept = train_config_from_dict({"negatives_chunk": 4, "packing": "pack"}, saved=True)  # what a run saved, it keeps
     assert (kept.negatives_chunk, kept.length_pool, kept.packing) == (4, 50, "pack")
     assert train_config_from_dict({"epochs": 3}).packing == "auto"  # a [train] table: today's defaults

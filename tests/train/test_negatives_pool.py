@@ -21,6 +21,7 @@ from conftest import tiny_csv_flags
 
 from hstu.config import TrainConfig
 from hstu.train import losses as L
+from hstu.train.recipe import recipe, recipe_text
 
 TAU = 0.05
 
@@ -143,7 +144,7 @@ def test_training_loss_uses_the_pool_of_the_config() -> None:
 
 
 def test_recipe_is_stated() -> None:
-    assert L.recipe(TrainConfig(negatives_pool=0, negatives_chunk=16, length_pool=50, packing="off")) == {
+    assert recipe(TrainConfig(negatives_pool=0, negatives_chunk=16, length_pool=50, packing="off")) == {
         "negatives": "chunked",
         "num_negatives": 128,
         "negatives_chunk": 16,
@@ -154,14 +155,16 @@ def test_recipe_is_stated() -> None:
         "packing": "off",
         "table_optimizer": "adamw",
         "table_learning_rate": TrainConfig().learning_rate,  # AdamW trains the table with the rest
+        "lr_decay": {"patience": 3, "factor": 0.5, "scope": "all parameters"},
     }
-    r = L.recipe(TrainConfig(negatives_pool=512, length_pool=1))
+    r = recipe(TrainConfig(negatives_pool=512, length_pool=1))
     assert (r["negatives"], r["negatives_pool"], r["batching"]) == ("pool", 512, "random")
-    assert L.recipe(TrainConfig(negatives_pool=0, negatives_chunk=1))["negatives"] == "per-position"
-    assert L.recipe_text(TrainConfig(negatives_pool=0, negatives_chunk=4, num_negatives=9, length_pool=3)) == (
+    assert recipe(TrainConfig(negatives_pool=0, negatives_chunk=1))["negatives"] == "per-position"
+    assert recipe_text(TrainConfig(negatives_pool=0, negatives_chunk=4, num_negatives=9, length_pool=3)) == (
         "negatives chunked (9 shared by runs of 4 positions), batching length-bucketed (pools of 3 batches), loss divisor batch, "
-        "item table adamw (lr 0.001)"
+        "item table adamw (lr 0.001), lr x 0.5 after 3 epochs without a better valid NDCG@10"
     )
+    assert recipe_text(TrainConfig(lr_decay_patience=0)).endswith(", constant lr")
 
 
 def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -> None:

@@ -125,6 +125,17 @@ def _add_recipe_flags(t) -> None:
         "pack where the trainer and the attention kernel set support it, else off (TrainConfig.packing)",
     )
     t.add_argument(
+        "--lr-decay-patience",
+        type=number_in(int, 0),
+        help="multiply the learning rates by --lr-decay-factor after this many epochs in a row without a better valid "
+        "NDCG@10, and again every that many (default 3; 0: a constant lr; TrainConfig.lr_decay_patience, hstu.train.recipe)",
+    )
+    t.add_argument(
+        "--lr-decay-factor",
+        type=number_in(float, 0, 1, lo_open=True),
+        help="the plateau decay's factor, in (0, 1) (default 0.5; TrainConfig.lr_decay_factor)",
+    )
+    t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
     )
     from hstu.config import LOCAL_TABLE_OPTIMIZERS
@@ -202,6 +213,8 @@ def cmd_train(args) -> int:
         "length_pool",
         "loss_divisor",
         "packing",
+        "lr_decay_patience",
+        "lr_decay_factor",
         "num_threads",
     ):
         if getattr(args, name, None) is not None:

@@ -70,7 +70,8 @@ from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.tra
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
-from hstu.train.losses import recipe, recipe_text, resolve_packing, training_loss
+from hstu.train.losses import resolve_packing, training_loss
+from hstu.train.recipe import decay_on_plateau, recipe, recipe_text
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -203,6 +204,10 @@ class LocalStrategy:
         dense = [p for n, p in model.named_parameters() if not n.startswith("item_emb.")]
         table = [p for n, p in model.named_parameters() if n.startswith("item_emb.")]
         return TableAndDenseOptimizer(dense, table, tcfg, table_learning_rate(tcfg))
+
+    def lr_groups(self, opt) -> list[dict]:
+        """The param groups whose learning rates a plateau decays (train/recipe.py): all of ``opt``'s."""
+        return opt.param_groups
 
     def train(self, model: HSTUModel) -> None:
         model.train()
@@ -475,6 +480,8 @@ def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainCo
             state.update(best=score, best_epoch=epoch, bad_epochs=0)
         else:
             state["bad_epochs"] += 1
+            if not paper:  # the paper protocol's "valid" is the test item: no decisions on it (the reference's constant lr)
+                decay_on_plateau(strategy.lr_groups(opt), tcfg, state["bad_epochs"], epoch)
     log.info(
         epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch, exclude_history=log_.exclude_history_default)
     )

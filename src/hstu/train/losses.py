@@ -379,34 +379,6 @@ def next_action_loss(
     return F.cross_entropy(logits, actions[:, 1:][mask])
 
 
-def recipe(tcfg, table: dict | None = None) -> dict:
-    """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
-    as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
-    "chunked", "num_negatives", "negatives_chunk", "negatives_pool", "batching": "length-bucketed" |
-    "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved, :func:`resolve_packing`),
-    "table_optimizer", "table_learning_rate"} (:func:`training_loss`;
-    :func:`hstu.data.batching.length_bucketed_batches`). ``table``: a strategy's own item-table
-    optimizer, {"table_optimizer", "table_learning_rate", ...} (the distributed strategy's
-    config.json ``distributed`` table, FBGEMM's fused optimizer); None: the TrainConfig's
-    (``[train] table_optimizer``, the rate :func:`hstu.train.sparse_optim.table_learning_rate`)."""
-    from hstu.train.sparse_optim import table_learning_rate
-
-    scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
-    opt, lr = (table["table_optimizer"], table["table_learning_rate"]) if table else (tcfg.table_optimizer, table_learning_rate(tcfg))
-    return {
-        "negatives": scheme,
-        "num_negatives": tcfg.num_negatives,
-        "negatives_chunk": tcfg.negatives_chunk,
-        "negatives_pool": tcfg.negatives_pool,
-        "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
-        "length_pool": tcfg.length_pool,
-        "loss_divisor": tcfg.loss_divisor,
-        "packing": tcfg.packing,
-        "table_optimizer": opt,
-        "table_learning_rate": lr,
-    }
-
-
 def resolve_packing(tcfg, mcfg, backend: str, packs: bool) -> str:
     """``tcfg.packing`` resolved (an "auto" outcome logged once): "auto" -> "pack" where the trainer packs
     (``packs``, a strategy's attribute), the kernel set of ``[model] attention`` on ``backend`` takes
@@ -422,21 +394,6 @@ def resolve_packing(tcfg, mcfg, backend: str, packs: bool) -> str:
         _SAID.add(said)
         log.info("[train] packing = 'auto' resolved to %s", said)
     return "off" if why else "pack"
-
-
-def recipe_text(tcfg, table: dict | None = None) -> str:
-    """:func:`recipe` as one log line, e.g. ``negatives pool (128 per position from 1024 distinct items per
-    batch), batching length-bucketed (pools of 50 batches), loss divisor batch, item table adamw (lr 0.001)``."""
-    r = recipe(tcfg, table)
-    neg = {
-        "pool": f"pool ({r['num_negatives']} per position from {r['negatives_pool']} distinct items per batch)",
-        "per-position": f"per-position ({r['num_negatives']} per position)",
-        "chunked": f"chunked ({r['num_negatives']} shared by runs of {r['negatives_chunk']} positions)",
-    }[r["negatives"]]
-    bat = "random" if r["batching"] == "random" else f"length-bucketed (pools of {r['length_pool']} batches)"
-    pack = ", packed rows" if r["packing"] == "pack" else ""
-    table = f"item table {r['table_optimizer']} (lr {r['table_learning_rate']:g})"
-    return f"negatives {neg}, batching {bat}{pack}, loss divisor {r['loss_divisor']}, {table}"
 
 
 def training_loss(

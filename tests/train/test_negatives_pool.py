@@ -199,6 +199,7 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
         "packing": "pack",  # the default "auto", resolved: this run can pack
         "table_optimizer": "adamw",
         "table_learning_rate": train["learning_rate"],
+        "lr_decay": {"patience": 3, "factor": 0.5, "scope": "all parameters"},
     }
     line = "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, packed rows, loss divisor epoch"
     assert line in r.stderr

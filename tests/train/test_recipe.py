@@ -107,6 +107,10 @@ class _Pair:
     def state_dict(self) -> dict:  # the table's SGD keeps no state
         return self.adamw.state_dict()
 
+    @property
+    def param_groups(self) -> list[dict]:  # the plateau decay's groups: the dense ones, as under torchrun
+        return self.adamw.param_groups
+
 
 @needs_torchrec
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -205,10 +205,6 @@ class LocalStrategy:
         table = [p for n, p in model.named_parameters() if n.startswith("item_emb.")]
         return TableAndDenseOptimizer(dense, table, tcfg, table_learning_rate(tcfg))
 
-    def lr_groups(self, opt) -> list[dict]:
-        """The param groups whose learning rates a plateau decays (train/recipe.py): all of ``opt``'s."""
-        return opt.param_groups
-
     def train(self, model: HSTUModel) -> None:
         model.train()
 
@@ -481,7 +477,7 @@ def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainCo
         else:
             state["bad_epochs"] += 1
             if not paper:  # the paper protocol's "valid" is the test item: no decisions on it (the reference's constant lr)
-                decay_on_plateau(strategy.lr_groups(opt), tcfg, state["bad_epochs"], epoch)
+                decay_on_plateau(opt.param_groups, tcfg, state["bad_epochs"], epoch)
     log.info(
         epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch, exclude_history=log_.exclude_history_default)
     )

@@ -121,6 +121,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="TrainConfig.packing (default auto: packed rows where the trainer and kernel set can); the former clean "
         "recipe: --negatives-chunk 16 --length-pool 50 --packing off (the run directory RUNS/MODEL-clean)",
     )
+    p.add_argument(
+        "--lr-decay-patience",
+        type=int,
+        default=TrainConfig.lr_decay_patience,
+        help="TrainConfig.lr_decay_patience (default: TrainConfig's, the plateau decay; 0: a constant lr, the reference's); "
+        "another value than the default adds -lrdecayN to the run directory",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
@@ -190,6 +197,7 @@ def main(argv=None) -> int:
                 + (f"-pool{pool}" if pool != was_pool else "")
                 + (f"-pack{args.packing}" if args.packing != was_packing else "")
                 + (f"-seed{args.seed}" if args.seed != 42 else "")
+                + (f"-lrdecay{args.lr_decay_patience}" if args.lr_decay_patience != TrainConfig.lr_decay_patience else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -209,6 +217,7 @@ def main(argv=None) -> int:
                 packing=args.packing,
                 seed=args.seed,
                 early_stopping_patience=args.patience,
+                lr_decay_patience=args.lr_decay_patience,
                 num_threads=args.threads,
             )
             run.mkdir(parents=True, exist_ok=True)

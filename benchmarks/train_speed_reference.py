@@ -28,6 +28,7 @@ preprocessing then runs there. In its process this script wraps the train module
 get_eval_state, eval_metrics_v2_from_tensors, add_to_summary_writer, get_weighted_loss, get_sequential_encoder (clock,
 per-batch loss, model sizes; no result changes) and calls ``train_fn(0, 1, port)`` as main.py's mp.spawn would.
 ``--max-batches N`` (a smoke check): the reference stops after N batches; hstu trains ``--max-users N x 128`` users.
+The reference needs ``pip install gin-config`` and fbgemm_gpu (CPU build: ``fbgemm_gpu-cpu``, in this project's ``dist`` extra).
 """
 
 from __future__ import annotations

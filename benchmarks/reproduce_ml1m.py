@@ -128,6 +128,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="TrainConfig.lr_decay_patience (default: TrainConfig's, the plateau decay; 0: a constant lr, the reference's); "
         "another value than the default adds -lrdecayN to the run directory",
     )
+    p.add_argument(
+        "--softmax",
+        choices=["sampled", "full"],
+        default="sampled",
+        help="TrainConfig.softmax (default sampled: 128 uniform negatives per position, the reference's; full: every "
+        "item); full adds -full to the run directory",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
@@ -198,6 +205,7 @@ def main(argv=None) -> int:
                 + (f"-pack{args.packing}" if args.packing != was_packing else "")
                 + (f"-seed{args.seed}" if args.seed != 42 else "")
                 + (f"-lrdecay{args.lr_decay_patience}" if args.lr_decay_patience != TrainConfig.lr_decay_patience else "")
+                + ("-full" if args.softmax == "full" else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -218,6 +226,7 @@ def main(argv=None) -> int:
                 seed=args.seed,
                 early_stopping_patience=args.patience,
                 lr_decay_patience=args.lr_decay_patience,
+                softmax=args.softmax,
                 num_threads=args.threads,
             )
             run.mkdir(parents=True, exist_ok=True)

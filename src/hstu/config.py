@@ -178,6 +178,9 @@ class TrainConfig:
     # > 0: per-position negatives drawn from one pool of this many distinct items per batch, scored
     # as one (positions x pool) GEMM (train/losses.py pool_softmax_loss); negatives_chunk is then unused.
     negatives_pool: int = 0
+    # "sampled": the sampled softmax above (Zhai et al. 2024 §4.1.1); "full": cross-entropy over every item
+    # (train/full_softmax.py; num_negatives, negatives_chunk and negatives_pool are then unused).
+    softmax: str = "sampled"
     # Batches of sequences of similar length (pools of this many batches are sorted by length
     # before cutting; padding costs little) or 1 = random batches as in the reference (the default).
     length_pool: int = 1
@@ -218,6 +221,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
         if self.negatives_pool < 0:
             raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
+        if self.softmax not in ("sampled", "full"):
+            raise ValueError(f"TrainConfig.softmax ([train] softmax) must be 'sampled' or 'full', got {self.softmax!r}")
+        if self.softmax == "full" and self.negatives_pool:
+            raise ValueError("TrainConfig.negatives_pool is a sampled-softmax option: set it to 0 with [train] softmax = 'full'")
         if self.packing not in ("auto", "off", "pack"):
             raise ValueError(f"TrainConfig.packing ([train] packing) must be 'auto', 'off' or 'pack', got {self.packing!r}")
         if self.loss_divisor not in ("batch", "epoch"):

@@ -108,6 +108,12 @@ def _add_recipe_flags(t) -> None:
         help="per-position negatives drawn from one batch pool of K distinct items (0: off; TrainConfig.negatives_pool, hstu.train.losses)",
     )
     t.add_argument(
+        "--softmax",
+        choices=["sampled", "full"],
+        help="sampled (default): sampled softmax over uniform negatives; full: cross-entropy over every item "
+        "(TrainConfig.softmax, hstu.train.full_softmax)",
+    )
+    t.add_argument(
         "--length-pool",
         type=number_in(int, 1),
         help="batches sorted by length inside pools of this many batches (default 1: random batches, as the reference; "
@@ -210,6 +216,7 @@ def cmd_train(args) -> int:
         "num_negatives",
         "negatives_chunk",
         "negatives_pool",
+        "softmax",
         "length_pool",
         "loss_divisor",
         "packing",

@@ -396,6 +396,18 @@ def resolve_packing(tcfg, mcfg, backend: str, packs: bool) -> str:
     return "off" if why else "pack"
 
 
+def _full(model, out, ids, lengths, neg, segments) -> tuple[torch.Tensor, int]:
+    """training_loss's ``[train] softmax = "full"`` (:func:`hstu.train.full_softmax.full_softmax_loss`)."""
+    from hstu.train.full_softmax import full_softmax_loss  # it imports this module
+
+    if model.repeat is not None:
+        raise ValueError("[train] softmax = 'full' is not supported with a repeat head (repeat_window > 0); use 'sampled'")
+    if neg is not None:
+        raise ValueError("[train] softmax = 'full' is not supported by the distributed trainer (--distributed) yet; use 'sampled'")
+    c = model.cfg
+    return full_softmax_loss(out, ids, lengths, model.item_emb, temperature=c.temperature, num_items=c.num_items, segments=segments)
+
+
 def training_loss(
     model,
     out: torch.Tensor,
@@ -411,7 +423,8 @@ def training_loss(
 ) -> tuple[torch.Tensor, int]:
     """The recipe's loss on one batch, for single-process and distributed training alike:
     :func:`repeat_aware_loss` with a repeat head, else :func:`sampled_softmax_loss` (Zhai et al.
-    2024, §4.1.1), plus ``tcfg.action_loss_weight`` x :func:`next_action_loss` with an action head.
+    2024, §4.1.1), or with ``tcfg.softmax`` "full" :func:`hstu.train.full_softmax.full_softmax_loss`,
+    plus ``tcfg.action_loss_weight`` x :func:`next_action_loss` with an action head.
 
     Args:
         model: the HSTUModel (its ``item_emb`` supplies the rows: an ``nn.Embedding`` or the
@@ -433,7 +446,9 @@ def training_loss(
         raise ValueError("TrainConfig.negatives_pool is not supported by the distributed trainer (--distributed) yet; set it to 0")
     if segments is not None and model.repeat is not None:
         raise ValueError("[train] packing = 'pack' is not supported with a repeat head (repeat_window > 0): its windows would cross users")
-    if model.repeat is not None:
+    if tcfg.softmax == "full":
+        loss, n = _full(model, out, ids, lengths, neg, segments)
+    elif model.repeat is not None:
         loss, n = repeat_aware_loss(
             out, ids, actions, lengths, model, num_negatives=tcfg.num_negatives, chunk=c, generator=generator, neg=neg
         )

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 def recipe(tcfg, table: dict | None = None) -> dict:
     """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
     as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
-    "chunked", "num_negatives", "negatives_chunk", "negatives_pool", "batching": "length-bucketed" |
+    "chunked" | "full" (``[train] softmax = "full"``: every item, no sampling), "num_negatives",
+    "negatives_chunk", "negatives_pool", "batching": "length-bucketed" |
     "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved,
     :func:`hstu.train.losses.resolve_packing`),
     "table_optimizer", "table_learning_rate", "lr_decay": "off" | {"patience", "factor", "scope"}
@@ -32,6 +33,7 @@ def recipe(tcfg, table: dict | None = None) -> dict:
     from hstu.train.sparse_optim import table_learning_rate
 
     scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
+    scheme = "full" if tcfg.softmax == "full" else scheme
     opt, lr = (table["table_optimizer"], table["table_learning_rate"]) if table else (tcfg.table_optimizer, table_learning_rate(tcfg))
     return {
         "negatives": scheme,
@@ -66,6 +68,7 @@ def recipe_text(tcfg, table: dict | None = None) -> str:
         "pool": f"pool ({r['num_negatives']} per position from {r['negatives_pool']} distinct items per batch)",
         "per-position": f"per-position ({r['num_negatives']} per position)",
         "chunked": f"chunked ({r['num_negatives']} shared by runs of {r['negatives_chunk']} positions)",
+        "full": "full (every item: full softmax)",
     }[r["negatives"]]
     bat = "random" if r["batching"] == "random" else f"length-bucketed (pools of {r['length_pool']} batches)"
     pack = ", packed rows" if r["packing"] == "pack" else ""

@@ -207,9 +207,9 @@ def run_reference(args, work: Path) -> dict:
     return json.loads([line for line in p.stdout.splitlines() if line.startswith("RESULT ")][-1][len("RESULT ") :])
 
 
-def run_hstu(args, out: Path) -> dict:
-    """One `hstu train` epoch in its own process; its history.json entry (seconds, sequences/s, loss)."""
-    cmd = [sys.executable, "-m", "hstu", "train", "--preset", args.config, "--epochs", "1", "--threads", str(args.threads)]
+def run_hstu(args, out: Path, flags: tuple[str, ...] = ()) -> dict:
+    """One `hstu train` epoch (default recipe, plus ``flags``) in its own process; its history.json entry."""
+    cmd = [sys.executable, "-m", "hstu", "train", "--preset", args.config, "--epochs", "1", "--threads", str(args.threads), *flags]
     cmd += ["--data-dir", str(args.data_dir), "--protocol", args.protocol, "--out", str(out), "--overwrite", "--quiet"]
     cmd += ["--max-users", str(args.max_batches * BATCH)] if args.max_batches else []
     checked(cmd, env=child_env(args.threads))
@@ -240,6 +240,7 @@ def measure(args, work: Path) -> dict:
     for i in range(args.repeats):
         ref = timed_run(run_reference, args, work)
         hs = timed_run(run_hstu, args, work / f"hstu_run{i}")
+        extra = {v: timed_run(run_hstu, args, work / f"hstu_{v}_run{i}", tuple(v.split())) for v in args.hstu_variant}
         rm, hm = ref["model_summary"], hs["model"]
         want = hm["num_blocks"], hm["num_heads"], hm["embedding_dim"], 2 * hm["num_heads"] * (hm["d_qk"] + hm["d_v"])  # U, V, Q, K
         if (rm["blocks"], rm["heads"], rm["item_emb"][1], rm["uvqk"][1]) != want:
@@ -248,13 +249,19 @@ def measure(args, work: Path) -> dict:
             print(f"reference model: {json.dumps(rm)}")
             print(f"hstu model: {json.dumps(hs['model'])}\nhstu recipe: {json.dumps(hs['recipe'])}")
         print(f"repeat {i + 1}:\n{describe('reference', ref)}\n{describe('hstu', hs)}", flush=True)
-        rows.append({"repeat": i + 1, "reference": ref, "hstu": hs, "ratio": hs["sequences_per_s"] / ref["sequences_per_s"]})
+        for v, r in extra.items():
+            print(f"{describe('hstu', r)}  [{v}: {r['sequences_per_s'] / ref['sequences_per_s']:.2f}x the reference]", flush=True)
+        row = {"repeat": i + 1, "reference": ref, "hstu": hs, "ratio": hs["sequences_per_s"] / ref["sequences_per_s"]}
+        rows.append(row | {"variants": {v: r | {"ratio": r["sequences_per_s"] / ref["sequences_per_s"]} for v, r in extra.items()}})
     print(f"\n{'repeat':>6} {'reference seq/s':>16} {'hstu seq/s':>11} {'hstu / reference':>17}")
     for r in rows:
         print(f"{r['repeat']:>6} {r['reference']['sequences_per_s']:>16.1f} {r['hstu']['sequences_per_s']:>11.1f} {r['ratio']:>17.2f}")
     median = statistics.median(r["ratio"] for r in rows)
     print(f"median ratio (hstu seq/s / reference seq/s): {median:.2f}")
-    return {"rows": rows, "median_ratio": median}
+    variants = {v: statistics.median(r["variants"][v]["ratio"] for r in rows) for v in args.hstu_variant}
+    for v, m in variants.items():
+        print(f"median ratio of hstu {v}: {m:.2f}")
+    return {"rows": rows, "median_ratio": median, "variant_median_ratios": variants}
 
 
 def main(argv=None) -> int:
@@ -266,6 +273,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="reference-then-hstu pairs")
     p.add_argument("--protocol", choices=["paper", "clean"], default="paper", help="hstu's split (paper: the reference's train split)")
     p.add_argument("--max-batches", type=int, default=0, help="smoke: N batches per side (0: the whole epoch)")
+    p.add_argument(
+        "--hstu-variant",
+        action="append",
+        default=[],
+        help="also time `hstu train` with these flags after the default in every repeat (e.g. '--softmax full'; repeatable)",
+    )
     p.add_argument("--ref-workers", type=int, help="reference DataLoader workers (default: the gin config's, 8)")
     p.add_argument("--ref-no-anomaly", action="store_true", help="reference without its torch.autograd.set_detect_anomaly(True)")
     p.add_argument("--work", type=Path, help="keep (and reuse) the reference copy and runs here instead of a temporary directory")

@@ -120,3 +120,37 @@ def test_hstu_train_softmax_full(tmp_path) -> None:
     assert met["recipe"]["negatives"] == "full"
     assert "recipe: negatives full (every item: full softmax)" in r.stderr
     assert 0.0 <= met["test"]["HR@10"] <= 1.0
+
+
+def test_hstu_train_refuses_full_softmax_with_a_repeat_head_before_writing(tmp_path) -> None:
+    """The refusal comes before the run directory is written, and a refused --resume leaves the run's softmax as it was."""
+    flags = tiny_csv_flags(tmp_path, model={"repeat_window": 3}, train={"epochs": 1})
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", *flags, "--softmax", "full", "--threads", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0 and "softmax = 'full' (--softmax full) is not supported with a repeat head" in r.stderr
+    assert not (out / "config.json").exists()
+    ok = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", *flags, "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert ok.returncode == 0, ok.stderr
+    before = (out / "config.json").read_text()
+    r = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", "--out", str(out), "--resume", "--epochs", "2", "--softmax", "full", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0 and "repeat head" in r.stderr
+    assert json.loads((out / "config.json").read_text())["train"]["softmax"] == json.loads(before)["train"]["softmax"] == "sampled"
+    again = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", "--out", str(out), "--resume", "--epochs", "2", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr  # the refused resume left the run resumable as it was

@@ -228,6 +228,7 @@ def cmd_train(args) -> int:
             setattr(tcfg, name, getattr(args, name))
     if not args.distributed:  # under --distributed the flags choose FBGEMM's optimizer (_distributed_strategy)
         _local_table_flags(args, tcfg, saved.get("train"))
+    _check_softmax(tcfg, saved.get("model", {}).get("repeat_window", mcfg.repeat_window), args.distributed)
     spec = DataSpec(
         args.dataset,
         str(Path(data_dir).resolve()),  # absolute: the run is read from any directory later
@@ -255,6 +256,15 @@ def cmd_train(args) -> int:
     if not torchrun_rank(args):
         print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _check_softmax(tcfg, repeat_window: int, distributed: bool) -> None:
+    """``[train] softmax = "full"``'s refusals (hstu.train.losses._full's), made before the run directory is touched;
+    ``repeat_window``: the resumed run's saved model's, else the new model's."""
+    if tcfg.softmax == "full" and repeat_window > 0:
+        raise ValueError("[train] softmax = 'full' (--softmax full) is not supported with a repeat head (repeat_window > 0); use 'sampled'")
+    if tcfg.softmax == "full" and distributed:
+        raise ValueError("[train] softmax = 'full' (--softmax full) is not supported by --distributed yet; use 'sampled'")
 
 
 def torchrun_rank(args) -> int:

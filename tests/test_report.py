@@ -38,6 +38,9 @@ def _check_run_column(rows: dict, col: int, run) -> None:
     assert rows["epochs (best)"][col] == f"{m['epochs']} ({m['best_epoch']})"
     assert rows["train seconds"][col] == f"{m['train_seconds']:.1f}"
     assert rows["status"][col] == m["status"]
+    from hstu.train.recipe import describe
+
+    assert rows["recipe"][col] == describe(m["recipe"])  # config.json's train table states what metrics.json's recipe does
     cfg = json.loads((run / "config.json").read_text())["model"]
     assert rows["blocks × heads × d"][col] == f"{cfg['num_blocks']} × {cfg['num_heads']} × {cfg['embedding_dim']}"
 

@@ -45,6 +45,10 @@ def test_auto_packs_only_where_trainer_kernels_and_model_can(monkeypatch) -> Non
     assert K.get_kernels("cpu", "auto").segments  # the CPU's set is the reference, which takes segment masks
     assert resolve_packing(auto, hstu, "cpu", packs=True) == "pack"
     assert resolve_packing(auto, hstu, "cpu", packs=False) == "off"  # e.g. the distributed strategy
+    from hstu.train.loop import LocalStrategy
+
+    dist = pytest.importorskip("hstu.train.distributed", reason="the [dist] extra (TorchRec) is not installed")
+    assert (LocalStrategy.packs, dist.DistributedStrategy.packs) == (True, False)  # its step pads its rows (shard_batch)
     assert resolve_packing(auto, ModelConfig(num_items=9, architecture="sasrec"), "cpu", packs=True) == "off"
     assert resolve_packing(auto, ModelConfig(num_items=9, repeat_window=4), "cpu", packs=True) == "off"
     for given in ("off", "pack"):  # an explicit value is kept (refused later where it cannot run)

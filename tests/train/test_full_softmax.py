@@ -105,6 +105,7 @@ def test_config_errors_and_recipe() -> None:
         TrainConfig(softmax="full", negatives_pool=64).validate()
     tcfg = TrainConfig(softmax="full")
     assert recipe(tcfg)["negatives"] == "full"
+    assert [recipe(tcfg)[k] for k in ("num_negatives", "negatives_chunk", "negatives_pool")] == [None] * 3  # nothing sampled
     assert recipe_text(tcfg).startswith("negatives full (every item: full softmax), batching random")
     assert recipe(TrainConfig())["negatives"] == "per-position"  # the default stays the sampled softmax
 
@@ -154,3 +155,18 @@ def test_hstu_train_refuses_full_softmax_with_a_repeat_head_before_writing(tmp_p
         timeout=300,
     )
     assert again.returncode == 0, again.stderr  # the refused resume left the run resumable as it was
+
+
+def test_resume_keeps_the_runs_softmax(tmp_path) -> None:
+    """--resume with another --softmax than the run's is refused before anything is written; the run resumes as it was."""
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "hstu", "train", "--threads", "1", "--out", str(out)]
+    ok = subprocess.run([*base, *tiny_csv_flags(tmp_path, train={"epochs": 1})], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    before = {f: (out / f).read_bytes() for f in ("config.json", "metrics.json", "last.json")}
+    r = subprocess.run([*base, "--resume", "--epochs", "2", "--softmax", "full"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--resume: the softmax is 'full' here but 'sampled' in the run" in r.stderr
+    assert {f: (out / f).read_bytes() for f in before} == before
+    again = subprocess.run([*base, "--resume", "--epochs", "2", "--softmax", "sampled"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr  # the run's own softmax, named, resumes
+    assert json.loads((out / "metrics.json").read_text())["recipe"]["negatives"] != "full"

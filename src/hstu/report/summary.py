@@ -73,11 +73,21 @@ def summary_rows(r: RunFacts) -> dict[str, str]:
         "status": met.get("status", "completed") if r.metrics is not None else "in progress (no metrics.json)",
         "train seconds": _num(met.get("train_seconds"), 1),
         "sequences/s": _num(met.get("sequences_per_s"), 1),
+        "recipe": _recipe(r.config),
     }
     for split in ("test", "valid"):
         for k in TEST_METRICS:
             rows[f"{split} {k}"] = _num(met.get(split, {}).get(k))
     return rows
+
+
+def _recipe(config: dict) -> str:
+    """The run's recipe line (hstu.train.recipe, as its log states it) from config.json's train table
+    (fields it lacks: the defaults of the hstu that wrote it) and distributed table."""
+    from hstu.config import train_config_from_dict
+    from hstu.train.recipe import recipe_text
+
+    return recipe_text(train_config_from_dict(config["train"], saved=True), config.get("distributed"))
 
 
 def _table(header: list[str], body: list[list[str]]) -> list[str]:

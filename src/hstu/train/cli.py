@@ -228,7 +228,7 @@ def cmd_train(args) -> int:
             setattr(tcfg, name, getattr(args, name))
     if not args.distributed:  # under --distributed the flags choose FBGEMM's optimizer (_distributed_strategy)
         _local_table_flags(args, tcfg, saved.get("train"))
-    _check_softmax(tcfg, saved.get("model", {}).get("repeat_window", mcfg.repeat_window), args.distributed)
+    _check_softmax(tcfg, saved.get("model", {}).get("repeat_window", mcfg.repeat_window), args.distributed, saved.get("train"), args.out)
     spec = DataSpec(
         args.dataset,
         str(Path(data_dir).resolve()),  # absolute: the run is read from any directory later
@@ -258,13 +258,20 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _check_softmax(tcfg, repeat_window: int, distributed: bool) -> None:
+def _check_softmax(tcfg, repeat_window: int, distributed: bool, saved: dict | None = None, out: str = "") -> None:
     """``[train] softmax = "full"``'s refusals (hstu.train.losses._full's), made before the run directory is touched;
-    ``repeat_window``: the resumed run's saved model's, else the new model's."""
+    ``repeat_window``: the resumed run's saved model's, else the new model's; ``saved``: the resumed run's train
+    table, whose softmax a resume keeps (one run, one loss: metrics.json's recipe states one)."""
     if tcfg.softmax == "full" and repeat_window > 0:
         raise ValueError("[train] softmax = 'full' (--softmax full) is not supported with a repeat head (repeat_window > 0); use 'sampled'")
     if tcfg.softmax == "full" and distributed:
         raise ValueError("[train] softmax = 'full' (--softmax full) is not supported by --distributed yet; use 'sampled'")
+    was = (saved or {}).get("softmax", "sampled")
+    if saved is not None and tcfg.softmax != was:
+        raise ValueError(
+            f"--resume: the softmax is {tcfg.softmax!r} here but {was!r} in the run ({Path(out) / 'config.json'} train.softmax); "
+            "a run trains with one loss: drop --softmax, or train a new run"
+        )
 
 
 def torchrun_rank(args) -> int:

@@ -127,6 +127,8 @@ class DistributedStrategy(LocalStrategy):
     and ValueError for a bad :class:`DistConfig`.
     """
 
+    packs = False  # its step shards padded rows (shard_batch): [train] packing "auto" resolves to "off", "pack" is refused
+
     def __init__(self, dcfg: DistConfig | None = None) -> None:
         require_torchrec()
         self.dcfg = dcfg or DistConfig()

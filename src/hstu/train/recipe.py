@@ -21,7 +21,7 @@ def recipe(tcfg, table: dict | None = None) -> dict:
     """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
     as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
     "chunked" | "full" (``[train] softmax = "full"``: every item, no sampling), "num_negatives",
-    "negatives_chunk", "negatives_pool", "batching": "length-bucketed" |
+    "negatives_chunk", "negatives_pool" (None under "full": nothing is sampled), "batching": "length-bucketed" |
     "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved,
     :func:`hstu.train.losses.resolve_packing`),
     "table_optimizer", "table_learning_rate", "lr_decay": "off" | {"patience", "factor", "scope"}
@@ -35,11 +35,12 @@ def recipe(tcfg, table: dict | None = None) -> dict:
     scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
     scheme = "full" if tcfg.softmax == "full" else scheme
     opt, lr = (table["table_optimizer"], table["table_learning_rate"]) if table else (tcfg.table_optimizer, table_learning_rate(tcfg))
+    sampled = scheme != "full"
     return {
         "negatives": scheme,
-        "num_negatives": tcfg.num_negatives,
-        "negatives_chunk": tcfg.negatives_chunk,
-        "negatives_pool": tcfg.negatives_pool,
+        "num_negatives": tcfg.num_negatives if sampled else None,
+        "negatives_chunk": tcfg.negatives_chunk if sampled else None,
+        "negatives_pool": tcfg.negatives_pool if sampled else None,
         "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
         "length_pool": tcfg.length_pool,
         "loss_divisor": tcfg.loss_divisor,
@@ -63,7 +64,11 @@ def recipe_text(tcfg, table: dict | None = None) -> str:
     """:func:`recipe` as one log line, e.g. ``negatives pool (128 per position from 1024 distinct items per
     batch), batching length-bucketed (pools of 50 batches), loss divisor batch, item table adamw (lr 0.001),
     lr x 0.5 after 3 epochs without a better valid NDCG@10``."""
-    r = recipe(tcfg, table)
+    return describe(recipe(tcfg, table))
+
+
+def describe(r: dict) -> str:
+    """A :func:`recipe` dict as :func:`recipe_text`'s line."""
     neg = {
         "pool": f"pool ({r['num_negatives']} per position from {r['negatives_pool']} distinct items per batch)",
         "per-position": f"per-position ({r['num_negatives']} per position)",

@@ -91,6 +91,9 @@ SPEED_FLOOR_SMALL = 85.0
 RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0, "num_negatives": 128}
 
 
+MODEL_OPTIONS = {False: {}, True: {"query_key_map": False}}  # --no-query-key-map's [model] override
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA))
@@ -134,6 +137,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="sampled",
         help="TrainConfig.softmax (default sampled: 128 uniform negatives per position, the reference's; full: every "
         "item); full adds -full to the run directory",
+    )
+    p.add_argument(
+        "--no-query-key-map",
+        action="store_true",
+        help="[model] query_key_map = false (A = SiLU(rab) / n, FuXi-beta's attention without the query-key map); "
+        "adds -noqk to the run directory",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -206,6 +215,7 @@ def main(argv=None) -> int:
                 + (f"-seed{args.seed}" if args.seed != 42 else "")
                 + (f"-lrdecay{args.lr_decay_patience}" if args.lr_decay_patience != TrainConfig.lr_decay_patience else "")
                 + ("-full" if args.softmax == "full" else "")
+                + ("-noqk" if args.no_query_key_map else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -233,7 +243,7 @@ def main(argv=None) -> int:
             if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
             metrics, history = interim or train_or_resume(
-                run, model_config_from_preset(preset, architecture=arch), tcfg, spec, device=args.device
+                run, model_config_from_preset(preset, architecture=arch, **MODEL_OPTIONS[args.no_query_key_map]), tcfg, spec, device=args.device
             )
             run_cfg = read_json(run / "config.json")
             spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got

@@ -56,6 +56,10 @@ class ModelConfig:
     # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
     # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
     attention_norm: str = "fixed"
+    # False: no query-key map, the attention weights are the relative bias alone, A = SiLU(rab) / n
+    # (FuXi-beta's attention-free token mixing, Ye et al. 2025 §4; here with HSTU's SiLU and rab); W_uvqk
+    # then projects U and V only. A Part B lever of issue 20, off by default.
+    query_key_map: bool = True
     # attention kernel set (hstu.model.kernels), for training, evaluation, generation and serving alike:
     # "auto" = the device's default where it can run ("triton" on CUDA, "npu" on NPU, else "reference");
     # a named set that cannot run on the device is an error. Runs saved without it load as "auto".

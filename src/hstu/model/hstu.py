@@ -8,6 +8,7 @@ Per layer, for input X (B, W, d)                                        (§3, eq
     A = SiLU(Q Kᵀ + rab) / n ⊙ causal mask           (see attention.py, bias.py)
         n = N for every row ("fixed", the reference), or i + 1 for row i ("causal", an ablation)
     Y = X + W_o · Dropout(U ⊙ LN(A · V))
+    [model] query_key_map = false: Q = K = 0, so A = SiLU(rab) / n (FuXi-beta's attention-free mixing)
 Rows at positions >= length are zero after every layer, so padding never changes live rows.
 Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
 
@@ -55,6 +56,7 @@ class HSTULayer(nn.Module):
         use_position_bias: bool = True,
         use_time_bias: bool = True,
         attention_norm: str = "fixed",
+        query_key_map: bool = True,
         index: int = 0,
     ) -> None:
         super().__init__()
@@ -63,8 +65,8 @@ class HSTULayer(nn.Module):
         if attention_norm not in ATTENTION_NORMS:
             raise ValueError(f"HSTULayer attention_norm must be one of {ATTENTION_NORMS}, got {attention_norm!r}")
         self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
-        self.attention_norm, self.index = attention_norm, index
-        self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + d_qk), bias=False)
+        self.attention_norm, self.index, self.query_key_map = attention_norm, index, query_key_map
+        self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + (d_qk if query_key_map else 0)), bias=False)
         self.o = nn.Linear(num_heads * d_v, dim)
         self.rel_bias = RelativeBias(width=width, num_buckets=num_buckets, use_position=use_position_bias, use_time=use_time_bias)
         self.dropout = nn.Dropout(dropout)
@@ -74,16 +76,21 @@ class HSTULayer(nn.Module):
 
     def project(self, x: torch.Tensor, kernels: KernelSet = REFERENCE) -> tuple[torch.Tensor, ...]:
         """U, V, Q, K = Split(SiLU(LN(X) · W_uvqk)) (eq. 1): (B, T, d) -> u, v (B, T, H*d_v), q, k (B, T, H*d_qk).
+        Without the query-key map (``query_key_map`` False) W_uvqk gives U, V only and q, k are zeros
+        (a stride-0 view, nothing allocated), so that every kernel's Q Kᵀ + rab is rab.
 
         A plain float ``nn.Linear`` runs the backend's (possibly fused) ``kernels.uvqk`` on its weight;
         any other projection module runs itself (quant/int8.Int8Linear keeps no float weight), and so
         does a Linear with forward hooks (quant.calibrate's layer report), which then see every call."""
         lin = self.uvqk
-        if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+        if self.query_key_map and type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
             return kernels.uvqk(x, self.uvqk.weight, num_heads=self.num_heads, d_qk=self.d_qk, d_v=self.d_v, eps=self.eps)
         h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, T, 2H(d_v+d_qk))
         h = F.silu(h, inplace=not h.requires_grad)  # in place at inference (no grad)
         hv, hq = self.num_heads * self.d_v, self.num_heads * self.d_qk
+        if not self.query_key_map:
+            zero = h.new_zeros(()).expand(*h.shape[:-1], hq)  # (B, T, H*d_qk), stride 0
+            return (*torch.split(h, [hv, hv], dim=-1), zero, zero)
         return torch.split(h, [hv, hv, hq, hq], dim=-1)
 
     def heads(self, t: torch.Tensor, d: int) -> torch.Tensor:
@@ -161,6 +168,7 @@ class HSTUModel(SequentialRecommender):
                 use_position_bias=cfg.use_position_bias,
                 use_time_bias=cfg.use_time_bias,
                 attention_norm=cfg.attention_norm,
+                query_key_map=cfg.query_key_map,
                 index=i,
             )
             for i in range(cfg.num_blocks)

@@ -1,0 +1,101 @@
+"""``[model] query_key_map = false`` (issue 20, Part B: FuXi-beta's attention without the query-key map):
+A = SiLU(rab) / n. Checked against a float64 hand computation of one block, against the stock layer whose
+Q and K rows of W_uvqk are zero (SiLU(0) = 0, a second parameterisation of the same function), and on the
+generation paths: KV-cached generation equals recompute, and the serving engine gives the same items."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hstu.config import ModelConfig
+from hstu.generate.decode import exclusion_mask, generate, generate_recompute
+from hstu.generate.engine import Engine
+from hstu.model import HSTUModel
+from hstu.model.bias import time_buckets
+
+T0 = 978_300_000
+
+
+def _cfg(qk: bool, **kw) -> ModelConfig:
+    base = dict(num_items=40, max_seq_len=10, max_output_len=4, embedding_dim=12, num_blocks=2, num_heads=2, d_qk=6, d_v=6, dropout=0.0)
+    return ModelConfig(**{**base, **kw}, query_key_map=qk)
+
+
+def _pair(seed: int = 0) -> tuple[HSTUModel, HSTUModel]:
+    """(no-qk model, stock model with its Q and K projections zero), the same function by construction."""
+    torch.manual_seed(seed)
+    no_qk = HSTUModel(_cfg(False)).eval()
+    with torch.no_grad():
+        for layer in no_qk.layers:
+            layer.rel_bias.ts_w.normal_(0, 0.5)
+            layer.rel_bias.pos_w.normal_(0, 0.5)
+    stock = HSTUModel(_cfg(True)).eval()
+    state = stock.state_dict()
+    for name, w in no_qk.state_dict().items():
+        if name.endswith("uvqk.weight"):
+            state[name] = torch.cat([w, torch.zeros(state[name].shape[0] - w.shape[0], w.shape[1])])  # Q, K rows 0
+        else:
+            state[name] = w
+    stock.load_state_dict(state)
+    return no_qk, stock
+
+
+def _batch():
+    ids = torch.tensor([[5, 9, 1, 33, 2, 0, 0, 0], [7, 3, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
+    lengths = torch.tensor([5, 2, 8])
+    ts = torch.stack([T0 + torch.arange(8) * s for s in (60, 5, 3600)]) * (torch.arange(8) < lengths.view(-1, 1))
+    return ids, ts, lengths, torch.tensor([T0 + 86400, T0 + 50, T0 + 10**6])
+
+
+def test_the_projection_drops_q_and_k() -> None:
+    no_qk, stock = _pair()
+    for a, b in zip(no_qk.layers, stock.layers):
+        assert a.uvqk.weight.shape == (2 * 2 * 6, 12) and b.uvqk.weight.shape == (2 * 2 * (6 + 6), 12)
+    assert sum(p.numel() for p in stock.parameters()) - sum(p.numel() for p in no_qk.parameters()) == 2 * (2 * 2 * 6 * 12)
+
+
+def test_one_block_equals_a_float64_hand_computation() -> None:
+    """y = x + W_o(U ⊙ LN(A V)), A[i, j] = SiLU(pos_w[N-1+j-i] + ts_w[bucket(t[i+1] - t[j])]) / N for j <= i."""
+    torch.manual_seed(1)
+    m = HSTUModel(_cfg(False, num_blocks=1, num_heads=1)).eval().double()
+    layer = m.layers[0]
+    with torch.no_grad():
+        layer.rel_bias.ts_w.normal_(0, 0.5)
+        layer.rel_bias.pos_w.normal_(0, 0.5)
+    W, N, d = 5, m.cfg.width, 12
+    x = torch.randn(1, W, d, dtype=torch.float64)
+    ts = T0 + torch.tensor([[0, 30, 400, 5000, 90000]])
+    meta = m.attention_meta(ts, torch.ones(1, W, 1, dtype=torch.float64))
+    got = layer(x, meta)
+    h = F.silu(F.layer_norm(x, (d,), eps=layer.eps) @ layer.uvqk.weight.T)
+    u, v = h[..., :6], h[..., 6:]
+    i, j = torch.arange(W).view(W, 1), torch.arange(W).view(1, W)
+    rab = layer.rel_bias.pos_w[N - 1 + j - i] + layer.rel_bias.ts_w[time_buckets(ts)[0]]
+    a = F.silu(rab) / N * (j <= i)
+    want = x + layer.o(u * F.layer_norm(a @ v[0], (6,), eps=layer.eps))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_encoder_equals_the_stock_model_with_zero_q_and_k() -> None:
+    no_qk, stock = _pair(2)
+    ids, ts, lengths, _ = _batch()
+    torch.testing.assert_close(no_qk.encode(ids, ts, lengths), stock.encode(ids, ts, lengths), rtol=1e-5, atol=1e-6)
+    no_qk.train()
+    no_qk.encode(ids, ts, lengths).square().sum().backward()  # trains: the gradient reaches W_uvqk and the bias tables
+    assert all(layer.uvqk.weight.grad.abs().sum() > 0 and layer.rel_bias.pos_w.grad.abs().sum() > 0 for layer in no_qk.layers)
+
+
+def test_generation_paths_agree() -> None:
+    no_qk, stock = _pair(3)
+    ids, ts, lengths, req = _batch()
+    def ex():  # the history exclusion, fresh per call (generation marks its own items in it)
+        return exclusion_mask(40, 3, ids, lengths)
+
+    cached = generate(no_qk, ids, ts, lengths, 4, request_time=req, exclude=ex())
+    again = generate_recompute(no_qk, ids, ts, lengths, 4, request_time=req, exclude=ex())
+    zero_qk = generate(stock, ids, ts, lengths, 4, request_time=req, exclude=ex())
+    assert torch.equal(cached.items, again.items) and torch.equal(cached.items, zero_qk.items)
+    torch.testing.assert_close(cached.scores, again.scores, rtol=1e-5, atol=1e-5)
+    served = Engine(no_qk, buckets=(8,), max_batch=4, k_max=4).generate(ids, ts, lengths, 4, request_time=req, exclude=ex())
+    assert torch.equal(served.items, cached.items)

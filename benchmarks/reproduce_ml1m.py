@@ -242,9 +242,8 @@ def main(argv=None) -> int:
             run.mkdir(parents=True, exist_ok=True)
             if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
-            metrics, history = interim or train_or_resume(
-                run, model_config_from_preset(preset, architecture=arch, **MODEL_OPTIONS[args.no_query_key_map]), tcfg, spec, device=args.device
-            )
+            mcfg = model_config_from_preset(preset, architecture=arch, **MODEL_OPTIONS[args.no_query_key_map])
+            metrics, history = interim or train_or_resume(run, mcfg, tcfg, spec, device=args.device)
             run_cfg = read_json(run / "config.json")
             spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got
             res = {

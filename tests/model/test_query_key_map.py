@@ -89,6 +89,7 @@ def test_encoder_equals_the_stock_model_with_zero_q_and_k() -> None:
 def test_generation_paths_agree() -> None:
     no_qk, stock = _pair(3)
     ids, ts, lengths, req = _batch()
+
     def ex():  # the history exclusion, fresh per call (generation marks its own items in it)
         return exclusion_mask(40, 3, ids, lengths)
 

@@ -5,6 +5,7 @@ generation paths: KV-cached generation equals recompute, and the serving engine 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -100,3 +101,30 @@ def test_generation_paths_agree() -> None:
     torch.testing.assert_close(cached.scores, again.scores, rtol=1e-5, atol=1e-5)
     served = Engine(no_qk, buckets=(8,), max_batch=4, k_max=4).generate(ids, ts, lengths, 4, request_time=req, exclude=ex())
     assert torch.equal(served.items, cached.items)
+
+
+def test_train_quantize_and_eval_a_run_without_the_query_key_map(tmp_path) -> None:
+    """`hstu train` with ``[model] query_key_map = false`` saves it; the run reloads for `hstu eval`, and its
+    INT8 copy (`hstu quantize`, the projection of U and V only) evaluates to metrics near the float run's."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import tiny_csv_flags
+
+    run, q = tmp_path / "run", tmp_path / "run_q"
+    hstu = [sys.executable, "-m", "hstu"]
+    flags = tiny_csv_flags(tmp_path, model={"query_key_map": "false"}, train={"epochs": 2})
+
+    def ok(*args: str) -> str:
+        r = subprocess.run([*hstu, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    ok("train", *flags, "--threads", "1", "--quiet", "--out", str(run))
+    assert json.loads((run / "config.json").read_text())["model"]["query_key_map"] is False
+    ok("quantize", "--run", str(run), "--scheme", "int8", "--out", str(q))
+    fp, i8 = (json.loads(ok("eval", "--run", str(r), "--json")) for r in (run, q))
+    want = json.loads((run / "metrics.json").read_text())["test"]
+    assert {k: fp[k] for k in want} == pytest.approx(want, abs=1e-9)  # the reloaded run scores as it trained
+    assert abs(fp["NDCG@10"] - i8["NDCG@10"]) < 0.05

@@ -91,7 +91,9 @@ SPEED_FLOOR_SMALL = 85.0
 RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0, "num_negatives": 128}
 
 
-MODEL_OPTIONS = {False: {}, True: {"query_key_map": False}}  # --no-query-key-map's [model] override
+def model_options(args) -> dict:
+    """The [model] fields that --no-query-key-map and --ffn-hidden set over the preset's (none by default)."""
+    return {**({"query_key_map": False} if args.no_query_key_map else {}), **({"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {})}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -143,6 +145,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="[model] query_key_map = false (A = SiLU(rab) / n, FuXi-beta's attention without the query-key map); "
         "adds -noqk to the run directory",
+    )
+    p.add_argument(
+        "--ffn-hidden",
+        type=int,
+        default=0,
+        help="[model] ffn_hidden (FuXi-alpha's second FFN stage, a SwiGLU of this width after each block; 0: none, HSTU's); "
+        "N > 0 adds -ffnN to the run directory",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
@@ -216,6 +225,7 @@ def main(argv=None) -> int:
                 + (f"-lrdecay{args.lr_decay_patience}" if args.lr_decay_patience != TrainConfig.lr_decay_patience else "")
                 + ("-full" if args.softmax == "full" else "")
                 + ("-noqk" if args.no_query_key_map else "")
+                + (f"-ffn{args.ffn_hidden}" if args.ffn_hidden else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -242,7 +252,7 @@ def main(argv=None) -> int:
             run.mkdir(parents=True, exist_ok=True)
             if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
-            mcfg = model_config_from_preset(preset, architecture=arch, **MODEL_OPTIONS[args.no_query_key_map])
+            mcfg = model_config_from_preset(preset, architecture=arch, **model_options(args))
             metrics, history = interim or train_or_resume(run, mcfg, tcfg, spec, device=args.device)
             run_cfg = read_json(run / "config.json")
             spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got

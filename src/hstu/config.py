@@ -60,6 +60,9 @@ class ModelConfig:
     # (FuXi-beta's attention-free token mixing, Ye et al. 2025 §4; here with HSTU's SiLU and rab); W_uvqk
     # then projects U and V only. A Part B lever of issue 20, off by default.
     query_key_map: bool = True
+    # > 0: after each block, FuXi-alpha's second FFN stage (Ye et al. 2025 §4.3, "multi-stage FFN"):
+    # Y + W_down(Dropout(SiLU(W_gate RMSNorm(Y)) ⊙ W_up RMSNorm(Y))), a SwiGLU of this hidden width; 0: none (HSTU)
+    ffn_hidden: int = 0
     # attention kernel set (hstu.model.kernels), for training, evaluation, generation and serving alike:
     # "auto" = the device's default where it can run ("triton" on CUDA, "npu" on NPU, else "reference");
     # a named set that cannot run on the device is an error. Runs saved without it load as "auto".
@@ -100,7 +103,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.max_output_len must be >= 1, got {self.max_output_len}")
         if self.width > MAX_WIDTH:
             raise ValueError(f"ModelConfig.max_seq_len + max_output_len must be <= {MAX_WIDTH}, got {self.width}")
-        for name in ("num_items", "num_actions", "num_categories"):
+        for name in ("num_items", "num_actions", "num_categories", "ffn_hidden"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ModelConfig.{name} must be >= 0, got {getattr(self, name)}")
         feats = self.features if isinstance(self.features, dict) else {None: None}

@@ -9,6 +9,7 @@ Per layer, for input X (B, W, d)                                        (§3, eq
         n = N for every row ("fixed", the reference), or i + 1 for row i ("causal", an ablation)
     Y = X + W_o · Dropout(U ⊙ LN(A · V))
     [model] query_key_map = false: Q = K = 0, so A = SiLU(rab) / n (FuXi-beta's attention-free mixing)
+    [model] ffn_hidden = F > 0: then Y += W_down · Dropout(SiLU(W_gate RMSNorm(Y)) ⊙ W_up RMSNorm(Y)) (FuXi-alpha §4.3)
 Rows at positions >= length are zero after every layer, so padding never changes live rows.
 Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
 
@@ -38,6 +39,24 @@ from hstu.model.repeat import RepeatBias
 log = logging.getLogger(__name__)
 
 
+class SwiGLUFFN(nn.Module):
+    """FuXi-alpha's second FFN stage (Ye et al., WWW 2025, §4.3, "multi-stage feedforward network"), a
+    SwiGLU (Shazeer 2020) with RMSNorm and a residual: (B, T, d) -> (B, T, d) float,
+    y + W_down · Dropout(SiLU(W_gate · RMSNorm(y)) ⊙ (W_up · RMSNorm(y))). Row by row, so padding
+    rows stay what the block's mask makes them and a decode row needs nothing cached."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=eps)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(self.norm(y)).chunk(2, dim=-1)  # (B, T, hidden) x 2
+        return y + self.down(self.dropout(F.silu(gate) * up))
+
+
 class HSTULayer(nn.Module):
     """One HSTU block. Keyword-only sizes, checked at construction; ``index`` is the block's
     place in the encoder (which per-layer precomputed bias of an AttentionMeta it reads)."""
@@ -57,6 +76,7 @@ class HSTULayer(nn.Module):
         use_time_bias: bool = True,
         attention_norm: str = "fixed",
         query_key_map: bool = True,
+        ffn_hidden: int = 0,
         index: int = 0,
     ) -> None:
         super().__init__()
@@ -70,6 +90,7 @@ class HSTULayer(nn.Module):
         self.o = nn.Linear(num_heads * d_v, dim)
         self.rel_bias = RelativeBias(width=width, num_buckets=num_buckets, use_position=use_position_bias, use_time=use_time_bias)
         self.dropout = nn.Dropout(dropout)
+        self.ffn = SwiGLUFFN(dim, ffn_hidden, dropout, eps) if ffn_hidden > 0 else None
         # Initialisation as in the reference implementation: W_uvqk ~ N(0, 0.02²), W_o Xavier-uniform.
         nn.init.normal_(self.uvqk.weight, std=0.02)
         nn.init.xavier_uniform_(self.o.weight)
@@ -141,6 +162,7 @@ class HSTULayer(nn.Module):
         )  # A·V (B, T, H*d_v)
         h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
+        y = y if self.ffn is None else self.ffn(y)  # FuXi-alpha's second FFN stage, row by row
         return y if meta.valid is None or meta.rows is not None else y * meta.valid  # (B, T, d)
 
 
@@ -169,6 +191,7 @@ class HSTUModel(SequentialRecommender):
                 use_time_bias=cfg.use_time_bias,
                 attention_norm=cfg.attention_norm,
                 query_key_map=cfg.query_key_map,
+                ffn_hidden=cfg.ffn_hidden,
                 index=i,
             )
             for i in range(cfg.num_blocks)

@@ -370,11 +370,15 @@ _FLOAT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """Names -> modules of the HSTU block Linears: ``layers.{i}.uvqk`` and ``layers.{i}.o``, in order."""
+    """Names -> modules of the HSTU block Linears: ``layers.{i}.uvqk`` and ``layers.{i}.o``, in order, and
+    with ``[model] ffn_hidden`` > 0 the FFN's ``layers.{i}.ffn.gate_up`` and ``layers.{i}.ffn.down``."""
     out = {}
     for i, layer in enumerate(model.layers):
         out[f"layers.{i}.uvqk"] = layer.uvqk
         out[f"layers.{i}.o"] = layer.o
+        if getattr(layer, "ffn", None) is not None:
+            out[f"layers.{i}.ffn.gate_up"] = layer.ffn.gate_up
+            out[f"layers.{i}.ffn.down"] = layer.ffn.down
     return out
 
 

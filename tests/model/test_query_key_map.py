@@ -128,3 +128,20 @@ def test_train_quantize_and_eval_a_run_without_the_query_key_map(tmp_path) -> No
     want = json.loads((run / "metrics.json").read_text())["test"]
     assert {k: fp[k] for k in want} == pytest.approx(want, abs=1e-9)  # the reloaded run scores as it trained
     assert abs(fp["NDCG@10"] - i8["NDCG@10"]) < 0.05
+
+
+def test_a_config_model_table_applies_over_the_preset(tmp_path) -> None:
+    """`hstu train --preset large --config F` with F's [model] query_key_map = false trains the large sizes without
+    the query-key map (the table's fields over the preset's values); without --preset, over small's."""
+    import argparse
+
+    from hstu.config import model_config_from_preset
+    from hstu.train.cli import _model_cfg
+
+    f = tmp_path / "f.toml"
+    f.write_text("[model]\nquery_key_map = false\nffn_hidden = 8\n[train]\nepochs = 3\n")
+    for preset in ("large", None):
+        mcfg, tcfg = _model_cfg(argparse.Namespace(config=str(f), preset=preset, arch=None))
+        want = model_config_from_preset(preset or "small", query_key_map=False, ffn_hidden=8)
+        assert mcfg == want and tcfg.epochs == 3
+    assert want.num_blocks == 2 and model_config_from_preset("large").num_blocks == 8

@@ -345,16 +345,16 @@ def _local_table_flags(args, tcfg, saved: dict | None) -> None:
 
 
 def _model_cfg(args):
-    """(ModelConfig, TrainConfig or None) from --config or --preset (default small), with --arch's
-    architecture when given (the sizes stay the preset's or the [model] table's)."""
-    from hstu.config import load_config_file, model_config_from_preset
+    """(ModelConfig, TrainConfig or None) from --preset (default small) with a --config [model] table's
+    fields over the preset's values, and --arch's architecture when given (the sizes stay the preset's or
+    the [model] table's)."""
+    from hstu.config import load_config_file, load_config_tables, model_config_from_preset
 
-    tcfg = None
+    tcfg, fields = None, {}
     if getattr(args, "config", None):
-        cfgs = load_config_file(args.config)
-        mcfg, tcfg = cfgs.get("model") or model_config_from_preset(args.preset or "small"), cfgs.get("train")
-    else:
-        mcfg = model_config_from_preset(args.preset or "small")
+        tcfg = load_config_file(args.config).get("train")  # every table checked, errors naming the file
+        fields = load_config_tables(args.config).get("model", {})
+    mcfg = model_config_from_preset(args.preset or "small", **fields)
     if getattr(args, "arch", None):
         mcfg.architecture = args.arch
     return mcfg, tcfg

@@ -1,8 +1,7 @@
 """Command line: ``hstu train | eval | generate | demo`` and the operational tools.
 
-Every handler returns an exit code; errors a user can fix (missing files, malformed data,
-bad options, unavailable devices) print one line to stderr and exit 2.
-"""
+Every handler returns an exit code; errors a user can fix (missing files, malformed data, bad options, unavailable devices)
+print one line to stderr and exit 2."""
 
 from __future__ import annotations
 
@@ -32,16 +31,16 @@ def default_data_dir() -> Path | None:
     return None
 
 
-def number_in(kind: type = int, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
-    """An argparse ``type``: a finite ``kind`` (int or float) in [lo, hi] ((lo, hi] with ``lo_open``;
-    None: unbounded). Anything else exits 2 naming the flag and the range, e.g.
-    ``argument --port: must be in 0..65535, got 70000``."""
+def number_in(kind: type = int, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False):
+    """An argparse ``type``: a finite ``kind`` (int or float) in [lo, hi] (an open end with ``lo_open`` / ``hi_open``;
+    None: unbounded). Anything else exits 2 naming the flag and the range, e.g. ``argument --port: must be in 0..65535, got 70000``."""
 
     def num(x: float) -> str:
         return str(int(x)) if float(x).is_integer() else str(x)
 
     if lo is not None and hi is not None:
-        rng = f"in {num(lo)}..{num(hi)}" if kind is int and not lo_open else f"in {'(' if lo_open else '['}{num(lo)}, {num(hi)}]"
+        closed = kind is int and not (lo_open or hi_open)
+        rng = f"in {num(lo)}..{num(hi)}" if closed else f"in {'(' if lo_open else '['}{num(lo)}, {num(hi)}{')' if hi_open else ']'}"
     elif lo is not None:
         rng = f"{'>' if lo_open else '>='} {num(lo)}"
     else:
@@ -52,7 +51,8 @@ def number_in(kind: type = int, lo: float | None = None, hi: float | None = None
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        below, above = lo is not None and (v <= lo if lo_open else v < lo), hi is not None and (v >= hi if hi_open else v > hi)
+        if not math.isfinite(v) or below or above:
             raise argparse.ArgumentTypeError(f"must be {rng}, got {text}")
         return v
 

@@ -123,6 +123,16 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_norm must be one of {ATTENTION_NORMS}, got {self.attention_norm!r}")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"ModelConfig.attention ([model] attention) must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        if not self.query_key_map and not (self.use_position_bias or self.use_time_bias):
+            raise ValueError(
+                "ModelConfig.query_key_map = false takes the attention from the relative bias alone: it needs use_position_bias "
+                "or use_time_bias (with both off no token attends another)"
+            )
+        if self.architecture != "hstu" and (not self.query_key_map or self.ffn_hidden):
+            raise ValueError(
+                f"ModelConfig.query_key_map / ffn_hidden are options of the HSTU block (architecture 'hstu'), not of "
+                f"{self.architecture!r}: leave them at true / 0"
+            )
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
         self._validate_item_table()

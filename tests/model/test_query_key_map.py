@@ -145,3 +145,20 @@ def test_a_config_model_table_applies_over_the_preset(tmp_path) -> None:
         want = model_config_from_preset(preset or "small", query_key_map=False, ffn_hidden=8)
         assert mcfg == want and tcfg.epochs == 3
     assert want.num_blocks == 2 and model_config_from_preset("large").num_blocks == 8
+
+
+def test_preset_and_config_parse_together_and_bad_combinations_are_refused(tmp_path) -> None:
+    from hstu.cli import build_parser
+    from hstu.train.cli import _model_cfg
+
+    f = tmp_path / "f.toml"
+    f.write_text("[model]\nquery_key_map = false\n")
+    args = build_parser().parse_args(["train", "--preset", "large", "--config", str(f), "--out", str(tmp_path / "r")])
+    mcfg, _ = _model_cfg(args)
+    assert (mcfg.num_blocks, mcfg.query_key_map) == (8, False)
+    with pytest.raises(ValueError, match="needs use_position_bias or use_time_bias"):
+        _cfg(False, use_position_bias=False, use_time_bias=False).validate()
+    for field in ({"query_key_map": False}, {"ffn_hidden": 4}):
+        bad = ModelConfig(num_items=9, architecture="sasrec", **field)
+        with pytest.raises(ValueError, match="options of the HSTU block"):
+            bad.validate()

@@ -165,8 +165,24 @@ def test_resume_keeps_the_runs_softmax(tmp_path) -> None:
     assert ok.returncode == 0, ok.stderr
     before = {f: (out / f).read_bytes() for f in ("config.json", "metrics.json", "last.json")}
     r = subprocess.run([*base, "--resume", "--epochs", "2", "--softmax", "full"], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "--resume: the softmax is 'full' here but 'sampled' in the run" in r.stderr
+    assert r.returncode != 0 and "--resume: the softmax is 'full' here, 'sampled' in the run" in r.stderr
     assert {f: (out / f).read_bytes() for f in before} == before
     again = subprocess.run([*base, "--resume", "--epochs", "2", "--softmax", "sampled"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr  # the run's own softmax, named, resumes
     assert json.loads((out / "metrics.json").read_text())["recipe"]["negatives"] != "full"
+
+
+def test_resume_accepts_the_runs_own_model_table_and_refuses_another(tmp_path) -> None:
+    """The command that trained a run resumes with its --config [model] table; a table with another value is refused,
+    naming the field and the run's value, before anything is written."""
+    out = tmp_path / "run"
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
+    base = [sys.executable, "-m", "hstu", "train", "--threads", "1", "--out", str(out)]
+    assert subprocess.run([*base, *flags], capture_output=True, text=True, timeout=300).returncode == 0
+    again = subprocess.run([*base, *flags, "--resume", "--epochs", "2"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    before = (out / "last.json").read_bytes()
+    other = tiny_csv_flags(tmp_path, model={"num_heads": 2}, train={"epochs": 1})
+    r = subprocess.run([*base, *other, "--resume", "--epochs", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "[model] sets num_heads = 2 (the run: 1)" in r.stderr
+    assert (out / "last.json").read_bytes() == before

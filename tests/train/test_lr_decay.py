@@ -103,3 +103,17 @@ def test_hstu_train_decays_the_saved_rates_and_resume_keeps_them(tmp_path) -> No
     assert len(last["history"]) == 5
     assert [g["lr"] for g in last["param_groups"]] == pytest.approx([1e-12 * 0.25**4], rel=1e-9, abs=0)
     assert _expected_lr(1e-12, last["history"], 0.25) == pytest.approx(1e-12 * 0.25**4, rel=1e-9, abs=0)
+
+
+def test_paper_protocol_states_its_constant_rate(tmp_path) -> None:
+    """Under --protocol paper the decay is not applied (its valid split is the test item): config.json, the recipe and
+    the log say a constant lr, even with --lr-decay-patience given; the flag's factor must lie in (0, 1)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hstu", "train", *tiny_csv_flags(tmp_path, train={"epochs": 2}), "--protocol", "paper"]
+    r = subprocess.run([*cmd, "--lr-decay-patience", "1", "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "lr_decay_patience = 1 is not applied under --protocol paper" in r.stderr and "constant lr" in r.stderr
+    assert json.loads((out / "config.json").read_text())["train"]["lr_decay_patience"] == 0
+    assert json.loads((out / "metrics.json").read_text())["recipe"]["lr_decay"] == "off"
+    bad = subprocess.run([*cmd, "--lr-decay-factor", "1", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "argument --lr-decay-factor: must be in (0, 1), got 1" in bad.stderr

@@ -32,9 +32,8 @@ def add_train_parser(sub) -> None:
         "(default ml-1m; with --resume: the run's)",
     )
     t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
-    g = t.add_mutually_exclusive_group()
-    g.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
-    g.add_argument("--config", help="TOML/JSON with [model] and [train] tables")
+    t.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
+    t.add_argument("--config", help="TOML/JSON with [model] and [train] tables; [model]'s fields apply over the --preset's values")
     t.add_argument(
         "--arch",
         choices=list(ARCHITECTURES),
@@ -138,7 +137,7 @@ def _add_recipe_flags(t) -> None:
     )
     t.add_argument(
         "--lr-decay-factor",
-        type=number_in(float, 0, 1, lo_open=True),
+        type=number_in(float, 0, 1, lo_open=True, hi_open=True),
         help="the plateau decay's factor, in (0, 1) (default 0.5; TrainConfig.lr_decay_factor)",
     )
     t.add_argument(
@@ -266,12 +265,9 @@ def _check_softmax(tcfg, repeat_window: int, distributed: bool, saved: dict | No
         raise ValueError("[train] softmax = 'full' (--softmax full) is not supported with a repeat head (repeat_window > 0); use 'sampled'")
     if tcfg.softmax == "full" and distributed:
         raise ValueError("[train] softmax = 'full' (--softmax full) is not supported by --distributed yet; use 'sampled'")
-    was = (saved or {}).get("softmax", "sampled")
-    if saved is not None and tcfg.softmax != was:
-        raise ValueError(
-            f"--resume: the softmax is {tcfg.softmax!r} here but {was!r} in the run ({Path(out) / 'config.json'} train.softmax); "
-            "a run trains with one loss: drop --softmax, or train a new run"
-        )
+    if saved is not None and tcfg.softmax != (was := saved.get("softmax", "sampled")):
+        where = f"{Path(out) / 'config.json'} train.softmax"
+        raise ValueError(f"--resume: the softmax is {tcfg.softmax!r} here, {was!r} in the run ({where}); drop --softmax / [train] softmax")
 
 
 def torchrun_rank(args) -> int:
@@ -380,7 +376,8 @@ def _check_out_dir(args) -> None:
 
 def _check_resume_flags(args) -> None:
     """ValueError when --resume comes with a model choice: the run continues its saved model
-    (config.json), so --preset or a [model] table would be silently ignored."""
+    (config.json), so --preset, --arch or a [model] table that sets another value than the run's would be
+    silently ignored (a table that repeats the run's values is accepted: the command that trained it resumes)."""
     if not args.resume:
         return
     if getattr(args, "arch", None):
@@ -388,13 +385,16 @@ def _check_resume_flags(args) -> None:
     if args.preset is not None:
         raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --preset {args.preset}")
     if args.config:
-        from hstu.config import load_config_file
+        from hstu.config import ModelConfig, load_config_file, load_config_tables
+        from hstu.model.checkpoint import read_json
 
-        if "model" in load_config_file(args.config):
-            raise ValueError(
-                f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); "
-                f"{args.config} has a [model] table (only [train] applies to a resumed run)"
-            )
+        load_config_file(args.config)  # every table checked, errors naming the file
+        table, path = load_config_tables(args.config).get("model", {}), Path(args.out) / "config.json"
+        if not (table and path.exists()):  # no run there: _resume_defaults says so
+            return
+        run = {k: read_json(path).get("model", {}).get(k, getattr(ModelConfig(), k)) for k in table}
+        if other := ", ".join(f"{k} = {v!r} (the run: {run[k]!r})" for k, v in table.items() if run[k] != v):
+            raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {other}: drop them")
 
 
 def _resume_defaults(args) -> dict:

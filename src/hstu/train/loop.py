@@ -392,6 +392,9 @@ def _setup(
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
     tcfg = replace(tcfg, packing=resolve_packing(tcfg, mcfg, strategy.backend.name, getattr(strategy, "packs", False)))  # resolved
+    if spec.protocol == "paper" and tcfg.lr_decay_patience:  # its "valid" is the test item: no decisions on it
+        log.info("[train] lr_decay_patience = %d is not applied under --protocol paper: a constant lr", tcfg.lr_decay_patience)
+        tcfg = replace(tcfg, lr_decay_patience=0)  # so config.json, metrics.json recipe and the log state what ran
     if tcfg.packing != "off" and not getattr(strategy, "packs", False):
         name = type(strategy).__name__
         raise ValueError(f"[train] packing = {tcfg.packing!r} is not supported by {name} (--distributed) yet; set it to 'off'")

@@ -130,6 +130,13 @@ def test_train_quantize_and_eval_a_run_without_the_query_key_map(tmp_path) -> No
     assert abs(fp["NDCG@10"] - i8["NDCG@10"]) < 0.05
 
 
+def test_the_report_names_the_block_options() -> None:
+    from hstu.report.summary import _block_options
+
+    assert _block_options({"query_key_map": False, "ffn_hidden": 200}) == "no query-key map, FFN 200"
+    assert _block_options({"query_key_map": True, "ffn_hidden": 0}) == _block_options({}) == "—"  # runs saved before the fields
+
+
 def test_a_config_model_table_applies_over_the_preset(tmp_path) -> None:
     """`hstu train --preset large --config F` with F's [model] query_key_map = false trains the large sizes without
     the query-key map (the table's fields over the preset's values); without --preset, over small's."""

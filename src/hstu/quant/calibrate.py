@@ -116,17 +116,17 @@ def format_report(report: dict) -> str:
     """Plain-text table of :func:`layer_report` for the CLI."""
     lines = [
         f"calibration batch: {report['users']} users (histories before their validation target)",
-        f"{'layer':<16}{'kind':<9}{'shape (N x K)':<16}{'max|err|':>11}{'max|ref|':>11}{'rel':>9}",
+        f"{'layer':<22}{'kind':<9}{'shape (N x K)':<16}{'max|err|':>11}{'max|ref|':>11}{'rel':>9}",
     ]
     worst = max(report["linears"], key=lambda r: r["rel_err"], default=None)
     for r in report["linears"]:
         flag = "  <- most sensitive" if r is worst and r["rel_err"] > 0 else ""
         lines.append(
-            f"{r['name']:<16}{r['kind']:<9}{r['shape'][0]:>5} x {r['shape'][1]:<7}{r['max_abs_err']:>11.4g}"
+            f"{r['name']:<22}{r['kind']:<9}{r['shape'][0]:>5} x {r['shape'][1]:<7}{r['max_abs_err']:>11.4g}"
             f"{r['max_abs_ref']:>11.4g}{r['rel_err']:>9.3%}{flag}"
         )
     for r in report["blocks"]:
-        lines.append(f"{r['name'] + ' out':<16}{'':<9}{'':<16}{r['max_abs_err']:>11.4g}{r['max_abs_ref']:>11.4g}")
+        lines.append(f"{r['name'] + ' out':<22}{'':<9}{'':<16}{r['max_abs_err']:>11.4g}{r['max_abs_ref']:>11.4g}")
     u = report["user_vector"]
     lines.append(f"user vectors: max|err| {u['max_abs_err']:.4g}, min cosine to float {u['min_cosine']:.6f}")
     return "\n".join(lines)

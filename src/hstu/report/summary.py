@@ -65,6 +65,7 @@ def summary_rows(r: RunFacts) -> dict[str, str]:
         "run": f"`{r.path}`",
         "architecture": m.get("architecture", "hstu"),
         "blocks × heads × d": f"{m['num_blocks']} × {m['num_heads']} × {m['embedding_dim']}",
+        "block options": _block_options(m),
         "max_seq_len": str(m["max_seq_len"]),
         "items": str(m["num_items"]),
         "dataset": f"{d['dataset']} ({d['protocol']} protocol)",
@@ -79,6 +80,12 @@ def summary_rows(r: RunFacts) -> dict[str, str]:
         for k in TEST_METRICS:
             rows[f"{split} {k}"] = _num(met.get(split, {}).get(k))
     return rows
+
+
+def _block_options(m: dict) -> str:
+    """config.json model's [model] options that change the HSTU block (issue 20's levers), or "—"."""
+    opts = ([] if m.get("query_key_map", True) else ["no query-key map"]) + ([f"FFN {m['ffn_hidden']}"] if m.get("ffn_hidden") else [])
+    return ", ".join(opts) or "—"
 
 
 def _recipe(config: dict) -> str:

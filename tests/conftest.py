@@ -117,3 +117,12 @@ def ref(run_dir) -> Recommender:
 @pytest.fixture(scope="session")
 def popularity(run_dir, rec):
     return popularity_for_run(read_json(run_dir / "config.json"), rec.idmap)
+
+
+def three_histories(t0: int = 978_300_000):
+    """(ids, timestamps, lengths, request_time) of 3 padded histories of width 8 (lengths 5, 2, 8; 60 s, 5 s and 1 h
+    apart; padding 0), for the model-level tests of the block options."""
+    ids = torch.tensor([[5, 9, 1, 33, 2, 0, 0, 0], [7, 3, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
+    lengths = torch.tensor([5, 2, 8])
+    ts = torch.stack([t0 + torch.arange(8) * s for s in (60, 5, 3600)]) * (torch.arange(8) < lengths.view(-1, 1))
+    return ids, ts, lengths, torch.tensor([t0 + 86400, t0 + 50, t0 + 10**6])

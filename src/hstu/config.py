@@ -56,16 +56,10 @@ class ModelConfig:
     # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
     # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
     attention_norm: str = "fixed"
-    # False: no query-key map, the attention weights are the relative bias alone, A = SiLU(rab) / n
-    # (FuXi-beta's attention-free token mixing, Ye et al. 2025 §4; here with HSTU's SiLU and rab); W_uvqk
-    # then projects U and V only. A Part B lever of issue 20, off by default.
-    query_key_map: bool = True
-    # > 0: after each block, FuXi-alpha's second FFN stage (Ye et al. 2025 §4.3, "multi-stage FFN"):
-    # Y + W_down(Dropout(SiLU(W_gate RMSNorm(Y)) ⊙ W_up RMSNorm(Y))), a SwiGLU of this hidden width; 0: none (HSTU)
-    ffn_hidden: int = 0
-    # attention kernel set (hstu.model.kernels), for training, evaluation, generation and serving alike:
-    # "auto" = the device's default where it can run ("triton" on CUDA, "npu" on NPU, else "reference");
-    # a named set that cannot run on the device is an error. Runs saved without it load as "auto".
+    query_key_map: bool = True  # False: A = SiLU(rab) / n, no Q Kᵀ (FuXi-beta, Ye et al. 2025); W_uvqk gives U, V only
+    ffn_hidden: int = 0  # > 0: FuXi-alpha's SwiGLU FFN stage (§4.3) of this width after each block (hstu.model.hstu.SwiGLUFFN)
+    # attention kernel set (hstu.model.kernels) for every path: "auto" = the device's default where it can run ("triton" on CUDA,
+    # "npu" on NPU, else "reference"); a named set that cannot run on the device is an error; runs saved without it load as "auto".
     attention: str = "auto"
     layer_norm_eps: float = 1e-6
     temperature: float = 0.05  # cosine-similarity temperature (recipe: 0.05)
@@ -75,15 +69,13 @@ class ModelConfig:
     # one embedding table each, summed into the input as the category's; the order is the token columns' 1..F
     features: dict[str, int] = field(default_factory=dict)
     repeat_window: int = 0  # >0: repeat-aware scoring over the last R events (hstu.model.repeat); 0 = off
-    # >0: items never seen in training enter the input without their item embedding (a "cold"
-    # input: action, category, position and time only), and in training each input event loses
-    # its item embedding with this probability, so that the model learns such inputs (base.embed)
+    # >0: items never seen in training enter the input without their item embedding (a "cold" input: action, category,
+    # position and time only), and in training each input event loses its item embedding with this probability (base.embed)
     cold_item_dropout: float = 0.0
-    # The item table (issue 18): "dense" = one nn.Embedding; "hashed" = model.embedding.ShardedEmbedding:
-    # rows hash-sharded over item_table_shards shards, each on the compute "device" or in "host" memory
-    # (one value, or a comma list with one per shard), stored as item_table_dtype, with
-    # item_table_cache_bytes of device-side hot-row cache shared by the host shards. Same results for any
-    # shard count; the memory plan is checked before the table is allocated.
+    # The item table (issue 18): "dense" = one nn.Embedding; "hashed" = model.embedding.ShardedEmbedding: rows hash-sharded
+    # over item_table_shards shards, each on the compute "device" or in "host" memory (one value, or a comma list with one per
+    # shard), stored as item_table_dtype, with item_table_cache_bytes of device-side hot-row cache shared by the host shards.
+    # Same results for any shard count; the memory plan is checked before the table is allocated.
     item_table: str = "dense"
     item_table_shards: int = 1
     item_table_placement: str = "device"
@@ -123,16 +115,10 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_norm must be one of {ATTENTION_NORMS}, got {self.attention_norm!r}")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"ModelConfig.attention ([model] attention) must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
-        if not self.query_key_map and not (self.use_position_bias or self.use_time_bias):
-            raise ValueError(
-                "ModelConfig.query_key_map = false takes the attention from the relative bias alone: it needs use_position_bias "
-                "or use_time_bias (with both off no token attends another)"
-            )
+        if not self.query_key_map and not (self.use_position_bias or self.use_time_bias):  # attention from the bias alone
+            raise ValueError("ModelConfig.query_key_map = false needs use_position_bias or use_time_bias (else no token attends another)")
         if self.architecture != "hstu" and (not self.query_key_map or self.ffn_hidden):
-            raise ValueError(
-                f"ModelConfig.query_key_map / ffn_hidden are options of the HSTU block (architecture 'hstu'), not of "
-                f"{self.architecture!r}: leave them at true / 0"
-            )
+            raise ValueError(f"ModelConfig.query_key_map / ffn_hidden are options of the HSTU block, not of {self.architecture!r}")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
         self._validate_item_table()

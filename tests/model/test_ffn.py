@@ -5,6 +5,7 @@ invariance, on the generation paths (cached = recompute = the serving engine) an
 from __future__ import annotations
 
 import torch
+from conftest import three_histories
 
 from hstu.config import ModelConfig
 from hstu.generate.decode import exclusion_mask, generate, generate_recompute
@@ -23,13 +24,6 @@ def _model(seed: int = 0, **kw) -> HSTUModel:
         for layer in m.layers:
             layer.ffn.norm.weight.uniform_(0.5, 1.5)  # not the ones it starts at: the scale is checked too
     return m
-
-
-def _batch():
-    ids = torch.tensor([[5, 9, 1, 33, 2, 0, 0, 0], [7, 3, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
-    lengths = torch.tensor([5, 2, 8])
-    ts = torch.stack([T0 + torch.arange(8) * s for s in (60, 5, 3600)]) * (torch.arange(8) < lengths.view(-1, 1))
-    return ids, ts, lengths, torch.tensor([T0 + 86400, T0 + 50, T0 + 10**6])
 
 
 def test_the_ffn_stage_equals_a_float64_hand_computation() -> None:
@@ -51,7 +45,7 @@ def test_the_ffn_stage_equals_a_float64_hand_computation() -> None:
 def test_padding_does_not_change_live_rows() -> None:
     """Padded to width 8 or not, the live rows agree; the padding holds each row's last time (its query time)."""
     m = _model(2)
-    ids, ts, lengths, _ = _batch()
+    ids, ts, lengths, _ = three_histories(T0)
     ts = torch.where(torch.arange(8) < lengths.view(-1, 1), ts, ts.gather(1, (lengths - 1).view(-1, 1)))
     full = m.encode(ids, ts, lengths)
     for b in range(3):
@@ -63,7 +57,7 @@ def test_padding_does_not_change_live_rows() -> None:
 
 def test_generation_paths_agree() -> None:
     m = _model(3)
-    ids, ts, lengths, req = _batch()
+    ids, ts, lengths, req = three_histories(T0)
 
     def ex():
         return exclusion_mask(40, 3, ids, lengths)
@@ -80,7 +74,7 @@ def test_int8_quantizes_the_ffn_linears() -> None:
     m = _model(4)
     names = list(quantizable_linears(m))
     assert names[:4] == ["layers.0.uvqk", "layers.0.o", "layers.0.ffn.gate_up", "layers.0.ffn.down"]
-    ids, ts, lengths, _ = _batch()
+    ids, ts, lengths, _ = three_histories(T0)
     want = m.encode(ids, ts, lengths)
     q = quantize_model_int8(m, embeddings="fp32")
     assert all(isinstance(lin, Int8Linear) for lin in quantizable_linears(q).values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import three_histories
 
 from hstu.config import ModelConfig
 from hstu.generate.decode import exclusion_mask, generate, generate_recompute
@@ -42,13 +43,6 @@ def _pair(seed: int = 0) -> tuple[HSTUModel, HSTUModel]:
     return no_qk, stock
 
 
-def _batch():
-    ids = torch.tensor([[5, 9, 1, 33, 2, 0, 0, 0], [7, 3, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 8]])
-    lengths = torch.tensor([5, 2, 8])
-    ts = torch.stack([T0 + torch.arange(8) * s for s in (60, 5, 3600)]) * (torch.arange(8) < lengths.view(-1, 1))
-    return ids, ts, lengths, torch.tensor([T0 + 86400, T0 + 50, T0 + 10**6])
-
-
 def test_the_projection_drops_q_and_k() -> None:
     no_qk, stock = _pair()
     for a, b in zip(no_qk.layers, stock.layers):
@@ -80,7 +74,7 @@ def test_one_block_equals_a_float64_hand_computation() -> None:
 
 def test_encoder_equals_the_stock_model_with_zero_q_and_k() -> None:
     no_qk, stock = _pair(2)
-    ids, ts, lengths, _ = _batch()
+    ids, ts, lengths, _ = three_histories(T0)
     torch.testing.assert_close(no_qk.encode(ids, ts, lengths), stock.encode(ids, ts, lengths), rtol=1e-5, atol=1e-6)
     no_qk.train()
     no_qk.encode(ids, ts, lengths).square().sum().backward()  # trains: the gradient reaches W_uvqk and the bias tables
@@ -89,7 +83,7 @@ def test_encoder_equals_the_stock_model_with_zero_q_and_k() -> None:
 
 def test_generation_paths_agree() -> None:
     no_qk, stock = _pair(3)
-    ids, ts, lengths, req = _batch()
+    ids, ts, lengths, req = three_histories(T0)
 
     def ex():  # the history exclusion, fresh per call (generation marks its own items in it)
         return exclusion_mask(40, 3, ids, lengths)

@@ -392,8 +392,8 @@ def _check_resume_flags(args) -> None:
         table, path = load_config_tables(args.config).get("model", {}), Path(args.out) / "config.json"
         if not (table and path.exists()):  # no run there: _resume_defaults says so
             return
-        saved = read_json(path).get("model", {})
-        run = {k: saved.get(k, getattr(ModelConfig(), k)) for k in table}
+        saved, default = read_json(path).get("model", {}), ModelConfig()
+        run = {k: saved.get(k, getattr(default, k)) for k in table}
         if other := ", ".join(f"{k} = {v!r} (the run: {run[k]!r})" for k, v in table.items() if run[k] != v):
             raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {other}: drop them")
 

@@ -479,8 +479,7 @@ def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainCo
             state.update(best=score, best_epoch=epoch, bad_epochs=0)
         else:
             state["bad_epochs"] += 1
-            if not paper:  # the paper protocol's "valid" is the test item: no decisions on it (the reference's constant lr)
-                decay_on_plateau(opt.param_groups, tcfg, state["bad_epochs"], epoch)
+            decay_on_plateau(opt.param_groups, tcfg, state["bad_epochs"], epoch)  # paper protocol: patience 0 (_setup)
     log.info(
         epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch, exclude_history=log_.exclude_history_default)
     )

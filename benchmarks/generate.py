@@ -26,6 +26,7 @@ speedup is P50(slow side) / P50(fast side). Histories: random items, increasing 
    (k = 1: prefill or extension plus one scoring pass).
 4. Latency growth from length 50 to 200 at batch 32 (next-5, max_batch 32): the ratio
    P50(L=200) / P50(L=50) (the reference port: +123 % on A100, +387 % on an unoptimised NPU).
+5. next-5 against its FLOP floor (benchmarks/_flop_floor.py): B16 L200 vs a GEMM of its FLOPs; B1 L200 in ms.
 Memory: peak RSS (getrusage), device peak where present, KV pool bytes per bucket.
 
 0. ``--graphs A,B`` (e.g. eager,compiled) runs only this section: next-5 at batch 1 and 16, length
@@ -52,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from _flop_floor import flop_floor, summary_part
 from hstu.backend import Backend, select
 from hstu.bench.timing import interleaved, latency_stats
 from hstu.bench.timing import percentile_ms as pct
@@ -60,8 +62,7 @@ from hstu.generate.engine import Engine
 from hstu.model import build_hstu
 from hstu.model.hstu import HSTUModel
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the repository
 EDGES = (20, 50, 100, 200)
 log = logging.getLogger("bench.generate")
 
@@ -305,7 +306,6 @@ def _prefix_cache(b: Bench, out: dict) -> None:
 def _latency_growth(b: Bench, out: dict) -> float:
     """4. next-5 latency growth from length 50 to 200 at batch 32, into out; returns the P50 ratio."""
     dev, sync, model, I, reps, eng_kw = b.dev, b.sync, b.model, b.I, b.reps, b.eng_kw
-    # ---- 4. latency growth 50 -> 200 at batch 32 ----
     print("\n4. next-5 latency growth from length 50 to 200 at batch 32")
     e32 = Engine(model, buckets=EDGES, max_batch=32, k_max=10, **eng_kw)
     if e32.graphs != "eager":
@@ -333,7 +333,6 @@ def _latency_growth(b: Bench, out: dict) -> float:
         f"  L=50 P50 {pct(t['L50'], 50):.2f} ms (P99 {pct(t['L50'], 99):.2f}), L=200 P50 {pct(t['L200'], 50):.2f} ms "
         f"(P99 {pct(t['L200'], 99):.2f}) -> x{growth:.2f} ({100 * (growth - 1):+.0f} %)"
     )
-
     return growth
 
 
@@ -354,10 +353,10 @@ def _memory_and_summary(b: Bench, out: dict, growth: float) -> None:
         + (f", device peak {mem['device_peak_bytes'] / 2**20:.0f} MiB" if "device_peak_bytes" in mem else "")
     )
     print(
-        f"summary: kv/recompute L200 B16 {out['kv_vs_recompute_speedup_L200_B16']['speedup']:.2f}x (floor 3.5), "
-        f"bucketed/padded {out['bucketed_vs_padded_speedup']['speedup']:.2f}x (floor 1.3), "
-        f"prefix hit/miss {out['prefix_hit_vs_miss_speedup_L200']['speedup']:.2f}x (floor 3), "
-        f"growth L50->L200 B32 x{growth:.2f}; {out['seconds']} s"
+        f"summary: kv/recompute L200 B16 {out['kv_vs_recompute_speedup_L200_B16']['speedup']:.2f}x (floor 4.05: 90 % of 4.5), "
+        f"bucketed/padded {out['bucketed_vs_padded_speedup']['speedup']:.2f}x (floor 1.35), "
+        f"prefix hit/miss {out['prefix_hit_vs_miss_speedup_L200']['speedup']:.2f}x (floor 3), growth L50->L200 B32 x{growth:.2f}, "
+        f"{summary_part(out['flop_floor'])}; {out['seconds']} s"
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -492,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     _bucketed_vs_padded(b, out)
     _prefix_cache(b, out)
     growth = _latency_growth(b, out)
+    flop_floor(b, histories, EDGES, out)
     _memory_and_summary(b, out, growth)
     return 0
 

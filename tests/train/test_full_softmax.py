@@ -19,7 +19,7 @@ from conftest import tiny_csv_flags
 from hstu.config import TrainConfig
 from hstu.train import full_softmax as FS
 from hstu.train import losses as L
-from hstu.train.recipe import recipe, recipe_text
+from hstu.train.recipe import recipe, recipe_text, unused_fields
 
 TAU = 0.05
 
@@ -108,18 +108,22 @@ def test_config_errors_and_recipe() -> None:
     assert [recipe(tcfg)[k] for k in ("num_negatives", "negatives_chunk", "negatives_pool")] == [None] * 3  # nothing sampled
     assert recipe_text(tcfg).startswith("negatives full (every item: full softmax), batching random")
     assert recipe(TrainConfig())["negatives"] == "per-position"  # the default stays the sampled softmax
+    assert unused_fields(TrainConfig(softmax="full", num_negatives=512)) == ["num_negatives = 512"]
+    assert unused_fields(TrainConfig(softmax="full")) == unused_fields(TrainConfig(num_negatives=512)) == []
 
 
 def test_hstu_train_softmax_full(tmp_path) -> None:
     """`hstu train --softmax full` records the field and the recipe, logs it, and trains to finite metrics."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hstu", "train", *tiny_csv_flags(tmp_path, train={"epochs": 2}), "--softmax", "full"]
+    flags = [*tiny_csv_flags(tmp_path, train={"epochs": 2}), "--softmax", "full", "--negatives-chunk", "4"]  # unused, warned
+    cmd = [sys.executable, "-m", "hstu", "train", *flags]
     r = subprocess.run([*cmd, "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["train"]["softmax"] == "full"
     met = json.loads((out / "metrics.json").read_text())
     assert met["recipe"]["negatives"] == "full"
     assert "recipe: negatives full (every item: full softmax)" in r.stderr
+    assert "samples no negatives: num_negatives = 4, negatives_chunk = 4 unused" in r.stderr  # the tiny config sets 4 negatives
     assert 0.0 <= met["test"]["HR@10"] <= 1.0
 
 

@@ -159,6 +159,8 @@ def test_recipe_is_stated() -> None:
     }
     r = recipe(TrainConfig(negatives_pool=512, length_pool=1))
     assert (r["negatives"], r["negatives_pool"], r["batching"]) == ("pool", 512, "random")
+    assert recipe(TrainConfig(negatives_pool=512), num_items=40)["negatives_pool"] == 40  # draw_pool's min(pool, I)
+    assert "from 40 distinct items" in recipe_text(TrainConfig(negatives_pool=512), num_items=40)
     assert recipe(TrainConfig(negatives_pool=0, negatives_chunk=1))["negatives"] == "per-position"
     assert recipe_text(TrainConfig(negatives_pool=0, negatives_chunk=4, num_negatives=9, length_pool=3)) == (
         "negatives chunked (9 shared by runs of 4 positions), batching length-bucketed (pools of 3 batches), loss divisor batch, "

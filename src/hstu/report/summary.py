@@ -94,7 +94,7 @@ def _recipe(config: dict) -> str:
     from hstu.config import train_config_from_dict
     from hstu.train.recipe import recipe_text
 
-    return recipe_text(train_config_from_dict(config["train"], saved=True), config.get("distributed"))
+    return recipe_text(train_config_from_dict(config["train"], saved=True), config.get("distributed"), config["model"].get("num_items"))
 
 
 def _table(header: list[str], body: list[list[str]]) -> list[str]:

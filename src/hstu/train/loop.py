@@ -71,7 +71,7 @@ from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
-from hstu.train.recipe import decay_on_plateau, recipe, recipe_text
+from hstu.train.recipe import decay_on_plateau, recipe, recipe_text, unused_fields
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -319,7 +319,7 @@ def _report(
         "exclude_history": bool(log_.exclude_history_default),  # the candidate policy of valid and test
         "status": status,
         "machine": strategy.machine(),
-        "recipe": recipe(tcfg, strategy.extra.get("distributed")),
+        "recipe": recipe(tcfg, strategy.extra.get("distributed"), model.cfg.num_items),
         **strategy.extra,
     }
     if calibration is not None:
@@ -423,7 +423,9 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
             remove_run_files(run)
         write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
         write_idmap(run, log_, split)
-        log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed")))
+        log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
+        if unused := unused_fields(tcfg):
+            log.warning("[train] softmax = 'full' samples no negatives: %s unused", ", ".join(unused))
     strategy.barrier()
     started, status = clock(), "completed"
     try:

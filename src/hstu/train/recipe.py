@@ -17,7 +17,7 @@ import logging
 log = logging.getLogger(__name__)
 
 
-def recipe(tcfg, table: dict | None = None) -> dict:
+def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dict:
     """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
     as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
     "chunked" | "full" (``[train] softmax = "full"``: every item, no sampling), "num_negatives",
@@ -29,7 +29,8 @@ def recipe(tcfg, table: dict | None = None) -> dict:
     :func:`hstu.data.batching.length_bucketed_batches`). ``table``: a strategy's own item-table
     optimizer, {"table_optimizer", "table_learning_rate", ...} (the distributed strategy's
     config.json ``distributed`` table, FBGEMM's fused optimizer); None: the TrainConfig's
-    (``[train] table_optimizer``, the rate :func:`hstu.train.sparse_optim.table_learning_rate`)."""
+    (``[train] table_optimizer``, the rate :func:`hstu.train.sparse_optim.table_learning_rate`). ``num_items``: the
+    catalogue's size, which caps the pool (:func:`hstu.train.losses.draw_pool` draws min(pool, I) distinct items)."""
     from hstu.train.sparse_optim import table_learning_rate
 
     scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
@@ -40,7 +41,7 @@ def recipe(tcfg, table: dict | None = None) -> dict:
         "negatives": scheme,
         "num_negatives": tcfg.num_negatives if sampled else None,
         "negatives_chunk": tcfg.negatives_chunk if sampled else None,
-        "negatives_pool": tcfg.negatives_pool if sampled else None,
+        "negatives_pool": min(tcfg.negatives_pool, num_items or tcfg.negatives_pool) if sampled else None,
         "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
         "length_pool": tcfg.length_pool,
         "loss_divisor": tcfg.loss_divisor,
@@ -60,11 +61,21 @@ def _decay(tcfg, fused_table: bool) -> dict | str:
     return {"patience": tcfg.lr_decay_patience, "factor": tcfg.lr_decay_factor, "scope": scope}
 
 
-def recipe_text(tcfg, table: dict | None = None) -> str:
+def recipe_text(tcfg, table: dict | None = None, num_items: int | None = None) -> str:
     """:func:`recipe` as one log line, e.g. ``negatives pool (128 per position from 1024 distinct items per
     batch), batching length-bucketed (pools of 50 batches), loss divisor batch, item table adamw (lr 0.001),
     lr x 0.5 after 3 epochs without a better valid NDCG@10``."""
-    return describe(recipe(tcfg, table))
+    return describe(recipe(tcfg, table, num_items))
+
+
+def unused_fields(tcfg) -> list[str]:
+    """``name = value`` of the sampling fields set away from their defaults that the recipe does not use
+    (``softmax = "full"`` samples nothing: num_negatives and negatives_chunk are then ignored)."""
+    from hstu.config import TrainConfig
+
+    if tcfg.softmax != "full":
+        return []
+    return [f"{f} = {getattr(tcfg, f)}" for f in ("num_negatives", "negatives_chunk") if getattr(tcfg, f) != getattr(TrainConfig, f)]
 
 
 def describe(r: dict) -> str:

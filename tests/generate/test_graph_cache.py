@@ -176,8 +176,8 @@ def test_aotinductor_packages_match_eager(tmp_path):
 
 def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypatch, capsys):
     """`hstu export --run RUN --graphs` builds RUN/graphs through a server's warm-up (one line per
-    graph: built, seconds, bytes); `hstu generate --graphs compiled` uses that cache (a new engine
-    layout: built into it) and prints the eager command's items."""
+    graph: built, seconds, bytes); `hstu generate --graphs compiled` builds the export's engine layout
+    (RUN/graphs/layout.json), loads its graphs (nothing new built) and prints the eager command's items."""
     import json
 
     from conftest import tiny_csv_flags
@@ -202,7 +202,12 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     assert [i["item_id"] for i in out["compiled"]["items"]] == [i["item_id"] for i in out["eager"]["items"]]
     for a, b in zip(out["compiled"]["items"], out["eager"]["items"]):
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
-    assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9  # + the one-shot engine's 3
+    assert json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"] == entries  # loaded, none rebuilt or added
+    assert GraphCache.layout(run) == {"buckets": [8], "max_batch": 2}  # the tiny model's one bucket (max_seq_len 8)
+    (run / "graphs" / gc.LAYOUT).write_text("{")  # unreadable: the one-shot engine's own layout, built into the cache
+    assert main(["generate", "--run", str(run), "--history", str(hist), "-k", "3", "--graphs", "compiled", "--json"]) == 0
+    assert [i["item_id"] for i in json.loads(capsys.readouterr().out)["items"]] == [i["item_id"] for i in out["eager"]["items"]]
+    assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9
 
 
 def test_auto_on_the_cpu_loads_what_the_cache_holds_and_runs_the_rest_eager(built, caplog):

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: packages without the weights (AOTInductor.load supplies them)
 MANIFEST = "manifest.json"
+LAYOUT = "layout.json"  # the engine layout hstu export --graphs built for: {"buckets": [...], "max_batch": N}
 DIRNAME = "graphs"  # RUN/graphs
 _CODE = ("model", "ops", "generate/runners.py", "generate/pool.py")  # sources the graphs trace (relative to hstu/)
 
@@ -195,6 +196,26 @@ class GraphCache:
             "code_sha256": code_sha256(),
             "compiler": self.compiler.name,
         }
+
+    @staticmethod
+    def write_layout(run_dir, buckets, max_batch: int) -> None:
+        """Record in RUN/graphs the server engine layout an export built (its graphs' names hash the pools'
+        shapes, so only an engine of that layout finds them): :meth:`layout` reads it back."""
+        d = Path(run_dir) / DIRNAME
+        tmp = d / f".{LAYOUT}.{os.getpid()}"
+        tmp.write_text(json.dumps({"buckets": [int(e) for e in buckets], "max_batch": int(max_batch)}))
+        os.replace(tmp, d / LAYOUT)
+
+    @staticmethod
+    def layout(run_dir) -> dict | None:
+        """The layout of the run's last ``hstu export --graphs`` ({"buckets", "max_batch"}), or None
+        (no cache, an older one, or an unreadable file)."""
+        p = Path(run_dir) / DIRNAME / LAYOUT if run_dir is not None else None
+        try:
+            lay = json.loads(p.read_text()) if p is not None and p.is_file() else None
+            return {"buckets": [int(e) for e in lay["buckets"]], "max_batch": int(lay["max_batch"])} if lay else None
+        except (ValueError, KeyError, TypeError):
+            return None
 
     @classmethod
     def beside(cls, run_dir, model: torch.nn.Module, device, **kw) -> GraphCache | None:

@@ -130,9 +130,13 @@ class Recommender:
         """The smallest engine for one call on ``preps``: the one default bucket that holds the
         longest history, rows for the batch (x beam width), ``graphs`` (eager). What a one-shot ``hstu
         generate`` builds: a third of the default engine's construction here (pools of one
-        bucket), and the same results (each row runs in that bucket either way)."""
+        bucket), and the same results (each row runs in that bucket either way). With compiled graphs and a
+        graph cache, the layout ``hstu export --graphs`` built it for (the server's), whose graphs it then loads."""
         W = decoding.beam_width if decoding.strategy == "beam" else 1
         L = max(len(p.ids) for p in preps)
+        lay = GraphCache.layout(self.run_dir) if graphs in ("auto", "compiled") else None
+        if lay and W <= lay["max_batch"] and L <= max(lay["buckets"]):
+            return self.build_engine(tuple(lay["buckets"]), max_batch=lay["max_batch"], graphs=graphs)
         E = smallest_edge(default_buckets(self.max_len), L)  # prepared histories fit: max_len is the last edge
         return self.build_engine((E,), max_batch=max(W, min(len(preps), ENGINE_MAX_BATCH // W) * W), graphs=graphs)
 

@@ -33,6 +33,10 @@ def flop_floor(b, histories, edges, out: dict) -> dict:
     """5. into ``out["flop_floor"]``: next-5 at B16 L200 and B1 L200 by the benchmark's engine, and a
     GEMM of next-5 B16's FLOPs, alternated; returns the section's dict."""
     print("\n5. next-5 against its FLOP floor (a plain GEMM of the same FLOPs, alternated)")
+    if b.args.precision == "int8":  # FlopCounterMode does not count the integer GEMMs: the ratio would be meaningless
+        print("  skipped under --precision int8 (the integer GEMMs are not counted); run it at fp32")
+        out["flop_floor"] = {"skipped": "--precision int8: FlopCounterMode does not count integer GEMMs"}
+        return out["flop_floor"]
     eager = b.eng if b.eng.graphs == "eager" else Engine(b.model, buckets=edges, max_batch=16, k_max=10, device=b.dev, graphs="eager")
     h16 = histories(np.full(16, 200), 200, b.I, b.dev, seed=16)
     h1 = histories(np.full(1, 200), 200, b.I, b.dev, seed=1)
@@ -71,4 +75,6 @@ def flop_floor(b, histories, edges, out: dict) -> dict:
 
 def summary_part(sec: dict) -> str:
     """The section's part of the benchmark's summary line."""
+    if "skipped" in sec:
+        return "FLOP floor skipped (int8)"
     return f"next-5 B16 / FLOP floor {sec['ratio_to_flop_floor']:.2f}x (floor 3), B1 L200 {sec['next5_B1_L200_p50_ms']:.2f} ms (floor 1)"

@@ -182,7 +182,7 @@ class TrainConfig:
     # as one (positions x pool) GEMM (train/losses.py pool_softmax_loss); negatives_chunk is then unused.
     negatives_pool: int = 0
     # "sampled": the sampled softmax above (Zhai et al. 2024 §4.1.1); "full": cross-entropy over every item
-    # (train/full_softmax.py; num_negatives, negatives_chunk and negatives_pool are then unused).
+    # (train/full_softmax.py; num_negatives and negatives_chunk unused, warned; negatives_pool refused).
     softmax: str = "sampled"
     # Batches of sequences of similar length (pools of this many batches are sorted by length
     # before cutting; padding costs little) or 1 = random batches as in the reference (the default).

@@ -193,7 +193,7 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
     assert rec == {
         "negatives": "pool",
         "num_negatives": 4,
-        "negatives_chunk": 1,  # the default (unused by the pool scheme)
+        "negatives_chunk": None,  # unused by the pool scheme
         "negatives_pool": 12,
         "batching": "random",
         "length_pool": 1,

@@ -21,7 +21,8 @@ def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dic
     """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
     as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
     "chunked" | "full" (``[train] softmax = "full"``: every item, no sampling), "num_negatives",
-    "negatives_chunk", "negatives_pool" (None under "full": nothing is sampled), "batching": "length-bucketed" |
+    "negatives_chunk" (None unless per-position / chunked), "negatives_pool" (None under "full": nothing is sampled),
+    "batching": "length-bucketed" |
     "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved,
     :func:`hstu.train.losses.resolve_packing`),
     "table_optimizer", "table_learning_rate", "lr_decay": "off" | {"patience", "factor", "scope"}
@@ -40,7 +41,7 @@ def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dic
     return {
         "negatives": scheme,
         "num_negatives": tcfg.num_negatives if sampled else None,
-        "negatives_chunk": tcfg.negatives_chunk if sampled else None,
+        "negatives_chunk": tcfg.negatives_chunk if scheme in ("per-position", "chunked") else None,  # a pool ignores it
         "negatives_pool": min(tcfg.negatives_pool, num_items or tcfg.negatives_pool) if sampled else None,
         "batching": "random" if tcfg.length_pool == 1 else "length-bucketed",
         "length_pool": tcfg.length_pool,

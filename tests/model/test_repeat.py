@@ -130,6 +130,28 @@ def test_loss_candidates_match_a_direct_softmax():
     torch.testing.assert_close(loss, torch.stack(terms).mean(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gather_ratio", [10**9, 0])
+def test_loss_whole_table_path_equals_the_gathered_rows_path(monkeypatch, gather_ratio):
+    """chunk = 1: the normalised table with its rows picked (uses_dense_logits; sampled_scores by blocks or
+    gathering) gives the loss and the gradients of gathering and normalising each position's rows."""
+    import hstu.train.losses as L
+
+    monkeypatch.setattr(L, "GATHER_RATIO", gather_ratio)
+    ids = torch.tensor([[3, 5, 3, 7, 5, 0], [2, 2, 4, 0, 0, 0]])
+    acts = torch.tensor([[1, 2, 1, 2, 2, 0], [1, 2, 1, 0, 0, 0]])
+    lengths, ts = torch.tensor([5, 3]), torch.arange(6).repeat(2, 1) * 100
+    res = []
+    for limit in (1 << 28, 0):
+        monkeypatch.setattr(L, "DENSE_LOGITS_MAX", limit)
+        m = _tiny()
+        out = m.encode(ids, ts, lengths, actions=acts)
+        loss, _ = repeat_aware_loss(out, ids, acts, lengths, m, num_negatives=4, chunk=1, generator=torch.Generator().manual_seed(3))
+        loss.backward()
+        res.append((loss.detach(), m.item_emb.weight.grad.clone(), m.repeat.table.grad.clone()))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_generate_uses_the_bias_and_equals_recompute():
     m = _tiny(num_actions=0)
     ids = torch.tensor([[3, 5, 9, 7, 0], [2, 6, 4, 0, 0]])

@@ -20,9 +20,11 @@ def _inputs(P=9, K=7, d=4, M=5, seed=0):
     return q, rows, cols
 
 
+@pytest.mark.parametrize("gather_ratio", [10**9, 0])  # q·rowsᵀ by blocks; the picked rows gathered (a large catalogue)
 @pytest.mark.parametrize("block", [1, 14, 1 << 20])  # one row per block, 2 rows (the last block partial), one block
-def test_sampled_scores_equal_the_whole_product_and_its_gradients(monkeypatch, block) -> None:
+def test_sampled_scores_equal_the_whole_product_and_its_gradients(monkeypatch, block, gather_ratio) -> None:
     monkeypatch.setattr(L, "SCORE_BLOCK", block)
+    monkeypatch.setattr(L, "GATHER_RATIO", gather_ratio)
     q, rows, cols = _inputs()
     w = torch.randn(cols.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     out = L.sampled_scores(q, rows, cols)
@@ -39,8 +41,10 @@ def test_sampled_scores_equal_the_whole_product_and_its_gradients(monkeypatch, b
     torch.testing.assert_close(got[1][0], w[0].sum() * rows[3].detach(), rtol=1e-12, atol=1e-12)
 
 
-def test_sampled_scores_gradcheck_and_one_input_without_grad(monkeypatch) -> None:
+@pytest.mark.parametrize("gather_ratio", [10**9, 0])
+def test_sampled_scores_gradcheck_and_one_input_without_grad(monkeypatch, gather_ratio) -> None:
     monkeypatch.setattr(L, "SCORE_BLOCK", 14)
+    monkeypatch.setattr(L, "GATHER_RATIO", gather_ratio)
     q, rows, cols = _inputs(P=5, K=6, d=3, M=4)
     assert torch.autograd.gradcheck(lambda a, b: L.sampled_scores(a, b, cols), (q, rows))
     fixed = rows.detach()

@@ -77,4 +77,5 @@ def summary_part(sec: dict) -> str:
     """The section's part of the benchmark's summary line."""
     if "skipped" in sec:
         return "FLOP floor skipped (int8)"
-    return f"next-5 B16 / FLOP floor {sec['ratio_to_flop_floor']:.2f}x (floor 3), B1 L200 {sec['next5_B1_L200_p50_ms']:.2f} ms (floor 1)"
+    ratio, b1 = sec["ratio_to_flop_floor"], sec["next5_B1_L200_p50_ms"]
+    return f"next-5 B16 / FLOP floor {ratio:.2f}x (floor {FLOP_RATIO_FLOOR:g}), B1 L200 {b1:.2f} ms (floor {B1_L200_FLOOR_MS:g})"

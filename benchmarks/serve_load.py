@@ -16,10 +16,13 @@ What it does (stops by itself; every phase is bounded in time and in requests in
    each. Latency is measured from each request's *scheduled* send time, so a client or server
    that falls behind is charged for it (no coordinated omission). Per step: offered and
    achieved QPS (200s per second), P50/P90/P99 latency of the 200s, status counts. The steps
-   stop after two steps in a row with P99 > 100 ms or any non-200 answer; then the knee is
+   stop after two steps in a row with P99 > 100 ms or any non-200 answer (when the last listed step
+   still passes, the load keeps rising by x1.25 per step until two fail); then the knee is
    refined by bisection between the highest passing and the lowest failing offered load until
    they are within ``--resolution`` (5 %). ``knee_bracket`` in the JSON is that final pair
-   (``[x, null]``: no step failed, the knee lies above the steps: raise ``--steps``).
+   (``[x, null]``: no step failed within the time budget).
+   ``--graphs eager|compiled|auto`` is passed to ``hstu serve`` (its per-bucket graphs; compiled loads
+   the run's graph cache that ``hstu export --run RUN --graphs`` built, else compiles at warm-up).
 4. Overload: 2 x the highest QPS that kept P99 <= 100 ms, for ``--overload-s`` seconds: every
    request must be answered with 200, 429 or 503 (counts of anything else are reported:
    ``overload_5xx_other_than_503``, ``overload_non_http_errors`` = connection errors / client
@@ -194,6 +197,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16", "int8"], help="server inference precision (hstu serve --precision)")
     p.add_argument("--device", default="cpu", help="the server's device (hstu serve --device: cpu, cuda, npu)")
+    p.add_argument(
+        "--graphs", choices=["auto", "eager", "compiled"], help="per-bucket graphs of the server (hstu serve --graphs; default: its own)"
+    )
+    p.add_argument("--ready-timeout-s", type=float, default=600.0, help="seconds to wait for /readyz (a start that compiles takes minutes)")
     p.add_argument("--server-cpus", help="CPU ids for the server, e.g. 0,1 (default: 0,1 when the machine has more than 2 cores)")
     p.add_argument("--client-cpus-rest", action="store_true", default=True, help=argparse.SUPPRESS)
     p.add_argument("--connections", type=int, default=256, help="client connection pool size")
@@ -240,7 +247,7 @@ def main(argv=None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     args.data_dir = args.data_dir or str(default_data_dir(args.run))
     bodies = load_histories(Path(args.data_dir), args.history, args.bodies, args.seed, args.k, args.beam_share, args.beam_width)
-    args.server_args = [] if args.device == "cpu" else ["--device", args.device]
+    args.server_args = ([] if args.device == "cpu" else ["--device", args.device]) + (["--graphs", args.graphs] if args.graphs else [])
     proc, url, cpus = start_server(args)
     try:
         try:
@@ -288,6 +295,8 @@ def main(argv=None) -> int:
                 "model_workers": args.model_workers,
                 "server_cpus": cpus,
                 "device": args.device,
+                "graphs": args.graphs or "server default",
+                "precision": args.precision or "server default",
                 "step_s": args.step_s,
                 "resolution": args.resolution,
                 "server_src": args.server_src,

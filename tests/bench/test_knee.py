@@ -50,9 +50,25 @@ def test_bisection_brackets_the_knee_within_five_percent(monkeypatch):
 
 def test_one_noisy_step_does_not_stop_the_steps_and_no_knee_means_no_refinement(monkeypatch):
     offered = fake_phases(monkeypatch, knee=1e9, noisy={200.0})
-    done, best = knee_of([100, 200, 300, 400])
+    done, best = asyncio.run(load.step_up(None, [b"{}"], [100, 200, 300, 400], 1.0, random.Random(0), extend=0))
     assert offered == [100, 200, 300, 400] and best.offered == 400  # 200 failed alone; nothing failed above 400
     assert load.knee_bracket(done) == (400, None)
+
+
+def test_a_knee_above_the_listed_steps_is_found_by_rising_past_them(monkeypatch):
+    offered = fake_phases(monkeypatch, knee=700.0)
+    done, best = knee_of([100, 200, 400])
+    # by hand: 400 passes; x1.25 -> 500, 625 pass, 781.2 and 976.5 fail (two in a row), then bisection 625..781.2
+    assert offered[:7] == [100, 200, 400, 500.0, 625.0, 781.2, 976.5]
+    assert 700.0 / 1.05 <= best.offered <= 700.0
+    lo, hi = load.knee_bracket(done)
+    assert hi / lo <= 1.05 and lo <= 700.0 < hi
+
+
+def test_rising_stops_after_max_extra_steps(monkeypatch):
+    offered = fake_phases(monkeypatch, knee=1e9)
+    done, _ = asyncio.run(load.step_up(None, [b"{}"], [100], 1.0, random.Random(0), max_extra=3))
+    assert offered == [100, 125.0, 156.2, 195.2] and load.knee_bracket(done) == (195.2, None)
 
 
 def test_resolution_zero_is_steps_only(monkeypatch):

@@ -331,12 +331,17 @@ async def step_up(
     deadline: float = float("inf"),
     echo: bool = False,
     resolution: float = 0.05,
+    extend: float = 1.25,
+    max_extra: int = 16,
 ) -> tuple[list[Phase], Phase | None]:
     """Find the knee: offered loads ``steps`` (requests/s) for ``step_s`` seconds each, stopping after
     two steps in a row with P99 > 100 ms or any answer other than 200 (one alone may be a noisy
     neighbour), then bisection (geometric midpoints) between the highest passing offered load and
     the lowest failing one above it until they are within ``resolution`` (0.05: 5 %; 0 or above
-    the steps' spacing: no refinement); everything stops at ``deadline`` (time.monotonic()).
+    the steps' spacing: no refinement). When the last listed step still passes, the offered load keeps
+    rising by ``extend`` (x1.25) per step, at most ``max_extra`` steps, until two fail in a row: the
+    knee is found above any list (``extend`` 0: the list only). Everything stops at ``deadline``
+    (time.monotonic()).
     Returns (the phases run, the one with the highest achieved QPS that kept P99 <= 100 ms with
     only 200s, or None)."""
     done: list[Phase] = []
@@ -348,13 +353,17 @@ async def step_up(
             print(json.dumps(ph.summary()), flush=True)
         return ph
 
-    misses = 0
+    misses, qps, extra = 0, 0.0, 0
     for qps in steps:
         if time.monotonic() > deadline:
             break
         misses = 0 if _passed(await phase(f"step {qps:g}", qps)) else misses + 1
         if misses == 2:
             break
+    rising = extend > 1 and done and misses == 0  # the last listed step passed: the knee lies above the list
+    while rising and misses < 2 and extra < max_extra and time.monotonic() <= deadline:
+        qps, extra = round(qps * extend, 1), extra + 1
+        misses = 0 if _passed(await phase(f"step {qps:g}", qps)) else misses + 1
     lo, hi = knee_bracket(done)
     while lo is not None and hi is not None and resolution > 0 and hi / lo > 1 + resolution and time.monotonic() <= deadline:
         mid = round((lo * hi) ** 0.5, 1)

@@ -28,8 +28,6 @@ from hstu.cli import EXCLUDE_HISTORY_HELP, number_in
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (20, 50, 100, 200)
-
 
 def parse_buckets(text: str) -> list[int]:
     """ "20,50,100" -> [20, 50, 100]; ValueError naming --buckets on anything else."""
@@ -49,8 +47,9 @@ def fit_buckets(edges: list[int] | None, max_seq_len: int) -> list[int]:
         if edges[-1] > max_seq_len:
             raise ValueError(f"--buckets: edge {edges[-1]} exceeds the model's max_seq_len={max_seq_len}")
         return edges
-    out = [e for e in DEFAULT_BUCKETS if e < max_seq_len]
-    return out + [max_seq_len]
+    from hstu.generate.recommend import default_buckets  # the Recommender's own edges: one definition
+
+    return list(default_buckets(max_seq_len))
 
 
 def bind(host: str, port: int) -> socket.socket:

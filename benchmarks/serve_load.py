@@ -17,7 +17,8 @@ What it does (stops by itself; every phase is bounded in time and in requests in
    that falls behind is charged for it (no coordinated omission). Per step: offered and
    achieved QPS (200s per second), P50/P90/P99 latency of the 200s, status counts. The steps
    stop after two steps in a row with P99 > 100 ms or any non-200 answer (when the last listed step
-   still passes, the load keeps rising by x1.25 per step until two fail); then the knee is
+   still passes, the load keeps rising by x1.25 per step until two fail; when none passes, it halves
+   below the lowest until one does); then the knee is
    refined by bisection between the highest passing and the lowest failing offered load until
    they are within ``--resolution`` (5 %). ``knee_bracket`` in the JSON is that final pair
    (``[x, null]``: no step failed within the time budget).

@@ -65,6 +65,13 @@ def test_a_knee_above_the_listed_steps_is_found_by_rising_past_them(monkeypatch)
     assert hi / lo <= 1.05 and lo <= 700.0 < hi
 
 
+def test_a_knee_below_the_listed_steps_is_found_by_halving(monkeypatch):
+    offered = fake_phases(monkeypatch, knee=70.0)
+    done, best = knee_of([100, 200, 300])
+    # by hand: 100 and 200 fail (two in a row: stop); 50 passes; bisection 50..100 to 5 %
+    assert offered[:3] == [100, 200, 50.0] and 70.0 / 1.05 <= best.offered <= 70.0
+
+
 def test_rising_stops_after_max_extra_steps(monkeypatch):
     offered = fake_phases(monkeypatch, knee=1e9)
     done, _ = asyncio.run(load.step_up(None, [b"{}"], [100], 1.0, random.Random(0), max_extra=3))

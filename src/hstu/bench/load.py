@@ -340,7 +340,8 @@ async def step_up(
     the lowest failing one above it until they are within ``resolution`` (0.05: 5 %; 0 or above
     the steps' spacing: no refinement). When the last listed step still passes, the offered load keeps
     rising by ``extend`` (x1.25) per step, at most ``max_extra`` steps, until two fail in a row: the
-    knee is found above any list (``extend`` 0: the list only). Everything stops at ``deadline``
+    knee is found above any list; when no step passes, the load halves below the lowest until one
+    does (``extend`` 0: the list only). Everything stops at ``deadline``
     (time.monotonic()).
     Returns (the phases run, the one with the highest achieved QPS that kept P99 <= 100 ms with
     only 200s, or None)."""
@@ -364,6 +365,11 @@ async def step_up(
     while rising and misses < 2 and extra < max_extra and time.monotonic() <= deadline:
         qps, extra = round(qps * extend, 1), extra + 1
         misses = 0 if _passed(await phase(f"step {qps:g}", qps)) else misses + 1
+    qps = min((p.offered for p in done), default=0.0)
+    while extend > 1 and done and not any(map(_passed, done)) and extra < max_extra and time.monotonic() <= deadline:
+        qps, extra = round(qps / 2, 1), extra + 1  # nothing passed: halve below the lowest step until one does
+        if qps < 0.5 or _passed(await phase(f"step {qps:g}", qps)):
+            break
     lo, hi = knee_bracket(done)
     while lo is not None and hi is not None and resolution > 0 and hi / lo > 1 + resolution and time.monotonic() <= deadline:
         mid = round((lo * hi) ** 0.5, 1)

@@ -52,6 +52,24 @@ def fit_buckets(edges: list[int] | None, max_seq_len: int) -> list[int]:
     return list(default_buckets(max_seq_len))
 
 
+def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_batch: int, precision: str | None) -> str | None:
+    """A line for the log when ``hstu serve`` on the CPU under ``--graphs auto`` will run eager because the
+    run has no graph cache for these buckets and max batch (:meth:`GraphCache.layout`), else None. Measured
+    on 2 cores (docs/cli.md, "serve"): the exported cache served the large preset at 4-6x eager's QPS."""
+    if graphs != "auto" or device != "cpu" or precision == "int8":
+        return None
+    from hstu.backend.graph_cache import GraphCache
+
+    lay = GraphCache.layout(run_dir)
+    if lay == {"buckets": list(buckets), "max_batch": int(max_batch)}:
+        return None
+    had = "" if lay is None else f" (its cache is for buckets {lay['buckets']}, max batch {lay['max_batch']})"
+    return (
+        f"{run_dir}: no graph cache for buckets {list(buckets)}, max batch {max_batch}{had}: the model runs eager; "
+        f"`hstu export --run {run_dir} --graphs` builds one once (minutes; measured 1.0-1.3x the QPS of eager for the small preset, 4-6x for the large, 2 cores)"
+    )
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket bound to (host, port); port 0 picks a free one. It listens at once,
     so that connections made after the "listening on" line wait in the backlog while the app
@@ -171,6 +189,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # with a model process, this process only maps ids and formats answers: no weights here
         rec = Recommender.mapping_only(run) if args.model_process else Recommender.from_run(run, args.device, args.precision)
         cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
+        hint = graph_cache_hint(run, cfg.graphs, args.device, cfg.buckets, cfg.max_batch, args.precision)
+        if hint:
+            log.info(hint)
         popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
         app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
     except BaseException:
@@ -347,4 +368,4 @@ def add_subcommands(subparsers) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "parse_buckets", "run_server"]
+__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "graph_cache_hint", "parse_buckets", "run_server"]

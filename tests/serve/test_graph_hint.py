@@ -1,0 +1,27 @@
+"""hstu serve says when the CPU will run eager for want of a graph cache (hstu.serve.cli.graph_cache_hint)."""
+
+from __future__ import annotations
+
+from hstu.backend.graph_cache import GraphCache
+from hstu.serve.cli import graph_cache_hint
+
+
+def test_no_cache_names_the_export_command(tmp_path):
+    line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
+    assert line is not None and f"hstu export --run {tmp_path} --graphs" in line and "buckets [20, 50], max batch 16" in line
+
+
+def test_a_matching_cache_or_another_mode_says_nothing(tmp_path):
+    GraphCache.create(tmp_path)
+    GraphCache.write_layout(tmp_path, [20, 50], 16)
+    assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None) is None
+    assert graph_cache_hint(tmp_path / "none", "eager", "cpu", [20, 50], 16, None) is None
+    assert graph_cache_hint(tmp_path / "none", "auto", "cuda", [20, 50], 16, None) is None
+    assert graph_cache_hint(tmp_path / "none", "auto", "cpu", [20, 50], 16, "int8") is None  # INT8 runs are not exportable
+
+
+def test_a_cache_for_another_layout_is_named(tmp_path):
+    GraphCache.create(tmp_path)
+    GraphCache.write_layout(tmp_path, [20, 50], 8)
+    line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
+    assert line is not None and "its cache is for buckets [20, 50], max batch 8" in line

@@ -20,8 +20,12 @@ What it does (stops by itself; every phase is bounded in time and in requests in
    still passes, the load keeps rising by x1.25 per step until two fail; when none passes, it halves
    below the lowest until one does); then the knee is
    refined by bisection between the highest passing and the lowest failing offered load until
-   they are within ``--resolution`` (5 %). ``knee_bracket`` in the JSON is that final pair
-   (``[x, null]``: no step failed within the time budget).
+   they are within ``--resolution`` (5 %). ``knee_bracket`` in the JSON is that final pair of
+   *offered* loads (``[x, null]``: no step failed within the time budget), while
+   ``max_qps_p99_under_100ms`` is the *achieved* QPS (200s per second) of the best passing step,
+   whose offered load is ``offered_qps_at_max``: Poisson arrivals over a short step make the two
+   differ by a few per cent (e.g. 138 achieved in a bracket of [149, 155] offered).
+   ``--steps`` values must be positive (write ``--steps=...`` for a list that argparse could read as a flag).
    ``--graphs eager|compiled|auto`` is passed to ``hstu serve`` (its per-bucket graphs; compiled loads
    the run's graph cache that ``hstu export --run RUN --graphs`` built, else compiles at warm-up).
 4. Overload: 2 x the highest QPS that kept P99 <= 100 ms, for ``--overload-s`` seconds: every
@@ -138,7 +142,8 @@ async def main_async(args, url: str, bodies: list[bytes], server=None) -> dict:
     non_http = sum(n for c, n in codes.items() if not c.isdigit())
     unexpected_4xx = sum(n for c, n in codes.items() if c.isdigit() and c.startswith("4") and c != "429")
     return {
-        "max_qps_p99_under_100ms": best_qps,
+        "max_qps_p99_under_100ms": best_qps,  # achieved (200s per second) at the best passing step
+        "offered_qps_at_max": best.summary()["offered_qps"] if best else None,
         "p99_ms_at_max": best.summary()["p99_ms"] if best else None,
         "knee_bracket": list(knee_bracket(steps)),
         "overload_non_http_errors": non_http,
@@ -216,18 +221,39 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.run and not args.url:
         p.error("give --run RUN_DIR (or --url of a running server)")
+    if args.run and not (Path(args.run) / "config.json").is_file():
+        p.error(f"--run {args.run}: not a run directory (no config.json there); give the directory `hstu train` wrote")
     quick = args.quick
-    args.steps = [
-        float(x)
-        for x in (
-            args.steps or ("10,25,50,100,150,200,250,300,400,500,600" if quick else "25,50,100,150,200,250,300,350,400,500,600,800,1000")
-        ).split(",")
-    ]
+    args.steps = parse_steps(
+        p, args.steps or ("10,25,50,100,150,200,250,300,400,500,600" if quick else "25,50,100,150,200,250,300,350,400,500,600,800,1000")
+    )
     args.step_s = args.step_s or (3.0 if quick else 10.0)
     args.overload_s = args.overload_s or (6.0 if quick else 20.0)
     args.recovery_s = args.recovery_s or (3.0 if quick else 10.0)
     args.budget_s = 90.0 if quick else 900.0
     return args
+
+
+def readyz(url: str) -> dict:
+    """The server's /readyz body ({} when it does not answer 200 with JSON)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def parse_steps(p: argparse.ArgumentParser, text: str) -> list[float]:
+    """ "25,50,100" -> [25.0, 50.0, 100.0]; ``p.error`` (exit 2, naming --steps) on anything but positive numbers."""
+    try:
+        steps = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--steps: expected comma-separated offered loads in requests/s such as 25,50,100, got {text!r}")
+    if not steps or any(not (x > 0 and x < float("inf")) for x in steps):
+        p.error(f"--steps: every offered load must be a positive number of requests/s, got {text!r}")
+    return steps
 
 
 def default_data_dir(run: str | None) -> Path:
@@ -264,6 +290,7 @@ def main(argv=None) -> int:
         except ImportError:
             res = asyncio.run(main_async(args, url, bodies, server))
         res["server_metrics"] = scrape(url)
+        res["server_readyz"] = readyz(url)  # what the server resolved: "generation" names its graph mode, with the precision
     finally:
         rc = stop_server(proc) if proc is not None else None
     run_info = None
@@ -297,7 +324,9 @@ def main(argv=None) -> int:
                 "server_cpus": cpus,
                 "device": args.device,
                 "graphs": args.graphs or "server default",
+                "graphs_resolved": res["server_readyz"].get("generation"),
                 "precision": args.precision or "server default",
+                "precision_resolved": res["server_readyz"].get("precision"),
                 "step_s": args.step_s,
                 "resolution": args.resolution,
                 "server_src": args.server_src,

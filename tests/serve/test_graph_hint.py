@@ -8,7 +8,14 @@ from hstu.serve.cli import graph_cache_hint
 
 def test_no_cache_names_the_export_command(tmp_path):
     line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
-    assert line is not None and f"hstu export --run {tmp_path} --graphs" in line and "buckets [20, 50], max batch 16" in line
+    assert line is not None and "buckets [20, 50], max batch 16" in line
+    # the command builds this server's layout, not the export's defaults
+    assert f"`hstu export --run {tmp_path} --graphs --buckets 20,50 --max-batch 16`" in line
+
+
+def test_the_command_carries_a_non_default_precision(tmp_path):
+    line = graph_cache_hint(tmp_path, "auto", "cpu", [50, 200], 4, "bf16")
+    assert line is not None and f"`hstu export --run {tmp_path} --graphs --buckets 50,200 --max-batch 4 --precision bf16`" in line
 
 
 def test_a_matching_cache_or_another_mode_says_nothing(tmp_path):

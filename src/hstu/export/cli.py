@@ -25,18 +25,6 @@ import argparse
 import sys
 
 
-def _edges(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        got = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--buckets: expected comma-separated integers, got {text!r}") from None
-    if not got:
-        raise ValueError(f"--buckets: expected comma-separated integers, got {text!r}")
-    return got
-
-
 def cmd_export_graphs(args) -> int:
     """Build the run's graph cache through a server's warm-up (BatchRunner.warmup per bucket, graphs
     "compiled"); print one line per graph (mode, seconds, bytes) and the totals. Exit 1 when a graph
@@ -44,11 +32,11 @@ def cmd_export_graphs(args) -> int:
     from hstu.backend.graph_cache import GraphCache
     from hstu.config import ServeConfig
     from hstu.generate.recommend import Recommender
-    from hstu.serve.cli import fit_buckets
+    from hstu.serve.cli import fit_buckets, parse_buckets
     from hstu.serve.runner import BatchRunner
 
     rec = Recommender.from_run(args.run, args.device, args.precision)
-    buckets = fit_buckets(_edges(args.buckets), rec.model.cfg.max_seq_len)
+    buckets = fit_buckets(None if args.buckets is None else parse_buckets(args.buckets), rec.model.cfg.max_seq_len)
     d = GraphCache.create(args.run)
     runner = BatchRunner(rec, buckets, args.max_batch or ServeConfig().max_batch, graphs="compiled")
     GraphCache.write_layout(args.run, runner.buckets, runner.max_batch)  # hstu generate --graphs compiled builds this layout
@@ -70,13 +58,14 @@ def cmd_export(args) -> int:
     """Run :func:`hstu.export.export_run` for the parsed flags; print a summary line per bucket
     (``--graphs``: :func:`cmd_export_graphs`)."""
     from hstu.export.bundle import ExportError, export_run
+    from hstu.serve.cli import parse_buckets
 
     if args.graphs:
         return cmd_export_graphs(args)
     if args.format is None or args.out is None:
         raise ValueError("hstu export: --format and --out are required (or --graphs for the graph cache)")
     try:
-        edges = _edges(args.buckets)
+        edges = None if args.buckets is None else parse_buckets(args.buckets)
         m = export_run(args.run, args.out, args.format, buckets=edges, precision=args.precision, batch=args.batch, overwrite=args.overwrite)
     except (ImportError, ExportError) as exc:  # ValueError, FileNotFoundError, FileExistsError: hstu.cli.main's one line
         print(f"hstu export: error: {exc}", file=sys.stderr)

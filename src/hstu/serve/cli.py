@@ -64,9 +64,13 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     if lay == {"buckets": list(buckets), "max_batch": int(max_batch)}:
         return None
     had = "" if lay is None else f" (its cache is for buckets {lay['buckets']}, max batch {lay['max_batch']})"
+    # the command names this server's layout (and precision) so that it builds the cache this server loads
+    flags = f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}"
+    flags += f" --precision {precision}" if precision else ""
     return (
         f"{run_dir}: no graph cache for buckets {list(buckets)}, max batch {max_batch}{had}: the model runs eager; "
-        f"`hstu export --run {run_dir} --graphs` builds one once (minutes; measured 1.0-1.3x the QPS of eager for the small preset, 4-6x for the large, 2 cores)"
+        f"`hstu export --run {run_dir} --graphs {flags}` builds one once "
+        "(minutes; measured 1.0-1.3x the QPS of eager for the small preset, 4-6x for the large, 2 cores)"
     )
 
 

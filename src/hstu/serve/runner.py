@@ -117,11 +117,22 @@ class BatchRunner:
         self._lock = threading.Lock()
         self.graphs = graphs
         self.engine = self._make_engine(use_engine)
-        self.backend_name = "engine" if self.engine is not None else "engine (the recommender's default buckets)"
+        self.backend_name = self._describe()
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}  # bucket -> (fixed s, s per request), from warm-up
 
     # ----- backend choice -----
+    def _describe(self) -> str:
+        """What generates, with the graph mode the engine resolved (/readyz "generation", the start-up log)."""
+        e = self.engine
+        if e is None:
+            return "engine (the recommender's default buckets)"
+        if e.graphs != "compile":
+            return f"engine, graphs {e.graphs}"
+        if e.graph_cache is None:
+            return "engine, graphs compile (compiled at warm-up)"
+        return "engine, graphs compile (the run's graph cache" + ("; eager where it has none)" if e.cache_only else ")")
+
     def _make_engine(self, use_engine: str):
         """The service's engine (its buckets and max_batch), or None for the Recommender's default."""
         if use_engine == "never":

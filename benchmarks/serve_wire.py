@@ -16,6 +16,12 @@ jobs of 20..200 ML-1M-sized events (dense ids drawn from the run's items) and it
   one the HTTP event loop pays.
 - ``response``: a 5-item /v1/generate body encoded by orjson (``edge.json_response``) against
   ``json.dumps`` (Starlette's JSONResponse).
+- ``edge_cold_start``, ``edge_invalid``: one whole ASGI request to the app of ``create_app`` (in
+  process, no socket), /v1/generate with a 100-event history of unknown items (dropped: the
+  cold-start answer, 200) and with a bad field (422): through the framework's route (the app
+  with ``app.state.direct_routes`` cleared) against the edge's direct route (``EdgeMiddleware``
+  ``routes``). The same answer either way (asserted); the difference is the framework layers'
+  CPU per request, which the HTTP event loop pays.
 
 The load average before and after is recorded; on a shared machine the ratios of interleaved
 timings move less than the microseconds.
@@ -61,6 +67,85 @@ def _us(fn, reps: int) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t0) / reps * 1e6
+
+
+async def _asgi_post(app, path: str, body: bytes) -> tuple[int, bytes]:
+    """One POST through the ASGI ``app``: (status, response body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http"}
+    scope |= {"path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "client": ("127.0.0.1", 1)}
+    scope |= {
+        "server": ("127.0.0.1", 8000),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+    sent, out = False, {"status": 0, "body": b""}
+
+    async def receive():
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+        elif message["type"] == "http.response.body":
+            out["body"] += message.get("body", b"")
+
+    await app(scope, receive, send)
+    return out["status"], out["body"]
+
+
+def edge_cases(run: str, rounds: int, reps: int) -> dict[str, dict]:
+    """The ``edge_*`` figures (module docstring): median us per request over ``rounds`` of ``reps``,
+    framework route then direct route in each round."""
+    import asyncio
+
+    from hstu.config import ServeConfig
+    from hstu.serve.app import ServePolicy, create_app
+    from hstu.model.checkpoint import read_json
+    from hstu.serve.popularity import popularity_for_run
+
+    rec = Recommender.from_run(run, "cpu")
+    pop = popularity_for_run(read_json(Path(run) / "config.json"), rec.idmap)
+    app = create_app(ServeConfig(), rec, policy=ServePolicy(warmup=False, model_process=False), popularity=pop)
+    history = [{"item_id": 10**9 + i, "timestamp": 978300000 + i} for i in range(100)]  # unknown ids: dropped, cold start
+    bodies = {
+        "edge_cold_start": (orjson.dumps({"history": history, "k": 5}), 200),
+        "edge_invalid": (orjson.dumps({"history": history, "k": "five"}), 422),
+    }
+    routes = dict(app.state.direct_routes)
+
+    async def timed(body: bytes) -> tuple[float, tuple[int, bytes]]:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            got = await _asgi_post(app, "/v1/generate", body)
+        return (time.perf_counter() - t0) / reps * 1e6, got
+
+    async def run_all() -> dict[str, dict]:
+        svc = app.state.service
+        await svc.start()
+        times = {name: ([], []) for name in bodies}
+        try:
+            for _ in range(rounds):
+                for name, (body, status) in bodies.items():
+                    app.state.direct_routes.clear()
+                    t_old, old = await timed(body)
+                    app.state.direct_routes.update(routes)
+                    t_new, new = await timed(body)
+                    assert old[0] == new[0] == status and orjson.loads(old[1]).keys() == orjson.loads(new[1]).keys(), (old, new)
+                    times[name][0].append(t_old)
+                    times[name][1].append(t_new)
+        finally:
+            await svc.stop()
+        return times
+
+    times = asyncio.run(run_all())
+    out = {}
+    for name, (old, new) in times.items():
+        o, n = statistics.median(old), statistics.median(new)
+        out[name] = {"framework_us": round(o, 1), "direct_us": round(n, 1), "ratio": round(o / n, 2)}
+    return out
 
 
 def main(argv=None) -> int:
@@ -114,6 +199,7 @@ def main(argv=None) -> int:
     for name, (old, new) in times.items():
         o, n = statistics.median(old), statistics.median(new)
         out[name] = {"before_us": round(o, 1), "now_us": round(n, 1), "ratio": round(o / n, 2)}
+    out |= edge_cases(args.run, args.rounds, max(1, args.reps // 3))
     out["load_avg_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))
     if args.json:

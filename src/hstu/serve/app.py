@@ -98,11 +98,19 @@ def create_app(
         title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION, swagger_ui_parameters={"validatorUrl": None}
     )
     app.state.service = svc
+    on_error, kinds = _error_answers(svc)
+    app.state.direct_routes = routes = {}  # the model endpoints, answered by the edge (EdgeMiddleware ``routes``)
     app.add_middleware(
-        EdgeMiddleware, limit=policy.max_body_bytes, metrics=svc.metrics, body_timeout_s=cfg.body_timeout_s, reject_early=svc.reject_early
+        EdgeMiddleware,
+        limit=policy.max_body_bytes,
+        metrics=svc.metrics,
+        body_timeout_s=cfg.body_timeout_s,
+        reject_early=svc.reject_early,
+        routes=routes,
+        on_error=on_error,
     )
-    _add_error_handlers(app, svc)
-    _add_model_routes(app, svc)  # first: the router tries routes in order, and these take the traffic
+    _add_error_handlers(app, on_error, kinds)
+    routes.update(_add_model_routes(app, svc))  # first: the router tries routes in order (the framework's path: docs, fallback)
     _add_probes(app, svc)
     _add_schemas(app, (GenerateRequest, ScoreRequest))
     return app
@@ -123,11 +131,12 @@ def _lifespan(svc: Service):
     return lifespan
 
 
-def _add_error_handlers(app: FastAPI, svc: Service) -> None:
-    """One error body for all (module docstring), each refusal counted by reason."""
+def _error_answers(svc: Service):
+    """The one mapping of a request's errors to answers (module docstring), each refusal counted by
+    reason: (``answer(exc)`` -> the error response, or None for an exception that is a bug (500);
+    the exception classes it answers)."""
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
+    def invalid(exc: RequestValidationError) -> Response:
         items = []
         for e in public_errors(exc.errors()):
             loc = [p for p in e.get("loc", ()) if p != "body"]
@@ -140,20 +149,14 @@ def _add_error_handlers(app: FastAPI, svc: Service) -> None:
         first = items[0] if items else {"message": "invalid request", "field": None}
         return error_response(422, "validation_error", first["message"], first["field"], errors=items)
 
-    @app.exception_handler(ApiError)
-    async def _api(request: Request, exc: ApiError):
+    def api(exc: ApiError) -> Response:
         if exc.status == 422:
             svc.metrics.reject("invalid")
         elif exc.status == 415:
             svc.metrics.reject("unsupported_media_type")
         return error_response(exc.status, exc.type, exc.message, exc.field, exc.headers)
 
-    @app.exception_handler(Rejected)
-    async def _rejected(request: Request, exc: Rejected):
-        return error_response(exc.status, exc.reason, exc.message, None, {"Retry-After": str(exc.retry_after)})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
+    def http(exc: StarletteHTTPException) -> Response:
         if exc.status_code == 413:
             svc.metrics.reject("body_too_large")
             return error_response(413, "body_too_large", str(exc.detail), "body")
@@ -161,6 +164,26 @@ def _add_error_handlers(app: FastAPI, svc: Service) -> None:
             svc.metrics.reject("body_timeout")
             return error_response(408, "body_timeout", str(exc.detail), "body", exc.headers)
         return error_response(exc.status_code, "http_error", str(exc.detail), None, getattr(exc, "headers", None))
+
+    def rejected(exc: Rejected) -> Response:
+        return error_response(exc.status, exc.reason, exc.message, None, {"Retry-After": str(exc.retry_after)})
+
+    kinds = ((RequestValidationError, invalid), (ApiError, api), (Rejected, rejected), (StarletteHTTPException, http))
+
+    def answer(exc: Exception) -> Response | None:
+        return next((fn(exc) for kind, fn in kinds if isinstance(exc, kind)), None)
+
+    return answer, tuple(k for k, _ in kinds)
+
+
+def _add_error_handlers(app: FastAPI, answer, kinds: tuple[type[Exception], ...]) -> None:
+    """The framework's exception handlers: each of ``kinds`` answered by ``answer``."""
+
+    async def handler(request: Request, exc: Exception) -> Response:
+        return answer(exc)
+
+    for kind in kinds:
+        app.add_exception_handler(kind, handler)
 
 
 def _add_probes(app: FastAPI, svc: Service) -> None:
@@ -187,16 +210,19 @@ def _arrival(request: Request) -> float:
     return request.scope.get("hstu_t0") or time.perf_counter()
 
 
-def _add_model_routes(app: FastAPI, svc: Service) -> None:
-    """/v1/generate and /v1/score: the body read and validated here, the rest in the service."""
+def _add_model_routes(app: FastAPI, svc: Service) -> dict[str, Any]:
+    """/v1/generate and /v1/score: the body read and validated here, the rest in the service.
+    Returns {path: endpoint}, the same functions, for the edge's direct routes."""
     errors = {code: {"model": ErrorBody} for code in (408, 413, 415, 422, 429, 503)}
+    endpoints = {}
     for name, body, response, summary, handle in (
         ("generate", GenerateRequest, GenerateResponse, "next-k items for a history", svc.generate),
         ("score", ScoreRequest, ScoreResponse, "target-aware scores of candidate items for a history, in input order", svc.score),
     ):
+        endpoints[f"/v1/{name}"] = endpoint = _model_endpoint(body, handle)
         app.add_api_route(
             f"/v1/{name}",
-            _model_endpoint(body, handle),
+            endpoint,
             methods=["POST"],
             name=name,
             response_model=response,
@@ -204,6 +230,7 @@ def _add_model_routes(app: FastAPI, svc: Service) -> None:
             summary=summary,
             openapi_extra=_json_body(body),
         )
+    return endpoints
 
 
 def _model_endpoint(body: type[BaseModel], handle):

@@ -85,7 +85,13 @@ class EdgeMiddleware:
     here, so the connection stays open: Starlette's ServerErrorMiddleware re-raises into uvicorn,
     which closes it), and ``hstu_serve_requests_total`` by endpoint and status. ``reject_early``
     (no argument; a :class:`Rejected` or None) is asked before a model endpoint's body is read:
-    under overload a refused request then costs no JSON parsing or validation."""
+    under overload a refused request then costs no JSON parsing or validation.
+
+    ``routes`` (path -> ``async endpoint(request) -> Response``) are answered here for POST, past
+    the framework's router, exception and request layers (about a fifth of the HTTP process's CPU
+    per request, measured with py-spy at 150 QPS); ``on_error`` (exception -> Response, or None to
+    re-raise) maps their errors to the same answers as the app's exception handlers. The dict is
+    read at each request: empty, every request takes the framework's route (the tests compare the two)."""
 
     def __init__(
         self,
@@ -95,9 +101,12 @@ class EdgeMiddleware:
         metrics: ServeMetrics,
         body_timeout_s: float = 5.0,
         reject_early: Callable[[], Rejected | None] | None = None,
+        routes: dict[str, Callable[[Request], Any]] | None = None,
+        on_error: Callable[[Exception], Response | None] | None = None,
     ) -> None:
         self.app, self.limit, self.metrics, self.body_timeout_s = app, limit, metrics, body_timeout_s
         self.reject_early = reject_early
+        self.routes, self.on_error = routes if routes is not None else {}, on_error
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -145,8 +154,12 @@ class EdgeMiddleware:
                         raise BodyTooLarge(self.limit)
                 return message
 
+            direct = self.routes.get(scope["path"]) if scope["method"] == "POST" else None
             try:
-                await self.app(scope, receive_wrapper, send_wrapper)
+                if direct is not None:
+                    await self._direct(direct, scope, receive_wrapper, send_wrapper)
+                else:
+                    await self.app(scope, receive_wrapper, send_wrapper)
             except Exception as exc:
                 if state["started"]:
                     raise  # part of an answer is out: uvicorn closes the connection
@@ -154,6 +167,17 @@ class EdgeMiddleware:
                 await error_response(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")(scope, receive, send_wrapper)
         finally:
             self.metrics.requests.labels(endpoint=endpoint, code=str(state["code"])).inc()
+
+    async def _direct(self, endpoint, scope, receive, send) -> None:
+        """Answer a ``routes`` request: ``endpoint``'s response, or ``on_error``'s for what it raised
+        (an exception it does not map goes up to the 500 of :meth:`__call__`)."""
+        try:
+            resp = await endpoint(Request(scope, receive))
+        except Exception as exc:
+            resp = self.on_error(exc) if self.on_error is not None else None
+            if resp is None:
+                raise
+        await resp(scope, receive, send)
 
 
 async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:

@@ -14,7 +14,10 @@ Metrics (hstu.train.slices): next-item HR@10 / NDCG@10 / HR@50 / MRR, next-actio
 macro-F1, HR@10 on purchase targets, cold start (histories truncated to 1 and 2 events), diversity
 (entropy of the generated next-10 items across users) and long-tail coverage (share outside the 20 %
 most popular items). Paired bootstrap (the same resampled users for every scorer) gives the ratio
-and difference of HSTU's HR@10 to each other scorer's, and whether the win is beyond the CI.
+and difference of HSTU's HR@10 to each other scorer's, and whether the win is beyond the CI; the
+summary's ``floor_next_action_and_purchase`` (issue 20) pairs HSTU's next action with the majority
+action and the last action (accuracy and macro-F1 differences) and its purchase-target HR@10 with the
+repeat-aware baselines'.
 
 Writes OUT/taobao_<scorer>.json (metrics, epochs, seconds, machine, git commit, command), OUT/
 taobao_summary.json (comparisons) and OUT/taobao_valid_ndcg.png (validation NDCG@10 per epoch).
@@ -34,14 +37,17 @@ import torch
 
 from _quality import command, git_commit, machine, plot_curves, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
+from hstu.data.ecommerce import PURCHASE_ACTIONS
 from hstu.data.prepare import DataSpec, prepare_data
 from hstu.runs import load_run
 from hstu.train.baselines import BASELINES, evaluate_baseline, make_baseline, training_counts
 from hstu.train.evaluate import evaluate
+from hstu.train.metrics import macro_f1
 from hstu.train.slices import (
     BaselineScorer,
     ModelScorer,
     bootstrap_weights,
+    ci_stat,
     hits,
     paired_comparison,
     scorer_slices,
@@ -87,10 +93,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def scorer_results(scorer, log_, split, exclude: bool, weights: np.ndarray, popularity: np.ndarray) -> tuple[dict, np.ndarray]:
-    """Slice report of one scorer on test, and its per-user HR@10 hits (for paired comparisons)."""
-    report, res = scorer_slices(scorer, log_, split, "test", exclude=exclude, weights=weights, popularity=popularity)
-    return report, hits(res.ranks, 10)
+def scorer_results(scorer, log_, split, exclude: bool, weights: np.ndarray, popularity: np.ndarray):
+    """Slice report of one scorer on test, and its per-user results (UserResults: for paired comparisons)."""
+    return scorer_slices(scorer, log_, split, "test", exclude=exclude, weights=weights, popularity=popularity)
+
+
+def head_and_purchase_floors(model, res: dict, log_, weights: np.ndarray, seed: int) -> dict:
+    """Issue 20's Taobao floors for ``model``, paired over the same test users (bootstrap ``weights``):
+    its next action against the majority action (most-popular's answer) and the last action
+    (repeat-recent's), accuracy and macro-F1 differences; its HR@10 on the purchase targets against
+    the repeat-aware baselines (purchase users resampled with seed + 1, as the slice report)."""
+    m, y, U = res[model], res[model].target_actions, len(res[model].users)
+    out: dict = {"next_action": {}, "purchase_HR@10": {}}
+    for other in ("most-popular", "repeat-recent"):
+        p, q = m.pred_actions, res[other].pred_actions
+        f1 = ci_stat(lambda w, p=p, q=q: macro_f1(y, p, w) - macro_f1(y, q, w), U, weights)
+        out["next_action"][other] = {
+            "accuracy": paired_comparison((y == p).astype(float), (y == q).astype(float), weights)["difference"],
+            "macro_F1": f1 | {"win_beyond_ci": bool(f1["ci"][0] > 0)},
+        }
+    buy = [a + 1 for a, n in enumerate(log_.action_names) if n.lower() in PURCHASE_ACTIONS]
+    sel = np.isin(y, buy)
+    Ws = bootstrap_weights(int(sel.sum()), weights.shape[0], seed + 1)
+    for other in ("repeat-recent", "repeat-frequent"):
+        c = paired_comparison(hits(m.ranks[sel], 10), hits(res[other].ranks[sel], 10), Ws)
+        out["purchase_HR@10"][other] = {"users": int(sel.sum()), **c["difference"], "win_beyond_ci": c["win_beyond_ci"]}
+    return out
 
 
 def main(argv=None) -> int:
@@ -142,12 +170,15 @@ def main(argv=None) -> int:
 
     report: dict[str, dict] = {name: {"test": {}} for name in scorers}
     per_user_hits: dict[str, dict[str, np.ndarray]] = {"keep_history": {}, "exclude_history": {}}
+    kept: dict[str, object] = {}  # per-user results with history items kept (the data set's default)
     for setting, exclude in (("keep_history", False), ("exclude_history", True)):
         for name, sc in scorers.items():
             t0 = time.perf_counter()
-            rep, h = scorer_results(sc, log_, split, exclude, weights, popularity)
+            rep, res = scorer_results(sc, log_, split, exclude, weights, popularity)
             report[name]["test"][setting] = rep
-            per_user_hits[setting][name] = h
+            per_user_hits[setting][name] = hits(res.ranks, 10)
+            if not exclude:
+                kept[name] = res
             log.info(
                 "%s (%s): test HR@10 %.4f %s (%.0f s)",
                 name,
@@ -238,6 +269,8 @@ def main(argv=None) -> int:
                 },
             }
     summary["floor_hstu_beats_baselines"] = floors
+    if "hstu" in trained and kept["hstu"].pred_actions is not None:  # issue 20: the head and the purchase slice, paired
+        summary["floor_next_action_and_purchase"] = head_and_purchase_floors("hstu", kept, log_, weights, args.seed)
     write_json(out / "taobao_summary.json", summary)
 
     curves = {

@@ -102,8 +102,8 @@ def edge_cases(run: str, rounds: int, reps: int) -> dict[str, dict]:
     import asyncio
 
     from hstu.config import ServeConfig
-    from hstu.serve.app import ServePolicy, create_app
     from hstu.model.checkpoint import read_json
+    from hstu.serve.app import ServePolicy, create_app
     from hstu.serve.popularity import popularity_for_run
 
     rec = Recommender.from_run(run, "cpu")

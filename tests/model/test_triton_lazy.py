@@ -37,3 +37,20 @@ def test_the_kernel_still_says_why_it_cannot_run_on_the_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     why = triton_hstu.available("cpu")
     assert why is not None and ("TRITON_INTERPRET=1" in why or "not installed" in why)
+
+
+def test_the_http_process_model_does_not_import_triton(run_dir):
+    """``Recommender.mapping_only`` (what the HTTP process of ``hstu serve`` loads): the model built on the
+    meta device without its random initialisers, which on meta import torch._dynamo and through it triton."""
+    code = (
+        "import sys\n"
+        "from hstu.generate.recommend import Recommender\n"
+        f"rec = Recommender.mapping_only({str(run_dir)!r})\n"
+        "assert rec.model.item_emb.weight.is_meta and rec.model.cfg.num_items > 0\n"
+        "print('torch._dynamo' in sys.modules, 'triton' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
+    assert "leaked" not in out.stderr

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hstu import backend
 from hstu.backend.graph_cache import GraphCache
@@ -50,6 +51,19 @@ def default_buckets(max_seq_len: int) -> tuple[int, ...]:
     below ``max_seq_len``, then ``max_seq_len`` itself, so every prepared history fits (e.g.
     max_seq_len 50 -> (20, 50); 300 -> (20, 50, 100, 200, 300))."""
     return tuple(b for b in DEFAULT_BUCKETS if b < max_seq_len) + (int(max_seq_len),)
+
+
+class _NoRandomInit(TorchFunctionMode):
+    """Skips the initialisers (``torch.nn.init.*``, ``Tensor.normal_`` / ``uniform_``) of a model built on
+    the meta device, whose values do not exist anyway: on meta tensors they run through ``torch._refs``,
+    which imports ``torch._dynamo`` and through it triton, whose extension prints reference-leak lines
+    at every exit of the HTTP process (:meth:`Recommender.mapping_only`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init" or func in (torch.Tensor.normal_, torch.Tensor.uniform_):
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **kwargs)
 
 
 class Recommender:
@@ -173,7 +187,7 @@ class Recommender:
         from hstu.model.hstu import build_hstu
 
         cfg, ids = read_json(Path(run_dir) / "config.json"), read_idmap(run_dir)  # with a large catalogue's items.npz
-        with torch.device("meta"):
+        with torch.device("meta"), _NoRandomInit():
             model = build_hstu(model_config_from_dict(cfg["model"]))
         return cls(model, ids, "cpu")
 

@@ -9,7 +9,8 @@ What it does (stops by itself; every phase is bounded in time and in requests in
    for /readyz. ``--url`` targets an already running server instead.
 2. Builds request bodies from ML-1M (``ratings.dat``): a random user, the history cut at a random
    point (the request "happens" then), the most recent ``--history`` (200) events kept by the
-   client, ``k`` items asked for; all three buckets of the small preset get traffic. ``--beam-share F``
+   client (``--history`` >= 1: the server runs with ``--cold-start reject``), ``k`` items asked
+   for; every bucket of the small preset (20, 50, 100, 200) gets traffic. ``--beam-share F``
    makes a fraction F of them beam-search requests (``--beam-width``, 16): mixed traffic, whose greedy and
    beam P99 are reported apart per bucket (``p99_ms_by_bucket``: "200" and "200+beam").
 3. Steps of open-loop Poisson arrivals at increasing rates (``--steps``), ``--step-s`` seconds
@@ -227,11 +228,34 @@ def parse_args(argv=None):
     args.steps = parse_steps(
         p, args.steps or ("10,25,50,100,150,200,250,300,400,500,600" if quick else "25,50,100,150,200,250,300,350,400,500,600,800,1000")
     )
-    args.step_s = args.step_s or (3.0 if quick else 10.0)
-    args.overload_s = args.overload_s or (6.0 if quick else 20.0)
-    args.recovery_s = args.recovery_s or (3.0 if quick else 10.0)
+    check_ranges(p, args)
+    args.step_s = (3.0 if quick else 10.0) if args.step_s is None else args.step_s
+    args.overload_s = (6.0 if quick else 20.0) if args.overload_s is None else args.overload_s
+    args.recovery_s = (3.0 if quick else 10.0) if args.recovery_s is None else args.recovery_s
     args.budget_s = 90.0 if quick else 900.0
     return args
+
+
+def check_ranges(p: argparse.ArgumentParser, args) -> None:
+    """``p.error`` (exit 2, naming the flag) for a setting under which no request could succeed or no
+    step could run: k outside 1..the run's max_output_len (every request would be a 422), an empty
+    --history (the server runs with --cold-start reject: an empty history is a 422 too), a phase
+    of no time, a share outside [0, 1], a resolution outside [0, 1)."""
+    max_k = 10
+    if args.run:
+        max_k = int(json.loads((Path(args.run) / "config.json").read_text())["model"].get("max_output_len", 10))
+    if not 1 <= args.k <= max_k:
+        p.error(f"-k: items per request must be in 1..{max_k} (the run's max_output_len), got {args.k}")
+    for flag, value in (("--history", args.history), ("--beam-width", args.beam_width), ("--bodies", args.bodies)):
+        if value < 1:
+            p.error(f"{flag}: must be >= 1, got {value}")
+    for flag, value in (("--step-s", args.step_s), ("--overload-s", args.overload_s), ("--recovery-s", args.recovery_s)):
+        if value is not None and not value > 0:
+            p.error(f"{flag}: seconds must be > 0, got {value}")
+    if not 0.0 <= args.beam_share <= 1.0:
+        p.error(f"--beam-share: a fraction in [0, 1], got {args.beam_share}")
+    if not 0.0 <= args.resolution < 1.0:
+        p.error(f"--resolution: a ratio in [0, 1) (0: the listed steps only), got {args.resolution}")
 
 
 def readyz(url: str) -> dict:
@@ -331,6 +355,7 @@ def main(argv=None) -> int:
                 "resolution": args.resolution,
                 "server_src": args.server_src,
                 "overload_s": args.overload_s,
+                "recovery_s": args.recovery_s,
             },
             "machine": {
                 "cpu_count": os.cpu_count(),

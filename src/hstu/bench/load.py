@@ -244,7 +244,12 @@ def start_server(args) -> tuple[subprocess.Popen | None, str, list[int] | None]:
         ServerStartError: the server printed no "listening on" line or was not ready in time.
     """
     if args.url:
-        return None, args.url.rstrip("/"), None
+        url = args.url.rstrip("/")
+        try:
+            httpx.get(url + "/readyz", timeout=10)
+        except httpx.HTTPError as exc:
+            raise ServerStartError(f"--url {url}: no server answers there ({type(exc).__name__}: {exc})") from None
+        return None, url, None
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per /readyz poll in the caller's log
     cmd = [
         sys.executable,

@@ -37,7 +37,6 @@ import torch
 
 from _quality import command, git_commit, machine, plot_curves, train_or_resume, write_json
 from hstu.config import TrainConfig, model_config_from_preset
-from hstu.data.ecommerce import PURCHASE_ACTIONS
 from hstu.data.prepare import DataSpec, prepare_data
 from hstu.runs import load_run
 from hstu.train.baselines import BASELINES, evaluate_baseline, make_baseline, training_counts
@@ -50,6 +49,7 @@ from hstu.train.slices import (
     ci_stat,
     hits,
     paired_comparison,
+    purchase_targets,
     scorer_slices,
 )
 
@@ -93,11 +93,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def scorer_results(scorer, log_, split, exclude: bool, weights: np.ndarray, popularity: np.ndarray):
-    """Slice report of one scorer on test, and its per-user results (UserResults: for paired comparisons)."""
-    return scorer_slices(scorer, log_, split, "test", exclude=exclude, weights=weights, popularity=popularity)
-
-
 def head_and_purchase_floors(model, res: dict, log_, weights: np.ndarray, seed: int) -> dict:
     """Issue 20's Taobao floors for ``model``, paired over the same test users (bootstrap ``weights``):
     its next action against the majority action (most-popular's answer) and the last action
@@ -112,8 +107,7 @@ def head_and_purchase_floors(model, res: dict, log_, weights: np.ndarray, seed: 
             "accuracy": paired_comparison((y == p).astype(float), (y == q).astype(float), weights)["difference"],
             "macro_F1": f1 | {"win_beyond_ci": bool(f1["ci"][0] > 0)},
         }
-    buy = [a + 1 for a, n in enumerate(log_.action_names) if n.lower() in PURCHASE_ACTIONS]
-    sel = np.isin(y, buy)
+    sel = purchase_targets(log_, y)
     Ws = bootstrap_weights(int(sel.sum()), weights.shape[0], seed + 1)
     for other in ("repeat-recent", "repeat-frequent"):
         c = paired_comparison(hits(m.ranks[sel], 10), hits(res[other].ranks[sel], 10), Ws)
@@ -174,7 +168,7 @@ def main(argv=None) -> int:
     for setting, exclude in (("keep_history", False), ("exclude_history", True)):
         for name, sc in scorers.items():
             t0 = time.perf_counter()
-            rep, res = scorer_results(sc, log_, split, exclude, weights, popularity)
+            rep, res = scorer_slices(sc, log_, split, "test", exclude=exclude, weights=weights, popularity=popularity)
             report[name]["test"][setting] = rep
             per_user_hits[setting][name] = hits(res.ranks, 10)
             if not exclude:

@@ -275,6 +275,13 @@ def tail_flags(items: np.ndarray, popularity: np.ndarray, head_share: float = 0.
     return (~head[items]).mean(axis=1)
 
 
+def purchase_targets(log_: EventLog, actions: np.ndarray) -> np.ndarray:
+    """(N,) bool: which of the action ids ``actions`` (N,) are a purchase (an action named in
+    :data:`hstu.data.ecommerce.PURCHASE_ACTIONS`, case-insensitive)."""
+    buy_ids = [a + 1 for a, n in enumerate(log_.action_names) if n.lower() in PURCHASE_ACTIONS]
+    return np.isin(actions, buy_ids)
+
+
 def slice_report(
     res: UserResults,
     log_: EventLog,
@@ -313,8 +320,7 @@ def slice_report(
             "predicted_share": {n: float((p == a + 1).mean()) for a, n in enumerate(log_.action_names)},
         }
     if log_.num_actions:
-        buy_ids = [a + 1 for a, n in enumerate(log_.action_names) if n.lower() in PURCHASE_ACTIONS]
-        sel = np.isin(res.target_actions, buy_ids)
+        sel = purchase_targets(log_, res.target_actions)
         if sel.any():
             Ws = bootstrap_weights(int(sel.sum()), W.shape[0], seed + 1)
             out["purchase"] = {

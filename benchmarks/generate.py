@@ -410,6 +410,7 @@ def graphs_side_by_side(args: argparse.Namespace, be: Backend, model: HSTUModel,
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DATA
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few repeats and small mixes (< 60 s on 2 cores)")
     ap.add_argument("--json", type=Path, help="write the figures here")
@@ -436,7 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=["fp32", "bf16", "fp16", "int8"],
         help="model precision (hstu.quant.apply_precision on the random-weight model)",
     )
+    ap.add_argument(
+        "--data-root",
+        type=Path,
+        default=DATA,
+        help="folder holding ml-1m/ and taobao-userbehavior-head/ for the length mixes (default ../shared/data)",
+    )
     args = ap.parse_args(argv)
+    DATA = args.data_root
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR                 # on the GPU machine, from the repository root
 #   DEVICE=cpu EPOCHS=1 MAX_USERS=200 bash benchmarks/gpu_check.sh /tmp/gc   # the same steps on the CPU (a dry run)
 #
-# Steps (each logs to OUT_DIR/<step>.log; the script goes on after a failed step and exits 1 at the end):
+# Steps (each logs to OUT_DIR/<step>.log; the script goes on after a failed step and exits 1 at the end;
+# STEPS="device generate serve" runs those, in that order; default all six in the order below):
 #   1. device    nvidia-smi, torch / triton versions, the device name (OUT_DIR/device.txt)
 #   2. kernels   pytest of the Triton HSTU attention against the reference (forward and backward, relative
 #                error; tests/model/test_kernels.py, test_attention_config.py) and the backend / device-graph
@@ -13,7 +14,8 @@
 #                device graphs against eager per bucket, next-5 timed (OUT_DIR/conformance_<device>.json)
 #   4. generate  benchmarks/generate.py --device $DEVICE --quick (OUT_DIR/generate_<device>.json)
 #   5. train     hstu train --preset large on ML-1M ($EPOCHS epochs, clean protocol) on the device (OUT_DIR/train/)
-#   6. serve     benchmarks/serve_load.py --device $DEVICE on that run (OUT_DIR/serve_load_<device>.json)
+#   6. serve     benchmarks/serve_load.py --device $DEVICE on that run, or on $SERVE_RUN when set (a run trained
+#                elsewhere, so that the timed steps can run first, on a quiet GPU; OUT_DIR/serve_load_<device>.json)
 #
 # What the machine needs: the image's python3 with torch (and triton on CUDA); the packages of the
 # project's `serve` and `test` extras that the image lacks, installed from wheels in .gpu_wheels/ when that
@@ -27,8 +29,8 @@ if [ "${1:-}" = "--wheels" ]; then  # here, with internet to the registries: whe
   mkdir -p .gpu_wheels
   $PY -m pip download -q -d .gpu_wheels --only-binary=:all: --python-version "$PYVER" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 "fastapi>=0.110,<1" "uvicorn>=0.29,<1" "pydantic>=2.5,<3" "fastapi-offline>=1.7,<2" \
-    "prometheus-client>=0.19,<1" "httpx>=0.27,<1" "aiohttp>=3.9,<4" psutil safetensors tqdm hypothesis
-  mkdir -p .gpu_data && cp -r ../shared/data/ml-1m .gpu_data/
+    "prometheus-client>=0.19,<1" "orjson>=3.9,<4" "httpx>=0.27,<1" "aiohttp>=3.9,<4" psutil safetensors tqdm hypothesis
+  mkdir -p .gpu_data/ml-1m && cp ../shared/data/ml-1m/{README,movies.dat,ratings.dat,users.dat} .gpu_data/ml-1m/
   du -sh .gpu_wheels .gpu_data
   exit 0
 fi
@@ -47,7 +49,7 @@ step() {  # step NAME CMD...: run, log, remember a failure
   tail -n 3 "$OUT/$name.log"
 }
 if [ -d .gpu_wheels ]; then
-  step wheels $PY -m pip install -q --no-index --find-links .gpu_wheels fastapi uvicorn pydantic fastapi-offline prometheus-client httpx aiohttp psutil safetensors tqdm hypothesis
+  step wheels $PY -m pip install -q --no-index --find-links .gpu_wheels fastapi uvicorn pydantic fastapi-offline prometheus-client orjson httpx aiohttp psutil safetensors tqdm hypothesis
 fi
 device_info() {
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -59,16 +61,30 @@ try:
 except ImportError as e: print('triton: not importable:', e)
 print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 }
-step device device_info
-cp "$OUT/device.log" "$OUT/device.txt"
-step kernels $PY -m pytest -q -rs tests/model/test_kernels.py tests/model/test_attention_config.py tests/backend/test_backend.py \
-  tests/generate/test_engine_device.py tests/generate/test_graphs.py -p no:cacheprovider
-step conformance $PY -m hstu.cli doctor --conformance --device "$DEVICE" --report "$OUT/conformance_$DEVICE.json"
-step generate $PY benchmarks/generate.py --device "$DEVICE" --quick --json "$OUT/generate_$DEVICE.json"
+STEPS=${STEPS:-device kernels conformance generate train serve}
 users=()
 [ -n "$MAX_USERS" ] && users=(--max-users "$MAX_USERS")
-step train $PY -m hstu.cli train --preset large --epochs "$EPOCHS" --data-dir "$DATA_DIR" --device "$DEVICE" --out "$OUT/train" "${users[@]}"
-step serve $PY benchmarks/serve_load.py --run "$OUT/train" --data-dir "$DATA_DIR" --device "$DEVICE" --quick \
-  --json "$OUT/serve_load_$DEVICE.json"
+SERVE_RUN=${SERVE_RUN:-$OUT/train}
+for s in $STEPS; do
+  case $s in
+    device)
+      step device device_info
+      cp "$OUT/device.log" "$OUT/device.txt" ;;
+    kernels)
+      step kernels $PY -m pytest -q -rs tests/model/test_kernels.py tests/model/test_attention_config.py tests/backend/test_backend.py \
+        tests/generate/test_engine_device.py tests/generate/test_graphs.py -p no:cacheprovider ;;
+    conformance)
+      step conformance $PY -m hstu.cli doctor --conformance --device "$DEVICE" --report "$OUT/conformance_$DEVICE.json" ;;
+    generate)
+      step generate $PY benchmarks/generate.py --device "$DEVICE" --quick --data-root "$(dirname "$DATA_DIR")" --json "$OUT/generate_$DEVICE.json" ;;
+    train)
+      step train $PY -m hstu.cli train --preset large --epochs "$EPOCHS" --data-dir "$DATA_DIR" --device "$DEVICE" \
+        --out "$OUT/train" "${users[@]}" ;;
+    serve)
+      step serve $PY benchmarks/serve_load.py --run "$SERVE_RUN" --data-dir "$DATA_DIR" --device "$DEVICE" --quick \
+        --json "$OUT/serve_load_$DEVICE.json" ;;
+    *) echo "unknown step $s (STEPS: device kernels conformance generate train serve)"; exit 2 ;;
+  esac
+done
 if [ ${#failed[@]} -gt 0 ]; then echo "failed steps: ${failed[*]}"; exit 1; fi
 echo "all steps passed; results in $OUT"

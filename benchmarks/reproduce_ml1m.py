@@ -153,6 +153,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="[model] ffn_hidden (FuXi-alpha's second FFN stage, a SwiGLU of this width after each block; 0: none, HSTU's); "
         "N > 0 adds -ffnN to the run directory",
     )
+    p.add_argument(
+        "--num-negatives",
+        type=int,
+        default=RECIPE["num_negatives"],
+        help=f"uniform negatives per position (default {RECIPE['num_negatives']}, the reference's); another value adds -negN to "
+        "the run directory",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
@@ -226,6 +233,7 @@ def main(argv=None) -> int:
                 + ("-full" if args.softmax == "full" else "")
                 + ("-noqk" if args.no_query_key_map else "")
                 + (f"-ffn{args.ffn_hidden}" if args.ffn_hidden else "")
+                + (f"-neg{args.num_negatives}" if args.num_negatives != RECIPE["num_negatives"] else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -238,7 +246,7 @@ def main(argv=None) -> int:
                 log.info("%s: unfinished run, reporting its best checkpoint so far", run)
             epochs = args.epochs if protocol == "clean" else args.paper_epochs
             tcfg = TrainConfig(
-                **RECIPE,
+                **{**RECIPE, "num_negatives": args.num_negatives},
                 epochs=epochs,
                 negatives_chunk=chunk,
                 length_pool=pool,

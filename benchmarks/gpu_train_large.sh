@@ -14,6 +14,8 @@
 #   noqk     [model] query_key_map = false (FuXi-beta's attention without the query-key map)
 #   full     [train] softmax = full (every item a negative)
 #   ffn200   [model] ffn_hidden = 200 (FuXi-alpha's second FFN stage)
+#   neg512   512 uniform negatives per position (the reference's 128)
+#   d64, blocks12   width (embedding_dim; d_qk = d_v = width / 2 heads) and depth (num_blocks) of the model
 # SECONDS_LIMIT (default: none) stops every training after that many seconds; an unfinished run is then reported
 # from its best checkpoint so far (reproduce_ml1m.py --report-only, "status": "in progress") and resumes where
 # it stopped when this script runs again over the same OUT_DIR, here or there.
@@ -34,7 +36,10 @@ flags_of() {
     noqk) echo "--no-query-key-map" ;;
     full) echo "--softmax full" ;;
     ffn*) echo "--ffn-hidden ${1#ffn}" ;;
-    *) echo "unknown variant $1 (base, seedN, noqk, full, ffnN)" >&2; return 2 ;;
+    neg*) echo "--num-negatives ${1#neg}" ;;
+    d[0-9]*) echo "--width ${1#d}" ;;
+    blocks*) echo "--blocks ${1#blocks}" ;;
+    *) echo "unknown variant $1 (base, seedN, noqk, full, ffnN, negN, dN, blocksN)" >&2; return 2 ;;
   esac
 }
 reproduce() {  # reproduce VARIANT EXTRA...: one reproduce_ml1m.py invocation for that variant

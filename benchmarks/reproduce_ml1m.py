@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from _quality import command, git_commit, interim_metrics, machine, plot_curves, run_spec, train_or_resume, write_json
-from hstu.config import TrainConfig, model_config_from_preset
+from hstu.config import PRESETS, TrainConfig, model_config_from_preset
 from hstu.data.prepare import DataSpec, prepare_data
 from hstu.model.checkpoint import read_json
 from hstu.runs import load_run
@@ -91,9 +91,16 @@ SPEED_FLOOR_SMALL = 85.0
 RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98, "weight_decay": 0.0, "num_negatives": 128}
 
 
-def model_options(args) -> dict:
-    """The [model] fields that --no-query-key-map and --ffn-hidden set over the preset's (none by default)."""
-    return {**({"query_key_map": False} if args.no_query_key_map else {}), **({"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {})}
+def model_options(args, preset: str) -> dict:
+    """The [model] fields that --no-query-key-map, --ffn-hidden, --width and --blocks set over the
+    preset's (none by default); --width D sets embedding_dim D and d_qk = d_v = D / the preset's heads."""
+    opts = {**({"query_key_map": False} if args.no_query_key_map else {}), **({"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {})}
+    if args.width:
+        heads = PRESETS[preset]["num_heads"]
+        if args.width % heads:
+            raise SystemExit(f"--width {args.width}: must be a multiple of the {preset} preset's {heads} heads")
+        opts |= {"embedding_dim": args.width, "d_qk": args.width // heads, "d_v": args.width // heads}
+    return opts | ({"num_blocks": args.blocks} if args.blocks else {})
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -160,6 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"uniform negatives per position (default {RECIPE['num_negatives']}, the reference's); another value adds -negN to "
         "the run directory",
     )
+    p.add_argument("--width", type=int, default=0, help="[model] embedding_dim (d_qk = d_v = width / heads); adds -dN to the run directory")
+    p.add_argument("--blocks", type=int, default=0, help="[model] num_blocks; adds -blocksN to the run directory")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--resamples", type=int, default=1000)
@@ -234,6 +243,8 @@ def main(argv=None) -> int:
                 + ("-noqk" if args.no_query_key_map else "")
                 + (f"-ffn{args.ffn_hidden}" if args.ffn_hidden else "")
                 + (f"-neg{args.num_negatives}" if args.num_negatives != RECIPE["num_negatives"] else "")
+                + (f"-d{args.width}" if args.width else "")
+                + (f"-blocks{args.blocks}" if args.blocks else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -260,7 +271,7 @@ def main(argv=None) -> int:
             run.mkdir(parents=True, exist_ok=True)
             if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
-            mcfg = model_config_from_preset(preset, architecture=arch, **model_options(args))
+            mcfg = model_config_from_preset(preset, architecture=arch, **model_options(args, preset))
             metrics, history = interim or train_or_resume(run, mcfg, tcfg, spec, device=args.device)
             run_cfg = read_json(run / "config.json")
             spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got

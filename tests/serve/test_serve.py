@@ -216,6 +216,26 @@ def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].timestamp"
 
 
+def test_beam_wider_than_the_max_batch_is_the_same_422_with_or_without_a_history(rec, popularity) -> None:
+    """decoding.beam_width is checked against the server's max batch before the request is split into
+    a cold start (no history) and a queued one: both answer the same 422 (the cold start was a 200)."""
+    with serve(rec, popularity, max_batch=4, warmup=False) as s:
+        beam = {"strategy": "beam", "beam_width": 8}
+        want = {
+            "type": "validation_error",
+            "message": "decoding.beam_width: at most the server's max batch 4, got 8",
+            "field": "decoding.beam_width",
+        }
+        for hist in ([], [{"item_id": 1, "timestamp": 978300760}, {"item_id": 48, "timestamp": 978300761}]):
+            r = post(s.url, "/v1/generate", {"history": hist, "k": 3, "decoding": beam})
+            assert r.status_code == 422 and r.json()["error"] == want, (hist, r.text)
+            r = post(s.url, "/v1/generate", {"history": hist, "k": 3, "decoding": {**beam, "beam_width": 4}})
+            assert r.status_code == 200 and len(r.json()["items"]) == 3 and r.json()["cold_start"] == (not hist), r.text
+        m = metrics(s.url)
+        assert m[("hstu_serve_requests_total", (("code", "422"), ("endpoint", "/v1/generate")))] == 2
+        assert m[("hstu_serve_rejected_requests_total", (("reason", "invalid"),))] == 2
+
+
 @pytest.mark.parametrize(
     "body, field",
     [

@@ -310,6 +310,14 @@ class Service:
             check_k(req.k, self.model.max_k)
         except ValueError as exc:
             raise ApiError(422, "validation_error", str(exc), "k") from None
+        d, max_batch = req.decoding, self.cfg.max_batch
+        if d is not None and d.strategy == "beam" and self.model.has_engine and d.beam_width > max_batch:  # cold start too: one answer
+            raise ApiError(
+                422,
+                "validation_error",
+                f"decoding.beam_width: at most the server's max batch {max_batch}, got {d.beam_width}",
+                "decoding.beam_width",
+            )
         prep, warnings = self.prepare(req.history, req.request_time, req.exclude, req.unknown_items, req.timestamp_order)
         if prep is None:
             if self.popularity is None:
@@ -323,14 +331,6 @@ class Service:
                 )
             items, bucket, n, cold = self.cold_start(req.k, req.exclude), None, 0, True
         else:
-            d, max_batch = req.decoding, self.cfg.max_batch
-            if d is not None and d.strategy == "beam" and self.model.has_engine and d.beam_width > max_batch:
-                raise ApiError(
-                    422,
-                    "validation_error",
-                    f"decoding.beam_width: at most the server's max batch {max_batch}, got {d.beam_width}",
-                    "decoding.beam_width",
-                )
             dec = d.options() if d else DecodeOptions()
             self.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone
             bucket = self.model.bucket_for(len(prep.ids))

@@ -216,6 +216,28 @@ def test_unsorted_timestamps_sort_or_reject(server, ratings, ref) -> None:
     assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].timestamp"
 
 
+def test_malformed_text_id_on_an_integer_run_is_422_under_either_unknown_items_policy(server, ratings) -> None:
+    """This run's ids are integers: a text that is no integer is malformed, not unknown, so it is a 422
+    naming the field and the value also under ``unknown_items: drop`` (which drops only well-formed
+    ids the run does not know); an integer text ("12") is that integer."""
+    hist = events(ratings, sorted(ratings.user.unique())[3], 4)
+    bad = [*hist[:2], {"item_id": "SKU-1", "timestamp": hist[2]["timestamp"]}, *hist[2:]]
+    msg = "history[2].item_id: not an integer id: 'SKU-1' (this run's ids are integers)"
+    for policy in ("drop", "reject"):
+        r = post(server.url, "/v1/generate", {"history": bad, "k": 3, "unknown_items": policy})
+        assert r.status_code == 422 and r.json()["error"] == {"type": "validation_error", "message": msg, "field": "history[2].item_id"}
+    for h in (hist, []):  # exclude: with a history and on the cold-start path
+        r = post(server.url, "/v1/generate", {"history": h, "k": 3, "exclude": [hist[0]["item_id"], "SKU-1"]})
+        assert (
+            r.status_code == 422 and r.json()["error"]["message"] == "exclude[1]: not an integer id: 'SKU-1' (this run's ids are integers)"
+        )
+    r = post(server.url, "/v1/score", {"history": hist, "candidates": [hist[0]["item_id"], " x1 "]})
+    assert r.status_code == 422 and r.json()["error"]["message"] == "candidates[1]: not an integer id: ' x1 ' (this run's ids are integers)"
+    as_text = [dict(e, item_id=f" {e['item_id']} ") for e in hist]
+    same = [post(server.url, "/v1/generate", {"history": h, "k": 3}).json()["items"] for h in (hist, as_text)]
+    assert same[0] == same[1]
+
+
 def test_beam_wider_than_the_max_batch_is_the_same_422_with_or_without_a_history(rec, popularity) -> None:
     """decoding.beam_width is checked against the server's max batch before the request is split into
     a cold start (no history) and a queued one: both answer the same 422 (the cold start was a 200)."""

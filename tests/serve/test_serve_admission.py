@@ -22,6 +22,7 @@ import numpy as np
 import psutil
 import pytest
 from conftest import REPO
+from prometheus_client.parser import text_string_to_metric_families
 from serving import BUCKETS, LiveServer, gather, metrics, post
 
 from hstu.config import ServeConfig
@@ -30,7 +31,7 @@ from hstu.serve import batcher as batcher_mod
 from hstu.serve.admission import ALPHA, RATIO_CLIP, SCALE_BOUNDS, WAIT_MIN_S, WAIT_QUANTILE, WAIT_STEP, BucketCost, DelayModel, WorkTally
 from hstu.serve.app import ServePolicy, create_app
 from hstu.serve.batcher import MicroBatcher, Rejected
-from hstu.serve.metrics import ServeMetrics
+from hstu.serve.metrics import REASONS, ServeMetrics
 from hstu.serve.runner import DecodeOptions, Job
 from hstu.ops._common import model_processes
 from hstu.serve.worker import LocalModel, ModelProcessDied, ProcessModel, WorkerSpec
@@ -197,6 +198,45 @@ def test_time_already_spent_counts_against_the_bound() -> None:
     asyncio.run(main())
 
 
+def _rejected(m: ServeMetrics) -> dict[str, float]:
+    """hstu_serve_rejected_requests_total by reason, parsed from the exposition text."""
+    return {
+        s.labels["reason"]: s.value
+        for fam in text_string_to_metric_families(m.exposition()[0].decode())
+        for s in fam.samples
+        if s.name == "hstu_serve_rejected_requests_total"
+    }
+
+
+def test_a_full_queue_and_a_predicted_delay_are_two_429s() -> None:
+    """The two causes of a 429 have their own error type and metric reason: ``queue_full`` when the
+    bucket holds ``max_queue`` requests, ``queue_delay`` when the predicted queueing delay is over the
+    bound (the early refusal too); they were both ``queue_full``."""
+
+    async def main() -> None:
+        model = _FakeModel()
+        m = ServeMetrics(model.buckets)
+        b = MicroBatcher(model, m, max_batch=4, max_wait_ms=0, max_queue=1, request_timeout_s=30, max_queue_delay_s=1.0)
+        first = await _queue(b, 10, _gen(1))  # admitted: empty queue
+        with pytest.raises(Rejected) as full:
+            await b.submit(10, _gen(1))
+        assert (full.value.status, full.value.reason) == (429, "queue_full")
+        assert full.value.message == "overloaded: bucket 10 queue is full (1 waiting); retry later"
+        b.max_delay = 0.001  # bucket 20 has room, but the 1.5 ms queued in bucket 10 is over the bound
+        with pytest.raises(Rejected) as late:
+            await b.submit(20, _gen(1))
+        assert (late.value.status, late.value.reason) == (429, "queue_delay")
+        assert late.value.message == "overloaded: predicted queueing delay 0.002 s exceeds 0.001 s; retry later"
+        early = b.reject_early()
+        assert (early.status, early.reason) == (429, "queue_delay")
+        got = _rejected(m)
+        assert (got["queue_full"], got["queue_delay"]) == (1, 2) and set(got) == set(REASONS)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_edge_refuses_before_reading_the_body(rec) -> None:  # noqa: F811
     """While admission refuses every request, the HTTP edge answers 429 before the body is read: a
     body that is not even JSON gets 429 (Retry-After) instead of 422; GET and the probes are untouched,
@@ -208,7 +248,7 @@ def test_edge_refuses_before_reading_the_body(rec) -> None:  # noqa: F811
         b._executing[1] = (time.monotonic(), 10.0)
         with httpx.Client(base_url=s.url) as c:
             r = c.post("/v1/generate", content=b"{not json", headers={"content-type": "application/json"})
-            assert r.status_code == 429 and r.json()["error"]["type"] == "queue_full" and int(r.headers["retry-after"]) >= 1
+            assert r.status_code == 429 and r.json()["error"]["type"] == "queue_delay" and int(r.headers["retry-after"]) >= 1
             assert c.post("/v1/score", content=b"[]").status_code == 429
             assert c.get("/v1/generate").status_code == 405 and c.get("/healthz").status_code == 200
             del b._executing[1]
@@ -293,7 +333,7 @@ def test_shedding_makes_readyz_degraded_then_ready(rec, monkeypatch) -> None:  #
         }
         m = metrics(s.url)
         assert m[("hstu_serve_shedding", ())] == 1 and m[("hstu_serve_queue_delay_limit_seconds", ())] == pytest.approx(1e-5)
-        assert m[("hstu_serve_rejected_requests_total", (("reason", "queue_full"),))] == codes.count(429)
+        assert m[("hstu_serve_rejected_requests_total", (("reason", "queue_delay"),))] == codes.count(429)
         deadline = time.monotonic() + 30
         while httpx.get(s.url + "/readyz").json()["status"] != "ready":
             assert time.monotonic() < deadline

@@ -28,9 +28,10 @@ queue in the smallest bucket that holds the history (:mod:`hstu.serve.batcher`) 
 Errors share one body, ``{"error": {"type", "message", "field"}}`` (vLLM's one-error-body habit):
 422 invalid input (the field is named, e.g. ``history[3].timestamp``), 413 body over
 ``max_body_bytes``, 415 a Content-Type other than JSON, 408 a body that does not arrive within
-``body_timeout_s`` of the headers (then the connection closes), 429 queue full (Retry-After), 503
-timed out / memory shed / draining (Retry-After), 500 only for a bug. Every other answer, 500
-included, keeps a keep-alive connection open.
+``body_timeout_s`` of the headers (then the connection closes), 429 queue full or predicted
+queueing delay over the bound (types ``queue_full``, ``queue_delay``; Retry-After), 503 timed out /
+memory shed / draining (Retry-After), 500 only for a bug. Every other answer, 500 included, keeps a
+keep-alive connection open.
 
 Cold start: an empty history (or one left empty after dropping unknown ids) gets the run's most
 popular training items (:mod:`hstu.serve.popularity`), marked ``"cold_start": true``.

@@ -26,7 +26,7 @@ Backpressure: a request is refused at once, never queued, when its bucket alread
 ``max_queue`` waiting requests, or when its predicted queueing delay, plus the time it already spent
 in the server (reading, validating) and twice the event loop's recent lag (in and out), exceeds
 ``max_queue_delay_s`` (default: the request timeout): :class:`Rejected` 429 with a Retry-After in
-seconds; :meth:`MicroBatcher.reject_early` lets the HTTP edge refuse before the body is read. The delay is
+seconds, reason "queue_full" or "queue_delay"; :meth:`MicroBatcher.reject_early` lets the HTTP edge refuse before the body is read. The delay is
 predicted from the work actually queued, per bucket and per runner group (a beam-16 job costs ~16
 rows), plus what is left of the running batches, with per-bucket costs measured at warm-up and
 corrected by every finished batch (:mod:`hstu.serve.admission`); an empty queue with no batch
@@ -320,16 +320,18 @@ class MicroBatcher:
     def _overloaded(self, predicted: float, waited_s: float, full: str | None = None) -> Rejected | None:
         """The 429 for a request predicted to wait ``predicted`` s more after ``waited_s`` s already
         spent in this server (``full``: why its bucket's queue is full), recorded as shedding; None
-        to admit."""
+        to admit. Its reason: "queue_full" for a full queue, "queue_delay" for a predicted delay over
+        the bound."""
         reserve = 2 * self.loop_lag_s  # getting in (already spent, unseen) and getting out through a busy event loop
         if full is None and waited_s + predicted + reserve <= self.max_delay:
             return None
-        self.metrics.reject("queue_full")
+        reason = "queue_full" if full else "queue_delay"
+        self.metrics.reject(reason)
         spent = f" after {waited_s:.3f} s already spent in the server" if waited_s >= 0.001 else ""
         lag = f" (+ {reserve:.3f} s of event-loop lag)" if reserve >= 0.001 else ""
         why = full or f"predicted queueing delay {predicted:.3f} s{spent}{lag} exceeds {self.max_delay:g} s"
         self.last_shed, self.shed_reason = time.monotonic(), why
-        return Rejected(429, "queue_full", f"overloaded: {why}; retry later", max(1, math.ceil(predicted)))
+        return Rejected(429, reason, f"overloaded: {why}; retry later", max(1, math.ceil(predicted)))
 
     def reject_early(self) -> Rejected | None:
         """The 429 every request would get now, whatever its bucket (the predicted delay counts all
@@ -349,7 +351,8 @@ class MicroBatcher:
         the bottleneck.
 
         Raises:
-            Rejected: 429 queue full / predicted wait over ``max_queue_delay_s``; 503 draining, timed out,
+            Rejected: 429 "queue_full" (its bucket holds ``max_queue``) / "queue_delay" (predicted wait
+                over ``max_queue_delay_s``); 503 draining, timed out,
                 or shed by the memory guard.
             Exception: whatever ``run_batch`` reported for this job.
         """

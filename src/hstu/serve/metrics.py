@@ -44,7 +44,8 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 REASONS = (
-    "queue_full",
+    "queue_full",  # 429: the request's bucket holds max_queue requests
+    "queue_delay",  # 429: its predicted queueing delay is over the bound (hstu_serve_queue_delay_limit_seconds)
     "timeout",
     "memory",
     "draining",

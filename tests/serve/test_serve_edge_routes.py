@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from serving import BUCKETS, LiveServer
+from serving import BUCKETS, LiveServer, metrics
 
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app
@@ -30,7 +30,7 @@ CASES = [
     ("/v1/score", {"json": {**SCORE, "candidates": []}}),
     ("/v1/generate", {"json": BIG}),  # 413 while the body streams in
     ("/v1/generate", {"content": json.dumps(GOOD).encode(), "headers": {"content-type": "text/plain"}}),  # 415
-    ("/v1/generate/", {"json": GOOD}),  # not a direct route: the framework's answer either way
+    ("/v1/generate/", {"json": GOOD}),  # not a direct route: the framework's answer (404) either way
 ]
 
 
@@ -60,7 +60,7 @@ def test_direct_routes_answer_as_the_framework_route(server) -> None:
             framework = [_answer(c.post(path, **kw)) for path, kw in CASES]
         finally:
             app.state.direct_routes.update(routes)
-    assert [a[0] for a in direct] == [200, 200, 200, 200, 422, 422, 422, 422, 413, 415, 307]
+    assert [a[0] for a in direct] == [200, 200, 200, 200, 422, 422, 422, 422, 413, 415, 404]
     for (path, _), d, f in zip(CASES, direct, framework):
         assert d == f, path
 
@@ -87,3 +87,27 @@ def test_the_framework_route_is_not_taken_for_a_direct_one(server) -> None:
         assert taken == ["/v1/generate"]
     finally:
         route.handle = handle
+
+
+def test_a_trailing_slash_is_a_404_naming_the_endpoint(server) -> None:
+    """A known endpoint's path with a trailing slash is a 404 whose error body names the path without
+    it, counted under that endpoint (it was Starlette's 307 redirect with an empty body, counted as
+    "other"); an unknown path is a 404 with the same body, counted as "other"."""
+
+    def count(m: dict, endpoint: str) -> float:
+        return m.get(("hstu_serve_requests_total", (("code", "404"), ("endpoint", endpoint))), 0.0)
+
+    cases = [("POST", "/v1/generate/"), ("POST", "/v1/score/"), ("GET", "/healthz/"), ("GET", "/metrics//")]
+    before = metrics(server.url)
+    with httpx.Client(base_url=server.url, timeout=60, follow_redirects=False) as c:
+        for method, path in cases:
+            r = c.request(method, path, json=GOOD if method == "POST" else None)
+            assert r.status_code == 404 and r.headers["content-type"] == "application/json", (path, r.status_code, r.text)
+            message = f"no endpoint at {path}; did you mean {path.rstrip('/')} (without the trailing slash)?"
+            assert r.json() == {"error": {"type": "not_found", "message": message, "field": None}}
+        r = c.post("/v2/generate", json=GOOD)
+        assert r.status_code == 404
+        assert r.json() == {"error": {"type": "not_found", "message": "no endpoint at /v2/generate", "field": None}}
+    after = metrics(server.url)
+    for endpoint in ("/v1/generate", "/v1/score", "/healthz", "/metrics", "other"):
+        assert count(after, endpoint) - count(before, endpoint) == 1, endpoint

@@ -27,11 +27,12 @@ queue in the smallest bucket that holds the history (:mod:`hstu.serve.batcher`) 
 
 Errors share one body, ``{"error": {"type", "message", "field"}}`` (vLLM's one-error-body habit):
 422 invalid input (the field is named, e.g. ``history[3].timestamp``), 413 body over
-``max_body_bytes``, 415 a Content-Type other than JSON, 408 a body that does not arrive within
-``body_timeout_s`` of the headers (then the connection closes), 429 queue full or predicted
-queueing delay over the bound (types ``queue_full``, ``queue_delay``; Retry-After), 503 timed out /
-memory shed / draining (Retry-After), 500 only for a bug. Every other answer, 500 included, keeps a
-keep-alive connection open.
+``max_body_bytes``, 415 a Content-Type other than JSON, 404 a path with no endpoint (no
+trailing-slash redirect: the message of ``/v1/generate/`` names ``/v1/generate``), 408 a body that
+does not arrive within ``body_timeout_s`` of the headers (then the connection closes), 429 queue
+full or predicted queueing delay over the bound (types ``queue_full``, ``queue_delay``;
+Retry-After), 503 timed out / memory shed / draining (Retry-After), 500 only for a bug. Every other
+answer, 500 included, keeps a keep-alive connection open.
 
 Cold start: an empty history (or one left empty after dropping unknown ids) gets the run's most
 popular training items (:mod:`hstu.serve.popularity`), marked ``"cold_start": true``.
@@ -53,7 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Recommender
 from hstu.serve.batcher import Rejected
-from hstu.serve.edge import BodyTimeout, EdgeMiddleware, error_response, json_response, read_body
+from hstu.serve.edge import ENDPOINTS, BodyTimeout, EdgeMiddleware, endpoint_of, error_response, json_response, read_body
 from hstu.serve.popularity import Popularity
 from hstu.serve.schemas import public_errors, ErrorBody, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
 from hstu.serve.service import ApiError, ServePolicy, Service
@@ -94,9 +95,16 @@ def create_app(
         recommender = Recommender.from_run(run_dir, policy.device)
     svc = Service(cfg, recommender, policy, popularity if policy.cold_start == "popular" else None, run_dir)
     # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI / ReDoc from files it serves (no CDN);
-    # validatorUrl None: Swagger UI does not send the spec's URL to its online validator (swagger.io)
+    # validatorUrl None: Swagger UI does not send the spec's URL to its online validator (swagger.io);
+    # redirect_slashes False: "/v1/generate/" is a 404 error body naming "/v1/generate" (_error_answers),
+    # not Starlette's 307 with an empty body (which most clients would not follow with a POST body)
     app = FastAPIOffline(
-        title="hstu", version="1", lifespan=_lifespan(svc), description=DESCRIPTION, swagger_ui_parameters={"validatorUrl": None}
+        title="hstu",
+        version="1",
+        lifespan=_lifespan(svc),
+        description=DESCRIPTION,
+        swagger_ui_parameters={"validatorUrl": None},
+        redirect_slashes=False,
     )
     app.state.service = svc
     on_error, kinds = _error_answers(svc)
@@ -134,10 +142,10 @@ def _lifespan(svc: Service):
 
 def _error_answers(svc: Service):
     """The one mapping of a request's errors to answers (module docstring), each refusal counted by
-    reason: (``answer(exc)`` -> the error response, or None for an exception that is a bug (500);
-    the exception classes it answers)."""
+    reason: (``answer(exc, path)`` -> the error response to a request for ``path``, or None for an
+    exception that is a bug (500); the exception classes it answers)."""
 
-    def invalid(exc: RequestValidationError) -> Response:
+    def invalid(exc: RequestValidationError, path: str) -> Response:
         items = []
         for e in public_errors(exc.errors()):
             loc = [p for p in e.get("loc", ()) if p != "body"]
@@ -150,14 +158,18 @@ def _error_answers(svc: Service):
         first = items[0] if items else {"message": "invalid request", "field": None}
         return error_response(422, "validation_error", first["message"], first["field"], errors=items)
 
-    def api(exc: ApiError) -> Response:
+    def api(exc: ApiError, path: str) -> Response:
         if exc.status == 422:
             svc.metrics.reject("invalid")
         elif exc.status == 415:
             svc.metrics.reject("unsupported_media_type")
         return error_response(exc.status, exc.type, exc.message, exc.field, exc.headers)
 
-    def http(exc: StarletteHTTPException) -> Response:
+    def http(exc: StarletteHTTPException, path: str) -> Response:
+        if exc.status_code == 404:  # no route (the router's): a known endpoint's path with a trailing slash is named
+            known = endpoint_of(path)
+            hint = f"; did you mean {known} (without the trailing slash)?" if known in ENDPOINTS else ""
+            return error_response(404, "not_found", f"no endpoint at {path}{hint}", None)
         if exc.status_code == 413:
             svc.metrics.reject("body_too_large")
             return error_response(413, "body_too_large", str(exc.detail), "body")
@@ -166,13 +178,13 @@ def _error_answers(svc: Service):
             return error_response(408, "body_timeout", str(exc.detail), "body", exc.headers)
         return error_response(exc.status_code, "http_error", str(exc.detail), None, getattr(exc, "headers", None))
 
-    def rejected(exc: Rejected) -> Response:
+    def rejected(exc: Rejected, path: str) -> Response:
         return error_response(exc.status, exc.reason, exc.message, None, {"Retry-After": str(exc.retry_after)})
 
     kinds = ((RequestValidationError, invalid), (ApiError, api), (Rejected, rejected), (StarletteHTTPException, http))
 
-    def answer(exc: Exception) -> Response | None:
-        return next((fn(exc) for kind, fn in kinds if isinstance(exc, kind)), None)
+    def answer(exc: Exception, path: str) -> Response | None:
+        return next((fn(exc, path) for kind, fn in kinds if isinstance(exc, kind)), None)
 
     return answer, tuple(k for k, _ in kinds)
 
@@ -181,7 +193,7 @@ def _add_error_handlers(app: FastAPI, answer, kinds: tuple[type[Exception], ...]
     """The framework's exception handlers: each of ``kinds`` answered by ``answer``."""
 
     async def handler(request: Request, exc: Exception) -> Response:
-        return answer(exc)
+        return answer(exc, request.scope["path"])
 
     for kind in kinds:
         app.add_exception_handler(kind, handler)

@@ -36,6 +36,16 @@ ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics")
 MODEL_ENDPOINTS = ("/v1/generate", "/v1/score")  # the ones admission may refuse
 
 
+def endpoint_of(path: str) -> str:
+    """The ``endpoint`` label of a request for ``path``: one of :data:`ENDPOINTS` for that path, or
+    for that path with trailing slashes (a 404 naming the path without them: the app does not
+    redirect), else "other"."""
+    if path in ENDPOINTS:
+        return path
+    bare = path.rstrip("/")
+    return bare if bare in ENDPOINTS else "other"
+
+
 class BodyTooLarge(StarletteHTTPException):
     """Raised from the receive channel once a streamed body passes the limit (an HTTPException so
     that FastAPI's body reader re-raises it instead of wrapping it as a 400)."""
@@ -89,8 +99,8 @@ class EdgeMiddleware:
 
     ``routes`` (path -> ``async endpoint(request) -> Response``) are answered here for POST, past
     the framework's router, exception and request layers (about a fifth of the HTTP process's CPU
-    per request, measured with py-spy at 150 QPS); ``on_error`` (exception -> Response, or None to
-    re-raise) maps their errors to the same answers as the app's exception handlers. The dict is
+    per request, measured with py-spy at 150 QPS); ``on_error`` ((exception, request path) -> Response,
+    or None to re-raise) maps their errors to the same answers as the app's exception handlers. The dict is
     read at each request: empty, every request takes the framework's route (the tests compare the two)."""
 
     def __init__(
@@ -102,7 +112,7 @@ class EdgeMiddleware:
         body_timeout_s: float = 5.0,
         reject_early: Callable[[], Rejected | None] | None = None,
         routes: dict[str, Callable[[Request], Any]] | None = None,
-        on_error: Callable[[Exception], Response | None] | None = None,
+        on_error: Callable[[Exception, str], Response | None] | None = None,
     ) -> None:
         self.app, self.limit, self.metrics, self.body_timeout_s = app, limit, metrics, body_timeout_s
         self.reject_early = reject_early
@@ -111,7 +121,7 @@ class EdgeMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        endpoint = endpoint_of(scope["path"])
         state = {"code": 500, "started": False}
         scope["hstu_t0"] = time.perf_counter()  # arrival time, for latency_ms
 
@@ -131,7 +141,7 @@ class EdgeMiddleware:
                     413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body"
                 )
                 return await resp(scope, receive, send_wrapper)
-            early = self.reject_early is not None and endpoint in MODEL_ENDPOINTS and scope["method"] == "POST"
+            early = self.reject_early is not None and scope["path"] in MODEL_ENDPOINTS and scope["method"] == "POST"
             refused = self.reject_early() if early else None
             if refused is not None:
                 resp = error_response(refused.status, refused.reason, refused.message, None, {"Retry-After": str(refused.retry_after)})
@@ -174,7 +184,7 @@ class EdgeMiddleware:
         try:
             resp = await endpoint(Request(scope, receive))
         except Exception as exc:
-            resp = self.on_error(exc) if self.on_error is not None else None
+            resp = self.on_error(exc, scope["path"]) if self.on_error is not None else None
             if resp is None:
                 raise
         await resp(scope, receive, send)
@@ -201,4 +211,14 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
 
 
-__all__ = ["ENDPOINTS", "MODEL_ENDPOINTS", "BodyTimeout", "BodyTooLarge", "EdgeMiddleware", "error_response", "json_response", "read_body"]
+__all__ = [
+    "ENDPOINTS",
+    "MODEL_ENDPOINTS",
+    "endpoint_of",
+    "BodyTimeout",
+    "BodyTooLarge",
+    "EdgeMiddleware",
+    "error_response",
+    "json_response",
+    "read_body",
+]

@@ -7,7 +7,10 @@ Names follow the Prometheus conventions (https://prometheus.io/docs/practices/na
 name                                        type      labels            meaning
 =========================================== ========= ================= ==========================================
 hstu_serve_request_duration_seconds         histogram endpoint, bucket  server time of answered (200) requests
-hstu_serve_requests_total                   counter   endpoint, code    every answered request by HTTP status
+hstu_serve_requests_total                   counter   endpoint, code    every answered request by HTTP status;
+                                                                        endpoint: hstu.serve.edge.endpoint_of
+                                                                        (an endpoint's path, also for that path
+                                                                        with a trailing slash, a 404; else "other")
 hstu_serve_batch_size                       histogram bucket            requests per executed batch
 hstu_serve_batch_duration_seconds           histogram bucket            model time of one batch
 hstu_serve_queue_wait_seconds               histogram bucket            admitted request's wait in its queue until

@@ -2,8 +2,9 @@
 
 Each test drives the app over loopback with a raw socket or an httpx client: a body shorter than
 its Content-Length (408 within ``body_timeout_s``, then the connection closes), request headers
-that never complete or an idle connection (``header_timeout_s``), a non-JSON Content-Type (415),
-and one keep-alive connection that carries a 422, 413, 415 and 500 and then a good request.
+that never complete or an idle connection (``header_timeout_s``), a body over the limit (413, then
+the connection closes), a non-JSON Content-Type (415), and one keep-alive connection that carries a
+422, 415 and 500 and then a good request.
 The HTTP protocol is the one ``hstu serve`` runs (:func:`hstu.serve.http_limits.http_protocol`),
 both of uvicorn's parsers (httptools, h11) where the code path differs.
 """
@@ -154,6 +155,42 @@ def test_incomplete_headers_get_408_and_idle_connections_close(rec, popularity, 
 
 
 # ----------------------------------------------------------------------------------------------
+# a body over the limit: 413, then the connection closes
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["httptools", "h11"])
+def test_413_closes_the_connection_so_the_next_request_starts_clean(rec, popularity, impl) -> None:  # noqa: F811
+    """A Content-Length over the limit is answered 413 before its body arrives, and a chunked body
+    once it passes the limit: the rest of either may still come, so the answer says
+    ``Connection: close`` and the server closes the connection. The old code kept it open and read
+    the client's next request as the rest of the body (then a misleading 408 "request headers did
+    not complete"); a new connection is served at once."""
+    limit = 64 * 1024
+    chunk = b"x" * (limit + 1)
+    chunked = request_head("/v1/generate", None).replace(b"\r\n\r\n", b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    with make_server(rec, popularity, impl, body_timeout_s=30.0, header_timeout_s=30.0) as s:
+        for sent, message in (
+            (request_head("/v1/generate", 100_000) + PARTIAL, f"request body of 100000 bytes exceeds the limit of {limit} bytes"),
+            (chunked + b"%x\r\n" % len(chunk) + chunk + b"\r\n", f"request body exceeds the limit of {limit} bytes"),
+        ):
+            c = connect(s.port)
+            c.sendall(sent)
+            status, headers, body = read_response(c)
+            assert status == 413 and headers["connection"] == "close", (status, headers)
+            assert json.loads(body) == {"error": {"type": "body_too_large", "message": message, "field": "body"}}
+            assert read_until_closed(c) == b""  # closed by the server: no next request is read as this body
+            c.close()
+        c = connect(s.port)
+        good = json.dumps(GOOD).encode()
+        c.sendall(request_head("/v1/generate", len(good)) + good)
+        status, headers, body = read_response(c)
+        assert status == 200 and len(json.loads(body)["items"]) == 3 and "connection" not in headers
+        c.close()
+        m = metrics(s.url)
+        assert m[("hstu_serve_requests_total", (("code", "413"), ("endpoint", "/v1/generate")))] == 2
+        assert m[("hstu_serve_rejected_requests_total", (("reason", "body_too_large"),))] == 2
+
+
+# ----------------------------------------------------------------------------------------------
 # content type
 # ----------------------------------------------------------------------------------------------
 def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> None:  # noqa: F811
@@ -184,13 +221,15 @@ def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> No
 # ----------------------------------------------------------------------------------------------
 # keep-alive across error answers
 # ----------------------------------------------------------------------------------------------
-def test_one_keep_alive_connection_survives_422_413_415_and_500(rec, popularity) -> None:  # noqa: F811
-    """One httpx.Client connection (pool of one) carries a 422, a 413, a 415, a 500 and then a good
-    request: the client's local port is the same for all five. The 500 comes from a route added
+def test_one_keep_alive_connection_survives_422_415_and_500(rec, popularity) -> None:  # noqa: F811
+    """One httpx.Client connection (pool of one) carries a 422, a 415, a 500 and then a good
+    request: the client's local port is the same for all four. The 500 comes from a route added
     to the app for this test, as no real request should produce one (every 500 is a bug): the
     failure path under test is the app's handling of an unexpected exception, whichever route
     raises it. The old code answered the 500 and then reset the connection (Starlette's
-    ServerErrorMiddleware re-raised the exception into uvicorn, which closes the transport)."""
+    ServerErrorMiddleware re-raised the exception into uvicorn, which closes the transport).
+    A 413 closes its connection (the rest of the body may still come): the next request goes on a
+    new one."""
     cfg = ServeConfig(buckets=BUCKETS)
     app = create_app(cfg, rec, policy=ServePolicy(max_body_bytes=64 * 1024, warmup=False), popularity=popularity)
 
@@ -210,7 +249,6 @@ def test_one_keep_alive_connection_survives_422_413_415_and_500(rec, popularity)
             return r
 
         send("/v1/generate", json={"history": "x"})
-        send("/v1/generate", json=big)
         send("/v1/generate", content=json.dumps(GOOD).encode(), headers={"content-type": "text/plain"})
         r = send("/test/boom", json={})
         assert r.json()["error"] == {
@@ -219,9 +257,12 @@ def test_one_keep_alive_connection_survives_422_413_415_and_500(rec, popularity)
             "message": "internal error: RuntimeError: deliberate failure for the keep-alive test",
         }
         r = send("/v1/generate", json=GOOD)
-        assert codes == [422, 413, 415, 500, 200]
         assert len(r.json()["items"]) == 3
-        assert len(set(ports)) == 1, ports
+        r = send("/v1/generate", json=big)
+        assert r.headers["connection"] == "close"
+        send("/v1/generate", json=GOOD)
+        assert codes == [422, 415, 500, 200, 413, 200]
+        assert len(set(ports[:5])) == 1 and ports[5] != ports[4], ports
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,12 +27,13 @@ queue in the smallest bucket that holds the history (:mod:`hstu.serve.batcher`) 
 
 Errors share one body, ``{"error": {"type", "message", "field"}}`` (vLLM's one-error-body habit):
 422 invalid input (the field is named, e.g. ``history[3].timestamp``), 413 body over
-``max_body_bytes``, 415 a Content-Type other than JSON, 404 a path with no endpoint (no
-trailing-slash redirect: the message of ``/v1/generate/`` names ``/v1/generate``), 408 a body that
-does not arrive within ``body_timeout_s`` of the headers (then the connection closes), 429 queue
-full or predicted queueing delay over the bound (types ``queue_full``, ``queue_delay``;
-Retry-After), 503 timed out / memory shed / draining (Retry-After), 500 only for a bug. Every other
-answer, 500 included, keeps a keep-alive connection open.
+``max_body_bytes`` (then the connection closes: the rest of the body may still come), 415 a
+Content-Type other than JSON, 404 a path with no endpoint (no trailing-slash redirect: the message
+of ``/v1/generate/`` names ``/v1/generate``), 408 a body that does not arrive within
+``body_timeout_s`` of the headers (then the connection closes), 429 queue full or predicted
+queueing delay over the bound (types ``queue_full``, ``queue_delay``; Retry-After), 503 timed out /
+memory shed / draining (Retry-After), 500 only for a bug. Every other answer, 500 included, keeps a
+keep-alive connection open.
 
 Cold start: an empty history (or one left empty after dropping unknown ids) gets the run's most
 popular training items (:mod:`hstu.serve.popularity`), marked ``"cold_start": true``.
@@ -172,7 +173,7 @@ def _error_answers(svc: Service):
             return error_response(404, "not_found", f"no endpoint at {path}{hint}", None)
         if exc.status_code == 413:
             svc.metrics.reject("body_too_large")
-            return error_response(413, "body_too_large", str(exc.detail), "body")
+            return error_response(413, "body_too_large", str(exc.detail), "body", exc.headers)
         if isinstance(exc, BodyTimeout):
             svc.metrics.reject("body_timeout")
             return error_response(408, "body_timeout", str(exc.detail), "body", exc.headers)

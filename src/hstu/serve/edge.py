@@ -47,11 +47,15 @@ def endpoint_of(path: str) -> str:
 
 
 class BodyTooLarge(StarletteHTTPException):
-    """Raised from the receive channel once a streamed body passes the limit (an HTTPException so
-    that FastAPI's body reader re-raises it instead of wrapping it as a 400)."""
+    """A body over the limit: by its Content-Length (``length``), answered before it is read, or raised
+    from the receive channel once a streamed body passes the limit (an HTTPException so that
+    FastAPI's body reader re-raises it instead of wrapping it as a 400). Answered 413 with
+    ``Connection: close``: the rest of the body may still come, and on a kept-alive connection it
+    would be read as the next request."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body exceeds the limit of {limit} bytes")
+    def __init__(self, limit: int, length: int | None = None) -> None:
+        of = f" of {length} bytes" if length is not None else ""
+        super().__init__(413, f"request body{of} exceeds the limit of {limit} bytes", headers={"Connection": "close"})
 
 
 class BodyTimeout(StarletteHTTPException):
@@ -90,7 +94,7 @@ def error_response(
 
 class EdgeMiddleware:
     """Pure ASGI middleware: 413 for bodies over the limit (by Content-Length, or while a chunked
-    body streams in), 408 for a body not complete ``body_timeout_s`` after the headers (each
+    body streams in; then the connection closes), 408 for a body not complete ``body_timeout_s`` after the headers (each
     ``receive()`` waits at most until then), the 500 error body for an unexpected exception (sent
     here, so the connection stays open: Starlette's ServerErrorMiddleware re-raises into uvicorn,
     which closes it), and ``hstu_serve_requests_total`` by endpoint and status. ``reject_early``
@@ -137,9 +141,8 @@ class EdgeMiddleware:
         try:
             if length is not None and length > self.limit:
                 self.metrics.reject("body_too_large")
-                resp = error_response(
-                    413, "body_too_large", f"request body of {length} bytes exceeds the limit of {self.limit} bytes", "body"
-                )
+                too_large = BodyTooLarge(self.limit, length)
+                resp = error_response(413, "body_too_large", too_large.detail, "body", too_large.headers)
                 return await resp(scope, receive, send_wrapper)
             early = self.reject_early is not None and scope["path"] in MODEL_ENDPOINTS and scope["method"] == "POST"
             refused = self.reject_early() if early else None

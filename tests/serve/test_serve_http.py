@@ -28,6 +28,7 @@ from serving import LiveServer, metrics
 
 from hstu.config import ServeConfig
 from hstu.serve.app import ServePolicy, create_app
+from hstu.serve.edge import error_response
 from hstu.serve.http_limits import http_protocol
 
 BUCKETS = [10, 20, 50]
@@ -43,7 +44,11 @@ class Server(LiveServer):
         super().__init__(app, wait_ready=False)
         self.server = uvicorn.Server(
             uvicorn.Config(
-                app, log_level="warning", access_log=False, timeout_graceful_shutdown=30, http=http_protocol(cfg.header_timeout_s, impl)
+                app,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=30,
+                http=http_protocol(cfg.header_timeout_s, app.state.header_timeout_answer, impl),
             )
         )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
@@ -152,6 +157,38 @@ def test_incomplete_headers_get_408_and_idle_connections_close(rec, popularity, 
         status, _, body = parse(read_until_closed(c))
         assert status == 408 and json.loads(body)["error"]["type"] == "header_timeout"
         c.close()
+
+
+@pytest.mark.parametrize("impl", ["httptools", "h11"])
+def test_header_timeout_408_is_the_one_error_body_and_is_counted(rec, popularity, impl) -> None:  # noqa: F811
+    """The header timeout's 408 is written by the HTTP protocol (the app never sees the request), yet
+    its bytes are :func:`hstu.serve.edge.error_response`'s, as every other error's, and it is counted:
+    in ``hstu_serve_requests_total`` under endpoint "incomplete" and in the rejections as
+    "header_timeout" (it was formatted apart and counted nowhere). An idle connection closed without
+    an answer is no request and counts nothing."""
+
+    def count(m: dict, key: tuple) -> float:
+        return m.get(key, 0.0)
+
+    requests_408 = ("hstu_serve_requests_total", (("code", "408"), ("endpoint", "incomplete")))
+    rejected = ("hstu_serve_rejected_requests_total", (("reason", "header_timeout"),))
+    with make_server(rec, popularity, impl, header_timeout_s=1.0) as s:
+        before = metrics(s.url)
+        c = connect(s.port)
+        c.sendall(b"POST /v1/score HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        status, headers, body = parse(read_until_closed(c))
+        c.close()
+        want = error_response(408, "header_timeout", "request headers did not complete within the header timeout of 1 s", None)
+        assert status == 408 and body == want.body
+        assert headers == {"content-type": "application/json", "content-length": str(len(body)), "connection": "close"}
+        idle = connect(s.port)
+        assert read_until_closed(idle) == b""
+        idle.close()
+        after = metrics(s.url)
+        assert count(after, requests_408) - count(before, requests_408) == 1
+        assert count(after, rejected) - count(before, rejected) == 1
+        answered = [k for k in after if k[0] == "hstu_serve_requests_total" and k[1][0] == ("code", "408")]
+        assert sum(count(after, k) - count(before, k) for k in answered) == 1
 
 
 # ----------------------------------------------------------------------------------------------

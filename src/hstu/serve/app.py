@@ -30,7 +30,9 @@ Errors share one body, ``{"error": {"type", "message", "field"}}`` (vLLM's one-e
 ``max_body_bytes`` (then the connection closes: the rest of the body may still come), 415 a
 Content-Type other than JSON, 404 a path with no endpoint (no trailing-slash redirect: the message
 of ``/v1/generate/`` names ``/v1/generate``), 408 a body that does not arrive within
-``body_timeout_s`` of the headers (then the connection closes), 429 queue full or predicted
+``body_timeout_s`` of the headers, or request headers not complete within ``header_timeout_s``
+(:func:`hstu.serve.edge.header_timeout_response`, written by the HTTP protocol of
+:mod:`hstu.serve.http_limits`; then the connection closes), 429 queue full or predicted
 queueing delay over the bound (types ``queue_full``, ``queue_delay``; Retry-After), 503 timed out /
 memory shed / draining (Retry-After), 500 only for a bug. Every other answer, 500 included, keeps a
 keep-alive connection open.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,7 +58,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hstu.config import ServeConfig
 from hstu.generate.recommend import Recommender
 from hstu.serve.batcher import Rejected
-from hstu.serve.edge import ENDPOINTS, BodyTimeout, EdgeMiddleware, endpoint_of, error_response, json_response, read_body
+from hstu.serve.edge import (
+    ENDPOINTS,
+    BodyTimeout,
+    EdgeMiddleware,
+    endpoint_of,
+    error_response,
+    header_timeout_response,
+    json_response,
+    read_body,
+)
 from hstu.serve.popularity import Popularity
 from hstu.serve.schemas import public_errors, ErrorBody, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse
 from hstu.serve.service import ApiError, ServePolicy, Service
@@ -80,9 +92,10 @@ def create_app(
         policy: input policies and limits (:class:`ServePolicy`).
         popularity: cold-start ranking; None disables cold start (empty history -> 422).
     Returns:
-        a FastAPI app with its :class:`Service` on ``app.state.service``; the lifespan's start-up
-        starts the executor (raising what loading the run in a model process raised), the
-        batcher and the warm-up, its shutdown drains.
+        a FastAPI app with its :class:`Service` on ``app.state.service`` and the header timeout's
+        408 on ``app.state.header_timeout_answer`` (for :func:`hstu.serve.http_limits.http_protocol`);
+        the lifespan's start-up starts the executor (raising what loading the run in a model
+        process raised), the batcher and the warm-up, its shutdown drains.
     Raises:
         ValueError: bad settings (buckets beyond the model's max_seq_len, ranges), naming the field.
         FileNotFoundError: ``run_dir`` is not a run directory.
@@ -108,6 +121,8 @@ def create_app(
         redirect_slashes=False,
     )
     app.state.service = svc
+    # the header timeout's 408, for the HTTP protocol (hstu.serve.http_limits.http_protocol): the one error body, counted
+    app.state.header_timeout_answer = partial(header_timeout_response, svc.metrics)
     on_error, kinds = _error_answers(svc)
     app.state.direct_routes = routes = {}  # the model endpoints, answered by the edge (EdgeMiddleware ``routes``)
     app.add_middleware(

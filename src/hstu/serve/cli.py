@@ -208,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1,
         limit_concurrency=args.limit_concurrency,
-        http=http_protocol(cfg.header_timeout_s),
+        http=http_protocol(cfg.header_timeout_s, app.state.header_timeout_answer),
         lifespan="off",
     )  # run_server drives the lifespan
     try:

@@ -6,7 +6,8 @@ requests before their body is read while admission refuses everything (429), ans
 unexpected exception with the 500 error body on a connection that stays open, and counts
 ``hstu_serve_requests_total``. :func:`read_body` validates a body straight from its bytes.
 :func:`error_response` is the one error body (``{"error": {"type", "message", "field"}}``) as a
-response. The header-read timeout, which needs the protocol, is :mod:`hstu.serve.http_limits`.
+response. The header-read timeout, which needs the protocol, is :mod:`hstu.serve.http_limits`; its
+408 is :func:`header_timeout_response`, counted here too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hstu.serve.batcher import Rejected
-from hstu.serve.http_limits import error_body, is_json_media_type
+from hstu.serve.http_limits import is_json_media_type
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.service import ApiError
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/readyz", "/metrics")
 MODEL_ENDPOINTS = ("/v1/generate", "/v1/score")  # the ones admission may refuse
+INCOMPLETE = "incomplete"  # the endpoint label of a request whose headers never completed (the header timeout's 408)
 
 
 def endpoint_of(path: str) -> str:
@@ -85,11 +87,23 @@ def json_response(body: Any, status: int = 200, headers: dict | None = None) -> 
 def error_response(
     status: int, type_: str, message: str, field: str | None = None, headers: dict | None = None, errors: list[dict] | None = None
 ) -> Response:
-    """The common error body as a response (``errors``: every validation error, when several)."""
-    body = error_body(type_, message, field)
+    """The service's one error body, ``{"error": {"type", "message", "field"}}``, as a response
+    (``errors``: every validation error, when several)."""
+    body: dict[str, Any] = {"error": {"type": type_, "message": message, "field": field}}
     if errors:
         body["errors"] = errors
     return json_response(body, status, headers)
+
+
+def header_timeout_response(metrics: ServeMetrics, timeout_s: float) -> Response:
+    """The 408 of a connection whose request headers did not complete within ``timeout_s`` (s)
+    (``Connection: close``), counted in ``metrics`` as a request (endpoint :data:`INCOMPLETE`) and a
+    rejection ("header_timeout"). The HTTP protocol writes it (:func:`hstu.serve.http_limits.http_protocol`):
+    the app never sees that request."""
+    metrics.reject("header_timeout")
+    metrics.requests.labels(endpoint=INCOMPLETE, code="408").inc()
+    message = f"request headers did not complete within the header timeout of {timeout_s:g} s"
+    return error_response(408, "header_timeout", message, None, {"Connection": "close"})
 
 
 class EdgeMiddleware:
@@ -216,12 +230,14 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
 
 __all__ = [
     "ENDPOINTS",
+    "INCOMPLETE",
     "MODEL_ENDPOINTS",
     "endpoint_of",
     "BodyTimeout",
     "BodyTooLarge",
     "EdgeMiddleware",
     "error_response",
+    "header_timeout_response",
     "json_response",
     "read_body",
 ]

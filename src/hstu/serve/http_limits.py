@@ -8,23 +8,24 @@ that opens a connection and sends nothing, or half a request line, holds the con
 (httptools or h11) with one more timer: the request headers must be complete within
 ``header_timeout_s`` of the connection opening or of the previous response; otherwise the
 connection is answered 408 with the service's error body (if any bytes of a request arrived) and
-closed. The body-read timeout (a Content-Length the body never reaches) is in the app's ASGI
-middleware (:class:`hstu.serve.edge.EdgeMiddleware`), where the headers are known.
+closed. That 408 is the app's (``answer``: :func:`hstu.serve.edge.header_timeout_response`, the
+one error body, counted in the app's metrics); this module only writes its bytes. The body-read
+timeout (a Content-Length the body never reaches) is in the app's ASGI middleware
+(:class:`hstu.serve.edge.EdgeMiddleware`), where the headers are known.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
 
 log = logging.getLogger(__name__)
-
-
-def error_body(type_: str, message: str, field: str | None = None) -> dict[str, Any]:
-    """The service's one error body, ``{"error": {"type", "message", "field"}}``."""
-    return {"error": {"type": type_, "message": message, "field": field}}
 
 
 def is_json_media_type(value: str) -> bool:
@@ -41,20 +42,19 @@ def is_json_media_type(value: str) -> bool:
     return True
 
 
-def _timeout_response(timeout_s: float) -> bytes:
-    body = json.dumps(
-        error_body("header_timeout", f"request headers did not complete within the header timeout of {timeout_s:g} s")
-    ).encode()
-    return b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (
-        len(body),
-        body,
-    )
+def _wire(resp: Response) -> bytes:
+    """A complete (not streamed) response as HTTP/1.1 bytes: status line, its headers (content-length
+    and content-type among them), body."""
+    status = b"HTTP/1.1 %d %s\r\n" % (resp.status_code, HTTPStatus(resp.status_code).phrase.encode())
+    return status + b"".join(b"%s: %s\r\n" % kv for kv in resp.raw_headers) + b"\r\n" + resp.body
 
 
 class _HeaderTimeout:
-    """Mixin over a uvicorn HTTP protocol class (uses its ``loop``, ``transport`` and ``cycle``)."""
+    """Mixin over a uvicorn HTTP protocol class (uses its ``loop``, ``transport`` and ``cycle``);
+    ``header_timeout_answer(timeout_s)`` is the 408's response."""
 
     header_timeout_s: float = 5.0
+    header_timeout_answer: Callable[[float], Response]
 
     def _awaiting_headers(self) -> bool:
         cycle = self.cycle
@@ -77,7 +77,7 @@ class _HeaderTimeout:
             return
         if self._hstu_bytes:
             log.info("408: request headers from %s incomplete after %g s; closing", self.client, self.header_timeout_s)
-            self.transport.write(_timeout_response(self.header_timeout_s))
+            self.transport.write(_wire(self.header_timeout_answer(self.header_timeout_s)))
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -100,12 +100,15 @@ class _HeaderTimeout:
         super().connection_lost(exc)
 
 
-def http_protocol(header_timeout_s: float, impl: str = "auto") -> type[asyncio.Protocol]:
+def http_protocol(header_timeout_s: float, answer: Callable[[float], Response], impl: str = "auto") -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with a header-read timeout, for ``uvicorn.Config(http=...)``.
 
     Args:
         header_timeout_s: seconds (> 0) within which a request's headers must be complete, counted
             from the connection opening or from the previous response on a kept-alive connection.
+        answer: ``answer(header_timeout_s)`` -> the 408 response (complete, with ``Connection: close``)
+            for a connection that sent part of a request; the app's ``app.state.header_timeout_answer``
+            (:func:`hstu.serve.edge.header_timeout_response`: the one error body, counted).
         impl: "httptools", "h11", or "auto" (httptools when installed, as uvicorn picks).
     Returns:
         a subclass of uvicorn's ``HttpToolsProtocol`` or ``H11Protocol``.
@@ -127,7 +130,8 @@ def http_protocol(header_timeout_s: float, impl: str = "auto") -> type[asyncio.P
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     else:
         raise ValueError(f"http protocol must be one of ('auto', 'httptools', 'h11'), got {impl!r}")
-    return type(f"HeaderTimeout{base.__name__}", (_HeaderTimeout, base), {"header_timeout_s": float(header_timeout_s)})
+    fields = {"header_timeout_s": float(header_timeout_s), "header_timeout_answer": staticmethod(answer)}
+    return type(f"HeaderTimeout{base.__name__}", (_HeaderTimeout, base), fields)
 
 
-__all__ = ["error_body", "http_protocol", "is_json_media_type"]
+__all__ = ["http_protocol", "is_json_media_type"]

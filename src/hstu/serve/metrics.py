@@ -10,7 +10,9 @@ hstu_serve_request_duration_seconds         histogram endpoint, bucket  server t
 hstu_serve_requests_total                   counter   endpoint, code    every answered request by HTTP status;
                                                                         endpoint: hstu.serve.edge.endpoint_of
                                                                         (an endpoint's path, also for that path
-                                                                        with a trailing slash, a 404; else "other")
+                                                                        with a trailing slash, a 404; else "other");
+                                                                        "incomplete": headers that never completed
+                                                                        (the header timeout's 408)
 hstu_serve_batch_size                       histogram bucket            requests per executed batch
 hstu_serve_batch_duration_seconds           histogram bucket            model time of one batch
 hstu_serve_queue_wait_seconds               histogram bucket            admitted request's wait in its queue until
@@ -55,6 +57,7 @@ REASONS = (
     "invalid",
     "body_too_large",
     "body_timeout",
+    "header_timeout",  # 408: request headers not complete within header_timeout_s (hstu.serve.http_limits)
     "unsupported_media_type",
     "model_restart",
     "warming",

@@ -212,3 +212,25 @@ def test_compiled_graphs_follow_weights_changed_in_place():
     assert torch.equal(got.items, want.items)
     torch.testing.assert_close(got.scores, want.scores, rtol=1e-6, atol=1e-6)
     assert not torch.equal(got.scores, before.scores)  # the new weights did change the answer
+
+
+def test_compiled_graphs_replay_without_guard_checks(monkeypatch):
+    """An engine call replays its compiled graphs under TorchDynamo's skip-guard stance
+    (hstu.backend.graphs.replay_stance; a runner's first call, which compiles, leaves it): the same
+    items and scores as with the guards checked and as eager, for every batch size, strategy and
+    prefix-cache hit; an eager engine, or one with guard_checks set, never skips them."""
+    import hstu.generate.engine as engine_mod
+
+    torch._dynamo.reset()
+    seen = []
+    real = engine_mod.replay_stance
+    monkeypatch.setattr(engine_mod, "replay_stance", lambda skip: seen.append(skip) or real(skip))
+    compiled, eager = engines("aot_eager")
+    assert compiled.guard_checks is False
+    check_all_cases(compiled, eager, rtol=1e-6)  # calls compiled, then eager, 3 times per case
+    assert seen == [True, False] * (3 * len(CASES))
+    checked, eager = engines("aot_eager")  # fresh prefix caches on both sides
+    checked.guard_checks = True
+    seen.clear()
+    check_all_cases(checked, eager, rtol=1e-6)
+    assert seen == [False, False] * (3 * len(CASES))

@@ -77,7 +77,9 @@ model's fixed width, I items.
   platform object decides (the device's graph capture where it has one, else "compile"). "auto":
   cuda_graph on CUDA, npu_graph on NPU when available, eager on CPU (whether compiling pays on a
   CPU: benchmarks/generate.py --graphs eager,compiled). The decode loop's scoring, exclusion and
-  picks run eagerly between the graphs, on preallocated buffers.
+  picks run eagerly between the graphs, on preallocated buffers. Compiled graphs replay without
+  TorchDynamo's per-call guard checks (``guard_checks`` False, :func:`hstu.backend.graphs.replay_stance`:
+  static buffers, one graph per runner, so the guards hold by construction).
 - Kernels: the model's own :class:`hstu.model.kernels.KernelSet` (``model.kernels``, the set
   training and evaluation run), or one named from the device backend's registry ("auto": the
   backend's ``default_kernels``; "triton" on CUDA by name).
@@ -112,7 +114,7 @@ import torch
 
 from hstu.backend import for_device
 from hstu.backend.graph_cache import CachedRunner, GraphCache
-from hstu.backend.graphs import CompiledRunner
+from hstu.backend.graphs import CompiledRunner, replay_stance
 from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
 from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for
@@ -198,6 +200,8 @@ class Engine:
         self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
         self.batch_sizes = batch_sizes_for(self.graphs, self.max_batch, batch_sizes)
         self.compile_backend = compile_backend
+        # False: compiled graphs replay without TorchDynamo's per-call guard checks (hstu.backend.graphs.replay_stance)
+        self.guard_checks = False
         self.graph_cache = graph_cache if self.graphs == "compile" else None
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.ann, self.ann_candidates = ann, ann_candidates  # approximate candidates (hstu.model.ann): streamed picks
@@ -382,7 +386,8 @@ class Engine:
             user_ids=user_ids, use_cache=use_cache, bucket=bucket,
         )  # fmt: skip
         self._gen.manual_seed(seed)
-        self._run_buckets(r)
+        with replay_stance(self.graphs == "compile" and not self.guard_checks):
+            self._run_buckets(r)
         return r.out
 
     def _run_buckets(self, r: EngineCall) -> None:

@@ -104,7 +104,9 @@ def replay_stance(skip_guards: bool):
     thread). The stance's own enter/exit (~20-30 us) is paid once per engine call. PyTorch docs,
     ``torch.compiler.set_stance``: safe only when no recompilation can be needed after warm-up, which
     holds for these runners. A first call, which compiles, leaves the stance for its duration
-    (TorchDynamo refuses to compile under it): :class:`CompiledRunner`."""
+    (TorchDynamo refuses to compile under it): :class:`CompiledRunner`. The stance is process-wide,
+    not per thread: another thread compiling during an engine call would be refused (a server's model
+    process runs one engine thread)."""
     if not skip_guards:
         return contextlib.nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)

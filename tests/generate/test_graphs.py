@@ -16,7 +16,7 @@ import torch
 
 from hstu.backend import CPUBackend, CUDABackend, NPUBackend
 from hstu.backend.base import Backend
-from hstu.config import ModelConfig
+from hstu.config import DecodeOptions, ModelConfig
 from hstu.generate.engine import Engine
 from hstu.model import build_hstu
 
@@ -234,3 +234,32 @@ def test_compiled_graphs_replay_without_guard_checks(monkeypatch):
     seen.clear()
     check_all_cases(checked, eager, rtol=1e-6)
     assert seen == [False, False] * (3 * len(CASES))
+
+
+def test_server_compiles_graphs_in_warm_up_only(rec, ref, monkeypatch):
+    """A server's engine compiles in warm-up only (BatchRunner sets Engine.compile_new around it): a
+    beam request after warm-up needs beam-step graphs the warm-up did not make, and they run eager
+    instead of compiling while the request waits (minutes with Inductor on a CPU: it timed out with a
+    503 on a server whose /readyz said ready). Its answer is the eager server's."""
+    from dataclasses import replace
+
+    from hstu.backend import graphs as graphs_mod
+    from hstu.serve.runner import BatchRunner
+
+    def traced(self, fn, name, backend="inductor"):  # aot_eager: the same graphs, seconds instead of minutes
+        return graphs_mod.compile_graph(fn, name, "aot_eager")
+
+    monkeypatch.setattr(Backend, "compile_graph", traced)
+    torch._dynamo.reset()
+    runner = BatchRunner(rec, [20], 2, graphs="compiled")
+    plain = BatchRunner(ref, [20], 2, graphs="eager")
+    assert runner.engine.compile_new is False  # until warm-up
+    runner.warmup(20)
+    assert runner.engine.compile_new is False
+    warmed = {tuple(g["key"]) for g in runner.engine.graph_report()}
+    assert warmed and all(g["mode"] == "compiled" for g in runner.engine.graph_report())
+    jobs = [replace(j, decoding=DecodeOptions(strategy="beam", beam_width=2)) for j in runner.synthetic_jobs(20, 1)[:1]]
+    got, want = runner.run_batch(20, jobs), plain.run_batch(20, jobs)
+    assert not isinstance(got[0], Exception) and repr(got) == repr(want)
+    assert {tuple(g["key"]) for g in runner.engine.graph_report()} == warmed  # the beam graphs were not compiled
+    assert ("step", 1, 2) in runner.engine._buckets[20].runners  # ... but made, eager

@@ -152,7 +152,7 @@ def test_score_is_target_aware_and_equals_float64_model(server, ratings, ref) ->
 # ----------------------------------------------------------------------------------------------
 # input policies and bad input
 # ----------------------------------------------------------------------------------------------
-def test_cold_start_is_training_popularity(server, ratings) -> None:
+def test_cold_start_is_training_popularity(server, ratings, ref) -> None:
     # independent popularity: each user's events but the last two (protocol "clean"), by count then id
     train = ratings.groupby("user", group_keys=False).apply(lambda g: g.iloc[:-2])
     counts = train.item.value_counts()
@@ -166,6 +166,11 @@ def test_cold_start_is_training_popularity(server, ratings) -> None:
     top = [int(i) for i, _ in table[:7]]
     r = post(server.url, "/v1/generate", {"history": [], "k": 5, "exclude": top[:2]})
     assert [i["item_id"] for i in r.json()["items"]] == top[2:7]
+    # exclusions that leave fewer than k popular items: the 422 a request with a history gets (it was a 200 with fewer items)
+    all_but_3 = sorted({int(i) for i in ref.idmap["item_raw_ids"][1:]} - set(top[:3]))  # the run's catalogue but 3 items
+    r = post(server.url, "/v1/generate", {"history": [], "k": 5, "exclude": all_but_3})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "exclude", r.text
+    assert "only 3 of the run's popular items" in r.json()["error"]["message"] and "fewer than the 5 needed" in r.json()["error"]["message"]
     # every id unknown under "drop": cold start, with the warning
     r = post(server.url, "/v1/generate", {"history": [{"item_id": 10**9, "timestamp": 5}], "k": 2}).json()
     assert r["cold_start"] and "unknown" in r["warnings"][0] and [i["item_id"] for i in r["items"]] == top[:2]

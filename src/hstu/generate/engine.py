@@ -202,6 +202,10 @@ class Engine:
         self.compile_backend = compile_backend
         # False: compiled graphs replay without TorchDynamo's per-call guard checks (hstu.backend.graphs.replay_stance)
         self.guard_checks = False
+        # False: a graph first needed now is not compiled (minutes on a CPU): it runs eager, or from the graph
+        # cache when that holds it (runners.graph_runner). A server clears it outside its warm-up, so that a
+        # request needing a new graph (a beam width, a prefix-cache extension) is answered, not timed out.
+        self.compile_new = True
         self.graph_cache = graph_cache if self.graphs == "compile" else None
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.ann, self.ann_candidates = ann, ann_candidates  # approximate candidates (hstu.model.ann): streamed picks

@@ -10,6 +10,7 @@ bucket edge, C = E + 1 history slots, K generated slots, T rows of an extension.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from hstu.generate.engine import Engine
 
 Runner = Callable[[], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine, BucketPool], Runner]) -> Runner:
@@ -32,15 +34,19 @@ def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine,
     is ("eager"); captured into a device graph ("cuda_graph", "npu_graph"); compiled ("compile":
     :class:`hstu.backend.graphs.CompiledRunner`, eager if compiling fails), loaded from or built
     into ``eng.graph_cache`` when the engine has one (:class:`hstu.backend.graph_cache.CachedRunner`,
-    the compiled runner its fallback; ``eng.cache_only``: loaded where the cache holds it, else eager)."""
+    the compiled runner its fallback; ``eng.cache_only``, or ``eng.compile_new`` False: loaded where
+    the cache holds it, else eager, never compiled or built now)."""
     fn = make(eng, b)
     if eng.graphs in ("cuda_graph", "npu_graph"):
         return eng.platform.capture_graph(fn)
     if eng.graphs != "compile":
         return fn
     name = "_".join([key[0], f"E{b.E}", *map(str, key[1:])])
-    if eng.cache_only:  # graphs "auto" with a graph cache: what it holds, else eager (no build, no compile)
+    fixed = eng.cache_only or not eng.compile_new  # no compilation now: what the graph cache holds, else eager
+    if fixed:  # graphs "auto" with a graph cache, or a server past its warm-up
         compiled = fn
+        if not eng.cache_only:
+            log.info("engine graph %s: first needed after warm-up: eager (or the graph cache's), not compiled now", name)
     else:
         compiled = CompiledRunner(eng.platform.compile_graph(fn, name, eng.compile_backend), fn, f"engine graph {name}")
     if eng.graph_cache is None:
@@ -52,7 +58,7 @@ def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine,
         "cfg": repr(eng.model.cfg),
     }
     label = f"engine graph {name}"
-    return CachedRunner(eng.graph_cache, entry_name(key, b.E, module, settings), module, compiled, label, build=not eng.cache_only)
+    return CachedRunner(eng.graph_cache, entry_name(key, b.E, module, settings), module, compiled, label, build=not fixed)
 
 
 def time_buckets(eng: Engine, t_q: torch.Tensor, t_k: torch.Tensor) -> torch.Tensor | None:

@@ -117,6 +117,8 @@ class BatchRunner:
         self._lock = threading.Lock()
         self.graphs = graphs
         self.engine = self._make_engine(use_engine)
+        if self.engine is not None:  # graphs are compiled in warm-up only: a request never waits for a compilation
+            self.engine.compile_new = False
         self.backend_name = self._describe()
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}  # bucket -> (fixed s, s per request), from warm-up
@@ -273,16 +275,24 @@ class BatchRunner:
     def warmup(self, bucket: int) -> float:
         """Run the bucket's generate and score paths at full batch and alone (with an engine that
         captures graphs or compiles: at every batch size of its ladder); returns seconds taken.
-        Marks the bucket warm."""
+        Marks the bucket warm. Only here may the engine compile a graph (``Engine.compile_new``): a
+        graph first needed by a request (a beam width, a prefix-cache extension) runs eager, since
+        compiling it (minutes on a CPU) would outlast the request timeout."""
         t0 = time.perf_counter()
         sizes = [self.max_batch, 1]
         if self.engine is not None and self.engine.graphs != "eager":  # capture every padded batch size now, not on a request
             sizes = sorted(set(self.engine.batch_sizes), reverse=True)
-        for n in sizes:
-            res = self.run_batch(bucket, self.synthetic_jobs(bucket, n))
-            err = next((r for r in res if isinstance(r, Exception)), None)
-            if err is not None:
-                raise RuntimeError(f"warm-up of bucket {bucket} failed: {err}") from err
+        if self.engine is not None:
+            self.engine.compile_new = True  # the greedy graphs compile here; a later first use (beam, extension) runs eager
+        try:
+            for n in sizes:
+                res = self.run_batch(bucket, self.synthetic_jobs(bucket, n))
+                err = next((r for r in res if isinstance(r, Exception)), None)
+                if err is not None:
+                    raise RuntimeError(f"warm-up of bucket {bucket} failed: {err}") from err
+        finally:
+            if self.engine is not None:
+                self.engine.compile_new = False
         self.costs[bucket] = self._measure_cost(bucket)
         self.warm.add(bucket)
         return time.perf_counter() - t0

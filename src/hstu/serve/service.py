@@ -296,11 +296,21 @@ class Service:
             raise _invalid(exc) from None
 
     def cold_start(self, k: int, exclude: list[int] | None) -> list[dict]:
+        """The ``k`` most popular training items not in ``exclude``; ApiError 422 naming ``exclude``
+        when fewer are left (as a request with a history gets: Recommender.check_room)."""
         try:
             blocked = {int(d) for d in self.rec.dense_ids(exclude or [], "exclude[{i}]") if d > 0}
         except HistoryError as exc:
             raise _invalid(exc) from None
-        return [self.rec.describe(d, s) for d, s in self.popularity.top(k, blocked)]
+        top = self.popularity.top(k, blocked)
+        if len(top) < k:
+            raise _invalid(
+                HistoryError(
+                    f"exclude: only {len(top)} of the run's popular items (the cold-start answer) are left to generate "
+                    f"({len(blocked)} excluded by 'exclude'), fewer than the {k} needed"
+                )
+            )
+        return [self.rec.describe(d, s) for d, s in top]
 
     # ----- requests -----
     async def generate(self, req: GenerateRequest, t0: float) -> dict[str, Any]:

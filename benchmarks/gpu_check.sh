@@ -34,12 +34,12 @@ if [ "${1:-}" = "--wheels" ]; then  # here, with internet to the registries: whe
   du -sh .gpu_wheels .gpu_data
   exit 0
 fi
-OUT=${1:?usage: gpu_check.sh OUT_DIR | --wheels}
+OUT=${1:-}
+[ -n "$OUT" ] || { echo "usage: gpu_check.sh OUT_DIR | --wheels (see the header for the variables)" >&2; exit 2; }
 DEVICE=${DEVICE:-cuda}
 EPOCHS=${EPOCHS:-20}
 MAX_USERS=${MAX_USERS:-}
 DATA_DIR=${DATA_DIR:-.gpu_data/ml-1m}
-mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 failed=()
 step() {  # step NAME CMD...: run, log, remember a failure
@@ -48,7 +48,14 @@ step() {  # step NAME CMD...: run, log, remember a failure
   if ! "$@" >"$OUT/$name.log" 2>&1; then failed+=("$name"); echo "   $name FAILED (see $OUT/$name.log)"; fi
   tail -n 3 "$OUT/$name.log"
 }
-if [ -d .gpu_wheels ]; then
+STEPS=${STEPS:-device kernels conformance generate train serve}
+for s in $STEPS; do  # every step name checked before any step runs
+  case $s in device | kernels | conformance | generate | train | serve) ;;
+    *) echo "unknown step $s in STEPS (device kernels conformance generate train serve)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+if [ -d .gpu_wheels ] && [ "$DEVICE" != cpu ]; then  # the GPU machine's missing packages (not a CPU dry run's environment)
   step wheels $PY -m pip install -q --no-index --find-links .gpu_wheels fastapi uvicorn pydantic fastapi-offline prometheus-client orjson httpx aiohttp psutil safetensors tqdm hypothesis
 fi
 device_info() {
@@ -61,7 +68,6 @@ try:
 except ImportError as e: print('triton: not importable:', e)
 print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 }
-STEPS=${STEPS:-device kernels conformance generate train serve}
 users=()
 [ -n "$MAX_USERS" ] && users=(--max-users "$MAX_USERS")
 SERVE_RUN=${SERVE_RUN:-$OUT/train}

@@ -21,13 +21,13 @@
 # it stopped when this script runs again over the same OUT_DIR, here or there.
 set -u
 PY=${PY:-python3}
-OUT=${1:?usage: gpu_train_large.sh OUT_DIR}
+OUT=${1:-}
+[ -n "$OUT" ] || { echo "usage: gpu_train_large.sh OUT_DIR (see the header for the variables)" >&2; exit 2; }
 DEVICE=${DEVICE:-cuda}
 EPOCHS=${EPOCHS:-101}
 VARIANTS=${VARIANTS:-base seed43 seed44 noqk full}
 DATA_DIR=${DATA_DIR:-.gpu_data/ml-1m}
 SECONDS_LIMIT=${SECONDS_LIMIT:-}
-mkdir -p "$OUT/runs"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 flags_of() {
   case $1 in
@@ -42,6 +42,9 @@ flags_of() {
     *) echo "unknown variant $1 (base, seedN, noqk, full, ffnN, negN, dN, blocksN)" >&2; return 2 ;;
   esac
 }
+has_result() {  # has_result VARIANT: its result file holds a clean-protocol entry (none: the run made no checkpoint)
+  grep -q '"clean"' "$OUT/$1/ml1m_hstu-large.json" 2>/dev/null
+}
 reproduce() {  # reproduce VARIANT EXTRA...: one reproduce_ml1m.py invocation for that variant
   local v=$1; shift
   # shellcheck disable=SC2046
@@ -49,6 +52,7 @@ reproduce() {  # reproduce VARIANT EXTRA...: one reproduce_ml1m.py invocation fo
     --data-dir "$DATA_DIR" --runs "$OUT/runs" --out "$OUT/$v" ${MAX_USERS:+--max-users "$MAX_USERS"} $(flags_of "$v") "$@"
 }
 for v in $VARIANTS; do flags_of "$v" >/dev/null || exit 2; done
+mkdir -p "$OUT/runs"
 echo "== $(date +%T) training: $VARIANTS on $DEVICE${SECONDS_LIMIT:+ for at most $SECONDS_LIMIT s}"
 limit=()
 [ -n "$SECONDS_LIMIT" ] && limit=(timeout --signal=TERM "$SECONDS_LIMIT")
@@ -67,10 +71,10 @@ done
 limit=()
 pids=()
 for v in $VARIANTS; do  # a run stopped by the limit: its best checkpoint so far, marked in progress (in parallel)
-  [ -s "$OUT/$v/ml1m_hstu-large.json" ] || { reproduce "$v" --report-only >>"$OUT/$v.log" 2>&1 & pids+=($!); }
+  has_result "$v" || { reproduce "$v" --report-only >>"$OUT/$v.log" 2>&1 & pids+=($!); }
 done
 [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
 failed=()
-for v in $VARIANTS; do [ -s "$OUT/$v/ml1m_hstu-large.json" ] || failed+=("$v"); done
+for v in $VARIANTS; do has_result "$v" || failed+=("$v"); done
 if [ ${#failed[@]} -gt 0 ]; then echo "no result for: ${failed[*]} (see $OUT/<variant>.log)"; exit 1; fi
 echo "== $(date +%T) results in $OUT/<variant>/ml1m_hstu-large.json"

@@ -77,9 +77,8 @@ model's fixed width, I items.
   platform object decides (the device's graph capture where it has one, else "compile"). "auto":
   cuda_graph on CUDA, npu_graph on NPU when available, eager on CPU (whether compiling pays on a
   CPU: benchmarks/generate.py --graphs eager,compiled). The decode loop's scoring, exclusion and
-  picks run eagerly between the graphs, on preallocated buffers. Compiled graphs replay without
-  TorchDynamo's per-call guard checks (``guard_checks`` False, :func:`hstu.backend.graphs.replay_stance`:
-  static buffers, one graph per runner, so the guards hold by construction).
+  picks run eagerly between the graphs, on preallocated buffers. Compiled graphs replay without guard
+  checks (``guard_checks``, :func:`hstu.backend.graphs.replay_stance`); ``compile_new``: see runners.graph_runner.
 - Kernels: the model's own :class:`hstu.model.kernels.KernelSet` (``model.kernels``, the set
   training and evaluation run), or one named from the device backend's registry ("auto": the
   backend's ``default_kernels``; "triton" on CUDA by name).
@@ -117,7 +116,7 @@ from hstu.backend.graph_cache import CachedRunner, GraphCache
 from hstu.backend.graphs import CompiledRunner, replay_stance
 from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
-from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for
+from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for, log_setup
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, smallest_edge
 from hstu.generate.sampler import pick
@@ -200,12 +199,8 @@ class Engine:
         self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
         self.batch_sizes = batch_sizes_for(self.graphs, self.max_batch, batch_sizes)
         self.compile_backend = compile_backend
-        # False: compiled graphs replay without TorchDynamo's per-call guard checks (hstu.backend.graphs.replay_stance)
-        self.guard_checks = False
-        # False: a graph first needed now is not compiled (minutes on a CPU): it runs eager, or from the graph
-        # cache when that holds it (runners.graph_runner). A server clears it outside its warm-up, so that a
-        # request needing a new graph (a beam width, a prefix-cache extension) is answered, not timed out.
-        self.compile_new = True
+        self.guard_checks = False  # True: TorchDynamo checks its guards at every graph call (replay_stance)
+        self.compile_new = True  # False (a server outside warm-up): a graph first needed now runs eager / cached
         self.graph_cache = graph_cache if self.graphs == "compile" else None
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.ann, self.ann_candidates = ann, ann_candidates  # approximate candidates (hstu.model.ann): streamed picks
@@ -214,7 +209,7 @@ class Engine:
         self._recompute: dict[int, BucketPool] = {}  # use_cache=False buckets (width E + K), made on first use
         self.refresh()
         self._decode_buffers()
-        self._log_setup()
+        log_setup(self)
 
     def _decode_buffers(self) -> None:
         """The decode loop's buffers, shared by the buckets: (R, I+1) exclusion, scores (none when
@@ -238,18 +233,6 @@ class Engine:
         self._scores_scratch = torch.zeros(R, K, dtype=self.score_dtype, device=dev)
         self._zero_tb = torch.zeros(R, 1, K, dtype=torch.int64, device=dev)  # bucket(|rt - rt|) = 0
         self._gen = torch.Generator(device=dev)
-
-    def _log_setup(self) -> None:
-        for E, b in self._buckets.items():
-            log.debug(
-                "engine bucket %d: view of the KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
-                *(E, b.kv_bytes() / 2**20, self.max_batch, b.C, self.k_max, self.model.cfg.num_blocks, b.total_bytes() / 2**20),
-            )
-        cache = f"{self.prefix.max_bytes / 2**20:.1f} MiB" if self.prefix else "off"
-        log.debug(
-            "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, KV pool %.2f MiB (one, viewed by every bucket), prefix cache %s",
-            *(self.device, self.kernels.name, self.kernels.note, self.graphs, list(self.batch_sizes), self.kv_pool.nbytes() / 2**20, cache),
-        )
 
     # ----- setup -----
     def refresh(self) -> None:

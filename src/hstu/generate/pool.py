@@ -13,6 +13,7 @@ K/V at once, and the pool costs max(E) + 1 + K slots per row instead of the sum 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from hstu.generate.prefix_cache import PrefixEntry
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 def ladder(max_batch: int) -> tuple[int, ...]:
@@ -89,6 +92,20 @@ def kv_pool_for(eng: Engine, widest: int) -> KVPool:
         d_v=c.d_v,
         dtype=eng.dtype,
         device=eng.device,
+    )
+
+
+def log_setup(eng: Engine) -> None:
+    """Debug lines: each bucket's view of the KV pool, and the engine's device, kernels, graphs and caches."""
+    for E, b in eng._buckets.items():
+        log.debug(
+            "engine bucket %d: view of the KV pool %.2f MiB (history %d x %d rows + %d generated slots, %d layers), total %.2f MiB",
+            *(E, b.kv_bytes() / 2**20, eng.max_batch, b.C, eng.k_max, eng.model.cfg.num_blocks, b.total_bytes() / 2**20),
+        )
+    cache = f"{eng.prefix.max_bytes / 2**20:.1f} MiB" if eng.prefix else "off"
+    log.debug(
+        "engine on %s: kernels=%s (%s), graphs=%s, batch sizes %s, KV pool %.2f MiB (one, viewed by every bucket), prefix cache %s",
+        *(eng.device, eng.kernels.name, eng.kernels.note, eng.graphs, list(eng.batch_sizes), eng.kv_pool.nbytes() / 2**20, cache),
     )
 
 

@@ -176,6 +176,32 @@ def test_cold_start_is_training_popularity(server, ratings, ref) -> None:
     assert r["cold_start"] and "unknown" in r["warnings"][0] and [i["item_id"] for i in r["items"]] == top[:2]
 
 
+def test_cold_start_skips_untrained_items_and_warns_of_ignored_decoding(server, ratings, ref) -> None:
+    """A cold start follows allow_untrained_items as a model answer does (it returned items with
+    no training events, share 0.0) and says that a topk / beam strategy is not used."""
+    train = ratings.groupby("user", group_keys=False).apply(lambda g: g.iloc[:-2])
+    trained = set(train.item)
+    run_items = {int(i) for i in ref.idmap["item_raw_ids"][1:]}
+    untrained = sorted(run_items - trained)
+    assert untrained, "the tiny run's catalogue has items without training events"
+    body = {"history": [], "k": 3, "exclude": sorted(trained)}
+    r = post(server.url, "/v1/generate", body)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "exclude", r.text
+    assert "only 0 of the run's popular items with training events" in r.json()["error"]["message"]
+    r = post(server.url, "/v1/generate", {**body, "allow_untrained_items": True})
+    assert r.status_code == 200, r.text
+    got = r.json()["items"]
+    assert [i["item_id"] for i in got] == untrained[:3] and all(i["score"] == 0.0 for i in got)  # ties: smaller dense id first
+    greedy = post(server.url, "/v1/generate", {"history": [], "k": 4}).json()
+    assert greedy["warnings"] == []
+    for dec in ({"strategy": "beam", "beam_width": 4}, {"strategy": "topk", "seed": 3}):
+        r = post(server.url, "/v1/generate", {"history": [], "k": 4, "decoding": dec}).json()
+        assert r["items"] == greedy["items"] and r["cold_start"]
+        assert r["warnings"] == [
+            f"decoding: strategy '{dec['strategy']}' is not used for a cold-start answer (the most popular items, in order)"
+        ]
+
+
 def test_unknown_items_drop_or_reject(server, ratings, ref) -> None:
     hist = events(ratings, sorted(ratings.user.unique())[7], 12)
     dirty = hist[:4] + [{"item_id": 10**9, "timestamp": hist[4]["timestamp"]}] + hist[4:]

@@ -39,10 +39,13 @@ class Popularity:
     events: int
     source: str
 
-    def top(self, k: int, blocked: set[int]) -> list[tuple[int, float]]:
-        """The ``k`` most popular (dense id, share) pairs whose id is not in ``blocked``."""
+    def top(self, k: int, blocked: set[int], trained_only: bool = False) -> list[tuple[int, float]]:
+        """The ``k`` most popular (dense id, share) pairs whose id is not in ``blocked``;
+        ``trained_only``: only items with training events (share > 0), fewer than k if so."""
         out = []
         for d in self.order:
+            if trained_only and self.share[d] <= 0:
+                break  # order is by count, descending: the rest have no training events
             if int(d) not in blocked:
                 out.append((int(d), float(self.share[d])))
                 if len(out) == k:

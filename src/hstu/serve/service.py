@@ -295,18 +295,22 @@ class Service:
         except HistoryError as exc:
             raise _invalid(exc) from None
 
-    def cold_start(self, k: int, exclude: list[int] | None) -> list[dict]:
-        """The ``k`` most popular training items not in ``exclude``; ApiError 422 naming ``exclude``
-        when fewer are left (as a request with a history gets: Recommender.check_room)."""
+    def cold_start(self, k: int, exclude: list[int] | None, allow_untrained: bool | None = None) -> list[dict]:
+        """The ``k`` most popular training items not in ``exclude``, and with training events
+        unless ``allow_untrained`` (the run's default as for a request with a history:
+        Recommender.allows_untrained); ApiError 422 naming ``exclude`` when fewer are left (as a
+        request with a history gets: Recommender.check_room)."""
         try:
             blocked = {int(d) for d in self.rec.dense_ids(exclude or [], "exclude[{i}]") if d > 0}
         except HistoryError as exc:
             raise _invalid(exc) from None
-        top = self.popularity.top(k, blocked)
+        trained_only = not self.rec.allows_untrained(allow_untrained)
+        top = self.popularity.top(k, blocked, trained_only)
         if len(top) < k:
+            which = "popular items with training events" if trained_only else "popular items"
             raise _invalid(
                 HistoryError(
-                    f"exclude: only {len(top)} of the run's popular items (the cold-start answer) are left to generate "
+                    f"exclude: only {len(top)} of the run's {which} (the cold-start answer) are left to generate "
                     f"({len(blocked)} excluded by 'exclude'), fewer than the {k} needed"
                 )
             )
@@ -339,7 +343,9 @@ class Service:
                 raise ApiError(
                     422, "validation_error", f"history: no usable events ({'; '.join(warnings) or 'empty'}) and {why}", "history"
                 )
-            items, bucket, n, cold = self.cold_start(req.k, req.exclude), None, 0, True
+            items, bucket, n, cold = self.cold_start(req.k, req.exclude, req.allow_untrained_items), None, 0, True
+            if d is not None and d.strategy != "greedy":
+                warnings.append(f"decoding: strategy '{d.strategy}' is not used for a cold-start answer (the most popular items, in order)")
         else:
             dec = d.options() if d else DecodeOptions()
             self.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone

@@ -11,6 +11,7 @@ both of uvicorn's parsers (httptools, h11) where the code path differs.
 
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import signal
@@ -180,6 +181,9 @@ def test_header_timeout_408_is_the_one_error_body_and_is_counted(rec, popularity
         c.close()
         want = error_response(408, "header_timeout", "request headers did not complete within the header timeout of 1 s", None)
         assert status == 408 and body == want.body
+        other = httpx.get(s.url + "/healthz").headers  # uvicorn's date / server headers, as on every other answer (they were missing)
+        assert headers.pop("server") == other["server"] and set(headers) == {"date", "content-type", "content-length", "connection"}
+        assert email.utils.parsedate_to_datetime(headers.pop("date")).tzinfo is not None
         assert headers == {"content-type": "application/json", "content-length": str(len(body)), "connection": "close"}
         idle = connect(s.port)
         assert read_until_closed(idle) == b""

@@ -42,11 +42,13 @@ def is_json_media_type(value: str) -> bool:
     return True
 
 
-def _wire(resp: Response) -> bytes:
-    """A complete (not streamed) response as HTTP/1.1 bytes: status line, its headers (content-length
-    and content-type among them), body."""
+def _wire(resp: Response, default_headers: list[tuple[bytes, bytes]] = ()) -> bytes:
+    """A complete (not streamed) response as HTTP/1.1 bytes: status line, ``default_headers``
+    (uvicorn's ``server_state.default_headers``: date, server, as on its other answers), the
+    response's headers (content-length and content-type among them), body."""
     status = b"HTTP/1.1 %d %s\r\n" % (resp.status_code, HTTPStatus(resp.status_code).phrase.encode())
-    return status + b"".join(b"%s: %s\r\n" % kv for kv in resp.raw_headers) + b"\r\n" + resp.body
+    headers = [*default_headers, *resp.raw_headers]
+    return status + b"".join(b"%s: %s\r\n" % kv for kv in headers) + b"\r\n" + resp.body
 
 
 class _HeaderTimeout:
@@ -77,7 +79,7 @@ class _HeaderTimeout:
             return
         if self._hstu_bytes:
             log.info("408: request headers from %s incomplete after %g s; closing", self.client, self.header_timeout_s)
-            self.transport.write(_wire(self.header_timeout_answer(self.header_timeout_s)))
+            self.transport.write(_wire(self.header_timeout_answer(self.header_timeout_s), self.server_state.default_headers))
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,7 @@ def is_json_media_type(value: str) -> bool:
     return True
 
 
-def _wire(resp: Response, default_headers: list[tuple[bytes, bytes]] = ()) -> bytes:
+def _wire(resp: Response, default_headers: Iterable[tuple[bytes, bytes]] = ()) -> bytes:
     """A complete (not streamed) response as HTTP/1.1 bytes: status line, ``default_headers``
     (uvicorn's ``server_state.default_headers``: date, server, as on its other answers), the
     response's headers (content-length and content-type among them), body."""

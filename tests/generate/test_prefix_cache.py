@@ -59,6 +59,25 @@ def test_returning_users_compute_only_new_rows_and_match_full(model):
     assert eng.prefix.stats.hits == 6
 
 
+@pytest.mark.parametrize("lengths", [[6, 6, 10, 6], [6, 6, 10, 10]])
+def test_hits_of_equal_prefix_move_together(model, lengths):
+    """BucketPool.load_prefixes groups a chunk's hits by cached rows P: rows of equal P that are not
+    consecutive (an index) or are (a slice), beside a P of its own; each user still gets its own
+    rows (the result equals the uncached oracle's)."""
+    eng = Engine(model, buckets=(20,), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data(B=4, width=20, seed=3)
+    users = [f"u{i}" for i in range(4)]
+    L1 = torch.tensor(lengths)
+    eng.generate(ids, ts, L1, 4, request_time=ts[torch.arange(4), L1 - 1] + 60, user_ids=users)
+    other, ots = data(B=4, width=20, seed=4)  # other histories through the same pool rows: no stale row can pass
+    eng.generate(other, ots, torch.full((4,), 19), 4, request_time=ots[:, -1] + 60)
+    L2 = L1 + 1
+    rt2 = ts[torch.arange(4), L2 - 1] + 3600
+    second = eng.generate(ids, ts, L2, 4, request_time=rt2, user_ids=users)
+    assert second.prefix_rows.tolist() == (L1 - 1).tolist()
+    check(second, full(model, ids, ts, L2, rt2))
+
+
 def test_history_that_does_not_extend_the_prefix_is_invalidated(model):
     eng = Engine(model, buckets=(20, 40, 60), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
     ids, ts = data(B=4, seed=1)

@@ -428,8 +428,7 @@ class Engine:
             P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
             b.start[:Bp].zero_()
             b.start[:Bu] = P
-            for j, i in enumerate(rows):
-                b.load_prefix(j, hits[i])
+            b.load_prefixes([hits[i] for i in rows])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
             user = self._runner(b, ("extend", Bp, T), lambda e, p: runners.extend_fn(e, p, Bp, T))()

@@ -201,11 +201,23 @@ class BucketPool:
         k = torch.stack([t[j, :, : n - 1] for t in self.hk])  # (Ly, H, n - 1, d_qk)
         return PrefixEntry(events=events.clone(), k=k, v=torch.stack([t[j, :, : n - 1] for t in self.hv]))
 
-    def load_prefix(self, j: int, e: PrefixEntry) -> None:
-        """A prefix-cache hit's rows 0..P-1 of every layer into row j's history slots."""
-        for li, (hk, hv) in enumerate(zip(self.hk, self.hv)):
-            hk[j, :, : e.rows].copy_(e.k[li])
-            hv[j, :, : e.rows].copy_(e.v[li])
+    def load_prefixes(self, entries: list[PrefixEntry]) -> None:
+        """Prefix-cache hits into the history slots: ``entries[j]``'s rows 0..P_j-1 of every layer into
+        row j. Users with the same P move together, one copy per layer and K / V (from one stack of
+        their entries), so a batch of returning users costs a few ops, not 2 Ly per user."""
+        by_rows: dict[int, list[int]] = {}
+        for j, e in enumerate(entries):
+            by_rows.setdefault(e.rows, []).append(j)
+        for P, js in by_rows.items():
+            run = js == list(range(js[0], js[0] + len(js)))  # consecutive rows: a slice, else an index
+            rows = slice(js[0], js[0] + len(js)) if run else torch.tensor(js, device=self.ids.device)
+            for pools, part in ((self.hk, "k"), (self.hv, "v")):
+                src = torch.stack([getattr(entries[j], part) for j in js], dim=1)  # (Ly, n, H, P, ·)
+                for li, pool in enumerate(pools):
+                    if run:
+                        pool[rows, :, :P].copy_(src[li])
+                    else:
+                        pool[rows, :, :P] = src[li]
 
     def load(self, req: dict, ri: torch.Tensor, L: torch.Tensor, rt: torch.Tensor, Bp: int, arange: torch.Tensor) -> None:
         """Copy request rows ``ri`` (Bu,) into the static inputs, then Bp - Bu padding users (length 1,

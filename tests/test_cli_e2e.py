@@ -12,9 +12,19 @@ import sys
 import pytest
 
 
-def hstu(*args, check=True, env=None):
+# the top-level modules of every optional extra (pyproject.toml): README's main command installs none of them
+EXTRAS = (
+    "fastapi uvicorn pydantic prometheus_client httpx fastapi_offline orjson aiohttp psutil yaml matplotlib ray tensorboard "
+    "faiss onnx onnxruntime onnxscript triton fbgemm_gpu tensordict torchmetrics torchrec pyre_extensions"
+).split()
+# `hstu` as on a base install: each extra's module hidden (import raises ModuleNotFoundError, find_spec says absent)
+BASE_ONLY = f"import sys\nfor m in {EXTRAS!r}: sys.modules[m] = None\nfrom hstu.cli import main\nsys.argv[0] = 'hstu'\nsys.exit(main())"
+
+
+def hstu(*args, check=True, env=None, base_only=False):
     env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "hstu.cli", *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
+    cmd = [sys.executable, *(("-c", BASE_ONLY) if base_only else ("-m", "hstu.cli")), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"hstu {args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
@@ -26,8 +36,24 @@ def run_dir(tmp_path_factory):
 
     need(ML1M / "ratings.dat")
     out = tmp_path_factory.mktemp("run")
-    hstu("train", "--dataset", "ml-1m", "--data-dir", ML1M, "--preset", "small", "--epochs", 1, "--max-users", 300, "--out", out, "--quiet")
+    args = ("train", "--dataset", "ml-1m", "--data-dir", ML1M, "--preset", "small", "--epochs", 1, "--max-users", 300, "--out", out)
+    hstu(*args, "--quiet", base_only=True)  # the base install trains (README's main command has no extra)
     return out
+
+
+def test_base_install_runs_the_main_commands(run_dir):
+    """Without any optional extra (pip install -e .), the parser builds, eval and generate run, and a
+    command whose extra is missing says which to install (it once died importing fastapi for --ann's flags)."""
+    helptext = hstu("--help", base_only=True).stdout
+    assert "demo" in helptext and "(needs: pip install 'hstu[serve]')" in helptext
+    assert "--epochs" in hstu("demo", "--help", base_only=True).stdout
+    ev = json.loads(hstu("eval", "--run", run_dir, "--json", base_only=True).stdout)
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert ev["HR@10"] == pytest.approx(m["test"]["HR@10"])
+    out = json.loads(hstu("generate", "--run", run_dir, "--user", 1, "-k", 5, "--json", base_only=True).stdout)
+    assert len(out["items"]) == 5
+    p = hstu("serve", "--run", run_dir, check=False, base_only=True)
+    assert p.returncode == 2 and "pip install 'hstu[serve]'" in p.stderr
 
 
 def test_train_writes_metrics(run_dir):

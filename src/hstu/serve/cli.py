@@ -24,7 +24,7 @@ import signal
 import socket
 from pathlib import Path
 
-from hstu.cli import EXCLUDE_HISTORY_HELP, number_in
+from hstu.cli import EXCLUDE_HISTORY_HELP, add_ann_flags, number_in
 
 log = logging.getLogger(__name__)
 
@@ -280,19 +280,6 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
         "a failed compilation runs eager with a warning)",
     )
     add_ann_flags(s)
-
-
-def add_ann_flags(s: argparse.ArgumentParser) -> None:
-    """--ann, --ann-nprobe, --ann-candidates: approximate candidates (hstu.model.ann), for catalogues
-    where the exact streamed top-k is too slow (120M items: seconds per call)."""
-    s.add_argument(
-        "--ann",
-        metavar="FACTORY",
-        help="pick among approximate candidates of a faiss index (index_factory string, e.g. IVF4096,SQ8 or HNSW32; "
-        "needs the 'ann' extra), rescored exactly; built once per weights file and kept in RUN/ann/ (default: exact picks)",
-    )
-    s.add_argument("--ann-nprobe", type=number_in(int, 1), help="IVF cells probed per query (default 16)")
-    s.add_argument("--ann-candidates", type=number_in(int, 1), help="approximate candidates per row rescored exactly (default 256)")
 
 
 def add_subcommands(subparsers) -> None:

@@ -299,7 +299,11 @@ def add_subcommands(subparsers) -> None:
         choices=["fp32", "bf16", "fp16", "int8"],
         help="inference precision (a float run is converted in memory; a quantized run loads as saved)",
     )
-    s.add_argument("--max-batch", type=number_in(int, 1), help="rows per model batch, >= 1 (a request takes one row, a beam request its beam width; default 16)")
+    s.add_argument(
+        "--max-batch",
+        type=number_in(int, 1),
+        help="rows per model batch, >= 1 (a request takes one row, a beam request its beam width; default 16)",
+    )
     s.add_argument("--max-wait-ms", type=number_in(float, 0), help="close a batch this long after its oldest request (default 5)")
     s.add_argument("--buckets", help="length-bucket edges in events (default 20,50,100,200 clipped to the model's max_seq_len)")
     s.add_argument("--max-queue", type=number_in(int, 1), help="waiting requests per bucket before 429 (default 256)")

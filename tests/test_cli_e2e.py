@@ -190,6 +190,14 @@ def test_train_refuses_an_out_dir_that_holds_a_run(tmp_path, capsys):
     assert "not allowed with argument --resume" in capsys.readouterr().err
     assert main(["train", "--resume", "--data-dir", str(tmp_path / "no_data"), "--out", str(tmp_path / "new")]) == 2
     assert f"--resume: {tmp_path / 'new'} holds no run to resume (no config.json)" in capsys.readouterr().err
+    q = tmp_path / "q8"  # hstu quantize's output: --resume once retrained from scratch beside the stale INT8 weights
+    q.mkdir()
+    for f in ("config.json", "idmap.json", "quant.json", "model.quant.safetensors"):
+        (q / f).write_text("{}")
+    for flags in ([], ["--resume"], ["--overwrite"]):
+        assert main(["train", *flags, "--data-dir", str(tmp_path / "no_data"), "--out", str(q), "--quiet"]) == 2
+        assert f"--out {q} holds a quantized copy of a run (quant.json, from hstu quantize)" in capsys.readouterr().err
+    assert sorted(p.name for p in q.iterdir()) == ["config.json", "idmap.json", "model.quant.safetensors", "quant.json"]
 
 
 def test_generate_data_dir_flag_and_env(run_dir, tmp_path):

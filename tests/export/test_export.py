@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -180,6 +181,41 @@ def test_a_failed_export_leaves_nothing_and_keeps_the_old_one(run_dir, tmp_path,
     assert main([*args, "--out", str(out), "--overwrite"]) == 2
     assert _leftovers(tmp_path, "x") == ["x"] and (out / "export.json").read_text() == before
     assert sorted(p.name for p in out.iterdir()) == ["encoder_E20.pt2", "export.json", "idmap.json", "items.npy"]
+
+
+def test_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path, capsys):
+    """--overwrite never deletes a run or foreign files: --out that is (or contains) the run, or holds
+    files without export.json, is refused and left as it was (it once emptied --out, the run included)."""
+    run = tmp_path / "box" / "run"
+    shutil.copytree(run_dir, run)
+    files = sorted(p.name for p in run.iterdir())
+    args = ["export", "--run", str(run), "--format", "pt2", "--buckets", "20", "--overwrite"]
+    for out, why in ((run, "is or contains the run"), (run.parent, "is or contains the run")):
+        assert main([*args, "--out", str(out)]) == 2
+        assert why in _one_error_line(capsys)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    assert main([*args, "--out", str(other)]) == 2
+    assert "no export.json" in _one_error_line(capsys)
+    assert (other / "notes.txt").read_text() == "keep me" and sorted(p.name for p in run.iterdir()) == files
+    out = tmp_path / "x"
+    assert main([*args, "--out", str(out)]) == 0 and main([*args, "--out", str(out)]) == 0  # an earlier export: replaced
+    assert (out / "export.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--graphs", "--format", "pt2", "--out", "x"], "--graphs builds RUN/graphs and takes no --format, --out"),
+        (["--format", "pt2", "--out", "x", "--max-batch", "4"], "--max-batch and --device go with --graphs"),
+    ],
+)
+def test_the_two_forms_refuse_each_others_flags(flags, message, run_dir, tmp_path, capsys):
+    flags = [str(tmp_path / f) if f == "x" else f for f in flags]
+    assert main(["export", "--run", str(run_dir), *flags]) == 2
+    assert message in _one_error_line(capsys)
+    assert not (tmp_path / "x").exists() and not (run_dir / "graphs").exists()
 
 
 def test_actions_and_categories_reach_the_exported_program(tmp_path):

@@ -47,15 +47,23 @@ class ExportError(RuntimeError):
     """The model could not be exported or its exported program disagrees with the eager model."""
 
 
-def _check_request(fmt: str, out: Path, overwrite: bool, batch: int | None) -> None:
+def _check_request(fmt: str, run: Path, out: Path, overwrite: bool, batch: int | None) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"--format: unknown value {fmt!r}; valid: {', '.join(FORMATS)}")
     if fmt == "onnx" and (missing := onnx_export.missing_package()) is not None:
         raise ImportError(f"--format onnx needs the optional package {missing!r}: pip install 'hstu[{onnx_export.EXTRA}]'")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"--out {out}: directory exists and is not empty (pass --overwrite to replace it)")
+    r, o = run.resolve(), out.resolve()
+    if o == r or o in r.parents:
+        raise FileExistsError(f"--out {out}: is or contains the run {run} being exported; choose another directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out {out}: directory exists and is not empty (pass --overwrite to replace an earlier export)")
+        if not (out / MANIFEST).is_file():  # --overwrite replaces an export, never a run or other files
+            raise FileExistsError(
+                f"--out {out}: holds files but no {MANIFEST}, so it is not an earlier export; --overwrite replaces only those"
+            )
     if batch is not None and batch < 1:
         raise ValueError(f"--batch must be >= 1, got {batch}")
 
@@ -154,14 +162,15 @@ def export_run(
 
     Raises:
         ValueError: unknown format, bucket outside 1..max_seq_len, bad precision or run files.
-        FileNotFoundError: no run. FileExistsError: ``out`` not empty and not ``overwrite``.
+        FileNotFoundError: no run. FileExistsError: ``out`` is or contains ``run``, or is not empty and either not
+            ``overwrite`` or not an earlier export (no export.json): ``overwrite`` replaces only an export.
         ImportError: onnx without the ``export`` extra. ExportError: export or verification failed.
     On any error nothing is left at ``out`` (an old export there is kept).
     """
     from hstu.runs import load_run
 
     run, out = Path(run), Path(out)
-    _check_request(fmt, out, overwrite, batch)
+    _check_request(fmt, run, out, overwrite, batch)
     model, cfg, ids = load_run(run, "cpu", precision)
     scheme = precision or (cfg.get("quant") or {}).get("scheme") or "fp32"
     if scheme == "int8":

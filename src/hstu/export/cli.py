@@ -61,7 +61,13 @@ def cmd_export(args) -> int:
     from hstu.serve.cli import parse_buckets
 
     if args.graphs:
+        other = (("--format", args.format), ("--out", args.out), ("--batch", args.batch), ("--overwrite", args.overwrite))
+        given = [f for f, v in other if v]
+        if given:  # two forms of the command: one of them, never the flags of the other silently ignored
+            raise ValueError(f"hstu export: --graphs builds RUN/graphs and takes no {', '.join(given)} (those export programs to --out)")
         return cmd_export_graphs(args)
+    if args.max_batch is not None or args.device != "cpu":
+        raise ValueError("hstu export: --max-batch and --device go with --graphs (the graph cache), not --format / --out")
     if args.format is None or args.out is None:
         raise ValueError("hstu export: --format and --out are required (or --graphs for the graph cache)")
     try:
@@ -96,7 +102,11 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--buckets", help="comma-separated bucket edges <= max_seq_len (default: the engine's default buckets)")
     p.add_argument("--precision", choices=[c for c in PRECISION_CHOICES if c != "int8"], help="the model's precision (default: as saved)")
     p.add_argument("--batch", type=number_in(int, 1), help="a fixed batch size (default: the batch axis is dynamic)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the new export is complete")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export in --out (it holds export.json) once the new one is complete; never a run or other files",
+    )
     p.set_defaults(func=cmd_export)
 
 

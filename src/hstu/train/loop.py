@@ -55,6 +55,7 @@ from hstu.runs import (  # noqa: F401
     check_resume_items,
     config_json,
     has_train_state,
+    is_quantized,
     load_best_weights,
     load_train_state,
     read_config,
@@ -354,13 +355,18 @@ def fit(
     the epoch during which this many minutes of wall time (this call's, :data:`clock`) have passed, with
     that epoch committed (``resume`` continues; metrics.json ``status`` says why it stopped);
     ``tensorboard``: a directory for TensorBoard epoch scalars (:class:`hstu.train.logs.TensorBoardCurves`).
-    Raises ValueError for too little data (:func:`check_trainable`), for malformed run files on
+    Raises FileExistsError for a ``run_dir`` that holds a run without ``resume`` or ``overwrite``, or a quantized
+    copy (quant.json) in any case; ValueError for too little data (:func:`check_trainable`), for malformed run files on
     ``resume`` (naming file and field), for resuming a run of the other strategy, for ``max_minutes`` <= 0
     and for ``tensorboard`` without the tensorboard package, besides the module's."""
     tcfg.validate()
     if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes > 0):
         raise ValueError(f"--max-minutes must be a number > 0, got {max_minutes}")
     run = Path(run_dir)
+    if is_quantized(run):  # hstu quantize's output: no training state, and its INT8 weights would shadow new ones
+        raise FileExistsError(
+            f"{run} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train; choose another --out"
+        )
     if has_train_state(run) and not resume and not overwrite:
         raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
     strategy = strategy or LocalStrategy()

@@ -411,24 +411,11 @@ def _add_generate(sub) -> None:
         help="eager (default) or compiled graphs (loaded from the run's graph cache, `hstu export --graphs`, else compiled now)",
     )
     q.add_argument("--json", action="store_true")
-    from hstu.generate.batch_cli import add_arguments
+    from hstu.generate.batch_cli import add_ann_flags, add_arguments
 
     add_ann_flags(q)  # --ann FACTORY ... (as hstu serve)
     add_arguments(q)  # --all-users --out ... (batch inference)
     q.set_defaults(func=cmd_generate)
-
-
-def add_ann_flags(s: argparse.ArgumentParser) -> None:
-    """--ann, --ann-nprobe, --ann-candidates: approximate candidates (hstu.model.ann), for catalogues
-    where the exact streamed top-k is too slow (120M items: seconds per call)."""
-    s.add_argument(
-        "--ann",
-        metavar="FACTORY",
-        help="pick among approximate candidates of a faiss index (index_factory string, e.g. IVF4096,SQ8 or HNSW32; "
-        "needs the 'ann' extra), rescored exactly; built once per weights file and kept in RUN/ann/ (default: exact picks)",
-    )
-    s.add_argument("--ann-nprobe", type=number_in(int, 1), help="IVF cells probed per query (default 16)")
-    s.add_argument("--ann-candidates", type=number_in(int, 1), help="approximate candidates per row rescored exactly (default 256)")
 
 
 def _add_demo(sub) -> None:

@@ -112,3 +112,18 @@ def cmd_all_users(args, load_log: Callable[[dict], object]) -> int:
         s = summary
         print(f"{s['users']} users, {s['rows']} rows -> {s['out']} ({s['computed']} of {s['chunks']} chunks computed now)")
     return 0
+
+
+def add_ann_flags(s) -> None:
+    """--ann, --ann-nprobe, --ann-candidates: approximate candidates (hstu.model.ann), for catalogues
+    where the exact streamed top-k is too slow (120M items: seconds per call)."""
+    s.add_argument(
+        "--ann",
+        metavar="FACTORY",
+        help="pick among approximate candidates of a faiss index (index_factory string, e.g. IVF4096,SQ8 or HNSW32; "
+        "needs the 'ann' extra), rescored exactly; built once per weights file and kept in RUN/ann/ (default: exact picks)",
+    )
+    from hstu.cli import number_in  # the parser is built by hstu.cli, already loaded
+
+    s.add_argument("--ann-nprobe", type=number_in(int, 1), help="IVF cells probed per query (default 16)")
+    s.add_argument("--ann-candidates", type=number_in(int, 1), help="approximate candidates per row rescored exactly (default 256)")

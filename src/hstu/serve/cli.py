@@ -24,7 +24,8 @@ import signal
 import socket
 from pathlib import Path
 
-from hstu.cli import EXCLUDE_HISTORY_HELP, add_ann_flags, number_in
+from hstu.cli import EXCLUDE_HISTORY_HELP, number_in
+from hstu.generate.batch_cli import add_ann_flags
 
 log = logging.getLogger(__name__)
 

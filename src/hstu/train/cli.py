@@ -357,17 +357,13 @@ def _model_cfg(args):
 
 
 def _check_out_dir(args) -> None:
-    """FileExistsError when --out holds a quantized copy (any flags), or already holds a run and neither --resume nor
-    --overwrite is given;
-    with --overwrite, ``fit`` deletes the old run's files once the data and device are good (so
-    nothing of it can be resumed or reported, and a failed start loses nothing)."""
+    """FileExistsError when --out holds a quantized copy, or a run without --resume or --overwrite; with --overwrite,
+    ``fit`` deletes the old run's files once data and device are good (a failed start loses nothing)."""
     from hstu.runs import RUN_FILES, is_quantized
 
     out = Path(args.out)
-    if is_quantized(out):  # hstu quantize's output: nothing to resume, and its INT8 weights would shadow a new model
-        raise FileExistsError(
-            f"--out {out} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train; choose another --out"
-        )
+    if is_quantized(out):  # hstu quantize's output: nothing to resume; its INT8 weights would shadow a new model
+        raise FileExistsError(f"--out {out} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train")
     found = [f for f in RUN_FILES if (out / f).exists()]
     if not found or args.resume:
         return

@@ -363,10 +363,8 @@ def fit(
     if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes > 0):
         raise ValueError(f"--max-minutes must be a number > 0, got {max_minutes}")
     run = Path(run_dir)
-    if is_quantized(run):  # hstu quantize's output: no training state, and its INT8 weights would shadow new ones
-        raise FileExistsError(
-            f"{run} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train; choose another --out"
-        )
+    if is_quantized(run):  # hstu quantize's output: no train state; its INT8 weights would shadow new ones
+        raise FileExistsError(f"--out {run} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train")
     if has_train_state(run) and not resume and not overwrite:
         raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
     strategy = strategy or LocalStrategy()

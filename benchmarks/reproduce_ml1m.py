@@ -92,9 +92,10 @@ RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98,
 
 
 def model_options(args, preset: str) -> dict:
-    """The [model] fields that --no-query-key-map, --ffn-hidden, --width and --blocks set over the
+    """The [model] fields that --no-query-key-map, --ffn-hidden, --multi-channel, --width and --blocks set over the
     preset's (none by default); --width D sets embedding_dim D and d_qk = d_v = D / the preset's heads."""
     opts = {**({"query_key_map": False} if args.no_query_key_map else {}), **({"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {})}
+    opts |= {"multi_channel": True} if args.multi_channel else {}
     if args.width:
         heads = PRESETS[preset]["num_heads"]
         if args.width % heads:
@@ -159,6 +160,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="[model] ffn_hidden (FuXi-alpha's second FFN stage, a SwiGLU of this width after each block; 0: none, HSTU's); "
         "N > 0 adds -ffnN to the run directory",
+    )
+    p.add_argument(
+        "--multi-channel",
+        action="store_true",
+        help="[model] multi_channel = true (FuXi-alpha's adaptive multi-channel self-attention: position and time channels "
+        "beside the semantic one); adds -mc to the run directory",
     )
     p.add_argument(
         "--num-negatives",
@@ -242,6 +249,7 @@ def main(argv=None) -> int:
                 + ("-full" if args.softmax == "full" else "")
                 + ("-noqk" if args.no_query_key_map else "")
                 + (f"-ffn{args.ffn_hidden}" if args.ffn_hidden else "")
+                + ("-mc" if args.multi_channel else "")
                 + (f"-neg{args.num_negatives}" if args.num_negatives != RECIPE["num_negatives"] else "")
                 + (f"-d{args.width}" if args.width else "")
                 + (f"-blocks{args.blocks}" if args.blocks else "")

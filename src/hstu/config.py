@@ -58,6 +58,9 @@ class ModelConfig:
     attention_norm: str = "fixed"
     query_key_map: bool = True  # False: A = SiLU(rab) / n, no Q Kᵀ (FuXi-beta, Ye et al. 2025); W_uvqk gives U, V only
     ffn_hidden: int = 0  # > 0: FuXi-alpha's SwiGLU FFN stage (§4.3) of this width after each block (hstu.model.hstu.SwiGLUFFN)
+    # True: FuXi-alpha's adaptive multi-channel self-attention (Ye et al. 2025, §4.2): the relative position and time biases
+    # become channels of their own (A_p · V, A_t · V beside SiLU(Q Kᵀ) / n · V), concatenated before LN, U and W_o
+    multi_channel: bool = False
     # attention kernel set (hstu.model.kernels) for every path: "auto" = the device's default where it can run ("triton" on CUDA,
     # "npu" on NPU, else "reference"); a named set that cannot run on the device is an error; runs saved without it load as "auto".
     attention: str = "auto"
@@ -117,8 +120,14 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention ([model] attention) must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if not self.query_key_map and not (self.use_position_bias or self.use_time_bias):  # attention from the bias alone
             raise ValueError("ModelConfig.query_key_map = false needs use_position_bias or use_time_bias (else no token attends another)")
-        if self.architecture != "hstu" and (not self.query_key_map or self.ffn_hidden):
-            raise ValueError(f"ModelConfig.query_key_map / ffn_hidden are options of the HSTU block, not of {self.architecture!r}")
+        if self.multi_channel and not (self.query_key_map and (self.use_position_bias or self.use_time_bias)):
+            raise ValueError(
+                "ModelConfig.multi_channel = true needs query_key_map = true (its semantic channel) and use_position_bias or "
+                "use_time_bias (its other channels)"
+            )
+        if self.architecture != "hstu" and (not self.query_key_map or self.ffn_hidden or self.multi_channel):
+            opts = "ModelConfig.query_key_map / ffn_hidden / multi_channel"
+            raise ValueError(f"{opts} are options of the HSTU block, not of {self.architecture!r}")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
         self._validate_item_table()

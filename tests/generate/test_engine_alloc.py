@@ -154,3 +154,19 @@ def test_one_kv_pool_viewed_by_every_bucket(engine):
     assert pool.nbytes() == widest * per_slot + scratch  # by hand
     assert engine.memory_report()["kv_pool"] == pool.nbytes() == max(engine.cache_bytes_per_bucket().values())
     assert pool.nbytes() < sum(engine.cache_bytes_per_bucket().values())
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_multi_channel_decode_loop_concatenates_its_channels_only(monkeypatch, strategy):
+    """[model] multi_channel (FuXi-alpha's channels): the same claims, except one aten.cat per layer and step, the
+    new row's semantic, position and time outputs side by side (a fixed (R, 1, 3 H d_v), not a growing sequence)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        num_items=200, max_seq_len=40, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0,
+        multi_channel=True,
+    )  # fmt: skip
+    eng = Engine(build_hstu(cfg).eval(), buckets=(10, 40), max_batch=4, k_max=6)
+    counts = [run_counting(eng, monkeypatch, k, strategy)[0] for k in (3, 4, 5)]
+    assert not (set(counts[2]) & (FORBIDDEN - {"aten.cat"})), sorted(set(counts[2]) & FORBIDDEN)
+    n, cats = [sum(c.values()) for c in counts], [c["aten.cat"] for c in counts]
+    assert n[2] - n[1] == n[1] - n[0] > 0 and cats[2] - cats[1] == cats[1] - cats[0] == 2 * cfg.num_blocks  # 2 groups

@@ -24,7 +24,7 @@ I = 60  # items
 E = 20  # the one bucket
 
 
-def tiny_model() -> torch.nn.Module:
+def tiny_model(**kw) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = ModelConfig(
         num_items=I,
@@ -38,6 +38,7 @@ def tiny_model() -> torch.nn.Module:
         dropout=0.0,
         num_actions=3,
         num_categories=4,
+        **kw,
     )
     return build_hstu(cfg).eval()
 
@@ -51,8 +52,8 @@ def inputs(B: int, seed: int):
     return ids, ts, L, feats, torch.randint(0, 5, (I + 1,), generator=g)
 
 
-def engines(backend: str):
-    m = tiny_model()
+def engines(backend: str, **model_kw):
+    m = tiny_model(**model_kw)
     kw = dict(buckets=(E,), max_batch=2, k_max=3, batch_sizes=(1, 2), prefix_cache_bytes=1 << 20)
     return Engine(m, graphs="compiled", compile_backend=backend, **kw), Engine(m, graphs="eager", **kw)
 
@@ -79,9 +80,10 @@ def check_all_cases(compiled: Engine, eager: Engine, rtol: float) -> None:
     assert all(g["mode"] == "compiled" and g["error"] is None for g in report), report
 
 
-def test_compiled_matches_eager_every_batch_size_and_strategy():
+@pytest.mark.parametrize("multi_channel", [False, True], ids=["hstu", "multi_channel"])
+def test_compiled_matches_eager_every_batch_size_and_strategy(multi_channel):
     torch._dynamo.reset()
-    compiled, eager = engines("aot_eager")
+    compiled, eager = engines("aot_eager", multi_channel=multi_channel)
     assert compiled.graphs == "compile" and compiled.batch_sizes == (1, 2)
     check_all_cases(compiled, eager, rtol=1e-6)
 

@@ -15,12 +15,15 @@ from hstu.model import build_hstu
 I = 300
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=[False, True], ids=["hstu", "multi_channel"])
+def model(request):
+    """The HSTU block, and FuXi-alpha's multi-channel attention ([model] multi_channel), whose position and
+    time channels read the cached rows' values as the semantic one does."""
     torch.manual_seed(0)
     cfg = ModelConfig(
-        num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0
-    )
+        num_items=I, max_seq_len=60, max_output_len=6, embedding_dim=16, num_blocks=2, num_heads=2, d_qk=8, d_v=8, dropout=0.0,
+        multi_channel=request.param,
+    )  # fmt: skip
     return build_hstu(cfg).eval()
 
 

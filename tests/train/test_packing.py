@@ -81,14 +81,14 @@ def test_packed_batch_holds_each_users_events_once(ml1m_slice) -> None:
     assert torch.equal(p.lengths, (p.segments >= 0).sum(1)) and int(p.lengths.sum()) == int(pad.lengths.sum())
 
 
-@pytest.mark.parametrize("norm", ["fixed", "causal"])
-def test_packed_loss_and_gradients_equal_the_padded_batch(ml1m_slice, norm) -> None:
+@pytest.mark.parametrize("norm,multi_channel", [("fixed", False), ("causal", False), ("fixed", True)])
+def test_packed_loss_and_gradients_equal_the_padded_batch(ml1m_slice, norm, multi_channel) -> None:
     log_, split = ml1m_slice
     users = _users(log_, split)
     tcfg = TrainConfig(num_negatives=16, negatives_pool=200, packing="pack")
     grads, losses = [], []
     for packed in (True, False):
-        model = _model(log_, attention_norm=norm)
+        model = _model(log_, attention_norm=norm, multi_channel=multi_channel)
         p = packed_train_batch(log_, split, users, MSL)
         b = p if packed else train_batch(log_, split, p.users.numpy(), MSL)  # the same users in the packed order
         out = model.encode(b.ids, b.timestamps, b.lengths, actions=b.actions, categories=b.categories, segments=b.segments)
@@ -105,13 +105,13 @@ def test_packed_loss_and_gradients_equal_the_padded_batch(ml1m_slice, norm) -> N
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-9, atol=1e-12, msg=k)
 
 
-@pytest.mark.parametrize("time_bias", [True, False])
-def test_a_packed_rows_outputs_equal_each_user_alone(ml1m_slice, time_bias) -> None:
+@pytest.mark.parametrize("time_bias,multi_channel", [(True, False), (False, False), (True, True)])
+def test_a_packed_rows_outputs_equal_each_user_alone(ml1m_slice, time_bias, multi_channel) -> None:
     """Each user's rows 0..L-2 (all rows without the time bias): the last row's query time is the next
     user's first event in a packed row (time bias only), a row that predicts nothing and only it attends."""
     log_, split = ml1m_slice
     users = _users(log_, split)[:10]
-    model = _model(log_, use_time_bias=time_bias).eval()
+    model = _model(log_, use_time_bias=time_bias, multi_channel=multi_channel).eval()
     p = packed_train_batch(log_, split, users, MSL)
     with torch.no_grad():
         out = model.encode(p.ids, p.timestamps, p.lengths, segments=p.segments)  # (R, W, d)

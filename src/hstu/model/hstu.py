@@ -10,6 +10,9 @@ Per layer, for input X (B, W, d)                                        (§3, eq
     Y = X + W_o · Dropout(U ⊙ LN(A · V))
     [model] query_key_map = false: Q = K = 0, so A = SiLU(rab) / n (FuXi-beta's attention-free mixing)
     [model] ffn_hidden = F > 0: then Y += W_down · Dropout(SiLU(W_gate RMSNorm(Y)) ⊙ W_up RMSNorm(Y)) (FuXi-alpha §4.3)
+    [model] multi_channel = true (FuXi-alpha §4.2, adaptive multi-channel self-attention): rab leaves the scores and
+        becomes channels of its own, A·V := [SiLU(Q Kᵀ) / n · V, A_p · V, A_t · V] (A_p, A_t the masked position and
+        time biases, meta.multi_channel), U is C + 1 times as wide, and W_o maps the C + 1 channels back to d
 Rows at positions >= length are zero after every layer, so padding never changes live rows.
 Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
 
@@ -33,7 +36,7 @@ from hstu.config import ATTENTION_NORMS, ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize  # noqa: F401 (l2_normalize: imported from here by model, train, quant)
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
 from hstu.model.kernels import REFERENCE, KernelSet, get_kernels
-from hstu.model.meta import AttentionMeta, KVView, hstu_attention, segment_positions
+from hstu.model.meta import AttentionMeta, KVView, hstu_attention, multi_channel, segment_positions
 from hstu.model.repeat import RepeatBias
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,7 @@ class HSTULayer(nn.Module):
         attention_norm: str = "fixed",
         query_key_map: bool = True,
         ffn_hidden: int = 0,
+        multi_channel: bool = False,
         index: int = 0,
     ) -> None:
         super().__init__()
@@ -86,8 +90,11 @@ class HSTULayer(nn.Module):
             raise ValueError(f"HSTULayer attention_norm must be one of {ATTENTION_NORMS}, got {attention_norm!r}")
         self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
         self.attention_norm, self.index, self.query_key_map = attention_norm, index, query_key_map
-        self.uvqk = nn.Linear(dim, 2 * num_heads * (d_v + (d_qk if query_key_map else 0)), bias=False)
-        self.o = nn.Linear(num_heads * d_v, dim)
+        # FuXi-alpha's channels beside the semantic one: position, time (those whose bias is on)
+        self.channels = 1 + (int(use_position_bias) + int(use_time_bias) if multi_channel else 0)
+        hu = self.channels * num_heads * d_v  # U's width, that of the concatenated channels
+        self.uvqk = nn.Linear(dim, hu + num_heads * d_v + 2 * num_heads * (d_qk if query_key_map else 0), bias=False)
+        self.o = nn.Linear(hu, dim)
         self.rel_bias = RelativeBias(width=width, num_buckets=num_buckets, use_position=use_position_bias, use_time=use_time_bias)
         self.dropout = nn.Dropout(dropout)
         self.ffn = SwiGLUFFN(dim, ffn_hidden, dropout, eps) if ffn_hidden > 0 else None
@@ -104,7 +111,8 @@ class HSTULayer(nn.Module):
         any other projection module runs itself (quant/int8.Int8Linear keeps no float weight), and so
         does a Linear with forward hooks (quant.calibrate's layer report), which then see every call."""
         lin = self.uvqk
-        if self.query_key_map and type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+        fusable = self.query_key_map and self.channels == 1 and type(lin) is nn.Linear
+        if fusable and not (lin._forward_hooks or lin._forward_pre_hooks):
             return kernels.uvqk(x, self.uvqk.weight, num_heads=self.num_heads, d_qk=self.d_qk, d_v=self.d_v, eps=self.eps)
         h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, T, 2H(d_v+d_qk))
         h = F.silu(h, inplace=not h.requires_grad)  # in place at inference (no grad)
@@ -112,7 +120,7 @@ class HSTULayer(nn.Module):
         if not self.query_key_map:
             zero = h.new_zeros(()).expand(*h.shape[:-1], hq)  # (B, T, H*d_qk), stride 0
             return (*torch.split(h, [hv, hv], dim=-1), zero, zero)
-        return torch.split(h, [hv, hv, hq, hq], dim=-1)
+        return torch.split(h, [self.channels * hv, hv, hq, hq], dim=-1)
 
     def heads(self, t: torch.Tensor, d: int) -> torch.Tensor:
         B, T, _ = t.shape
@@ -123,14 +131,14 @@ class HSTULayer(nn.Module):
     def relative_bias(self, meta: AttentionMeta, dtype: torch.dtype) -> torch.Tensor:
         """rab of meta's (query, key) pairs with the mask folded in (kernels.decode_bias): the
         (B, T, S) ``dtype`` bias an AttentionMeta.bias holds, formed once for a decode loop."""
-        rb = self.rel_bias
+        rb, inside = self.rel_bias, self.channels == 1  # multi-channel: the semantic scores' bias is the mask alone
         return meta.kernels.decode_bias(
             meta.q_pos,
             meta.k_pos,
             meta.k_valid,
             meta.tb,
-            rb.pos_w if rb.use_position else None,
-            rb.ts_w if rb.use_time and meta.tb is not None else None,
+            rb.pos_w if rb.use_position and inside else None,
+            rb.ts_w if rb.use_time and meta.tb is not None and inside else None,
             dtype,
         )
 
@@ -157,10 +165,11 @@ class HSTULayer(nn.Module):
             r = meta.rows.view(B, 1, 1)
             q = q.gather(2, r.unsqueeze(1).expand(B, H, 1, self.d_qk))  # (B, H, 1, d_qk)
             u, x = u.gather(1, r.expand(B, 1, u.shape[-1])), x.gather(1, r.expand(B, 1, self.dim))  # (B, 1, ·)
-        av = hstu_attention(
-            q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=self.attention_norm == "fixed", layer_index=self.index
-        )  # A·V (B, T, H*d_v)
-        h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, H*d_v)
+        fixed, one = self.attention_norm == "fixed", self.channels == 1
+        av = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one)
+        if not one:  # FuXi-alpha's position and time channels beside the semantic A·V: (B, T, channels*H*d_v)
+            av = torch.cat([av, *multi_channel(kv, meta, rel_bias=self.rel_bias)], dim=-1)
+        h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, channels*H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         y = y if self.ffn is None else self.ffn(y)  # FuXi-alpha's second FFN stage, row by row
         return y if meta.valid is None or meta.rows is not None else y * meta.valid  # (B, T, d)
@@ -192,6 +201,7 @@ class HSTUModel(SequentialRecommender):
                 attention_norm=cfg.attention_norm,
                 query_key_map=cfg.query_key_map,
                 ffn_hidden=cfg.ffn_hidden,
+                multi_channel=cfg.multi_channel,
                 index=i,
             )
             for i in range(cfg.num_blocks)

@@ -29,6 +29,7 @@ import torch
 
 from hstu.model.bias import RelativeBias
 from hstu.model.kernels import REFERENCE, KernelSet
+from hstu.model.kernels.reference import bias_channels
 
 
 @dataclass
@@ -153,7 +154,15 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
 
 
 def hstu_attention(
-    q: torch.Tensor, kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias, width: int, fixed_norm: bool, layer_index: int = 0
+    q: torch.Tensor,
+    kv: KVView,
+    meta: AttentionMeta,
+    *,
+    rel_bias: RelativeBias,
+    width: int,
+    fixed_norm: bool,
+    layer_index: int = 0,
+    rab: bool = True,
 ) -> torch.Tensor:
     """A = SiLU(Q Kᵀ + rab) / n ⊙ mask, out = A · V  (Zhai et al. 2024, §3, eq. 2), the one call
     every layer forward makes, dispatched to ``meta.kernels``.
@@ -166,12 +175,14 @@ def hstu_attention(
         width: N. fixed_norm: n = N for every row (ModelConfig.attention_norm "fixed"), else
             n = q_pos + 1 per row ("causal": every position it attends is live).
         layer_index: which of meta.bias to read.
+        rab: False: no relative bias inside (A = SiLU(Q Kᵀ) / n, the semantic channel of
+            :func:`multi_channel`; a meta.bias then holds the mask alone).
     Returns:
         (B, T, H * d_v) float, heads concatenated. Segments add: SiLU is pointwise, no softmax.
     """
     n = width if fixed_norm else 1
     pos_w = ts_w = None
-    if meta.bias is None or meta.kernels.attention_bias is None:  # the bias is formed here: read the tables
+    if rab and (meta.bias is None or meta.kernels.attention_bias is None):  # the bias is formed here: read the tables
         pos_w = rel_bias.pos_w if rel_bias.use_position else None
         ts_w = rel_bias.ts_w if rel_bias.use_time else None
     has_tb = meta.tb is not None or meta.block_tb is not None
@@ -189,4 +200,49 @@ def hstu_attention(
     return av / div if av.requires_grad else av.div_(div)
 
 
-__all__ = ["AttentionMeta", "KVView", "hstu_attention", "segment_positions"]
+def _channels(v: torch.Tensor, meta: AttentionMeta, tables: tuple) -> list[torch.Tensor]:
+    """:func:`hstu.model.kernels.reference.bias_channels` of one key segment, over meta's causal
+    row blocks where it has them: (B, H, S, d_v) -> C x (B, T, H*d_v)."""
+    if meta.blocks is None or meta.segments is not None:  # as _attend: packed rows are never split in blocks
+        return bias_channels(v, q_pos=meta.q_pos, k_pos=meta.k_pos, k_valid=meta.k_valid, tb=meta.tb, tables=tables, segments=meta.segments)
+    parts = [
+        bias_channels(
+            v[:, :, :b],
+            q_pos=meta.q_pos[a:b],
+            k_pos=meta.k_pos[:b],
+            k_valid=None,
+            tb=None if meta.block_tb is None else meta.block_tb[j],
+            tables=tables,
+        )
+        for j, (a, b) in enumerate(meta.blocks)
+    ]  # per block, C x (B, b - a, H*d_v)
+    return [torch.cat(p, dim=1) for p in zip(*parts)] if len(parts) > 1 else parts[0]
+
+
+def multi_channel(kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias) -> list[torch.Tensor]:
+    """FuXi-α's positional and temporal channels (Ye et al., WWW 2025, §4.2): A_p · V and A_t · V,
+    A_p[i, j] = pos_w[N - 1 + j - i] and A_t[i, j] = ts_w[bucket(t[i+1] - t[j])] where query i
+    attends key j, else 0 (the layer's own tables; a channel whose table is off is absent), for
+    the same (query, key) pairs as :func:`hstu_attention` (prefill blocks, cached keys, decode
+    steps, a beam's shared history, packed segments).
+
+    Returns:
+        C = 1 or 2 tensors (B, T, H * d_v) float (position, then time), heads concatenated.
+    Raises:
+        ValueError: the layer has a time bias and ``meta`` no time buckets.
+    """
+    tables = []
+    if rel_bias.use_position:
+        tables.append((rel_bias.pos_w, None))
+    if rel_bias.use_time:
+        if meta.tb is None and meta.block_tb is None:
+            raise ValueError("multi_channel: the layer has a time bias but the AttentionMeta has no time buckets")
+        tables.append((None, rel_bias.ts_w))
+    out = _channels(kv.v, meta, tuple(tables))  # C x (B, T, H*d_v)
+    if meta.shared is not None:  # beams: the history keys of each group of G query rows
+        out_h = _channels(kv.shared.v, meta.shared, tuple(tables))  # C x (B / G, G, H*d_v)
+        out = [o + h.reshape(o.shape) for o, h in zip(out, out_h)]
+    return out
+
+
+__all__ = ["AttentionMeta", "KVView", "hstu_attention", "multi_channel", "segment_positions"]

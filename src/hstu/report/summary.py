@@ -85,6 +85,7 @@ def summary_rows(r: RunFacts) -> dict[str, str]:
 def _block_options(m: dict) -> str:
     """config.json model's [model] options that change the HSTU block (issue 20's levers), or "—"."""
     opts = ([] if m.get("query_key_map", True) else ["no query-key map"]) + ([f"FFN {m['ffn_hidden']}"] if m.get("ffn_hidden") else [])
+    opts += ["multi-channel attention"] if m.get("multi_channel") else []
     return ", ".join(opts) or "—"
 
 

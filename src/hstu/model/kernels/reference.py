@@ -8,6 +8,7 @@ Zhai et al. 2024, §3, eqs. 1-3, split into the pieces a backend may fuse:
     ln_mul:     U ⊙ LN(A · V)                                         (eq. 3, before W_o)
     decode_bias + attention_bias: the same attention with the bias (mask folded in) formed once
                 for every step of a decode loop, then read per step (inference only)
+    bias_channels: FuXi-α's positional / temporal channels A_c · V ([model] multi_channel)
 
 Symbols: B batch, H heads, T query rows, S key rows, d_qk / d_v per-head widths, N the model's
 fixed width (the divisor n and the position table size 2N - 1).
@@ -89,6 +90,38 @@ def _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w, segments=None) -> tupl
     if segments is not None:
         drop = drop | (segments.unsqueeze(-1) != segments.unsqueeze(-2))  # (B, T, S): another user's token
     return drop, _rab(rel, tb, pos_w, ts_w)
+
+
+def bias_channels(
+    v: torch.Tensor,
+    *,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor | None,
+    tb: torch.Tensor | None,
+    tables: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
+    segments: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """FuXi-α's positional and temporal attention channels (Ye et al., WWW 2025, §4.2, adaptive
+    multi-channel self-attention): per channel c, A_c · V with A_c[b, i, j] = the channel's relative
+    bias where query i may attend key j, else 0; no SiLU, no 1/n (its weights are the bias itself).
+
+    Args:
+        v: (B, H, S, d_v) float values.
+        q_pos, k_pos, k_valid, tb, segments: the mask and time buckets, as :func:`attention`.
+        tables: per channel (pos_w, None) or (None, ts_w), as :func:`attention`'s tables.
+    Returns:
+        C tensors (B, T, H * d_v), in ``tables`` order, heads concatenated; the bias is shared by the
+        heads. No factory or concatenation (a decode loop's ops are checked for them).
+    """
+    drop, _ = _mask_and_rab(q_pos, k_pos, k_valid, None, None, None, segments)  # (B, T, S) or (T, S)
+    rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)
+    outs = []
+    for pos_w, ts_w in tables:
+        a = _rab(rel, tb, pos_w, ts_w).masked_fill(drop, 0.0).to(v.dtype)  # (B, T, S) or (T, S)
+        out = torch.matmul(a.unsqueeze(-3), v)  # (B, H, T, d_v)
+        outs.append(out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1))  # (B, T, H*d_v)
+    return outs
 
 
 def decode_bias(

@@ -91,7 +91,9 @@ def cmd_eval(args) -> int:
         return 0
     head = f"{args.split} ({spec.protocol}, {out['users']} users, {policy_text(excl)}): "
     print(head + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
-    for name, cell in _slice_cells(slices or {}).items():
+    from hstu.report.slices import cells
+
+    for name, cell in (cells(slices) if slices else {}).items():
         print(f"  {name}: {cell['value']:.4f} [{cell['ci'][0]:.4f}, {cell['ci'][1]:.4f}]")
     return 0
 
@@ -109,12 +111,6 @@ def _eval_slices(model, log_, split, args, exclude: bool) -> dict:
     return report
 
 
-def _slice_cells(report: dict) -> dict:
-    from hstu.report.slices import cells
-
-    return cells(report) if report else {}
-
-
 def _history_from_file(path: str):
     from hstu.generate.recommend import History, HistoryError
 
@@ -127,7 +123,7 @@ def _history_from_file(path: str):
         raise HistoryError(f"{p}: is a directory, not a history file") from None
     except UnicodeDecodeError as exc:
         raise HistoryError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested deeper than the decoder recurses
         raise HistoryError(f"{p}: not valid JSON: {exc}") from None
     if not isinstance(events, list):
         raise HistoryError(f'{p}: expected a JSON list of {{"item_id", "timestamp"}} objects')
@@ -482,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"[rank {rank}] " if getattr(args, "distributed", False) else ""
         logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
         return int(args.func(args) or 0)
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError, BackendUnavailableError) as exc:
+    except BrokenPipeError:  # `hstu ... | head` closed stdout: stop quietly (Python docs, signal, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (OSError, ValueError, KeyError, TypeError, BackendUnavailableError) as exc:  # one line naming the file or field
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{where}: error: {msg}", file=sys.stderr)
         return 2

@@ -58,9 +58,7 @@ class ModelConfig:
     attention_norm: str = "fixed"
     query_key_map: bool = True  # False: A = SiLU(rab) / n, no Q Kᵀ (FuXi-beta, Ye et al. 2025); W_uvqk gives U, V only
     ffn_hidden: int = 0  # > 0: FuXi-alpha's SwiGLU FFN stage (§4.3) of this width after each block (hstu.model.hstu.SwiGLUFFN)
-    # True: FuXi-alpha's adaptive multi-channel self-attention (Ye et al. 2025, §4.2): the relative position and time biases
-    # become channels of their own (A_p · V, A_t · V beside SiLU(Q Kᵀ) / n · V), concatenated before LN, U and W_o
-    multi_channel: bool = False
+    multi_channel: bool = False  # True: FuXi-alpha's multi-channel attention (§4.2), rab as channels (hstu.model.meta.multi_channel)
     # attention kernel set (hstu.model.kernels) for every path: "auto" = the device's default where it can run ("triton" on CUDA,
     # "npu" on NPU, else "reference"); a named set that cannot run on the device is an error; runs saved without it load as "auto".
     attention: str = "auto"
@@ -121,13 +119,9 @@ class ModelConfig:
         if not self.query_key_map and not (self.use_position_bias or self.use_time_bias):  # attention from the bias alone
             raise ValueError("ModelConfig.query_key_map = false needs use_position_bias or use_time_bias (else no token attends another)")
         if self.multi_channel and not (self.query_key_map and (self.use_position_bias or self.use_time_bias)):
-            raise ValueError(
-                "ModelConfig.multi_channel = true needs query_key_map = true (its semantic channel) and use_position_bias or "
-                "use_time_bias (its other channels)"
-            )
+            raise ValueError("ModelConfig.multi_channel = true needs query_key_map = true and use_position_bias or use_time_bias")
         if self.architecture != "hstu" and (not self.query_key_map or self.ffn_hidden or self.multi_channel):
-            opts = "ModelConfig.query_key_map / ffn_hidden / multi_channel"
-            raise ValueError(f"{opts} are options of the HSTU block, not of {self.architecture!r}")
+            raise ValueError(f"ModelConfig.query_key_map / ffn_hidden / multi_channel: HSTU block options, not {self.architecture!r}'s")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
         self._validate_item_table()
@@ -257,10 +251,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.table_optimizer not in LOCAL_TABLE_OPTIMIZERS:
-            raise ValueError(
-                f"TrainConfig.table_optimizer ([train] table_optimizer) must be one of {', '.join(LOCAL_TABLE_OPTIMIZERS)}, "
-                f"got {self.table_optimizer!r}"
-            )
+            raise ValueError(f"TrainConfig.table_optimizer: one of {', '.join(LOCAL_TABLE_OPTIMIZERS)}; got {self.table_optimizer!r}")
         if not (math.isfinite(self.table_learning_rate) and self.table_learning_rate >= 0):
             raise ValueError(f"TrainConfig.table_learning_rate must be a finite number >= 0, got {self.table_learning_rate}")
 
@@ -466,10 +457,10 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
     """The raw tables of a config file ({table: {field: value}}, only the fields it sets), checked
     for shape: a known table name, and a table (not a value). Raises ValueError naming the file."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
     try:
+        text = path.read_text(encoding="utf-8")
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"{path}: cannot parse config: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected tables such as [model] and [train], got {type(raw).__name__}")

@@ -121,7 +121,7 @@ def test_bad_combinations_are_refused() -> None:
     for kw in ({"query_key_map": False}, {"use_position_bias": False, "use_time_bias": False}):
         with pytest.raises(ValueError, match="multi_channel = true needs"):
             _cfg(**kw).validate()
-    with pytest.raises(ValueError, match="options of the HSTU block"):
+    with pytest.raises(ValueError, match="HSTU block options"):
         ModelConfig(num_items=9, architecture="sasrec", multi_channel=True).validate()
 
 

@@ -161,5 +161,5 @@ def test_preset_and_config_parse_together_and_bad_combinations_are_refused(tmp_p
         _cfg(False, use_position_bias=False, use_time_bias=False).validate()
     for field in ({"query_key_map": False}, {"ffn_hidden": 4}):
         bad = ModelConfig(num_items=9, architecture="sasrec", **field)
-        with pytest.raises(ValueError, match="options of the HSTU block"):
+        with pytest.raises(ValueError, match="HSTU block options"):
             bad.validate()

@@ -1,0 +1,42 @@
+"""Bad input to the command line gets one line naming the file, never a traceback (a fresh-user trial's findings):
+a --config that is a directory or not UTF-8, a --history nested deeper than the JSON decoder recurses, and
+stdout closed by the reader (`hstu ... | head`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hstu.cli import _history_from_file, main
+from hstu.generate.recommend import HistoryError
+
+
+@pytest.mark.parametrize("kind", ["directory", "latin-1"])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, capsys, kind) -> None:
+    cfg = tmp_path / "c.toml"
+    if kind == "directory":
+        cfg.mkdir()
+    else:
+        cfg.write_bytes("[train]\n# d\xe9j\xe0 vu\nepochs = 2\n".encode("latin-1"))
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hstu train: error: ") and str(cfg) in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_deeply_nested_history_is_invalid_json_naming_the_file(tmp_path) -> None:
+    f = tmp_path / "h.json"
+    f.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(HistoryError, match=rf"{f}: not valid JSON: .*recursion"):
+        _history_from_file(str(f))
+
+
+def test_stdout_closed_by_the_reader_ends_quietly() -> None:
+    """The reader goes away before the command writes (as `| head` does after its lines): no BrokenPipeError
+    traceback, and no 'Exception ignored' at exit (Python docs, signal module, "Note on SIGPIPE")."""
+    p = subprocess.Popen([sys.executable, "-m", "hstu", "doctor", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

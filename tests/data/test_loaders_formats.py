@@ -172,6 +172,22 @@ def test_text_ids_are_trimmed_case_kept_and_integers_stay_int64(tmp_path: Path):
     assert ints.users.dtype == np.int64 and ints.item_raw_ids.tolist() == [0, 5, 12]
 
 
+def test_one_non_integer_in_an_integer_id_column_is_warned(tmp_path: Path, caplog):
+    """The column still becomes text ids (the documented rule), but a column of integers with one odd value says so,
+    naming the value and its data row; a column of text ids says nothing."""
+    rows = "".join(f"{u},{i},{t}\n" for t, (u, i) in enumerate([(1, 10), (1, 11), (2, "1O"), (2, 12), (3, 10)]))
+    with caplog.at_level("WARNING", logger="hstu.data.parsing"):
+        log_ = load_csv(_write(tmp_path / "log.csv", "u,i,t\n" + rows), columns="user=u,item=i,time=t")
+    assert log_.item_raw_ids[log_.items].tolist() == ["10", "11", "1O", "12", "10"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "id column 'i': 1 of 5 values are not integers (first '1O', data row 3): the column is read as text ids; fix them if they are typos"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hstu.data.parsing"):
+        load_csv(_write(tmp_path / "t.csv", "u,i,t\n1,a,1\n1,b,2\n2,7,3\n"), columns="user=u,item=i,time=t")
+    assert not caplog.records
+
+
 def test_latin1_file_keeps_its_text_ids_apart(tmp_path: Path):
     """Decoded as UTF-8 with replacement, 'café' and 'cafè' (latin-1 0xE9 / 0xE8) were one item."""
     p = tmp_path / "log.tsv"

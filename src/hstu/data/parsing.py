@@ -99,6 +99,12 @@ def exact_ids(col: pd.Series, text: bool = False) -> tuple[pd.Series, np.ndarray
     vals = [exact_int(v) for v in col.tolist()]
     present = col.notna().to_numpy()
     if text and any(v is None and p for v, p in zip(vals, present)):
+        odd = [i for i, (v, p) in enumerate(zip(vals, present)) if v is None and p]
+        if len(odd) * 2 < int(present.sum()):  # mostly integers: a typo would turn every id of the column into a text id
+            log.warning(
+                "id column %r: %d of %d values are not integers (first %r, data row %d): the column is read as text ids; "
+                "fix them if they are typos", col.name, len(odd), int(present.sum()), str(col.iloc[odd[0]])[:40], odd[0] + 1,
+            )  # fmt: skip
         strs = col.astype(object).where(col.notna(), "").map(lambda v: str(v).strip())
         return strs.astype(object), (strs == "").to_numpy()
     bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)

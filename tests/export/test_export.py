@@ -248,3 +248,32 @@ def test_actions_and_categories_reach_the_exported_program(tmp_path):
             np.testing.assert_allclose(got[b], want.numpy(), atol=1e-5, rtol=0)
         other = pt2_export.run(path, enc.input_names, (*inputs[:4], acts % 3 + 1))
     assert np.abs(other - got).max() > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_a_multi_channel_model_exports(tmp_path, fmt):
+    """[model] multi_channel (FuXi-alpha's position and time channels): the exported program equals encode."""
+    from hstu.config import model_config_from_preset
+    from hstu.export import onnx_export, pt2_export
+    from hstu.export.encoder import UserEncoder, example_inputs
+    from hstu.model.hstu import build_hstu
+
+    if fmt == "onnx":
+        pytest.importorskip("onnxruntime", reason="the export extra (onnxruntime) is not installed")
+    torch.manual_seed(0)
+    model = build_hstu(model_config_from_preset("small", max_seq_len=30, num_items=40, multi_channel=True)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.rel_bias.pos_w.normal_(0, 0.5)
+            layer.rel_bias.ts_w.normal_(0, 0.5)
+    enc, mod = UserEncoder(model, None), pt2_export if fmt == "pt2" else onnx_export
+    path = tmp_path / f"e.{fmt}"
+    mod.export(enc, example_inputs(enc, 12, batch=3, seed=0), path, None)
+    ids, ts, lengths, rt = inputs = example_inputs(enc, 12, batch=4, seed=3)
+    got = mod.run(path, enc.input_names, inputs)
+    with torch.no_grad():
+        for b in range(4):
+            L = int(lengths[b])
+            i = torch.cat([ids[b, :L], torch.zeros(1, dtype=torch.int64)]).view(1, -1)
+            t = torch.cat([ts[b, :L], rt[b : b + 1]]).view(1, -1)
+            np.testing.assert_allclose(got[b], model.encode(i, t, lengths[b : b + 1])[0, L - 1].numpy(), atol=1e-5, rtol=0)

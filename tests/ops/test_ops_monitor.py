@@ -186,3 +186,29 @@ def test_cli_export_rules_and_bad_listen(tmp_path, capsys):
 def test_cli_serves_for_a_bounded_duration(capsys):
     assert main(["monitor", "--listen", "127.0.0.1:0", "--interval", "200ms", "--duration", "500ms"]) == 0
     assert "/metrics" in capsys.readouterr().out
+
+
+def test_host_cpu_sample_right_after_start_measures_a_window(monkeypatch):
+    """`hstu monitor --once` samples right after start: psutil's non-blocking reading would be 0.0
+    (no time since the prime), so the first sample blocks for the rest of MIN_CPU_WINDOW_S; a later
+    sample (past the window) reads non-blocking, over the time since the previous one."""
+    import sys
+    import types
+
+    calls = []
+
+    def cpu_percent(interval=None):
+        calls.append(interval)
+        return 0.0 if interval is None else 37.5
+
+    vm = types.SimpleNamespace(total=100, available=40)
+    fake = types.SimpleNamespace(cpu_percent=cpu_percent, virtual_memory=lambda: vm, cpu_count=lambda logical=True: 2)
+    monkeypatch.setitem(sys.modules, "psutil", fake)
+    src = HostSource()
+    assert calls == [None]  # the prime
+    got = {s.name: s.value for s in src.collect()}
+    assert 0 < calls[1] <= HostSource.MIN_CPU_WINDOW_S  # blocked for the rest of the window
+    assert got["hstu_host_cpu_utilization_ratio"] == 0.375
+    src._last -= 10 * HostSource.MIN_CPU_WINDOW_S  # the next sample comes after the window
+    src.collect()
+    assert calls[2] is None

@@ -11,6 +11,7 @@ Device series carry ``backend`` ("npu" / "cuda") and ``device`` (index as the to
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from hstu.ops._common import CommandResult, run_command
@@ -100,9 +101,12 @@ def _device_samples(
 
 
 class HostSource(Source):
-    """Host CPU and memory via psutil."""
+    """Host CPU and memory via psutil. The CPU utilisation is over the time since the previous
+    sample, at least ``MIN_CPU_WINDOW_S`` (a sample taken sooner, e.g. ``hstu monitor --once`` right
+    after start, waits out the rest: psutil's first non-blocking reading is 0.0)."""
 
     name = "psutil"
+    MIN_CPU_WINDOW_S = 0.1
 
     def __init__(self) -> None:
         self._psutil = None
@@ -111,8 +115,16 @@ class HostSource(Source):
 
             self._psutil = psutil
             psutil.cpu_percent(interval=None)  # prime: the first call has no reference point
+            self._last = time.monotonic()
         except ImportError:
             pass
+
+    def _cpu_ratio(self) -> float:
+        """Host CPU utilisation in [0, 1] since the last reading (>= MIN_CPU_WINDOW_S)."""
+        short = self.MIN_CPU_WINDOW_S - (time.monotonic() - self._last)
+        pct = self._psutil.cpu_percent(interval=short if short > 0 else None)  # blocking over `short`: its own window
+        self._last = time.monotonic()
+        return pct / 100.0
 
     def unavailable_reason(self) -> str | None:
         return None if self._psutil else "psutil is not installed (pip install 'hstu[ops]')"
@@ -125,7 +137,7 @@ class HostSource(Source):
             Sample.of("hstu_host_memory_used_bytes", used),
             Sample.of("hstu_host_memory_total_bytes", int(vm.total)),
             Sample.of("hstu_host_memory_utilization_ratio", used / vm.total if vm.total else 0.0),
-            Sample.of("hstu_host_cpu_utilization_ratio", ps.cpu_percent(interval=None) / 100.0),
+            Sample.of("hstu_host_cpu_utilization_ratio", self._cpu_ratio()),
             Sample.of("hstu_host_cpu_count", ps.cpu_count(logical=True) or 0),
         ]
 

@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 import hstu
 from hstu import backend
@@ -50,13 +48,13 @@ from hstu.data import EventLog, Split
 from hstu.data.prepare import DataSpec, train_item_counts
 from hstu.data.sequences import is_text, same_item_ids
 from hstu.model.checkpoint import (
-    crash_point,
     load_state,
     load_weights,
     read_idmap,
     read_json,
     read_safetensors,
     read_safetensors_metadata,
+    save_tensors,
     save_weights,
     write_json,
     write_npz,
@@ -320,10 +318,7 @@ def save_train_state(
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.negatives"] = gen.get_state()
     manifest = {**info, "param_groups": sd["param_groups"], "history": history}
-    tmp = run / (LAST_WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={MANIFEST_KEY: json.dumps(manifest)})
-    crash_point(tmp)
-    os.replace(tmp, run / LAST_WEIGHTS)  # the commit
+    save_tensors(run / LAST_WEIGHTS, tensors, {MANIFEST_KEY: json.dumps(manifest)})  # the commit
     write_json(run / LAST_JSON, manifest)
     write_json(run / HISTORY, history)
     write_curves(run, history)  # metrics.csv: the same history as a table (hstu.model.curves)

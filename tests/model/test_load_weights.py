@@ -58,3 +58,20 @@ def test_an_old_checkpoint_without_the_repeat_scale_loads_scale_one(tmp_path, mo
         b.repeat.scale.fill_(7.0)
     ck.load_weights(tmp_path / "old.safetensors", b)
     assert float(b.repeat.scale) == 1.0 and torch.equal(b.item_emb.weight, a.item_emb.weight)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_weights_get_the_modes_of_the_other_run_files(tmp_path, umask):
+    """safetensors creates its files 0600; the weights are written with the mode every other run
+    file gets from the umask (a write_json file beside them), so a shared run stays readable."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        ck.save_weights(tmp_path / "w.safetensors", model(1))
+        ck.write_json(tmp_path / "m.json", {"a": 1})
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert mode == {"w.safetensors": 0o666 & ~umask, "m.json": 0o666 & ~umask}

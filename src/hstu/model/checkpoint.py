@@ -157,12 +157,21 @@ def load_state(path: Path, module: torch.nn.Module, state: dict[str, torch.Tenso
         raise ValueError(f"{path}: weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def save_weights(path: Path, module: torch.nn.Module, metadata: dict[str, str] | None = None) -> None:
-    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+def save_tensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file atomically (``path.tmp``, :func:`crash_point`, rename), with the
+    permissions of any other file the process creates (0666 less the umask: safetensors creates 0600)."""
     tmp = Path(str(path) + ".tmp")
     save_file(state, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     crash_point(tmp)
     os.replace(tmp, path)
+
+
+def save_weights(path: Path, module: torch.nn.Module, metadata: dict[str, str] | None = None) -> None:
+    """A module's state dict as safetensors at ``path`` (:func:`save_tensors`)."""
+    save_tensors(path, {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, metadata)
 
 
 STREAM_TENSOR_BYTES = 256 << 20  # tensors above this (item table shards) are read and loaded one at a time

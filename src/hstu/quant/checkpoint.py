@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, write_json
+from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, save_tensors, write_json
 from hstu.model.run_files import CONFIG, IDMAP, ITEMS
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
@@ -156,9 +155,7 @@ def save_quantized_run(
             "calibration": calibration,
         }
     )
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp), metadata={"hstu_quant_scheme": meta["scheme"], "hstu_quant_format": str(FORMAT)})
-    tmp.replace(out / WEIGHTS)
+    save_tensors(out / WEIGHTS, state, {"hstu_quant_scheme": meta["scheme"], "hstu_quant_format": str(FORMAT)})
     q = tensor_bytes(state)
     meta["bytes"] = {"tensors": q, "file": (out / WEIGHTS).stat().st_size}
     if float_weights.exists():

@@ -174,3 +174,17 @@ def test_serve_default_and_the_request_field(run):
     assert not got[None, None] & set(range(1, 8))  # the run's policy (on)
     assert got[False, None] & set(range(1, 8))  # the server's --no-exclude-history
     assert not got[False, True] & set(range(1, 8))  # the request's own field wins
+
+
+def test_resume_asking_for_the_data_sets_default_is_the_same_run(tmp_path, capsys):
+    """A run trained without the flag keeps the data set's default (config.json None; a CSV's is off):
+    resuming it with that default spelled out (--no-exclude-history) continues it; the other value
+    (--exclude-history) is still refused."""
+    flags = tiny_csv_flags(tmp_path)
+    data_flags, out = flags[: flags.index("--config")], str(tmp_path / "run")
+    assert main(["train", *flags, "--epochs", "1", "--out", out, "--quiet"]) == 0
+    assert main(["train", *data_flags, "--epochs", "2", "--exclude-history", "--out", out, "--resume", "--quiet"]) == 2
+    assert "--exclude-history is True here but None in the run" in capsys.readouterr().err
+    assert main(["train", *data_flags, "--epochs", "2", "--no-exclude-history", "--out", out, "--resume", "--quiet"]) == 0
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["data"]["exclude_history"] is None and len(json.loads((tmp_path / "run" / "history.json").read_text())) == 2

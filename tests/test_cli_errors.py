@@ -1,9 +1,11 @@
 """Bad input to the command line gets one line naming the file, never a traceback (a fresh-user trial's findings):
-a --config that is a directory or not UTF-8, a --history nested deeper than the JSON decoder recurses, and
-stdout closed by the reader (`hstu ... | head`)."""
+a --config that is a directory or not UTF-8, a --history nested deeper than the JSON decoder recurses or whose
+events cannot be used (empty, text ids for an integer-id run, only unknown ids), and stdout closed by the reader
+(`hstu ... | head`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -31,6 +33,23 @@ def test_a_deeply_nested_history_is_invalid_json_naming_the_file(tmp_path) -> No
     f.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(HistoryError, match=rf"{f}: not valid JSON: .*recursion"):
         _history_from_file(str(f))
+
+
+@pytest.mark.parametrize(
+    "events, why",
+    [
+        ([], "history: empty"),
+        ([{"item_id": "abc", "timestamp": 1}], "history[0].item_id: not an integer id"),
+        ([{"item_id": 10**9, "timestamp": 1}], "history: no known item ids left"),
+    ],
+    ids=["empty", "text-id", "unknown-ids"],
+)
+def test_an_unusable_history_file_is_one_line_naming_it(run_dir, tmp_path, capsys, events, why) -> None:
+    f = tmp_path / "h.json"
+    f.write_text(json.dumps(events))
+    assert main(["generate", "--run", str(run_dir), "--history", str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hstu generate: error: {f}: {why}") and "\n" not in err, err
 
 
 def test_stdout_closed_by_the_reader_ends_quietly() -> None:

@@ -201,7 +201,7 @@ def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = Non
 def cmd_generate(args) -> int:
     from hstu.generate.batch import history_of
     from hstu.generate.batch_cli import cmd_all_users, reject_batch_flags
-    from hstu.generate.recommend import Recommender
+    from hstu.generate.recommend import HistoryError, Recommender
     from hstu.model.checkpoint import read_json
 
     if args.all_users:  # the batch job (hstu.generate.batch): the data set read once
@@ -222,9 +222,11 @@ def cmd_generate(args) -> int:
         log_ = _run_data(cfg, args.data_dir, args=args, run=(args.run, rec.idmap))[0]
         args.user = log_.user_id(args.user)  # the data set's id (int, or trimmed text); KeyError names an unknown one
         hist = history_of(log_, args.user)
-    if args.request_time is not None:
-        hist.request_time = args.request_time
-    prep = rec.prepare(hist, unknown=args.unknown_items)
+    hist.request_time = hist.request_time if args.request_time is None else args.request_time
+    try:
+        prep = rec.prepare(hist, unknown=args.unknown_items)
+    except HistoryError as exc:  # an empty history, unknown ids: name the --history file too
+        raise HistoryError(f"{args.history}: {exc}" if args.history else str(exc)) from None
     excl = args.exclude_history
     allow = True if args.allow_untrained_items else None
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
@@ -233,9 +235,7 @@ def cmd_generate(args) -> int:
     items = rec.recommend(
         [prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec, args.graphs)
     )[0]  # through the engine, sized for this one call
-    out = {"user": args.user, "items": items}
-    if prep.warnings:
-        out["warnings"] = prep.warnings
+    out = {"user": args.user, "items": items, **({"warnings": prep.warnings} if prep.warnings else {})}
     if args.json:
         print(json.dumps(out, indent=2, ensure_ascii=False))
     else:

@@ -161,10 +161,10 @@ def save_tensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str,
     """Write a safetensors file atomically (``path.tmp``, :func:`crash_point`, rename), with the
     permissions of any other file the process creates (0666 less the umask: safetensors creates 0600)."""
     tmp = Path(str(path) + ".tmp")
+    tmp.open("wb").close()  # created as any file is (0666 less the umask), read back: no process-wide umask change
+    mode = tmp.stat().st_mode & 0o777
     save_file(state, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, mode)
     crash_point(tmp)
     os.replace(tmp, path)
 

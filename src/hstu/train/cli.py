@@ -408,11 +408,12 @@ def _resume_defaults(args) -> dict:
     if args.resume and not path.exists():
         raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
     from hstu.model.checkpoint import read_json
+    from hstu.model.run_files import IDMAP
     from hstu.train.loop import check_resume_data
 
     saved = read_json(path) if args.resume else {}  # checked field by field: a malformed one is named
     data = saved.get("data", {})
-    ids = path.parent / "idmap.json"  # the run's data-set default (its exclude_history None) asked for explicitly: the same run
+    ids = path.parent / IDMAP  # the run's data-set default (its exclude_history None) asked for explicitly: the same run
     if "exclude_history" in data and data["exclude_history"] is None and args.exclude_history is not None and ids.exists():
         args.exclude_history = None if args.exclude_history == read_json(ids).get("exclude_history_default") else args.exclude_history
     given = {"dataset": args.dataset, "protocol": args.protocol, "max_users": args.max_users}

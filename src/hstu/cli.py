@@ -418,7 +418,7 @@ def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="train on ML-1M, evaluate, and show next-5 titles for three users")
     d.add_argument("--data-dir")
     d.add_argument("--epochs", type=number_in(int, 1), default=12, help="training epochs, >= 1 (default 12)")
-    d.add_argument("--seed", type=int, default=42)
+    d.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=42)
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--device", default="cpu")
     d.add_argument("--quiet", action="store_true")
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{where}: error: {msg}", file=sys.stderr)
         return 2
-    except FloatingPointError as exc:  # a diverged training (train.loop._epoch): a failure, not a usage error
+    except (FloatingPointError, MemoryError) as exc:  # a diverged training (train.loop._epoch), a model too big: a failure
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -221,10 +221,6 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "num_negatives", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.length_pool < 1:
-            raise ValueError(f"TrainConfig.length_pool must be >= 1, got {self.length_pool}")
-        if self.negatives_chunk < 1:
-            raise ValueError(f"TrainConfig.negatives_chunk must be >= 1, got {self.negatives_chunk}")
         if self.negatives_pool < 0:
             raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
         if self.softmax not in ("sampled", "full"):
@@ -247,9 +243,11 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr_decay_patience must be >= 0 (0: a constant learning rate), got {self.lr_decay_patience}")
         if not (math.isfinite(self.lr_decay_factor) and 0 < self.lr_decay_factor < 1):
             raise ValueError(f"TrainConfig.lr_decay_factor must be in (0, 1), got {self.lr_decay_factor}")
-        for name in ("early_stopping_patience", "eval_every"):
+        for name in ("length_pool", "negatives_chunk", "early_stopping_patience", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.seed <= SEED_MAX:  # numpy's generators take 0..2**32 - 1
+            raise ValueError(f"TrainConfig.seed ([train] seed, --seed) must be in 0..{SEED_MAX}, got {self.seed}")
         if self.table_optimizer not in LOCAL_TABLE_OPTIMIZERS:
             raise ValueError(f"TrainConfig.table_optimizer: one of {', '.join(LOCAL_TABLE_OPTIMIZERS)}; got {self.table_optimizer!r}")
         if not (math.isfinite(self.table_learning_rate) and self.table_learning_rate >= 0):

@@ -1,7 +1,8 @@
 """Training guards found by a fresh-user trial: an fp16 hashed table under AdamW is refused before the data is read
 (it trained to a nan loss and a run marked completed), a diverged epoch (non-finite loss) stops the run
 with nothing of that epoch written, ``hstu.fit`` never replaces a run unless asked, the run records an
-absolute data path, and Ctrl-C / an abbreviated flag give one line."""
+absolute data path, Ctrl-C / an abbreviated flag give one line, an out-of-range seed is refused before a run is replaced and
+a model too big to allocate is one line naming its sizes."""
 
 from __future__ import annotations
 
@@ -94,3 +95,59 @@ def test_abbreviated_flags_and_ctrl_c_are_one_line(tmp_path, monkeypatch, capsys
     assert main(["train", "--out", str(tmp_path / "r")]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hstu train: interrupted; the run keeps its last committed epoch: continue with --resume"]
+
+
+def _cli_flags(tmp_path, train_extra=""):
+    _log(tmp_path)
+    model = "\n".join(f"{k} = {v}" for k, v in CFG.items())
+    (tmp_path / "t.toml").write_text(f"[model]\n{model}\n[train]\nbatch_size = 8\nnum_negatives = 4\n{train_extra}")
+    return ["train", "--dataset", "csv", "--data-dir", str(tmp_path / "log.csv"), "--columns", "user=u,item=i,time=t", "--quiet"]
+
+
+@pytest.mark.parametrize("where", ["flag", "toml"])
+def test_an_out_of_range_seed_is_refused_before_the_run_is_replaced(tmp_path, capsys, where):
+    flags, run = _cli_flags(tmp_path), tmp_path / "run"
+    assert main([*flags, "--config", str(tmp_path / "t.toml"), "--epochs", "1", "--out", str(run)]) == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    capsys.readouterr()
+    bad = ["--seed", "-1"] if where == "flag" else []
+    if where == "toml":
+        _cli_flags(tmp_path, "seed = -1\n")
+    for out in ("run", "new"):  # replacing the old run, a fresh --out
+        over = ["--overwrite"] if out == "run" else []
+        args = [*flags, "--config", str(tmp_path / "t.toml"), *bad, "--out", str(tmp_path / out), *over]
+        if where == "flag":
+            with pytest.raises(SystemExit) as exc:
+                main(args)
+            assert exc.value.code == 2 and "argument --seed: must be in 0..4294967295, got -1" in capsys.readouterr().err
+        else:
+            assert main(args) == 2
+            assert "TrainConfig.seed ([train] seed, --seed) must be in 0..4294967295, got -1" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before  # the old run intact
+    assert not (tmp_path / "new").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("dim", [2**40, 10**22])
+def test_a_model_too_big_to_allocate_is_one_line_naming_its_sizes(tmp_path, capsys, dim):
+    flags = _cli_flags(tmp_path)
+    model = "\n".join(f"{k} = {v if k != 'embedding_dim' else dim}" for k, v in CFG.items())
+    (tmp_path / "t.toml").write_text(f"[model]\n{model}\n[train]\nbatch_size = 8\nnum_negatives = 4\n")
+    assert main([*flags, "--config", str(tmp_path / "t.toml"), "--epochs", "1", "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hstu train: error: the model's tensors do not fit (") and f"embedding_dim = {dim}" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--seed", "-1"], "argument --seed: must be in 0..4294967295, got -1"),
+        (["quantize", "--run", "r", "--scheme", "int8", "--seed", "-1"], "argument --seed: must be in 0..4294967295, got -1"),
+        (["quantize", "--run", "r", "--scheme", "int8", "--calib-users", "0"], "argument --calib-users: must be >= 1, got 0"),
+        (["train", "--out", "r", "--seed", "1e23"], "argument --seed: expected an integer, got '1e23'"),
+    ],
+)
+def test_other_seed_flags_are_range_checked(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

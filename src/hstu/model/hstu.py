@@ -26,6 +26,7 @@ of a KV-cache pool. The attention itself runs through the kernel registry (model
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
@@ -288,11 +289,22 @@ class HSTUModel(SequentialRecommender):
 def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:
     """The one builder; presets only fix numbers (config.PRESETS). ``cfg.architecture``
     "sasrec" builds the SASRec baseline, which has the same interface; ``cfg.item_table`` the item
-    table (dense, or hashed on ``device=``: :func:`hstu.model.base.build_item_table`)."""
-    if cfg.architecture == "sasrec":
-        from hstu.model.sasrec import SASRecModel
-
-        return SASRecModel(cfg, **kwargs)
-    if cfg.architecture != "hstu":
+    table (dense, or hashed on ``device=``: :func:`hstu.model.base.build_item_table`).
+    Raises MemoryError naming the model's sizes when its tensors cannot be allocated (or a size overflows int64)."""
+    if cfg.architecture not in ("hstu", "sasrec"):
         raise ValueError(f"unknown ModelConfig.architecture {cfg.architecture!r}; valid: hstu, sasrec")
-    return HSTUModel(cfg, **kwargs)
+    if cfg.architecture == "sasrec":
+        from hstu.model.sasrec import SASRecModel as cls
+    else:
+        cls = HSTUModel
+    try:
+        return cls(cfg, **kwargs)
+    except (RuntimeError, TypeError) as exc:  # the allocator's or the int64 unpacking's C++ message, made one line
+        text = str(exc)
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "Overflow when unpacking" in text):
+            raise
+        sizes = ", ".join(f"{k} = {getattr(cfg, k)}" for k in ("num_items", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v"))
+        asked = re.search(r"allocate (\d+) bytes", text)
+        why = "a tensor size overflows int64" if "Overflow" in text else text.splitlines()[0][-200:]
+        why = f"one tensor needs {int(asked[1]) / 2**30:,.1f} GiB" if asked else why
+        raise MemoryError(f"the model's tensors do not fit ({why}): [model] {sizes}; make them smaller") from None

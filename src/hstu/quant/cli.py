@@ -80,6 +80,9 @@ def cmd_quantize(args) -> int:
 
 def add_subcommands(subparsers) -> None:
     """Add ``quantize`` to the ``hstu`` CLI (handler returns an exit code)."""
+    from hstu.cli import number_in
+    from hstu.config import SEED_MAX
+
     q = subparsers.add_parser(
         "quantize",
         help="write an INT8 / BF16 / FP16 copy of a run, with a per-layer error report",
@@ -101,8 +104,8 @@ def add_subcommands(subparsers) -> None:
         choices=["auto", "fbgemm", "qnnpack", "int_mm", "dequant"],
         help="int8 GEMM kernel (default: the integer kernel of this device)",
     )
-    q.add_argument("--calib-users", type=int, default=256, help="users in the calibration batch")
-    q.add_argument("--seed", type=int, default=0, help="calibration user sample seed")
+    q.add_argument("--calib-users", type=number_in(int, 1), default=256, help="users in the calibration batch")
+    q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="calibration user sample seed")
     q.add_argument("--data-dir", help="data directory for calibration (default: the run's)")
     q.add_argument("--no-calibrate", action="store_true", help="skip the per-layer report (no data needed)")
     q.add_argument("--report-only", action="store_true", help="print the per-layer report, write nothing")

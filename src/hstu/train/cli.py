@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 from hstu.cli import EXCLUDE_HISTORY_HELP, NO_DATA, default_data_dir, number_in
+from hstu.config import SEED_MAX
 
 ARCHITECTURES = ("hstu", "sasrec")  # ModelConfig.architecture (hstu.model.hstu.build_hstu)
 
@@ -49,7 +50,7 @@ def add_train_parser(sub) -> None:
     _add_recipe_flags(t)
     t.add_argument("--out", required=True, help="run directory")
     t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
-    t.add_argument("--seed", type=int)
+    t.add_argument("--seed", type=number_in(int, 0, SEED_MAX), help=f"training seed in 0..{SEED_MAX} (default 42)")
     t.add_argument("--device", default="cpu", help="auto | cpu | cuda | npu (under --distributed rank r uses index LOCAL_RANK)")
     t.add_argument(
         "--protocol",

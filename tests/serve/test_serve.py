@@ -485,6 +485,26 @@ def test_bucket_options() -> None:
         fit_buckets([10, 100], 50)
 
 
+def test_a_serve_config_without_buckets_keeps_the_clipped_defaults(tmp_path) -> None:
+    """Found by a fresh-user trial: any --config made the default edges explicit, so a run with max_seq_len 50
+    was refused ("--buckets: edge 200 exceeds ...") although no bucket was asked for; [serve] buckets errors
+    now name the file's field."""
+    from hstu.cli import build_parser
+    from hstu.serve.cli import _settings
+
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("[serve]\nmax_batch = 8\n")
+    parse = lambda *a: _settings(build_parser().parse_args(["serve", "--run", "r", "--config", str(cfg), *a]))  # noqa: E731
+    _, _, edges, source = parse()
+    assert edges is None and fit_buckets(edges, 50, source) == [20, 50]
+    cfg.write_text("[serve]\nbuckets = [10, 100]\n")
+    _, _, edges, source = parse()
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(cfg))}: \[serve\] buckets: edge 100 exceeds the model's max_seq_len=50$"):
+        fit_buckets(edges, 50, source)
+    _, _, edges, source = parse("--buckets", "10,40")
+    assert fit_buckets(edges, 50, source) == [10, 40]
+
+
 def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
     """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}

@@ -41,12 +41,12 @@ def parse_buckets(text: str) -> list[int]:
     return edges
 
 
-def fit_buckets(edges: list[int] | None, max_seq_len: int) -> list[int]:
-    """Explicit edges must fit the model (ValueError otherwise); the defaults are clipped to
-    ``max_seq_len`` and closed by it, so that every history up to the model's length has a bucket."""
+def fit_buckets(edges: list[int] | None, max_seq_len: int, name: str = "--buckets") -> list[int]:
+    """Explicit edges must fit the model (ValueError naming ``name``, their flag or config field, otherwise); the
+    defaults are clipped to ``max_seq_len`` and closed by it, so that every history up to the model's length has a bucket."""
     if edges is not None:
         if edges[-1] > max_seq_len:
-            raise ValueError(f"--buckets: edge {edges[-1]} exceeds the model's max_seq_len={max_seq_len}")
+            raise ValueError(f"{name}: edge {edges[-1]} exceeds the model's max_seq_len={max_seq_len}")
         return edges
     from hstu.generate.recommend import default_buckets  # the Recommender's own edges: one definition
 
@@ -104,10 +104,10 @@ MIN_BODY_BYTES = 1024  # ServePolicy.max_body_bytes' floor
 
 
 def _settings(args: argparse.Namespace):
-    """(ServeConfig, ServePolicy, explicit bucket edges or None) from the flags over a ``--config``
-    file's [serve] table; ValueError naming the flag or field when one is out of range."""
+    """(ServeConfig, ServePolicy, explicit bucket edges or None, the flag or field that gave them) from the flags over
+    a ``--config`` file's [serve] table; ValueError naming the flag or field when one is out of range."""
     from hstu.backend.memory_guard import parse_bytes
-    from hstu.config import ServeConfig, load_config_file
+    from hstu.config import ServeConfig, load_config_file, load_config_tables
     from hstu.serve.app import ServePolicy
 
     cfg = ServeConfig()
@@ -139,7 +139,11 @@ def _settings(args: argparse.Namespace):
 
         if (read_quant_meta(Path(args.run)) or {}).get("embeddings") == "int8":
             raise ValueError(f"--ann: approximate picks need a float or 16-bit item table; {args.run} stores INT8 item rows")
-    explicit = parse_buckets(args.buckets) if args.buckets is not None else (list(cfg.buckets) if args.config else None)
+    source = "--buckets" if args.buckets is not None else f"{args.config}: [serve] buckets"
+    if args.buckets is not None:
+        explicit = parse_buckets(args.buckets)
+    else:  # a [serve] table without buckets keeps the defaults, clipped to the model like the flag's absence
+        explicit = list(cfg.buckets) if args.config and "buckets" in (load_config_tables(args.config).get("serve") or {}) else None
     max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
     if max_body_bytes < MIN_BODY_BYTES:
         raise ValueError(f"--max-body-bytes: must be >= {MIN_BODY_BYTES} bytes, got {args.max_body_bytes}")
@@ -159,7 +163,7 @@ def _settings(args: argparse.Namespace):
         exclude_history=args.exclude_history,
     )
     policy.validate()
-    return cfg, policy, explicit
+    return cfg, policy, explicit, source
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -179,7 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hstu.serve.popularity import popularity_for_run
     from hstu.serve.worker import ModelProcessDied
 
-    cfg, policy, explicit = _settings(args)
+    cfg, policy, explicit, source = _settings(args)
     try:
         sock = bind(cfg.host, cfg.port)
     except OSError as exc:
@@ -193,7 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run = Path(args.run)
         # with a model process, this process only maps ids and formats answers: no weights here
         rec = Recommender.mapping_only(run) if args.model_process else Recommender.from_run(run, args.device, args.precision)
-        cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len)
+        cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len, source)
         hint = graph_cache_hint(run, cfg.graphs, args.device, cfg.buckets, cfg.max_batch, args.precision)
         if hint:
             log.info(hint)

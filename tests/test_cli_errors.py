@@ -15,17 +15,38 @@ from hstu.cli import _history_from_file, main
 from hstu.generate.recommend import HistoryError
 
 
-@pytest.mark.parametrize("kind", ["directory", "latin-1"])
+@pytest.mark.parametrize("kind", ["directory", "latin-1", "missing"])
 def test_a_bad_config_file_is_one_line_naming_it(tmp_path, capsys, kind) -> None:
     cfg = tmp_path / "c.toml"
     if kind == "directory":
         cfg.mkdir()
-    else:
+    elif kind == "latin-1":
         cfg.write_bytes("[train]\n# d\xe9j\xe0 vu\nepochs = 2\n".encode("latin-1"))
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("hstu train: error: ") and str(cfg) in err and "\n" not in err, err
+    assert "Errno" not in err  # not the OS's raw message: "--config PATH: no such file" / "is a directory, ..."
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_with_a_byte_order_mark_is_read(tmp_path) -> None:
+    from hstu.config import load_config_file
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes("\ufeff[train]\nepochs = 3\n".encode())  # as Windows editors save "UTF-8 with BOM"
+    assert load_config_file(cfg)["train"].epochs == 3
+
+
+def test_a_file_in_place_of_a_run_directory_is_named_as_such(run_dir, tmp_path, capsys) -> None:
+    f = tmp_path / "afile"
+    f.write_text("x")
+    report = ["report", "--run", str(f), "--out", str(tmp_path / "rep")]
+    for argv in (["generate", "--run", str(f), "--user", "1"], ["eval", "--run", str(f)], report):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip().endswith(f"{f}: is a file, not a run directory (hstu train --out writes one)"), argv
+    assert main(["train", "--out", str(f), "--epochs", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"hstu train: error: --out {f}: is a file, not a run directory; choose another --out"
+    assert f.read_text() == "x"
 
 
 def test_a_deeply_nested_history_is_invalid_json_naming_the_file(tmp_path) -> None:

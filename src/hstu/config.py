@@ -29,6 +29,8 @@ TABLE_DTYPES = ("fp32", "fp16", "bf16")  # a hashed table's row storage dtype
 INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
 MAX_WIDTH = 65_536  # max_seq_len + max_output_len: the position table and attention width N
 
+_BLOCK = {"query_key_map": True, "ffn_hidden": 0, "multi_channel": False}  # HSTU block options and their defaults
+
 
 @dataclass
 class ModelConfig:
@@ -120,8 +122,9 @@ class ModelConfig:
             raise ValueError("ModelConfig.query_key_map = false needs use_position_bias or use_time_bias (else no token attends another)")
         if self.multi_channel and not (self.query_key_map and (self.use_position_bias or self.use_time_bias)):
             raise ValueError("ModelConfig.multi_channel = true needs query_key_map = true and use_position_bias or use_time_bias")
-        if self.architecture != "hstu" and (not self.query_key_map or self.ffn_hidden or self.multi_channel):
-            raise ValueError(f"ModelConfig.query_key_map / ffn_hidden / multi_channel: HSTU block options, not {self.architecture!r}'s")
+        set_ = [f"{k} = {json.dumps(getattr(self, k))}" for k in _BLOCK if getattr(self, k) != _BLOCK[k]]
+        if self.architecture != "hstu" and set_:
+            raise ValueError(f"ModelConfig.{', '.join(set_)}: HSTU block options; architecture {self.architecture!r} has none of them")
         if not 0 <= self.repeat_window <= self.max_seq_len:
             raise ValueError(f"ModelConfig.repeat_window must be in 0..max_seq_len={self.max_seq_len}, got {self.repeat_window}")
         self._validate_item_table()
@@ -277,8 +280,7 @@ class DecodeOptions:
     ``temperature``) | "beam" (``beam_width`` beams, sum of log-probabilities). top_k in
     1..TOP_K_MAX; temperature in (0, TEMPERATURE_MAX], the sampling temperature (not the model's
     similarity temperature); beam_width in 1..BEAM_WIDTH_MAX; seed in 0..SEED_MAX. Fields other
-    than the strategy's are carried and ignored. Raises ValueError naming the field (at construction).
-    """
+    than the strategy's are carried and ignored. Raises ValueError naming the field (at construction)."""
 
     strategy: str = "greedy"  # greedy | topk | beam
     top_k: int = 50
@@ -438,11 +440,8 @@ def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = 
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or JSON file with optional [model], [train], [generate], [serve], [data] tables.
-
-    Returns a dict of the dataclasses present. Raises ValueError (unknown table or field)
-    or FileNotFoundError.
-    """
+    """Read a TOML or JSON file with optional [model], [train], [generate], [serve], [data] tables: a dict of the
+    dataclasses present. Raises ValueError (unknown table or field) or FileNotFoundError."""
     path = Path(path)
     raw = load_config_tables(path)
     return {
@@ -455,8 +454,10 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
     """The raw tables of a config file ({table: {field: value}}, only the fields it sets), checked
     for shape: a known table name, and a table (not a value). Raises ValueError naming the file."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: {'is a directory, not a config file' if path.is_dir() else 'no such file'}")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark (Windows editors) is not a parse error
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"{path}: cannot parse config: {exc}") from exc

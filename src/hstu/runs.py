@@ -72,6 +72,7 @@ from hstu.model.run_files import (
     WEIGHTS,
     check_history,
     check_last,
+    require_run_dir,
 )
 from hstu.quant.checkpoint import META as QUANT_META
 from hstu.quant.checkpoint import (  # noqa: F401 (check_quantized_out, save_quantized_run: the quantized variant, re-exported)
@@ -396,8 +397,7 @@ def read_run(run_dir: str | Path) -> tuple[dict, dict]:
     field and against each other (:func:`check_items_match`). Raises FileNotFoundError (no
     directory or file), ValueError naming file and field."""
     run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: run directory not found")
+    require_run_dir(run)
     cfg, ids = read_config(run), read_idmap(run)
     check_items_match(run, cfg, ids)
     return cfg, ids

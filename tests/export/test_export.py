@@ -214,7 +214,7 @@ def test_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path, capsys):
 def test_the_two_forms_refuse_each_others_flags(flags, message, run_dir, tmp_path, capsys):
     flags = [str(tmp_path / f) if f == "x" else f for f in flags]
     assert main(["export", "--run", str(run_dir), *flags]) == 2
-    assert message in _one_error_line(capsys)
+    assert _one_error_line(capsys).startswith(f"hstu export: error: {message}")  # one prefix (it was doubled)
     assert not (tmp_path / "x").exists() and not (run_dir / "graphs").exists()
 
 
@@ -277,3 +277,16 @@ def test_a_multi_channel_model_exports(tmp_path, fmt):
             i = torch.cat([ids[b, :L], torch.zeros(1, dtype=torch.int64)]).view(1, -1)
             t = torch.cat([ts[b, :L], rt[b : b + 1]]).view(1, -1)
             np.testing.assert_allclose(got[b], model.encode(i, t, lengths[b : b + 1])[0, L - 1].numpy(), atol=1e-5, rtol=0)
+
+
+def test_an_int8_run_is_refused_naming_the_run_not_a_flag(run_dir, tmp_path, capsys):
+    """Found by a fresh-user trial: exporting an INT8 run (hstu quantize) said "--precision int8" although no
+    such flag was given; the flag is named only when it was."""
+    q = tmp_path / "q"
+    assert main(["quantize", "--run", str(run_dir), "--scheme", "int8", "--out", str(q), "--no-calibrate"]) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(q), "--format", "pt2", "--out", str(tmp_path / "x")]) == 2
+    assert _one_error_line(capsys).startswith(f"hstu export: error: {q} is an INT8 run (quant.json): not exportable")
+    with pytest.raises(SystemExit):  # --precision offers no int8 here
+        main(["export", "--run", str(run_dir), "--format", "pt2", "--precision", "int8", "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()

@@ -159,7 +159,7 @@ def test_preset_and_config_parse_together_and_bad_combinations_are_refused(tmp_p
     assert (mcfg.num_blocks, mcfg.query_key_map) == (8, False)
     with pytest.raises(ValueError, match="needs use_position_bias or use_time_bias"):
         _cfg(False, use_position_bias=False, use_time_bias=False).validate()
-    for field in ({"query_key_map": False}, {"ffn_hidden": 4}):
-        bad = ModelConfig(num_items=9, architecture="sasrec", **field)
-        with pytest.raises(ValueError, match="HSTU block options"):
+    for field, named in (({"query_key_map": False}, "query_key_map = false"), ({"ffn_hidden": 4}, "ffn_hidden = 4")):
+        bad = ModelConfig(num_items=9, architecture="sasrec", **field)  # only the option set is named (all three were)
+        with pytest.raises(ValueError, match=rf"^ModelConfig\.{named}: HSTU block options; architecture 'sasrec' has none of them$"):
             bad.validate()

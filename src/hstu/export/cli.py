@@ -64,12 +64,12 @@ def cmd_export(args) -> int:
         other = (("--format", args.format), ("--out", args.out), ("--batch", args.batch), ("--overwrite", args.overwrite))
         given = [f for f, v in other if v]
         if given:  # two forms of the command: one of them, never the flags of the other silently ignored
-            raise ValueError(f"hstu export: --graphs builds RUN/graphs and takes no {', '.join(given)} (those export programs to --out)")
+            raise ValueError(f"--graphs builds RUN/graphs and takes no {', '.join(given)} (those export programs to --out)")
         return cmd_export_graphs(args)
     if args.max_batch is not None or args.device != "cpu":
-        raise ValueError("hstu export: --max-batch and --device go with --graphs (the graph cache), not --format / --out")
+        raise ValueError("--max-batch and --device go with --graphs (the graph cache), not --format / --out")
     if args.format is None or args.out is None:
-        raise ValueError("hstu export: --format and --out are required (or --graphs for the graph cache)")
+        raise ValueError("--format and --out are required (or --graphs for the graph cache)")
     try:
         edges = None if args.buckets is None else parse_buckets(args.buckets)
         m = export_run(args.run, args.out, args.format, buckets=edges, precision=args.precision, batch=args.batch, overwrite=args.overwrite)

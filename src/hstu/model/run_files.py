@@ -32,6 +32,14 @@ ITEMS = "items.npz"
 ITEM_FIELDS = ("item_raw_ids", "item_category", "item_train_counts", "item_features")
 
 
+def require_run_dir(run: Path) -> None:
+    """FileNotFoundError unless ``run`` is a directory: "run directory not found", or for an existing file
+    "is a file, not a run directory" (the one message of every reader of a run: eval, generate, serve, report)."""
+    if not run.is_dir():
+        what = "is a file, not a run directory (hstu train --out writes one)" if run.exists() else "run directory not found"
+        raise FileNotFoundError(f"{run}: {what}")
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from hstu import backend
 from hstu.config import model_config_from_dict
 from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, save_tensors, write_json
-from hstu.model.run_files import CONFIG, IDMAP, ITEMS
+from hstu.model.run_files import CONFIG, IDMAP, ITEMS, require_run_dir
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
 from hstu.quant.lowp import LOWP, to_low_precision
@@ -223,8 +223,7 @@ def load_quantized_run(run_dir: str | Path, device: str = "cpu", *, scheme: str 
             whose metadata, dtypes or shapes disagree with quant.json.
     """
     run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: run directory not found")
+    require_run_dir(run)
     meta = read_quant_meta(run)
     if meta is None:
         raise FileNotFoundError(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hstu.model.checkpoint import read_json
+from hstu.model.run_files import require_run_dir
 from hstu.runs import METRICS, read_config, read_history, read_idmap
 
 TEST_METRICS = ("HR@10", "NDCG@10", "HR@50", "NDCG@50", "MRR")
@@ -41,8 +42,7 @@ def read_run_facts(run: str | Path, label: str | None = None) -> RunFacts:
     """A run's files, each checked as :mod:`hstu.runs` reads it. Raises FileNotFoundError naming the
     missing file (a directory without history.json has trained no epoch), ValueError naming file and field."""
     path = Path(run)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: run directory not found")
+    require_run_dir(path)
     metrics = read_json(path / METRICS) if (path / METRICS).exists() else None
     if metrics is not None and not isinstance(metrics, dict):
         raise ValueError(f"{path / METRICS}: expected a JSON object")

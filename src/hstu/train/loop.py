@@ -354,15 +354,16 @@ def fit(
     already loaded; ``on_step(epoch, step, loss)``: called after every step; ``max_minutes``: stop after
     the epoch during which this many minutes of wall time (this call's, :data:`clock`) have passed, with
     that epoch committed (``resume`` continues; metrics.json ``status`` says why it stopped);
-    ``tensorboard``: a directory for TensorBoard epoch scalars (:class:`hstu.train.logs.TensorBoardCurves`).
-    Raises FileExistsError for a ``run_dir`` that holds a run without ``resume`` or ``overwrite``, or a quantized
-    copy (quant.json) in any case; ValueError for too little data (:func:`check_trainable`), for malformed run files on
-    ``resume`` (naming file and field), for resuming a run of the other strategy, for ``max_minutes`` <= 0
-    and for ``tensorboard`` without the tensorboard package, besides the module's."""
+    ``tensorboard``: a directory for TensorBoard epoch scalars (:class:`hstu.train.logs.TensorBoardCurves`). Raises
+    FileExistsError for a ``run_dir`` that is a file, holds a run without ``resume`` or ``overwrite``, or a quantized copy
+    (quant.json); ValueError for too little data (:func:`check_trainable`), malformed run files on ``resume`` (naming file
+    and field), a run of the other strategy, ``max_minutes`` <= 0, ``tensorboard`` without its package, besides the module's."""
     tcfg.validate()
     if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes > 0):
         raise ValueError(f"--max-minutes must be a number > 0, got {max_minutes}")
     run = Path(run_dir)
+    if run.exists() and not run.is_dir():
+        raise FileExistsError(f"--out {run}: is a file, not a run directory; choose another --out")
     if is_quantized(run):  # hstu quantize's output: no train state; its INT8 weights would shadow new ones
         raise FileExistsError(f"--out {run} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train")
     if has_train_state(run) and not resume and not overwrite:

@@ -266,10 +266,12 @@ def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
         value = given.get(name)
         if name in given and name in saved and saved[name] != value:
             flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise ValueError(
-                f"--resume: {flag} is {value!r} here but {saved[name]!r} in the run "
-                f"({config_path} data.{name}); resume with the run's data options or train a new --out"
-            )
+            if isinstance(value, bool) or isinstance(saved[name], bool):  # as typed: --exclude-history / --no-exclude-history
+                here, was = (f"--no-{flag[2:]}" if v is False else flag if v else "neither flag" for v in (value, saved[name]))
+                said = f"{here} here but the run was trained with {was}" + (" (the data set's default)" if saved[name] is None else "")
+            else:
+                said = f"{flag} is {value!r} here but {saved[name]!r} in the run"
+            raise ValueError(f"--resume: {said} ({config_path} data.{name}); resume with the run's data options or train a new --out")
 
 
 def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, command: str = "--resume") -> None:

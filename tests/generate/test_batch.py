@@ -196,16 +196,19 @@ def test_a_job_failing_at_once_leaves_nothing(run_dir, tmp_path, monkeypatch, ca
         ([], "--all-users needs --out"),
         (["--out", "recs.csv"], "unknown output suffix '.csv'"),
         (["--out", "recs.parquet", "--users-file", "USERS"], "USERS:3: user 999999 is not among"),
+        (["--out", "recs.parquet", "--users-file", "TEXT"], "TEXT:2: user id: not an integer id: 'abc'"),
+        (["--out", "nowhere/deeper/recs.parquet"], "its directory"),
         (["--out", "recs.parquet", "--ray-address", "auto"], "only with --engine ray"),
     ],
 )
 def test_bad_batch_flags_exit_2_with_one_line(run_dir, tmp_path, capsys, extra, message, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "USERS").write_text("1\n2\n999999\n")
+    (tmp_path / "TEXT").write_text("1\nabc\n")
     assert main(["generate", "--run", str(run_dir), "--all-users", *extra]) == 2
     err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["USERS"]
+    assert message in err and len(err.splitlines()) == 1 and "id[0]" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["TEXT", "USERS"]  # nothing written, no directory made
 
 
 def test_batch_flags_need_all_users(run_dir, capsys):

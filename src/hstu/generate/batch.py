@@ -64,7 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from hstu.config import DecodeOptions
-from hstu.data.sequences import as_ids, is_text
+from hstu.data.sequences import as_id, is_text
 from hstu.generate.recommend import History, HistoryError, Recommender
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,12 @@ class BatchSpec:
 
 def output_format(out: str | Path) -> str:
     """ "parquet" or "jsonl" from OUT's suffix; ValueError naming the suffix otherwise, or when
-    Parquet is asked for without pyarrow."""
+    Parquet is asked for without pyarrow; FileNotFoundError when OUT's directory does not exist (never created)."""
     fmt = FORMATS.get(Path(out).suffix.lower())
     if fmt is None:
         raise ValueError(f"--out {out}: unknown output suffix {Path(out).suffix!r}; valid: {', '.join(FORMATS)}")
+    if not Path(out).absolute().parent.is_dir():
+        raise FileNotFoundError(f"--out {out}: its directory {Path(out).absolute().parent} does not exist; create it first")
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -150,7 +152,7 @@ def read_users_file(path: str | Path, log_) -> list[int]:
         if not s:
             continue
         try:
-            u = as_ids([s], is_text(log_.users), f"{p}:{n}: user id")[0]
+            u = as_id(s, is_text(log_.users), f"{p}:{n}: user id")
         except ValueError as exc:
             raise ValueError(f"{exc} (one user id per line)") from None
         if u in seen:

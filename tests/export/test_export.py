@@ -290,3 +290,17 @@ def test_an_int8_run_is_refused_naming_the_run_not_a_flag(run_dir, tmp_path, cap
     with pytest.raises(SystemExit):  # --precision offers no int8 here
         main(["export", "--run", str(run_dir), "--format", "pt2", "--precision", "int8", "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_the_manifest_notes_follow_the_runs_history_policy(run_dir, exported, tmp_path):
+    """Found by a fresh-user trial: the notes said history items are never recommended for a run whose
+    exclude_history_default is off (a CSV / e-commerce log's default)."""
+    notes = json.loads((exported["pt2"] / "export.json").read_text())["notes"]
+    assert any("never recommends history items" in n for n in notes)  # the ML-1M run: on
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    ids = json.loads((run / "idmap.json").read_text())
+    (run / "idmap.json").write_text(json.dumps({**ids, "exclude_history_default": False}))
+    assert main(["export", "--run", str(run), "--format", "pt2", "--out", str(tmp_path / "x"), "--buckets", "20"]) == 0
+    notes = json.loads((tmp_path / "x" / "export.json").read_text())["notes"]
+    assert not any("history items" in n for n in notes) and any("exclude_history_default is off" in n for n in notes)

@@ -351,10 +351,12 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     for taken, why in (
         (out, "directory exists and is not empty"),
         (tiny_run, "is the source run itself"),
+        (tiny_run / "q8", "is inside the source run"),
         (tmp_path / "afile" / "sub", "is a file, not a directory"),
     ):
         rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(taken), "--data-dir", str(tmp_path / "none")])
         assert rc == 2 and why in capsys.readouterr().err
+    assert not (tiny_run / "q8").exists()
 
 
 # ----- --precision on the inference paths ------------------------------------------------------

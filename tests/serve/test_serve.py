@@ -505,6 +505,18 @@ def test_a_serve_config_without_buckets_keeps_the_clipped_defaults(tmp_path) -> 
     assert fit_buckets(edges, 50, source) == [10, 40]
 
 
+def test_a_serve_config_says_which_tables_it_does_not_use(tmp_path, caplog) -> None:
+    """A fresh user's [model] table in serve's --config was ignored without a word: the run's model is served."""
+    from hstu.cli import build_parser
+    from hstu.serve.cli import _settings
+
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("[model]\nembedding_dim = 64\n[serve]\nmax_batch = 8\n")
+    with caplog.at_level("WARNING", logger="hstu.serve.cli"):
+        assert _settings(build_parser().parse_args(["serve", "--run", "r", "--config", str(cfg)]))[0].max_batch == 8
+    assert f"--config {cfg}: hstu serve reads its [serve] table only; [model] not used" in caplog.text
+
+
 def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
     """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}

@@ -107,13 +107,16 @@ def _export_bucket(fmt: str, enc: UserEncoder, E: int, folder: Path, batch: int 
     return {"edge": E, "file": path.name, "bytes": path.stat().st_size, "max_abs_error": err, **facts}
 
 
-def _manifest(fmt: str, run: Path, enc: UserEncoder, entries: list[dict], batch: int | None, precision: str) -> dict:
+def _manifest(fmt: str, run: Path, enc: UserEncoder, entries: list[dict], batch: int | None, precision: str, exclude_history: bool) -> dict:
     from hstu.quant.checkpoint import versions
 
     ins, outs = enc.signature("E", batch)
     m = enc.model.cfg
     notes = ["inputs are dense ids: map original item ids with idmap.json item_raw_ids (unknown ids: drop the event)"]
-    notes.append("the engine never recommends history items (exclude_history_default) or untrained items: mask them yourself")
+    if exclude_history:  # the run's policy (idmap.json exclude_history_default), as hstu generate / serve apply it
+        notes.append("the engine never recommends history items (exclude_history_default) or untrained items: mask them yourself")
+    else:
+        notes.append("the engine never recommends untrained items: mask them yourself (this run's exclude_history_default is off)")
     if getattr(enc.model, "repeat", None) is not None:
         notes.append("this run has a repeat head (repeat_window > 0): its history-dependent bias is not in these scores")
     return {
@@ -191,7 +194,7 @@ def export_run(
         for name in (ITEMS, IDMAP):  # a large catalogue's per-item arrays (items.npz) beside its idmap.json
             if name == IDMAP or (run / name).exists():
                 shutil.copyfile(run / name, tmp / name)
-        manifest = _manifest(fmt, run, enc, entries, batch, scheme)
+        manifest = _manifest(fmt, run, enc, entries, batch, scheme, bool(ids.get("exclude_history_default", True)))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         _place(tmp, out)
     except BaseException:

@@ -113,11 +113,13 @@ def layer_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = False) -> None:
-    """FileExistsError when ``out`` is ``src_run`` or a non-empty directory (unless ``overwrite``);
+    """FileExistsError when ``out`` is ``src_run``, inside it, or a non-empty directory (unless ``overwrite``);
     ``hstu quantize`` calls it before it reads any data."""
     src, out = Path(src_run), Path(out)
     if out.resolve() == src.resolve():
         raise FileExistsError(f"--out {out} is the source run itself; write the quantized run to a new directory")
+    if src.resolve() in out.resolve().parents:  # a run nested in a run: its files would be taken for the run's own
+        raise FileExistsError(f"--out {out} is inside the source run {src}; write the quantized run to a directory beside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: {'directory exists and is not empty' if out.is_dir() else 'is a file'} (choose a new --out)")
     above = next((p for p in out.absolute().parents if p.exists()), None)

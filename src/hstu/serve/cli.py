@@ -110,9 +110,11 @@ def _settings(args: argparse.Namespace):
     from hstu.config import ServeConfig, load_config_file, load_config_tables
     from hstu.serve.app import ServePolicy
 
-    cfg = ServeConfig()
+    cfg, tables = ServeConfig(), load_config_tables(args.config) if args.config else {}
     if args.config:
-        cfg = load_config_file(args.config).get("serve") or cfg
+        cfg = load_config_file(args.config).get("serve") or cfg  # every table checked, [serve] used
+    if ignored := [f"[{t}]" for t in tables if t != "serve"]:  # the run's own model and recipe are served
+        log.warning("--config %s: hstu serve reads its [serve] table only; %s not used", args.config, ", ".join(ignored))
     for name in (
         "host",
         "port",
@@ -143,7 +145,7 @@ def _settings(args: argparse.Namespace):
     if args.buckets is not None:
         explicit = parse_buckets(args.buckets)
     else:  # a [serve] table without buckets keeps the defaults, clipped to the model like the flag's absence
-        explicit = list(cfg.buckets) if args.config and "buckets" in (load_config_tables(args.config).get("serve") or {}) else None
+        explicit = list(cfg.buckets) if "buckets" in (tables.get("serve") or {}) else None
     max_body_bytes = parse_bytes(args.max_body_bytes, field="--max-body-bytes")
     if max_body_bytes < MIN_BODY_BYTES:
         raise ValueError(f"--max-body-bytes: must be >= {MIN_BODY_BYTES} bytes, got {args.max_body_bytes}")
@@ -364,7 +366,7 @@ def add_subcommands(subparsers) -> None:
         "with spare cores gains from 2)",
     )
     s.add_argument("--access-log", action="store_true", help="log every request")
-    s.add_argument("--config", help="TOML/JSON with a [serve] table (flags override it)")
+    s.add_argument("--config", help="TOML/JSON with a [serve] table (flags override it; other tables are not used, a warning says so)")
     s.set_defaults(func=cmd_serve)
 
 

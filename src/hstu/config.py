@@ -27,7 +27,7 @@ ITEM_TABLES = ("dense", "hashed")  # [model] item_table: nn.Embedding | model.em
 TABLE_PLACEMENTS = ("device", "host")  # where a hashed table's shard lives (model/embedding.py)
 TABLE_DTYPES = ("fp32", "fp16", "bf16")  # a hashed table's row storage dtype
 INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
-MAX_WIDTH = 65_536  # max_seq_len + max_output_len: the position table and attention width N
+MAX_WIDTH, MAX_BLOCKS = 65_536, 1024  # max_seq_len + max_output_len (position table, attention width N); num_blocks
 
 _BLOCK = {"query_key_map": True, "ffn_hidden": 0, "multi_channel": False}  # HSTU block options and their defaults
 
@@ -94,8 +94,9 @@ class ModelConfig:
         for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v", "num_time_buckets"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_output_len < 1:
-            raise ValueError(f"ModelConfig.max_output_len must be >= 1, got {self.max_output_len}")
+        if self.max_output_len < 1 or self.num_blocks > MAX_BLOCKS:
+            name, bound = ("max_output_len", ">= 1") if self.max_output_len < 1 else ("num_blocks", f"<= {MAX_BLOCKS}")
+            raise ValueError(f"ModelConfig.{name} must be {bound}, got {getattr(self, name)}")
         if self.width > MAX_WIDTH:
             raise ValueError(f"ModelConfig.max_seq_len + max_output_len must be <= {MAX_WIDTH}, got {self.width}")
         for name in ("num_items", "num_actions", "num_categories", "ffn_hidden"):

@@ -151,3 +151,13 @@ def test_other_seed_flags_are_range_checked(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_stack_of_blocks_too_deep_to_build_is_refused_at_once():
+    """num_blocks = 10**23 built layers until memory ran out (a fresh user's config never returned); the
+    config check names the field and its bound; 1024 blocks is still a valid config."""
+    with pytest.raises(ValueError, match=r"^ModelConfig\.num_blocks must be <= 1024, got 100000000000000000000000$"):
+        ModelConfig(**{**CFG, "num_blocks": 10**23}).validate()
+    ModelConfig(**{**CFG, "num_blocks": 1024}).validate()
+    with pytest.raises(ValueError, match=r"^ModelConfig\.max_output_len must be >= 1, got 0$"):
+        ModelConfig(**{**CFG, "max_output_len": 0}).validate()

@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -144,7 +145,10 @@ class AOTInductor:
     name = "aotinductor"
 
     def build(self, module: StaticInputs, path: Path) -> None:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            # torch 2.13's export copies pytree specs through a deprecated isinstance check: one FutureWarning
+            # per graph (60 for a server's cache), about torch's own code, nothing a user can act on
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
             ep = torch.export.export(module, tuple(module.roots), strict=False)
             no_weights = {"aot_inductor.package_constants_in_so": False}
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=no_weights)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hstu.backend import CPUBackend
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data.prepare import DataSpec
 from hstu.model.checkpoint import read_json
@@ -45,14 +46,7 @@ def git_commit() -> str:
 
 def machine() -> dict:
     """CPU model, core counts, torch threads and versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = CPUBackend().device_name()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "cpu": cpu,

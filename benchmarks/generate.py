@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from _flop_floor import flop_floor, summary_part
-from hstu.backend import Backend, select
+from hstu.backend import Backend, CPUBackend, select
 from hstu.bench.timing import interleaved, latency_stats
 from hstu.bench.timing import percentile_ms as pct
 from hstu.config import PRESETS, ModelConfig
@@ -483,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            "cpu": CPUBackend().device_name(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hstu.backend import CPUBackend
 from hstu.bench.timing import interleaved, latency_stats
 from hstu.config import model_config_from_preset
 from hstu.data.batching import eval_batch
@@ -65,12 +66,8 @@ SCHEMES = {"int8": ("int8", {}), "int8e": ("int8", {"embeddings": "int8"}), "bf1
 
 
 def machine() -> dict:
-    cpu = platform.processor()
+    cpu = CPUBackend().device_name()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
         isa = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8") if f" {f}" in flags]
     except OSError:

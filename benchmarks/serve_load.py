@@ -70,6 +70,7 @@ import aiohttp
 import numpy as np
 import pandas as pd
 
+from hstu.backend import CPUBackend
 from hstu.bench import load
 from hstu.bench.load import P99_TARGET_S, Phase, ServerStartError, knee_bracket, request_body, run_phase, scrape, step_up, stop_server
 
@@ -358,6 +359,7 @@ def main(argv=None) -> int:
                 "recovery_s": args.recovery_s,
             },
             "machine": {
+                "cpu": CPUBackend().device_name(),
                 "cpu_count": os.cpu_count(),
                 "platform": platform.platform(),
                 "python": platform.python_version(),

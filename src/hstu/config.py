@@ -94,9 +94,10 @@ class ModelConfig:
         for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v", "num_time_buckets"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_output_len < 1 or self.num_blocks > MAX_BLOCKS:
-            name, bound = ("max_output_len", ">= 1") if self.max_output_len < 1 else ("num_blocks", f"<= {MAX_BLOCKS}")
-            raise ValueError(f"ModelConfig.{name} must be {bound}, got {getattr(self, name)}")
+        if self.max_output_len < 1:
+            raise ValueError(f"ModelConfig.max_output_len must be >= 1, got {self.max_output_len}")
+        if self.num_blocks > MAX_BLOCKS:
+            raise ValueError(f"ModelConfig.num_blocks must be <= {MAX_BLOCKS}, got {self.num_blocks}")
         if self.width > MAX_WIDTH:
             raise ValueError(f"ModelConfig.max_seq_len + max_output_len must be <= {MAX_WIDTH}, got {self.width}")
         for name in ("num_items", "num_actions", "num_categories", "ffn_hidden"):

@@ -92,10 +92,10 @@ RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98,
 
 
 def model_options(args, preset: str) -> dict:
-    """The [model] fields that --no-query-key-map, --ffn-hidden, --multi-channel, --width and --blocks set over the
-    preset's (none by default); --width D sets embedding_dim D and d_qk = d_v = D / the preset's heads."""
+    """The [model] fields that --no-query-key-map, --ffn-hidden, --[no-]multi-channel, --width and --blocks set over
+    the preset's (none by default); --width D sets embedding_dim D and d_qk = d_v = D / the preset's heads."""
     opts = {**({"query_key_map": False} if args.no_query_key_map else {}), **({"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {})}
-    opts |= {"multi_channel": True} if args.multi_channel else {}
+    opts |= {} if args.multi_channel is None else {"multi_channel": args.multi_channel}
     if args.width:
         heads = PRESETS[preset]["num_heads"]
         if args.width % heads:
@@ -163,9 +163,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--multi-channel",
-        action="store_true",
-        help="[model] multi_channel = true (FuXi-alpha's adaptive multi-channel self-attention: position and time channels "
-        "beside the semantic one); adds -mc to the run directory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[model] multi_channel (FuXi-alpha's adaptive multi-channel self-attention: position and time channels beside "
+        "the semantic one; default: the preset's, on for hstu-small and hstu-large); an HSTU model with it has -mc in its "
+        "run directory, --no-multi-channel trains the paper's HSTU block",
     )
     p.add_argument(
         "--num-negatives",
@@ -239,6 +241,7 @@ def main(argv=None) -> int:
             pool = args.length_pool or POOL_DEFAULT[protocol]
             chunk = args.negatives_chunk or CHUNK_DEFAULT[protocol]
             was_chunk, was_pool, was_packing = NAMED_AGAINST[protocol]
+            mcfg = model_config_from_preset(preset, architecture=arch, **model_options(args, preset))
             run = runs / (
                 f"{name}-{protocol}"
                 + (f"-chunk{chunk}" if chunk != was_chunk else "")
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
                 + ("-full" if args.softmax == "full" else "")
                 + ("-noqk" if args.no_query_key_map else "")
                 + (f"-ffn{args.ffn_hidden}" if args.ffn_hidden else "")
-                + ("-mc" if args.multi_channel else "")
+                + ("-mc" if mcfg.multi_channel else "")
                 + (f"-neg{args.num_negatives}" if args.num_negatives != RECIPE["num_negatives"] else "")
                 + (f"-d{args.width}" if args.width else "")
                 + (f"-blocks{args.blocks}" if args.blocks else "")
@@ -279,7 +282,6 @@ def main(argv=None) -> int:
             run.mkdir(parents=True, exist_ok=True)
             if not args.report_only and not (run / "metrics.json").exists():  # report-only keeps the command that trained it
                 (run / "command.txt").write_text(prov["command"] + "\n")
-            mcfg = model_config_from_preset(preset, architecture=arch, **model_options(args, preset))
             metrics, history = interim or train_or_resume(run, mcfg, tcfg, spec, device=args.device)
             run_cfg = read_json(run / "config.json")
             spec = run_spec(run, spec)  # rescored on the run's own users, whatever --max-users this invocation got

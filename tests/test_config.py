@@ -13,6 +13,21 @@ def test_presets_match_paper_sizes():
     assert "prod" in PRESETS
 
 
+def test_presets_use_multi_channel_attention_for_hstu_only():
+    # issue 20: the HSTU presets' block is FuXi-alpha's multi-channel one; SASRec takes the preset's sizes without it
+    assert model_config_from_preset("small").multi_channel and model_config_from_preset("large").multi_channel
+    assert not model_config_from_preset("prod").multi_channel
+    sas = model_config_from_preset("large", architecture="sasrec")
+    assert (sas.architecture, sas.multi_channel, sas.num_blocks, sas.num_heads) == ("sasrec", False, 8, 2)
+    assert not model_config_from_preset("small", multi_channel=False).multi_channel
+    # the other block choices over the preset: FuXi-beta's (no query-key map), no relative bias at all
+    assert not model_config_from_preset("small", query_key_map=False).multi_channel
+    assert model_config_from_preset("small", use_time_bias=False).multi_channel
+    assert not model_config_from_preset("small", use_time_bias=False, use_position_bias=False).multi_channel
+    with pytest.raises(ValueError, match="multi_channel = true: HSTU block options; architecture 'sasrec'"):
+        model_config_from_preset("small", architecture="sasrec", multi_channel=True)
+
+
 def test_unknown_fields_and_tables_rejected(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[model]\nnum_blocks = 3\nnum_blokcs = 4\n")

@@ -160,9 +160,10 @@ class ModelConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads.
-    "small": dict(num_blocks=2, num_heads=1, embedding_dim=50, d_qk=50, d_v=50, max_seq_len=200),
-    "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200),
+    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads. Both with FuXi-alpha's
+    # multi-channel attention (issue 20: ahead of the HSTU block on ML-1M at both sizes; docs/configuration.md).
+    "small": dict(num_blocks=2, num_heads=1, embedding_dim=50, d_qk=50, d_v=50, max_seq_len=200, multi_channel=True),
+    "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200, multi_channel=True),
     # ML-20M recipe size, used by the quantization benchmark as the "production-size" model.
     "prod": dict(num_blocks=4, num_heads=4, embedding_dim=256, d_qk=64, d_v=64, max_seq_len=200),
 }
@@ -475,9 +476,19 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The preset's values with ``overrides`` over them. The preset's HSTU block option (``multi_channel``) gives way,
+    unset, where ``overrides`` choose what it cannot go with: another ``architecture`` (SASRec takes the preset's sizes
+    only), ``query_key_map = false`` (FuXi-beta's block) or both relative biases off; ``overrides`` that set it
+    themselves are checked as given. ValueError (naming the preset and field): unknown preset, field or value."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
-    return _from_dict(ModelConfig, {**PRESETS[name], **overrides}, f"preset {name}")
+    merged = {**PRESETS[name], **overrides}
+    biases = merged.get("use_position_bias", True) or merged.get("use_time_bias", True)
+    if "multi_channel" not in overrides and (
+        merged.get("architecture", "hstu") != "hstu" or not merged.get("query_key_map", True) or not biases
+    ):
+        merged.pop("multi_channel", None)
+    return _from_dict(ModelConfig, merged, f"preset {name}")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -351,10 +351,8 @@ def _model_cfg(args):
     if getattr(args, "config", None):
         tcfg = load_config_file(args.config).get("train")  # every table checked, errors naming the file
         fields = load_config_tables(args.config).get("model", {})
-    mcfg = model_config_from_preset(args.preset or "small", **fields)
-    if getattr(args, "arch", None):
-        mcfg.architecture = args.arch
-    return mcfg, tcfg
+    arch = {"architecture": args.arch} if getattr(args, "arch", None) else {}
+    return model_config_from_preset(args.preset or "small", **{**fields, **arch}), tcfg
 
 
 def _check_out_dir(args) -> None:

@@ -43,7 +43,8 @@ def _check_run_column(rows: dict, col: int, run) -> None:
     assert rows["recipe"][col] == describe(m["recipe"])  # config.json's train table states what metrics.json's recipe does
     cfg = json.loads((run / "config.json").read_text())["model"]
     assert rows["blocks × heads × d"][col] == f"{cfg['num_blocks']} × {cfg['num_heads']} × {cfg['embedding_dim']}"
-    assert rows["block options"][col] == "—"  # the stock HSTU block (tests/model/test_query_key_map.py: the others)
+    # the presets' multi-channel block, else the stock HSTU block (tests/model/test_query_key_map.py: the others)
+    assert rows["block options"][col] == ("multi-channel attention" if cfg["multi_channel"] else "—")
 
 
 def test_report_of_the_tiny_run(run_dir, tmp_path, capsys):

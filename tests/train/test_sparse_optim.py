@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hstu.config import ModelConfig, TrainConfig
+from hstu.config import ModelConfig, TrainConfig, model_config_from_preset
 from hstu.model.embedding import ShardedEmbedding
 from hstu.model.embedding_plan import grad_bytes, state_bytes
 from hstu.train.sparse_optim import RowwiseAdagrad, TableAndDenseOptimizer
@@ -167,7 +167,8 @@ def test_table_optimizer_flags_train_as_the_config_fields_and_the_recipe_states_
     spec = DataSpec("csv", flags[flags.index("--data-dir") + 1], options={"columns": "user=u,item=i,time=t"})
     common = dict(epochs=1, batch_size=8, num_negatives=4, early_stopping_patience=99)
     for name, kw in (("api", {"table_optimizer": "rowwise_adagrad", "table_learning_rate": 0.05}), ("adamw", {})):
-        loop.fit(tmp_path / name, ModelConfig(num_items=0, **TINY_MODEL), TrainConfig(**common, **kw), spec, progress=False)
+        mcfg = model_config_from_preset("small", num_items=0, **TINY_MODEL)  # as `hstu train`: the preset under the [model] table
+        loop.fit(tmp_path / name, mcfg, TrainConfig(**common, **kw), spec, progress=False)
     w = {n: read_safetensors(tmp_path / n / "model.safetensors")["item_emb.weight"] for n in ("cli", "api", "adamw")}
     assert torch.equal(w["cli"], w["api"]) and not torch.equal(w["cli"], w["adamw"])
 

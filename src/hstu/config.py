@@ -91,6 +91,8 @@ class ModelConfig:
         return self.max_seq_len + self.max_output_len
 
     def validate(self) -> None:
+        if self.architecture not in ("hstu", "sasrec"):  # hstu.model.build_hstu's encoders
+            raise ValueError(f"ModelConfig.architecture must be 'hstu' or 'sasrec', got {self.architecture!r}")
         for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v", "num_time_buckets"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -160,8 +162,7 @@ class ModelConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads. Both with FuXi-alpha's
-    # multi-channel attention (issue 20: ahead of the HSTU block on ML-1M at both sizes; docs/configuration.md).
+    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads; FuXi-alpha's channels (issue 20).
     "small": dict(num_blocks=2, num_heads=1, embedding_dim=50, d_qk=50, d_v=50, max_seq_len=200, multi_channel=True),
     "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200, multi_channel=True),
     # ML-20M recipe size, used by the quantization benchmark as the "production-size" model.
@@ -184,8 +185,7 @@ class TrainConfig:
     beta2: float = 0.98
     weight_decay: float = 0.0
     num_negatives: int = 128
-    # Each run of this many consecutive positions shares its own 128 negatives (1 = per
-    # position as in the reference, the default; >= max_seq_len = per sequence); see train/losses.py.
+    # Runs of this many consecutive positions share their negatives (1: per position, the reference's; train/losses.py).
     negatives_chunk: int = 1
     # > 0: per-position negatives drawn from one pool of this many distinct items per batch, scored
     # as one (positions x pool) GEMM (train/losses.py pool_softmax_loss); negatives_chunk is then unused.
@@ -196,16 +196,12 @@ class TrainConfig:
     # Batches of sequences of similar length (pools of this many batches are sorted by length
     # before cutting; padding costs little) or 1 = random batches as in the reference (the default).
     length_pool: int = 1
-    # The divisor of a batch's summed position losses: "batch" = its own positions P_b (the mean);
-    # "epoch" = the epoch's mean P over its batches, so every position weighs the same whatever its
-    # batch (length-bucketed batches of short sequences otherwise weigh their positions up to ~10x).
+    # The divisor of a batch's summed position losses: "batch" = its own positions P_b (the mean); "epoch" = the epoch's
+    # mean P over its batches, so every position weighs the same (length-bucketed batches: else up to ~10x apart).
     loss_divisor: str = "batch"
-    # "pack": each batch's sequences are packed into rows of width max_seq_len (first-fit decreasing,
-    # data/batching.py packed_train_batch) with a same-user attention mask, so short users share a row
-    # instead of padding; the loss is the padded batch's. "off": one sequence per padded row. "auto" (the
-    # default): "pack" where the trainer and the run's attention kernel set support it (KernelSet.segments,
-    # an hstu model without a repeat head), else "off"; resolved once when training starts
-    # (train/losses.py resolve_packing) and recorded resolved in config.json and metrics.json "recipe".
+    # "pack": each batch's sequences packed into rows of width max_seq_len (data/batching.py packed_train_batch),
+    # same-user attention, the padded batch's loss; "off": one sequence per padded row; "auto": "pack" where the trainer
+    # and kernel set can (train/losses.py resolve_packing, recorded resolved in config.json and metrics.json "recipe").
     packing: str = "auto"
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
@@ -217,9 +213,8 @@ class TrainConfig:
     lr_decay_factor: float = 0.5
     eval_every: int = 1
     num_threads: int = 0  # 0: torch default
-    # Optimizer of the item table in the single-process recipe (hstu.train.sparse_optim): "adamw" (the
-    # recipe's AdamW on every parameter) or "rowwise_adagrad" (only the rows a batch looks up, one float32
-    # state per row; for tables whose AdamW moments do not fit), at table_learning_rate (0: its default, 0.1).
+    # The item table's optimizer in one process (hstu.train.sparse_optim): "adamw" (the recipe's) or "rowwise_adagrad" (the
+    # rows a batch looks up, one float32 state per row: for tables whose AdamW moments do not fit), at table_learning_rate (0: 0.1).
     table_optimizer: str = "adamw"
     table_learning_rate: float = 0.0
 
@@ -351,12 +346,9 @@ class ServeConfig:
     def validate(self) -> None:
         if self.graphs not in ("auto", "eager", "compiled"):
             raise ValueError(f"ServeConfig.graphs must be auto, eager or compiled, got {self.graphs!r}")
-        for name in ("ann_nprobe", "ann_candidates"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ServeConfig.port must be in 0..65535, got {self.port}")
-        for name in ("max_batch", "max_queue"):
+        for name in ("max_batch", "max_queue", "ann_nprobe", "ann_candidates"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not self.max_wait_ms >= 0:
@@ -372,8 +364,7 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.buckets must be distinct, ascending and >= 1, got {self.buckets}")
 
 
-# Moved (issue 18): DataSpec and PROTOCOLS to hstu.data.prepare, RUN_FILES to hstu.runs; the old
-# names stay importable from here, resolved on first use (PEP 562) since both modules sit above config.
+# Moved (issue 18) to hstu.data.prepare / hstu.runs, still importable from here (PEP 562: both sit above config).
 _MOVED = {"DataSpec": "hstu.data.prepare", "PROTOCOLS": "hstu.data.prepare", "RUN_FILES": "hstu.runs"}
 
 
@@ -476,17 +467,14 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The preset's values with ``overrides`` over them. The preset's HSTU block option (``multi_channel``) gives way,
-    unset, where ``overrides`` choose what it cannot go with: another ``architecture`` (SASRec takes the preset's sizes
-    only), ``query_key_map = false`` (FuXi-beta's block) or both relative biases off; ``overrides`` that set it
-    themselves are checked as given. ValueError (naming the preset and field): unknown preset, field or value."""
+    """The preset's values, ``overrides`` over them; the preset's ``multi_channel`` is dropped where ``overrides`` choose what
+    it cannot go with (SASRec, ``query_key_map = false``, no relative bias) without setting it. ValueError names the field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}
-    biases = merged.get("use_position_bias", True) or merged.get("use_time_bias", True)
-    if "multi_channel" not in overrides and (
-        merged.get("architecture", "hstu") != "hstu" or not merged.get("query_key_map", True) or not biases
-    ):
+    g = merged.get
+    other = g("architecture", "hstu") != "hstu" or not g("query_key_map", True)
+    if "multi_channel" not in overrides and (other or not (g("use_position_bias", True) or g("use_time_bias", True))):
         merged.pop("multi_channel", None)
     return _from_dict(ModelConfig, merged, f"preset {name}")
 

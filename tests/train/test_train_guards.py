@@ -161,3 +161,38 @@ def test_a_stack_of_blocks_too_deep_to_build_is_refused_at_once():
     ModelConfig(**{**CFG, "num_blocks": 1024}).validate()
     with pytest.raises(ValueError, match=r"^ModelConfig\.max_output_len must be >= 1, got 0$"):
         ModelConfig(**{**CFG, "max_output_len": 0}).validate()
+
+
+def test_sasrec_runs_refuse_low_precision_in_one_line(tmp_path, capsys):
+    """A fresh user's `hstu quantize --scheme int8` / `eval --precision int8` of a SASRec run ended in an
+    AttributeError traceback (the INT8 scheme looked for HSTU's W_uvqk); now one line, nothing written."""
+    flags, run = _cli_flags(tmp_path), tmp_path / "sas"
+    assert main([*flags, "--config", str(tmp_path / "t.toml"), "--arch", "sasrec", "--epochs", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    for argv in (
+        ["quantize", "--run", str(run), "--scheme", "int8", "--out", str(tmp_path / "q")],
+        ["eval", "--run", str(run), "--precision", "int8"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "precision 'int8': low-precision inference supports HSTUModel, got SASRecModel (use fp32)" in err[0]
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize(
+    "model, arch, message",
+    [
+        # the file's HSTU block option with --arch sasrec: the file is named, not only the preset
+        ("multi_channel = true", ["--arch", "sasrec"], "t.toml [model] with --arch sasrec: preset small: ModelConfig.multi_channel = true"),
+        ("ffn_hidden = 16", ["--arch", "sasrec"], "t.toml [model] with --arch sasrec: preset small: ModelConfig.ffn_hidden = 16"),
+        # an unknown architecture is a config error naming the file, before any data is read
+        ('architecture = "gpt"', [], "t.toml [model]: ModelConfig.architecture must be 'hstu' or 'sasrec', got 'gpt'"),
+    ],
+)
+def test_model_table_errors_name_the_file(tmp_path, capsys, model, arch, message):
+    flags = _cli_flags(tmp_path)
+    (tmp_path / "t.toml").write_text(f"[model]\n{model}\n")
+    assert main([*flags, "--config", str(tmp_path / "t.toml"), *arch, "--epochs", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "run").exists()

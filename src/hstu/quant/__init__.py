@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from hstu.model.hstu import HSTUModel
 from hstu.quant.calibrate import calibration_batch, layer_report
 from hstu.quant.checkpoint import (
     PRECISIONS,
@@ -81,6 +82,7 @@ def apply_precision(model: nn.Module, precision: str, *, embeddings: str | None 
     Raises:
         ValueError: unknown precision / embeddings / kernel / layer name; options given for a
             scheme that does not use them.
+        TypeError: another precision than fp32 for a model that is not an ``HSTUModel`` (SASRec).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: unknown value {precision!r}; valid: {list(PRECISIONS)}")
@@ -89,6 +91,8 @@ def apply_precision(model: nn.Module, precision: str, *, embeddings: str | None 
     model.eval()
     if precision == "fp32":
         return model
+    if not isinstance(model, HSTUModel):  # the SASRec baseline: float32 only
+        raise TypeError(f"precision {precision!r}: low-precision inference supports HSTUModel, got {type(model).__name__} (use fp32)")
     if precision == "int8":
         return quantize_model_int8(model, embeddings=embeddings or "fp16", keep_float=keep_float, kernel=kernel)
     return to_low_precision(model, precision)

@@ -342,9 +342,8 @@ def _local_table_flags(args, tcfg, saved: dict | None) -> None:
 
 
 def _model_cfg(args):
-    """(ModelConfig, TrainConfig or None) from --preset (default small) with a --config [model] table's
-    fields over the preset's values, and --arch's architecture when given (the sizes stay the preset's or
-    the [model] table's)."""
+    """(ModelConfig, TrainConfig or None): --preset (default small), a --config [model] table's fields over it, --arch's
+    architecture (config.model_config_from_preset); a bad field's error names the file."""
     from hstu.config import load_config_file, load_config_tables, model_config_from_preset
 
     tcfg, fields = None, {}
@@ -352,7 +351,11 @@ def _model_cfg(args):
         tcfg = load_config_file(args.config).get("train")  # every table checked, errors naming the file
         fields = load_config_tables(args.config).get("model", {})
     arch = {"architecture": args.arch} if getattr(args, "arch", None) else {}
-    return model_config_from_preset(args.preset or "small", **{**fields, **arch}), tcfg
+    try:
+        return model_config_from_preset(args.preset or "small", **{**fields, **arch}), tcfg
+    except ValueError as exc:  # a [model] field that the preset or --arch cannot take: name the file too
+        where = f"{args.config} [model]" + (f" with --arch {args.arch}" if arch else "")
+        raise (ValueError(f"{where}: {exc}") if fields else exc) from None
 
 
 def _check_out_dir(args) -> None:

@@ -196,3 +196,13 @@ def test_model_table_errors_name_the_file(tmp_path, capsys, model, arch, message
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_names_a_contradicting_model_field_in_toml_spelling(tmp_path, capsys):
+    """--resume with a [model] value the run does not have: the message spells both as TOML does (true, not True)."""
+    flags, run = _cli_flags(tmp_path), tmp_path / "run"
+    assert main([*flags, "--config", str(tmp_path / "t.toml"), "--epochs", "1", "--out", str(run)]) == 0
+    (tmp_path / "off.toml").write_text("[model]\nmulti_channel = false\n")  # the small preset's block has it on
+    capsys.readouterr()
+    assert main([*flags, "--config", str(tmp_path / "off.toml"), "--epochs", "2", "--out", str(run), "--resume"]) == 2
+    assert "[model] sets multi_channel = false (the run: true): drop them" in capsys.readouterr().err

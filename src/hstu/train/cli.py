@@ -397,7 +397,7 @@ def _check_resume_flags(args) -> None:
             return
         saved, default = read_json(path).get("model", {}), ModelConfig()
         run = {k: saved.get(k, getattr(default, k)) for k in table}
-        if other := ", ".join(f"{k} = {v!r} (the run: {run[k]!r})" for k, v in table.items() if run[k] != v):
+        if other := ", ".join(f"{k} = {json.dumps(v)} (the run: {json.dumps(run[k])})" for k, v in table.items() if run[k] != v):
             raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {other}: drop them")
 
 

@@ -472,9 +472,9 @@ def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}
-    g = merged.get
-    other = g("architecture", "hstu") != "hstu" or not g("query_key_map", True)
-    if "multi_channel" not in overrides and (other or not (g("use_position_bias", True) or g("use_time_bias", True))):
+    m = {**dataclasses.asdict(ModelConfig()), **merged}  # every field: the defaults where neither sets it
+    fits = m["architecture"] == "hstu" and m["query_key_map"] and (m["use_position_bias"] or m["use_time_bias"])
+    if "multi_channel" not in overrides and not fits:
         merged.pop("multi_channel", None)
     return _from_dict(ModelConfig, merged, f"preset {name}")
 

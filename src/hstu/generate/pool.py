@@ -148,6 +148,9 @@ class BucketPool:
         # per layer, the bias of the one-beam decode step s (query at position L + s) against the C + K
         # keys, mask folded in: formed once per request group when the kernel set can take it
         self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None else None
+        # and, with FuXi-alpha's channels ([model] multi_channel), their weights per layer (R, channels, K, C + K)
+        Cc = getattr(m.layers[0], "channels", 1) - 1
+        self.chan_j = [z(R, Cc, K, C + K) for _ in range(c.num_blocks)] if Cc > 0 else None
         self.kvalid = self.kvalid_j[:, :C]  # (R, C) set per request
         self.start = z(R, d=i64)
         # static inputs (decode step)
@@ -190,6 +193,7 @@ class BucketPool:
             self.tb_j,
             self.s_idx_j,
             *(self.bias_j or []),
+            *(self.chan_j or []),
         ]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 

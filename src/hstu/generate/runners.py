@@ -20,7 +20,7 @@ from hstu.backend.graph_cache import CachedRunner, StaticInputs, entry_name
 from hstu.backend.graphs import CompiledRunner
 from hstu.generate.pool import BucketPool
 from hstu.model.base import l2_normalize
-from hstu.model.meta import AttentionMeta, KVView
+from hstu.model.meta import AttentionMeta, KVView, decode_channels
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
@@ -191,7 +191,7 @@ def setup_fn(eng: Engine, b: BucketPool, Bp: int, one_beam: bool, steps: int) ->
     () -> b.lengths[:Bp] (written nothing; a graph needs an output)."""
     c, C, K = eng.model.cfg, b.C, eng.k_max
     ar_K = eng._arange[:K].view(1, K)
-    biases = one_beam and b.bias_j is not None and steps > 0
+    biases = one_beam and (b.bias_j is not None or b.chan_j is not None) and steps > 0
 
     def setup() -> torch.Tensor:
         if c.use_time_bias:
@@ -206,9 +206,10 @@ def setup_fn(eng: Engine, b: BucketPool, Bp: int, one_beam: bool, steps: int) ->
 
 
 def decode_biases(eng: Engine, b: BucketPool, Bp: int, steps: int) -> None:
-    """Fill b.bias_j[layer][:Bp, :steps]: decode step s's query (position L + s, slot C + s)
-    against the C + K keys, for every layer: the relative-bias gathers and the mask, formed
-    once per request group instead of once per step and layer."""
+    """Fill b.bias_j[layer][:Bp, :steps] (and b.chan_j[layer][:Bp, :, :steps], FuXi-alpha's channel
+    weights): decode step s's query (position L + s, slot C + s) against the C + K keys, for every
+    layer: the relative-bias gathers and the mask, formed once per request group instead of once
+    per step and layer."""
     C = b.C
     meta = AttentionMeta(
         q_pos=b.kpos_j[:Bp, C : C + steps],
@@ -218,7 +219,10 @@ def decode_biases(eng: Engine, b: BucketPool, Bp: int, steps: int) -> None:
         kernels=eng.kernels,
     )  # q_pos (Bp, steps)
     for li, layer in enumerate(eng.model.layers):
-        b.bias_j[li][:Bp, :steps] = layer.relative_bias(meta, eng.dtype)
+        if b.bias_j is not None:
+            b.bias_j[li][:Bp, :steps] = layer.relative_bias(meta, eng.dtype)
+        if b.chan_j is not None:
+            b.chan_j[li][:Bp, :, :steps] = decode_channels(meta, layer.rel_bias, eng.dtype)  # (Bp, channels, steps, C + K)
 
 
 def step_fn_one_beam(eng: Engine, b: BucketPool, Bp: int) -> Runner:
@@ -238,6 +242,7 @@ def step_fn_one_beam(eng: Engine, b: BucketPool, Bp: int) -> Runner:
         write_slot=b.s_idx_j,
         bias=[t[:Bp] for t in b.bias_j] if b.bias_j is not None else None,
         bias_row=b.s_idx,
+        channels=[t[:Bp] for t in b.chan_j] if b.chan_j is not None else None,
     )
 
     def step() -> torch.Tensor:

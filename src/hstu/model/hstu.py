@@ -169,7 +169,7 @@ class HSTULayer(nn.Module):
         fixed, one = self.attention_norm == "fixed", self.channels == 1
         av = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one)
         if not one:  # FuXi-alpha's position and time channels beside the semantic A·V: (B, T, channels*H*d_v)
-            av = torch.cat([av, *multi_channel(kv, meta, rel_bias=self.rel_bias)], dim=-1)
+            av = torch.cat([av, *multi_channel(kv, meta, rel_bias=self.rel_bias, layer_index=self.index)], dim=-1)
         h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, channels*H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         y = y if self.ffn is None else self.ffn(y)  # FuXi-alpha's second FFN stage, row by row

@@ -29,7 +29,7 @@ import torch
 
 from hstu.model.bias import RelativeBias
 from hstu.model.kernels import REFERENCE, KernelSet
-from hstu.model.kernels.reference import bias_channels
+from hstu.model.kernels.reference import bias_channels, channel_weights, channels_av
 
 
 @dataclass
@@ -54,6 +54,8 @@ class AttentionMeta:
         bias: per layer (B, K, S) bias with the mask folded in (kernels.decode_bias), formed
             once per request group; row ``bias_row`` (1,) int64 is this step's. None: the bias
             is formed inside the attention from positions and time buckets.
+        channels: per layer (B, C, K, S) FuXi-α channel weights of the decode loop's steps
+            (kernels.reference.channel_weights), formed with ``bias``; row ``bias_row`` is this step's.
         blocks: causal row blocks (a, b) of a square prefill: block queries a..b-1 against keys
             0..b-1 only, each with its own time buckets ``block_tb[j]`` (B, b - a, b).
         shared: beam search: the history segment shared by groups of G query rows (the beams of
@@ -75,6 +77,7 @@ class AttentionMeta:
     write_slot: torch.Tensor | None = None
     bias: Sequence[torch.Tensor] | None = None
     bias_row: torch.Tensor | None = None
+    channels: Sequence[torch.Tensor] | None = None
     blocks: Sequence[tuple[int, int]] | None = None
     block_tb: Sequence[torch.Tensor] | None = None
     shared: AttentionMeta | None = None
@@ -219,18 +222,33 @@ def _channels(v: torch.Tensor, meta: AttentionMeta, tables: tuple) -> list[torch
     return [torch.cat(p, dim=1) for p in zip(*parts)] if len(parts) > 1 else parts[0]
 
 
-def multi_channel(kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias) -> list[torch.Tensor]:
+def multi_channel(kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias, layer_index: int = 0) -> list[torch.Tensor]:
     """FuXi-α's positional and temporal channels (Ye et al., WWW 2025, §4.2): A_p · V and A_t · V,
     A_p[i, j] = pos_w[N - 1 + j - i] and A_t[i, j] = ts_w[bucket(t[i+1] - t[j])] where query i
     attends key j, else 0 (the layer's own tables; a channel whose table is off is absent), for
     the same (query, key) pairs as :func:`hstu_attention` (prefill blocks, cached keys, decode
-    steps, a beam's shared history, packed segments).
+    steps, a beam's shared history, packed segments). Where ``meta.channels`` holds the weights of
+    a decode loop (formed once per request group), row ``meta.bias_row`` of layer ``layer_index``'s
+    is read instead.
 
     Returns:
-        C = 1 or 2 tensors (B, T, H * d_v) float (position, then time), heads concatenated.
+        C = 1 or 2 tensors (B, T, H * d_v) float (position, then time), heads concatenated; read
+        from ``meta.channels``: one tensor (B, T, C * H * d_v), the same values side by side.
     Raises:
         ValueError: the layer has a time bias and ``meta`` no time buckets.
     """
+    if meta.channels is not None:
+        return [channels_av(meta.channels[layer_index].index_select(2, meta.bias_row), kv.v)]  # (B, T, C*H*d_v)
+    tables = _tables(meta, rel_bias)
+    out = _channels(kv.v, meta, tables)  # C x (B, T, H*d_v)
+    if meta.shared is not None:  # beams: the history keys of each group of G query rows
+        out_h = _channels(kv.shared.v, meta.shared, tables)  # C x (B / G, G, H*d_v)
+        out = [o + h.reshape(o.shape) for o, h in zip(out, out_h)]
+    return out
+
+
+def _tables(meta: AttentionMeta, rel_bias: RelativeBias) -> tuple:
+    """The channels' bias tables, position then time (those the layer has): (pos_w, None), (None, ts_w)."""
     tables = []
     if rel_bias.use_position:
         tables.append((rel_bias.pos_w, None))
@@ -238,11 +256,14 @@ def multi_channel(kv: KVView, meta: AttentionMeta, *, rel_bias: RelativeBias) ->
         if meta.tb is None and meta.block_tb is None:
             raise ValueError("multi_channel: the layer has a time bias but the AttentionMeta has no time buckets")
         tables.append((None, rel_bias.ts_w))
-    out = _channels(kv.v, meta, tuple(tables))  # C x (B, T, H*d_v)
-    if meta.shared is not None:  # beams: the history keys of each group of G query rows
-        out_h = _channels(kv.shared.v, meta.shared, tuple(tables))  # C x (B / G, G, H*d_v)
-        out = [o + h.reshape(o.shape) for o, h in zip(out, out_h)]
-    return out
+    return tuple(tables)
 
 
-__all__ = ["AttentionMeta", "KVView", "hstu_attention", "multi_channel", "segment_positions"]
+def decode_channels(meta: AttentionMeta, rel_bias: RelativeBias, dtype: torch.dtype) -> torch.Tensor:
+    """The weights :func:`multi_channel` reads from ``AttentionMeta.channels``: meta's T query rows
+    (a decode loop's steps, one row each) against its S keys, (B, C, T, S) ``dtype``, formed once
+    per request group (:func:`hstu.model.kernels.reference.channel_weights`)."""
+    return channel_weights(meta.q_pos, meta.k_pos, meta.k_valid, meta.tb, _tables(meta, rel_bias)).to(dtype)
+
+
+__all__ = ["AttentionMeta", "KVView", "decode_channels", "hstu_attention", "multi_channel", "segment_positions"]

@@ -8,7 +8,8 @@ Zhai et al. 2024, §3, eqs. 1-3, split into the pieces a backend may fuse:
     ln_mul:     U ⊙ LN(A · V)                                         (eq. 3, before W_o)
     decode_bias + attention_bias: the same attention with the bias (mask folded in) formed once
                 for every step of a decode loop, then read per step (inference only)
-    bias_channels: FuXi-α's positional / temporal channels A_c · V ([model] multi_channel)
+    bias_channels: FuXi-α's positional / temporal channels A_c · V ([model] multi_channel); channel_weights
+                formed once for every step of a decode loop, then read per step (channels_av)
 
 Symbols: B batch, H heads, T query rows, S key rows, d_qk / d_v per-head widths, N the model's
 fixed width (the divisor n and the position table size 2N - 1).
@@ -92,6 +93,40 @@ def _mask_and_rab(q_pos, k_pos, k_valid, tb, pos_w, ts_w, segments=None) -> tupl
     return drop, _rab(rel, tb, pos_w, ts_w)
 
 
+def _channel_list(q_pos, k_pos, k_valid, tb, tables, segments=None) -> list[torch.Tensor]:
+    """Per channel, its weights A_c (…, T, S): the channel's relative bias where query i may attend key j, else 0."""
+    drop, _ = _mask_and_rab(q_pos, k_pos, k_valid, None, None, None, segments)  # (B, T, S) or (T, S)
+    rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)
+    return [_rab(rel, tb, pos_w, ts_w).masked_fill(drop, 0.0) for pos_w, ts_w in tables]  # (B, T, S) or (T, S) each
+
+
+def channel_weights(q_pos, k_pos, k_valid, tb, tables, segments=None) -> torch.Tensor:
+    """FuXi-α's positional and temporal attention weights (Ye et al., WWW 2025, §4.2, adaptive
+    multi-channel self-attention): A_c[…, i, j] = channel c's relative bias where query i may attend
+    key j, else 0; no SiLU, no 1/n (its weights are the bias itself).
+
+    Args:
+        q_pos, k_pos, k_valid, tb, segments: the mask and time buckets, as :func:`attention`.
+        tables: per channel (pos_w, None) or (None, ts_w), as :func:`attention`'s tables.
+    Returns:
+        (B, C, T, S) float, or (C, T, S) when every input is unbatched; channels in ``tables`` order.
+    """
+    a = _channel_list(q_pos, k_pos, k_valid, tb, tables, segments)
+    shape = torch.broadcast_shapes(*(x.shape for x in a))
+    return torch.stack([x.expand(shape) for x in a], dim=-3)  # (…, C, T, S)
+
+
+def channels_av(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A_c · V of every channel in one batched GEMM: w (B, C, T, S) or (C, T, S) float
+    (:func:`channel_weights`; the bias is shared by the heads), v (B, H, S, d_v) ->
+    (B, T, C * H * d_v), channel-major then heads (the layout of concatenating each channel's
+    (B, T, H * d_v))."""
+    C, T, S = w.shape[-3:]
+    B, H, _, d = v.shape
+    out = torch.matmul(w.to(v.dtype).reshape(*w.shape[:-3], 1, C * T, S), v)  # (B, H, C*T, d_v)
+    return out.view(B, H, C, T, d).permute(0, 3, 2, 1, 4).reshape(B, T, C * H * d)
+
+
 def bias_channels(
     v: torch.Tensor,
     *,
@@ -102,26 +137,16 @@ def bias_channels(
     tables: tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...],
     segments: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """FuXi-α's positional and temporal attention channels (Ye et al., WWW 2025, §4.2, adaptive
-    multi-channel self-attention): per channel c, A_c · V with A_c[b, i, j] = the channel's relative
-    bias where query i may attend key j, else 0; no SiLU, no 1/n (its weights are the bias itself).
+    """FuXi-α's positional and temporal channels A_c · V, one channel at a time (:func:`channel_weights`
+    formed once for a decode loop's steps and read with :func:`channels_av` is the other way).
 
     Args:
-        v: (B, H, S, d_v) float values.
-        q_pos, k_pos, k_valid, tb, segments: the mask and time buckets, as :func:`attention`.
-        tables: per channel (pos_w, None) or (None, ts_w), as :func:`attention`'s tables.
+        v: (B, H, S, d_v) float values; the rest as :func:`channel_weights`.
     Returns:
-        C tensors (B, T, H * d_v), in ``tables`` order, heads concatenated; the bias is shared by the
-        heads. No factory or concatenation (a decode loop's ops are checked for them).
+        C tensors (B, T, H * d_v), in ``tables`` order, heads concatenated. No factory or
+        concatenation (a decode loop's ops are checked for them).
     """
-    drop, _ = _mask_and_rab(q_pos, k_pos, k_valid, None, None, None, segments)  # (B, T, S) or (T, S)
-    rel = k_pos.unsqueeze(-2) - q_pos.unsqueeze(-1)
-    outs = []
-    for pos_w, ts_w in tables:
-        a = _rab(rel, tb, pos_w, ts_w).masked_fill(drop, 0.0).to(v.dtype)  # (B, T, S) or (T, S)
-        out = torch.matmul(a.unsqueeze(-3), v)  # (B, H, T, d_v)
-        outs.append(out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1))  # (B, T, H*d_v)
-    return outs
+    return [channels_av(a.unsqueeze(-3), v) for a in _channel_list(q_pos, k_pos, k_valid, tb, tables, segments)]
 
 
 def decode_bias(

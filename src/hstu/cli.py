@@ -89,7 +89,8 @@ def cmd_eval(args) -> int:
     if args.json:
         print(json.dumps({**out, "exclude_history": excl, **({"slices": slices} if slices else {})}, indent=2))
         return 0
-    head = f"{args.split} ({spec.protocol}, {out['users']} users, {policy_text(excl)}): "
+    prec = args.precision or cfg.get("quant", {}).get("scheme", "fp32")  # None: as saved (a quantized run's scheme)
+    head = f"{args.split} ({spec.protocol}, {prec}, {out['users']} users, {policy_text(excl)}): "
     print(head + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
     from hstu.report.slices import cells
 

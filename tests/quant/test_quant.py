@@ -413,6 +413,9 @@ def test_cli_precision_on_eval_and_generate(tiny_run, tmp_path, capsys):
     save_quantized_run(apply_precision(_float(tiny_run), "int8"), tiny_run, q8)
     assert main(["eval", "--run", str(q8), "--json"]) == 0  # as saved
     assert json.loads(capsys.readouterr().out)["users"] == f32["users"]
+    for run, flag, shown in ((tiny_run, [], "fp32"), (tiny_run, ["--precision", "bf16"], "bf16"), (q8, [], "int8")):
+        assert main(["eval", "--run", str(run), *flag]) == 0  # the text line names the precision evaluated
+        assert capsys.readouterr().out.startswith(f"test (clean, {shown}, {f32['users']} users, "), (run, flag)
     assert main(["generate", "--run", str(q8), "--user", str(user), "--precision", "bf16"]) == 2
     assert "quantized with scheme 'int8' but 'bf16' was requested" in capsys.readouterr().err
 

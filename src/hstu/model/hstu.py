@@ -157,8 +157,9 @@ class HSTULayer(nn.Module):
         """
         u, v, q, k = self.project(x, meta.kernels)  # (B, T, H*d_v) x 2, (B, T, H*d_qk) x 2
         q, k, v = self.heads(q, self.d_qk), self.heads(k, self.d_qk), self.heads(v, self.d_v)  # (B, H, T, ·)
+        own = KVView(k, v)  # this pass's rows
         if kv is None:
-            kv = KVView(k, v)  # S = T: this pass's rows
+            kv = own  # S = T: training
         else:
             kv.append(k, v, meta)  # the T new rows into the cache; attend to its S rows
         if meta.rows is not None:  # only one row per sequence is read: its query alone
@@ -169,7 +170,10 @@ class HSTULayer(nn.Module):
         fixed, one = self.attention_norm == "fixed", self.channels == 1
         av = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one)
         if not one:  # FuXi-alpha's position and time channels beside the semantic A·V: (B, T, channels*H*d_v)
-            av = torch.cat([av, *multi_channel(kv, meta, rel_bias=self.rel_bias, layer_index=self.index)], dim=-1)
+            # a prefill's keys are its own rows (cache rows 0..T-1): read in the pass's (B, T, H*d_v) layout, where
+            # one GEMM covers every head (kernels.reference.channels_av), not the cache's (B, H, S, d_v)
+            src = own if meta.write_rows is None and meta.write_slot is None and kv.v.shape[2] == v.shape[2] else kv
+            av = torch.cat([av, *multi_channel(src, meta, rel_bias=self.rel_bias, layer_index=self.index)], dim=-1)
         h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, channels*H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         y = y if self.ffn is None else self.ffn(y)  # FuXi-alpha's second FFN stage, row by row

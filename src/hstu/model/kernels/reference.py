@@ -123,7 +123,12 @@ def channels_av(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     (B, T, H * d_v))."""
     C, T, S = w.shape[-3:]
     B, H, _, d = v.shape
-    out = torch.matmul(w.to(v.dtype).reshape(*w.shape[:-3], 1, C * T, S), v)  # (B, H, C*T, d_v)
+    w, vt = w.to(v.dtype), v.transpose(1, 2)  # vt (B, S, H, d_v)
+    if H == 1 or vt.stride(2) == d * vt.stride(3):  # a pass's own rows: (B, S, H*d_v) is a view, every head in one GEMM
+        out = torch.matmul(w.reshape(*w.shape[:-3], C * T, S), vt.reshape(B, S, H * d))  # (B, C*T, H*d_v)
+        return out if C == 1 else out.view(B, C, T, H * d).transpose(1, 2).reshape(B, T, C * H * d)
+    # a cache's (B, H, S, d_v) rows: per head (the weights broadcast over H, C*T rows each)
+    out = torch.matmul(w.reshape(*w.shape[:-3], 1, C * T, S), v)  # (B, H, C*T, d_v)
     return out.view(B, H, C, T, d).permute(0, 3, 2, 1, 4).reshape(B, T, C * H * d)
 
 

@@ -62,9 +62,9 @@ def test_quantize_rejects_bad_weights():
 
 @pytest.mark.skipif(not HAS_FBGEMM, reason="this torch build has no FBGEMM quantized engine")
 def test_cpu_kernel_is_integer_gemm():
-    """The CPU path is FBGEMM's integer GEMM: it equals an int64 emulation of 7-bit per-tensor
-    activations × per-channel int8 weights exactly (up to the float32 rescale), and differs from
-    dequantize-then-matmul by far more than that."""
+    """The CPU path is FBGEMM's integer GEMM: it equals an int64 emulation of 7-bit per-row
+    activations (each row over its max |x|, scale 1/63, zero point 64) × per-channel int8 weights
+    exactly (up to the float32 rescale), and differs from dequantize-then-matmul by far more than that."""
     k = select_int8_kernel("cpu")
     assert k.name == "fbgemm" and k.integer
     torch.manual_seed(0)
@@ -73,10 +73,10 @@ def test_cpu_kernel_is_integer_gemm():
     x = torch.randn(7, 43, 50) * 2 + 0.3  # leading axes are flattened
     y = m(x).reshape(-1, 200).double()
     x2 = x.reshape(-1, 50)
-    scale, zp = torch._choose_qparams_per_tensor(x2, True)  # the qparams FBGEMM's dynamic linear uses (reduce_range)
-    xq = torch.clamp(torch.round(x2 / scale) + zp, 0, 127).to(torch.int64)
-    acc = (xq - zp) @ m.weight_int8.to(torch.int64).T  # exact integer GEMM
-    emulated = acc.double() * scale * m.weight_scale.double()[None, :] + m.bias.double()
+    r = x2.abs().amax(dim=1, keepdim=True)  # (M, 1)
+    xq = torch.clamp(torch.round(x2 / r * 63) + 64, 1, 127).to(torch.int64)  # 7 bits: u8 1..127
+    acc = (xq - 64) @ m.weight_int8.to(torch.int64).T  # exact integer GEMM
+    emulated = acc.double() / 63 * r.double() * m.weight_scale.double()[None, :] + m.bias.double()
     float_path = x2.double() @ m.dequantized_weight().double().T + m.bias.double()
     assert (y - emulated).abs().max() < 1e-5  # float32 rescale rounding only
     assert (y - float_path).abs().max() > 1e-3  # so it is not dequantize-then-matmul
@@ -93,9 +93,12 @@ def test_int8_linear_within_bound_of_float64(kernel):
     ref = x.double() @ m.dequantized_weight().double().T + m.bias.double()
     y = m(x).double()
     rowsum = m.dequantized_weight().double().abs().sum(dim=1)  # (N,)
-    if m.kernel.name in ("fbgemm", "qnnpack"):
-        scale, _ = torch._choose_qparams_per_tensor(x, m.kernel.name == "fbgemm")
+    if m.kernel.name == "qnnpack":
+        scale, _ = torch._choose_qparams_per_tensor(x, False)
         bound = 0.5 * scale * rowsum[None, :] * (1 + 1e-4) + 1e-5
+    elif m.kernel.name == "fbgemm":
+        step = x.abs().amax(dim=1).double() / 63  # per-row, 7 bits
+        bound = 0.5 * step[:, None] * rowsum[None, :] * (1 + 1e-4) + 1e-5
     elif m.kernel.name == "int_mm":
         step = x.abs().amax(dim=1).double() / 127  # per-row symmetric activations
         bound = 0.5 * step[:, None] * rowsum[None, :] * (1 + 1e-4) + 1e-5
@@ -103,6 +106,18 @@ def test_int8_linear_within_bound_of_float64(kernel):
         bound = torch.full_like(ref, 1e-4)  # float32 GEMM rounding
     assert ((y - ref).abs() <= bound).all()
     assert m.kernel.integer == (m.kernel.name != "dequant")
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="this torch build has no FBGEMM quantized engine")
+def test_int8_linear_rows_do_not_depend_on_the_batch():
+    """Per-row activation scales: a row's output is bit for bit the same alone, in a batch with rows 100x
+    larger, or with zero padding rows (per-tensor scales moved it by an activation step)."""
+    torch.manual_seed(2)
+    m = Int8Linear.from_float(torch.nn.Linear(64, 96))
+    x = torch.randn(5, 64)
+    alone = torch.cat([m(x[i : i + 1]) for i in range(5)])
+    mixed = m(torch.cat([100 * torch.randn(3, 64), x, torch.zeros(2, 64)]))
+    assert torch.equal(mixed[3:8], alone) and torch.equal(mixed[8:], m.bias.expand(2, 96))
 
 
 def test_int8_linear_has_no_float_weight():

@@ -179,7 +179,7 @@ def export_run(
     if scheme == "int8":
         raise ValueError(
             f"{'--precision int8' if precision else f'{run} is an INT8 run (quant.json)'}: not exportable (the INT8 Linears hold "
-            "packed quantized::linear_dynamic weights, which torch.export cannot trace); export the float run, or --precision fp16 / bf16"
+            "packed quantized (FBGEMM) weights, which torch.export cannot trace); export the float run, or --precision fp16 / bf16"
         )
     edges = _buckets(buckets, model.cfg.max_seq_len)
     cat = ids.get("item_category")

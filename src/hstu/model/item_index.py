@@ -20,8 +20,7 @@ float32 copy of a 16-bit or INT8 table:
     Int8Index   row-wise INT8 table (``--embeddings int8``): r = Q[r] · s[r] normalises to
                 Q[r] / ||Q[r]||, so the integer rows with per-row scale 1 / ||Q[r]|| are the
                 normalised table exactly, on the integer GEMM of the INT8 Linears
-                (``quantized::linear_dynamic``: the user vectors are quantized per call, 7-bit
-                on x86; see hstu.quant.int8). A quarter of the bytes; the similarity is then
+                (the user vectors quantized per row, 7-bit on x86; see hstu.quant.int8). A quarter of the bytes; the similarity is then
                 integer, so its quality cost is measured with the scheme (benchmarks/quant.py).
                 Without an integer kernel on the device: the float rows, with a warning.
 """

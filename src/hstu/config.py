@@ -409,18 +409,18 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
 
 
 _TABLES = {"model": ModelConfig, "train": TrainConfig, "generate": GenerateConfig, "serve": ServeConfig, "data": None}
-# [data] is hstu.data.prepare.DataSpec (resolved when read: hstu.data imports this module); these of its keys are
-# loader options (DataSpec.options), the others DataSpec fields
+# [data]: hstu.data.prepare.DataSpec (resolved when read); these keys are its loader options (DataSpec.options)
 DATA_OPTIONS = ("columns", "format", "time_unit", "meta", "features", "numeric_features")
 
 
 def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = None) -> Any:
-    """A ``[data]`` table -> :class:`hstu.data.prepare.DataSpec`: ``dataset``, ``data_dir`` and ``items``
-    (relative to ``base``, the config file's directory, when given), ``protocol``, ``max_users``,
-    ``skip_bad_rows``, ``exclude_history`` and the loader options :data:`DATA_OPTIONS` (or an ``options`` table).
-    ValueError names ``where`` and the field."""
+    """A ``[data]`` table -> :class:`hstu.data.prepare.DataSpec`: its fields (``data_dir``, ``items`` relative to ``base``,
+    the config file's directory) and the loader options :data:`DATA_OPTIONS`. ValueError names ``where`` and the field."""
     from hstu.data.prepare import DataSpec
 
+    valid = {f.name for f in dataclasses.fields(DataSpec)} - {"feature_maps"} | set(DATA_OPTIONS)  # feature_maps: the run's own
+    if set(table) - valid:
+        raise ValueError(f"{where}: unknown field(s) {sorted(set(table) - valid)} for [data]; valid: {sorted(valid)}")
     rest = {k: v for k, v in table.items() if k not in DATA_OPTIONS}
     opts = {k: table[k] for k in DATA_OPTIONS if k in table}
     if opts:

@@ -34,8 +34,13 @@ def test_data_table_parses_into_a_dataspec(tmp_path):
     )["data"]
     assert spec.dataset == "csv" and spec.data_dir == str(tmp_path / "logs")  # relative to the config file
     assert spec.options == {"columns": "user=1,item=0", "format": "sep=;,header=none"}
-    with pytest.raises(ValueError, match=r"run.toml \[data\]: unknown field\(s\) \['colums'\]"):
+    with pytest.raises(ValueError, match=r"run.toml \[data\]: unknown field\(s\) \['colums'\]") as info:
         load_config_file(_toml(tmp_path, 'colums = "user=1"\n'))
+    valid = str(info.value).split("valid: ")[1]  # what a [data] table takes: DataSpec's fields and the loader options
+    assert all(f"'{k}'" in valid for k in ("columns", "format", "time_unit", "features", "dataset", "max_users"))
+    assert "feature_maps" not in valid  # the run's own (set by training), not a config field
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['feature_maps'\] for \[data\]"):
+        load_config_file(_toml(tmp_path, "feature_maps = []\n"))
     with pytest.raises(ValueError, match=r"\[data\]: max_users must be int \| None"):
         load_config_file(_toml(tmp_path, 'max_users = "ten"\n'))
     with pytest.raises(ValueError, match=r"\[data\]: DataSpec.protocol must be one of"):

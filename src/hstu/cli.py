@@ -77,10 +77,14 @@ PRECISION_HELP = (
 
 
 def cmd_eval(args) -> int:
+    import torch
+
     from hstu.quant.checkpoint import load_for_inference
     from hstu.train.evaluate import evaluate
     from hstu.train.logs import policy_text
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, cfg, ids = load_for_inference(args.run, args.device, args.precision)
     log_, split, spec = _run_data(cfg, args.data_dir, args.protocol, args=args, run=(args.run, ids))
     excl = log_.exclude_history_default if args.exclude_history is None else args.exclude_history
@@ -100,8 +104,7 @@ def cmd_eval(args) -> int:
 
 
 def _eval_slices(model, log_, split, args, exclude: bool) -> dict:
-    """``hstu eval --slices``: :func:`hstu.train.slices.scorer_slices` of the run on ``args.split``
-    (next item / action, purchase, repeat vs new targets, cold start, long tail; 95 % bootstrap CIs)."""
+    """``hstu eval --slices``: :func:`hstu.train.slices.scorer_slices` of the run on ``args.split`` (95 % bootstrap CIs)."""
     from hstu.train.baselines import training_counts
     from hstu.train.slices import ModelScorer, scorer_slices
 
@@ -347,11 +350,9 @@ def _add_eval(sub) -> None:
     e.add_argument("--run", required=True)
     e.add_argument("--split", default="test", choices=["valid", "test"])
     e.add_argument("--protocol", choices=["clean", "paper"])
-    e.add_argument(
-        "--data-dir",
-        help="the run's data set, if it moved since training (default: $HSTU_DATA_DIR, else the directory recorded in the run)",
-    )
+    e.add_argument("--data-dir", help="the run's data set, if it moved (default: $HSTU_DATA_DIR, else the run's recorded directory)")
     e.add_argument("--device", default="cpu")
+    e.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (default: torch's)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     e.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)

@@ -431,6 +431,12 @@ def test_cli_precision_on_eval_and_generate(tiny_run, tmp_path, capsys):
     for run, flag, shown in ((tiny_run, [], "fp32"), (tiny_run, ["--precision", "bf16"], "bf16"), (q8, [], "int8")):
         assert main(["eval", "--run", str(run), *flag]) == 0  # the text line names the precision evaluated
         assert capsys.readouterr().out.startswith(f"test (clean, {shown}, {f32['users']} users, "), (run, flag)
+    threads = torch.get_num_threads()
+    try:  # --threads as train / generate / serve take it
+        assert main(["eval", "--run", str(q8), "--threads", "1", "--json"]) == 0 and torch.get_num_threads() == 1
+        assert json.loads(capsys.readouterr().out)["users"] == f32["users"]
+    finally:
+        torch.set_num_threads(threads)
     assert main(["generate", "--run", str(q8), "--user", str(user), "--precision", "bf16"]) == 2
     assert "quantized with scheme 'int8' but 'bf16' was requested" in capsys.readouterr().err
 

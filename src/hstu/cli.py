@@ -83,17 +83,17 @@ def cmd_eval(args) -> int:
     from hstu.train.evaluate import evaluate
     from hstu.train.logs import policy_text
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     model, cfg, ids = load_for_inference(args.run, args.device, args.precision)
     log_, split, spec = _run_data(cfg, args.data_dir, args.protocol, args=args, run=(args.run, ids))
     excl = log_.exclude_history_default if args.exclude_history is None else args.exclude_history
     out = evaluate(model, log_, split, args.split, device=model.pos_emb.weight.device, exclude=excl)
     slices = _eval_slices(model, log_, split, args, excl) if args.slices else None
-    if args.json:
-        print(json.dumps({**out, "exclude_history": excl, **({"slices": slices} if slices else {})}, indent=2))
-        return 0
     prec = args.precision or cfg.get("quant", {}).get("scheme", "fp32")  # None: as saved (a quantized run's scheme)
+    if args.json:  # what was evaluated beside the metrics
+        what = {"split": args.split, "protocol": spec.protocol, "precision": prec, "exclude_history": excl}
+        print(json.dumps({**out, **what, **({"slices": slices} if slices else {})}, indent=2))
+        return 0
     head = f"{args.split} ({spec.protocol}, {prec}, {out['users']} users, {policy_text(excl)}): "
     print(head + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "users"))
     from hstu.report.slices import cells

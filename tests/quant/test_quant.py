@@ -421,6 +421,7 @@ def test_cli_precision_on_eval_and_generate(tiny_run, tmp_path, capsys):
     assert main(["eval", "--run", str(tiny_run), "--json", "--precision", "int8"]) == 0
     i8 = json.loads(capsys.readouterr().out)
     assert f32["users"] == i8["users"] and abs(f32["HR@10"] - i8["HR@10"]) <= 0.03  # 200 users: a few ranks move
+    assert (f32["precision"], i8["precision"], i8["split"]) == ("fp32", "int8", "test")  # --json names what it evaluated
     user = 1  # ML-1M user ids start at 1; the run holds the first 200 users
     assert main(["generate", "--run", str(tiny_run), "--user", str(user), "-k", "3", "--precision", "bf16", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["items"]) == 3

@@ -127,6 +127,7 @@ def test_eval_flag_overrides_the_runs_policy(run, capsys):
         assert main(["eval", "--run", str(d / "run"), "--json", *flag]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out.pop("exclude_history") is excl
+        assert [out.pop(k) for k in ("split", "protocol", "precision")] == ["test", "clean", "fp32"]  # what was evaluated
         assert out == pytest.approx(evaluate(model, log_, split, "test", exclude=excl))
     assert main(["eval", "--run", str(d / "run"), "--no-exclude-history"]) == 0
     assert "exclude_history=off): HR@1 " in capsys.readouterr().out

@@ -43,7 +43,7 @@ def test_options_parse_and_errors():
     assert spec.options == {"features": ["brand"], "numeric_features": {"price": 10}}
 
 
-def test_edges_from_training_events_only(tmp_path):
+def test_edges_from_training_events_only(tmp_path, caplog):
     # 2 users x 4 events (clean split: events 3, 4 of each user are valid / test); test prices are huge
     rows = []
     for u in (1, 2):
@@ -68,6 +68,12 @@ def test_edges_from_training_events_only(tmp_path):
     assert log_.features[:, 1].tolist() == [2, 1, 2, 1, 2, 1, 2, 1, 0]
     assert log_.features[:, 0].tolist() == log_.categories.tolist()
     assert model_config_for(log_, ModelConfig(), True).features == {"brand": 2, "price": 3}
+    with caplog.at_level("WARNING", logger="hstu.data.prepare"):  # a config's num_items gives way to the data's, said aloud
+        assert model_config_for(log_, ModelConfig(num_items=7), False).num_items == log_.num_items != 7
+        assert model_config_for(log_, ModelConfig(num_items=log_.num_items), False).num_items == log_.num_items
+    assert [r.getMessage().split(": ")[1] for r in caplog.records] == [
+        f"{log_.num_items} items in the data; [model] num_items = 7 is replaced by it"
+    ]
     fm = FeatureMaps(log_.feature_maps)
     assert fm.encode("price", [None, 10.0, 1e9], "history[{i}].features").tolist() == [0, 1, 3]
     assert fm.names == ["brand", "price"]

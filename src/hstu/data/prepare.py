@@ -150,6 +150,8 @@ def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> Mo
     (``facts["order_only"]``: no time column, the position is the order) turns the time bias off
     (``use_time_bias = False``, logged): its timestamps carry nothing, and the time term of the
     relative bias (Zhai et al. 2024, §3, rab^{p,t}) would only repeat the position term."""
+    if cfg.num_items and cfg.num_items != log_.num_items:  # e.g. a [model] num_items: the data decides, said aloud
+        log.warning("%s: %d items in the data; [model] num_items = %d is replaced by it", log_.name, log_.num_items, cfg.num_items)
     cfg.num_items = log_.num_items
     if log_.facts.get("order_only") and cfg.use_time_bias:
         log.info("%s: order-only data (no time column): the time bias is off (use_time_bias = false)", log_.name)

@@ -3,6 +3,7 @@ several files of one log, and order-only data (no time column: the time bias is 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ def test_parse_format():
             parse_format(bad)
 
 
-def test_headerless_semicolon_file_by_position(tmp_path: Path):
+def test_headerless_semicolon_file_by_position(tmp_path: Path, caplog):
     rows = [(1, 10, 300, "view"), (2, 11, 100, "buy"), (1, 12, 200, "view"), (2, 10, 100, "view")]
     semi = _write(tmp_path / "log.txt", "".join(f"{a};{t};{u};{i}\n" for u, i, t, a in rows))  # action;time;user;item
     log_ = load_csv(semi, columns="user=2,item=3,time=1,action=0", format="sep=;,header=none")
@@ -69,6 +70,9 @@ def test_headerless_semicolon_file_by_position(tmp_path: Path):
     _same(log_, load_csv(tsv, columns="user=0,item=1,time=t,action=3"))
     spec = DataSpec("csv", str(semi), options={"columns": "user=2,item=3,time=1", "format": "sep=;,header=none"})
     assert prepare_data(spec)[0].num_events == 4  # the options as a run stores them
+    with caplog.at_level("INFO", logger="hstu.data.prepare"):  # a --max-users cut is said, with what it kept
+        assert prepare_data(replace(spec, max_users=1))[0].num_events == 2
+    assert "csv: the first 1 of 2 users (max_users); 2 events" in [r.getMessage() for r in caplog.records]
 
 
 def test_headerless_malformed_lines_are_named(tmp_path: Path):

@@ -66,7 +66,8 @@ def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:
     the loaders, ValueError for an unknown data set or ``max_users`` <= 0."""
     log_ = load_dataset(spec.dataset, spec.data_dir, skip_bad_rows=spec.skip_bad_rows, **spec.options)
     if spec.max_users is not None:  # 0 is an error (subset_users), not "all users"
-        log_ = subset_users(log_, spec.max_users)
+        log_, n = subset_users(log_, spec.max_users), log_.num_users
+        log.info("%s: the first %d of %d users (max_users); %d events", log_.name, log_.num_users, n, log_.num_events)
     split = make_split(log_, spec.protocol)
     log_ = apply_features(log_, split.train_end, spec.feature_maps)
     if spec.feature_maps is None and log_.feature_maps:

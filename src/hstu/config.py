@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-ATTENTION_NORMS = ("fixed", "causal")
+ARCHITECTURES, ATTENTION_NORMS = ("hstu", "sasrec"), ("fixed", "causal")  # [model] architecture: hstu.model.build_hstu
 ATTENTION_KERNELS = ("auto", "reference", "triton", "npu")  # [model] attention: kernel sets (hstu.model.kernels)
 ITEM_TABLES = ("dense", "hashed")  # [model] item_table: nn.Embedding | model.embedding.ShardedEmbedding
 TABLE_PLACEMENTS = ("device", "host")  # where a hashed table's shard lives (model/embedding.py)
@@ -91,8 +91,8 @@ class ModelConfig:
         return self.max_seq_len + self.max_output_len
 
     def validate(self) -> None:
-        if self.architecture not in ("hstu", "sasrec"):  # hstu.model.build_hstu's encoders
-            raise ValueError(f"ModelConfig.architecture must be 'hstu' or 'sasrec', got {self.architecture!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture must be {' or '.join(map(repr, ARCHITECTURES))}, got {self.architecture!r}")
         for name in ("max_seq_len", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v", "num_time_buckets"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hstu.backend import Backend, for_device
-from hstu.config import ATTENTION_NORMS, ModelConfig
+from hstu.config import ARCHITECTURES, ATTENTION_NORMS, ModelConfig
 from hstu.model.base import SequentialRecommender, l2_normalize  # noqa: F401 (l2_normalize: imported from here by model, train, quant)
 from hstu.model.bias import RelativeBias, time_buckets, time_buckets_row
 from hstu.model.kernels import REFERENCE, KernelSet, get_kernels
@@ -295,8 +295,8 @@ def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:
     "sasrec" builds the SASRec baseline, which has the same interface; ``cfg.item_table`` the item
     table (dense, or hashed on ``device=``: :func:`hstu.model.base.build_item_table`).
     Raises MemoryError naming the model's sizes when its tensors cannot be allocated (or a size overflows int64)."""
-    if cfg.architecture not in ("hstu", "sasrec"):
-        raise ValueError(f"unknown ModelConfig.architecture {cfg.architecture!r}; valid: hstu, sasrec")
+    if cfg.architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown ModelConfig.architecture {cfg.architecture!r}; valid: {', '.join(ARCHITECTURES)}")
     if cfg.architecture == "sasrec":
         from hstu.model.sasrec import SASRecModel as cls
     else:

@@ -17,9 +17,7 @@ import os
 from pathlib import Path
 
 from hstu.cli import EXCLUDE_HISTORY_HELP, NO_DATA, default_data_dir, number_in
-from hstu.config import SEED_MAX
-
-ARCHITECTURES = ("hstu", "sasrec")  # ModelConfig.architecture (hstu.model.hstu.build_hstu)
+from hstu.config import ARCHITECTURES, SEED_MAX
 
 log = logging.getLogger("hstu")
 

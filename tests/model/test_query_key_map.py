@@ -163,3 +163,26 @@ def test_preset_and_config_parse_together_and_bad_combinations_are_refused(tmp_p
         bad = ModelConfig(num_items=9, architecture="sasrec", **field)  # only the option set is named (all three were)
         with pytest.raises(ValueError, match=rf"^ModelConfig\.{named}: HSTU block options; architecture 'sasrec' has none of them$"):
             bad.validate()
+
+
+def test_a_dropped_preset_multi_channel_is_logged(tmp_path, caplog) -> None:
+    """The small / large presets train the multi-channel block; a [model] table or --arch that it cannot go with
+    gives the HSTU block (or SASRec) and says so once; the preset alone, or prod (HSTU block already), says nothing."""
+    import argparse
+    import logging
+
+    from hstu.train.cli import _model_cfg
+
+    f = tmp_path / "f.toml"
+    f.write_text("[model]\nquery_key_map = false\n")
+    cases = [(str(f), "large", None, False, True), (None, None, "sasrec", False, True), (None, "large", None, True, False)]
+    cases.append((None, "prod", None, False, False))
+    for config, preset, arch, mc, logged in cases:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hstu"):
+            mcfg, _ = _model_cfg(argparse.Namespace(config=config, preset=preset, arch=arch))
+        assert mcfg.multi_channel is mc
+        msgs = [r.getMessage() for r in caplog.records if "multi-channel" in r.getMessage()]
+        assert len(msgs) == int(logged), (preset, arch, msgs)
+        if logged:
+            assert f"--preset {preset or 'small'}: multi_channel off" in msgs[0]

@@ -340,20 +340,22 @@ def _local_table_flags(args, tcfg, saved: dict | None) -> None:
 
 
 def _model_cfg(args):
-    """(ModelConfig, TrainConfig or None): --preset (default small), a --config [model] table's fields over it, --arch's
-    architecture (config.model_config_from_preset); a bad field's error names the file."""
-    from hstu.config import load_config_file, load_config_tables, model_config_from_preset
+    """(ModelConfig, TrainConfig or None): --preset (default small), --config [model] fields, --arch over it; errors name the file."""
+    from hstu.config import PRESETS, load_config_file, load_config_tables, model_config_from_preset
 
-    tcfg, fields = None, {}
+    tcfg, fields, preset = None, {}, args.preset or "small"
     if getattr(args, "config", None):
         tcfg = load_config_file(args.config).get("train")  # every table checked, errors naming the file
         fields = load_config_tables(args.config).get("model", {})
     arch = {"architecture": args.arch} if getattr(args, "arch", None) else {}
     try:
-        return model_config_from_preset(args.preset or "small", **{**fields, **arch}), tcfg
+        mcfg = model_config_from_preset(preset, **{**fields, **arch})
     except ValueError as exc:  # a [model] field that the preset or --arch cannot take: name the file too
         where = f"{args.config} [model]" + (f" with --arch {args.arch}" if arch else "")
         raise (ValueError(f"{where}: {exc}") if fields else exc) from None
+    if PRESETS[preset].get("multi_channel") and not mcfg.multi_channel and "multi_channel" not in fields:
+        log.info("--preset %s: multi_channel off (the multi-channel block needs hstu, query_key_map and a relative bias)", preset)
+    return mcfg, tcfg
 
 
 def _check_out_dir(args) -> None:

@@ -52,7 +52,7 @@ def test_cpu_platform_answers():
     b = backend.select("cpu")
     assert b.is_host and b.dist_backend == "gloo" and b.torchrec_kernels
     assert b.ddp_device_ids() is None and b.peak_memory_bytes() is None
-    assert b.int8_gemms == ("fbgemm", "qnnpack") and b.default_kernels == "reference"
+    assert b.int8_gemms == ("onednn", "fbgemm", "qnnpack") and b.default_kernels == "reference"
     b.set_current()  # no current device on the host: a no-op
     assert not b.supports_graphs and b.graph_mode is None
     assert not b.pin_in_place(torch.ones(4))  # no page-locking on the host

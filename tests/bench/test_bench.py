@@ -132,9 +132,9 @@ def test_compare_merges_result_files(quick, tmp_path, capsys):
 
 
 def test_unavailable_cells_are_reported_not_raised(run_dir, monkeypatch, capsys):
-    import hstu.quant.int8 as int8
+    import hstu.quant.int8_kernels as int8_kernels
 
-    monkeypatch.setattr(int8, "_int8_gemms", lambda dev: ())  # a device without an integer GEMM
+    monkeypatch.setattr(int8_kernels, "_int8_gemms", lambda dev: ())  # a device without an integer GEMM
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # a CPU without bf16 matmul
     assert main(["bench", "--run", str(run_dir), "--device", "cpu", "--precisions", "int8,bf16", "--quick"]) == 0
     md = capsys.readouterr().out

@@ -44,7 +44,7 @@ def test_half_index_blocks_write_into_a_slice_of_a_larger_buffer(dtype):
     assert (big[0] == 7).all() and (big[-1] == 7).all()  # rows outside the slice untouched
 
 
-@pytest.mark.skipif(select_int8_kernel("cpu").name not in ("fbgemm", "qnnpack"), reason="no integer kernel on this CPU")
+@pytest.mark.skipif(select_int8_kernel("cpu").name not in ("onednn", "fbgemm", "qnnpack"), reason="no integer kernel on this CPU")
 def test_int8_index_is_the_normalised_int8_table_within_activation_rounding():
     rows, u = _rows(), _users()
     q, _ = quantize_per_channel(rows)
@@ -53,7 +53,7 @@ def test_int8_index_is_the_normalised_int8_table_within_activation_rounding():
     ref = _cos64(u, q.to(torch.float32))  # Q[r] / ||Q[r]|| exactly: the per-row scale cancels
     # the user vectors are quantized per call over [min(u, 0), max(u, 0)] in 127 steps (7 bits on x86):
     # each element moves by at most half a step, so each cosine by half a step times ||row||_1
-    levels = 127 if kern == "fbgemm" else 255
+    levels = 127 if kern in ("fbgemm", "onednn") else 255
     step = (u.max().clamp(min=0) - u.min().clamp(max=0)).double() / levels
     bound = step / 2 * F.normalize(q.double(), dim=1).abs().sum(1)  # (V,)
     assert ((got - ref).abs() <= bound * 1.01 + 1e-6).all()
@@ -74,7 +74,7 @@ def test_build_item_index_follows_the_table_storage():
     m16 = apply_precision(_model(), "int8")  # the INT8 scheme's default: fp16 item table
     assert m16.item_emb.weight.dtype == torch.float16 and isinstance(build_item_index(m16), HalfIndex)
     m8 = apply_precision(_model(), "int8", embeddings="int8")
-    expect = Int8Index if select_int8_kernel("cpu").name in ("fbgemm", "qnnpack") else FloatIndex
+    expect = Int8Index if select_int8_kernel("cpu").name in ("onednn", "fbgemm", "qnnpack") else FloatIndex
     assert isinstance(build_item_index(m8), expect)
 
 

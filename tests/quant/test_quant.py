@@ -16,6 +16,7 @@ from hstu.quant import QuantCheckpointError, apply_precision, load_quantized_run
 from hstu.quant.calibrate import calibration_batch, format_report, layer_report
 from hstu.quant.checkpoint import quantized_state
 from hstu.quant.int8 import Int8Embedding, Int8Linear, dequantize_per_channel, quantize_per_channel
+from hstu.quant.int8_kernels import ONEDNN_MIN_OUTPUTS, _probe_onednn, packed_linear, prepack
 from hstu.runs import load_run
 
 ML1M = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "ml-1m"
@@ -66,7 +67,7 @@ def test_cpu_kernel_is_integer_gemm():
     activations (each row over its max |x|, scale 1/63, zero point 64) × per-channel int8 weights
     exactly (up to the float32 rescale), and differs from dequantize-then-matmul by far more than that."""
     k = select_int8_kernel("cpu")
-    assert k.name == "fbgemm" and k.integer
+    assert k.name in ("onednn", "fbgemm") and k.integer  # 301 x 200 outputs: below ONEDNN_MIN_OUTPUTS, FBGEMM's GEMM
     torch.manual_seed(0)
     lin = torch.nn.Linear(50, 200)
     m = Int8Linear.from_float(lin)
@@ -96,7 +97,7 @@ def test_int8_linear_within_bound_of_float64(kernel):
     if m.kernel.name == "qnnpack":
         scale, _ = torch._choose_qparams_per_tensor(x, False)
         bound = 0.5 * scale * rowsum[None, :] * (1 + 1e-4) + 1e-5
-    elif m.kernel.name == "fbgemm":
+    elif m.kernel.name in ("fbgemm", "onednn"):
         step = x.abs().amax(dim=1).double() / 63  # per-row, 7 bits
         bound = 0.5 * step[:, None] * rowsum[None, :] * (1 + 1e-4) + 1e-5
     elif m.kernel.name == "int_mm":
@@ -118,6 +119,36 @@ def test_int8_linear_rows_do_not_depend_on_the_batch():
     alone = torch.cat([m(x[i : i + 1]) for i in range(5)])
     mixed = m(torch.cat([100 * torch.randn(3, 64), x, torch.zeros(2, 64)]))
     assert torch.equal(mixed[3:8], alone) and torch.equal(mixed[8:], m.bias.expand(2, 96))
+
+
+@pytest.mark.skipif(_probe_onednn() is not None, reason=f"no oneDNN INT8 kernel here: {_probe_onednn()}")
+def test_onednn_kernel_equals_fbgemm_bit_for_bit_on_both_sides_of_the_switch():
+    """The "onednn" kernel runs calls of >= ONEDNN_MIN_OUTPUTS outputs on oneDNN, smaller ones on FBGEMM: a
+    row's result is the same bit for bit alone (FBGEMM), inside a large call (oneDNN), and under the forced
+    "fbgemm" kernel; and the large call equals the int64 emulation of the 7-bit per-row recipe."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(96, 1024)
+    od, fb = Int8Linear.from_float(lin, kernel="onednn"), Int8Linear.from_float(lin, kernel="fbgemm")
+    M = ONEDNN_MIN_OUTPUTS // 1024 + 7  # 71 rows x 1024 outputs: oneDNN's side
+    x = torch.randn(M, 96) * 3
+    big, alone = od(x), torch.cat([od(x[i : i + 1]) for i in range(M)])
+    assert od.kernel.name == "onednn" and od._packed.onednn is not None and od._packed.packed is not None
+    assert torch.equal(big, alone) and torch.equal(big, fb(x))
+    r = x.abs().amax(dim=1, keepdim=True)
+    acc = (torch.clamp(torch.round(x / r * 63) + 64, 1, 127).to(torch.int64) - 64) @ od.weight_int8.to(torch.int64).T
+    emulated = acc.double() / 63 * r.double() * od.weight_scale.double()[None, :] + od.bias.double()
+    assert (big.double() - emulated).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(_probe_onednn() is not None, reason=f"no oneDNN INT8 kernel here: {_probe_onednn()}")
+def test_onednn_kernel_holds_one_copy_of_a_wide_table():
+    """N >= 2^16 (an item table as a Linear): every call is oneDNN's, so no FBGEMM copy is packed."""
+    q, s = quantize_per_channel(torch.randn(ONEDNN_MIN_OUTPUTS, 8))
+    p = prepack(q, s, "onednn")
+    assert p.packed is None and p.copies == 1
+    x = torch.randn(2, 8)
+    ref = packed_linear(x, prepack(q, s, "fbgemm"), None)
+    assert torch.equal(packed_linear(x, p, None), ref)
 
 
 def test_int8_linear_has_no_float_weight():
@@ -463,3 +494,13 @@ def test_serve_app_with_int8_recommender(tiny_run):
     assert r.status_code == 200, r.text
     want = ref.recommend([ref.prepare(History(raw, [e["timestamp"] for e in hist]))], 3)[0]
     assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
+
+
+def test_quantize_cli_offers_every_kernel():
+    """`hstu quantize --kernel` lists its choices without importing torch: they must be KERNELS."""
+    from hstu.cli import build_parser
+    from hstu.quant.int8_kernels import KERNELS
+
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.choices and "quantize" in a.choices)
+    kernel = next(a for a in sub.choices["quantize"]._actions if a.dest == "kernel")
+    assert tuple(kernel.choices) == KERNELS

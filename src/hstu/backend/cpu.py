@@ -32,13 +32,13 @@ def host_memory_info() -> MemoryInfo:
 
 
 class CPUBackend(Backend):
-    """The host: one device shared by every rank, no graphs, FBGEMM / QNNPACK integer GEMMs."""
+    """The host: one device shared by every rank, no graphs, oneDNN / FBGEMM / QNNPACK integer GEMMs."""
 
     name = "cpu"
     is_host = True
     dist_backend = "gloo"
     torchrec_kernels = True  # fbgemm-gpu-cpu
-    int8_gemms = ("fbgemm", "qnnpack")  # torch.ops.quantized engines: x86, ARM
+    int8_gemms = ("onednn", "fbgemm", "qnnpack")  # oneDNN (VNNI / AMX), FBGEMM (x86), QNNPACK (ARM): hstu.quant.int8_kernels
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

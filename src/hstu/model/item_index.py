@@ -229,7 +229,7 @@ class Int8Index(ItemIndex):
         self.lin.weight_scale = torch.where(norm > 0, 1.0 / norm.clamp(min=1e-12), torch.ones_like(norm))  # padding row: Q = 0
         self.lin.prepare()
         self.num_rows = q.shape[0]
-        self.nbytes = q.numel()  # the prepacked copy of the int8 rows
+        self.nbytes = q.numel() * self.lin._packed.copies  # the prepacked copies of the int8 rows
 
     def cosine(self, user, out=None):
         y = self.lin(user.to(torch.float32))  # (B, V)
@@ -430,7 +430,7 @@ def build_item_index(model) -> ItemIndex:
         from hstu.quant.int8 import select_int8_kernel
 
         kern = select_int8_kernel(q.device)
-        if kern.name in ("fbgemm", "qnnpack"):
+        if kern.name in ("fbgemm", "onednn", "qnnpack"):
             return Int8Index(q, kern.name)
         log.warning("INT8 item table on %s: no integer kernel for the similarity (%s); float32 rows instead", q.device, kern.reason)
     w = getattr(emb, "weight", None)

@@ -101,8 +101,8 @@ def add_subcommands(subparsers) -> None:
     q.add_argument(
         "--kernel",
         default="auto",
-        choices=["auto", "fbgemm", "qnnpack", "int_mm", "dequant"],
-        help="int8 GEMM kernel (default: the integer kernel of this device)",
+        choices=["auto", "fbgemm", "onednn", "qnnpack", "int_mm", "dequant"],  # int8_kernels.KERNELS (torch not imported here)
+        help="int8 GEMM kernel (default: the integer kernel of this device; onednn = fbgemm's results, large calls on oneDNN)",
     )
     q.add_argument("--calib-users", type=number_in(int, 1), default=256, help="users in the calibration batch")
     q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="calibration user sample seed")

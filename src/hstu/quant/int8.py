@@ -1,220 +1,33 @@
 """Layer-wise INT8: symmetric per-output-channel INT8 Linear weights on an integer GEMM kernel,
-and row-wise INT8 embedding tables.
+and row-wise INT8 embedding tables; the whole-model conversion (:func:`quantize_model_int8`).
 
-Symbols: N output features (rows of a Linear weight), K input features, M activation rows
-(all leading axes flattened), V table rows, d embedding width.
-
-Weights (per output channel n, symmetric, narrow range):
-    s[n] = max_k |W[n, k]| / 127            (s[n] = 1 for an all-zero row)
-    Q[n, k] = clamp(round(W[n, k] / s[n]), -127, 127)      round half to even (torch.round)
-    W[n, k] ≈ Q[n, k] · s[n]
-The same formula per row gives the row-wise INT8 embedding table.
-
-Kernels (``Int8Kernel.name``), chosen by :func:`select_int8_kernel`:
-    "fbgemm" / "qnnpack": a prepacked per-channel qint8 weight (PyTorch quantization, docs:
-        pytorch.org/docs/stable/quantization.html), the GEMM in integers (u8 × s8 → s32, FBGEMM on
-        x86, QNNPACK on ARM), the int32 result rescaled to float32 (:func:`_packed_linear`). FBGEMM:
-        each activation row r is divided by its max |x_r| and quantized at the fixed scale 1/63, zero
-        point 64 (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``), the output row
-        multiplied back: per-row scales, so a row's result never depends on the other rows of the
-        call (batch, chunk or decode step); 7 bits (u8 1..127), since without VNNI (AVX2,
-        ``vpmaddubsw``) pairs of u8·s8 products are summed into int16 with saturation and 255·127·2 >
-        32767 would clip. Measured (prod 3200 x 256 -> 1024, one thread): 6.2 ms against 4.8 for
-        per-tensor dynamic activations and 12.4 for float32, max error 0.066 against 0.093.
-        QNNPACK: ``linear_dynamic``, 8-bit activations per call (per tensor).
-    "int_mm": per-row symmetric int8 activations and ``torch._int_mm`` (s8 × s8 → s32); on CUDA
-        that is cuBLASLt's integer GEMM. On CPU ``torch._int_mm`` is a slow reference loop
-        (measured ~40x slower than the float32 GEMM), so it is only chosen on CUDA.
-    "dequant": no integer kernel for this device: the INT8 weight is dequantized to float at
-        each call (memory saving only, no speed-up). Chosen only when nothing else works, and
-        logged as a WARNING naming the reason.
-
-Why not torchao: torchao 0.18's ``Int8DynamicActivationInt8WeightConfig`` runs eager on CPU
-through ``torch._int_mm`` (measured 20x slower than float32 here) and needs ``torch.compile``
-to be fast; its weight-only INT8 dequantizes (1.3x slower). ``torch.ops.quantized`` (FBGEMM)
-is the integer kernel that runs eager in torch 2.13. Its quantized-tensor constructors warn
-that they are deprecated (pytorch/pytorch#184982); that warning is expected once per process.
+The arithmetic (weights per output channel, activations per row) and the kernels (FBGEMM, oneDNN,
+QNNPACK, ``torch._int_mm``, the dequantizing fallback) are in :mod:`hstu.quant.int8_kernels`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import warnings
-from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hstu import backend
 from hstu.model.embedding import ShardedEmbedding
+from hstu.quant.int8_kernels import (  # noqa: F401  (QMAX, Int8Kernel, KERNELS re-exported)
+    KERNELS,
+    QMAX,
+    Int8Kernel,
+    PackedInt8,
+    dequantize_per_channel,
+    packed_linear,
+    prepack,
+    quantize_per_channel,
+    select_int8_kernel,
+)
 
 log = logging.getLogger(__name__)
-
-QMAX = 127  # symmetric narrow range [-127, 127]: -128 is never used, so negation is exact
-KERNELS = ("auto", "fbgemm", "qnnpack", "int_mm", "dequant")
-
-
-# ---------------------------------------------------------------------------------------------
-# Quantization arithmetic
-# ---------------------------------------------------------------------------------------------
-
-
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel (per-row) INT8 quantization.
-
-    Args:
-        weight: (N, K) float tensor (any float dtype).
-    Returns:
-        q (N, K) int8 in [-127, 127] and scale (N,) float32 with weight ≈ q * scale[:, None].
-        All-zero rows get scale 1 and q = 0.
-    Raises:
-        ValueError: weight is not 2-D or not floating point, or holds NaN/inf.
-    """
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"quantize_per_channel needs a 2-D float weight, got shape {tuple(weight.shape)} dtype {weight.dtype}")
-    w = weight.detach().to(torch.float32)
-    if not torch.isfinite(w).all():
-        raise ValueError("quantize_per_channel: weight holds NaN or inf")
-    amax = w.abs().amax(dim=1)  # (N,)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # (N,)
-    q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # (N, K)
-    return q, scale
-
-
-def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q (N, K) int8, scale (N,) -> (N, K) ``dtype`` = q * scale[:, None]."""
-    return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel selection
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Int8Kernel:
-    """Which GEMM an Int8Linear runs: ``name`` (see module docstring), ``integer`` (True when the
-    GEMM itself runs on int8 operands), ``reason`` (why this one was chosen)."""
-
-    name: str
-    integer: bool
-    reason: str
-
-
-@contextlib.contextmanager
-def _engine(name: str):
-    """Temporarily set ``torch.backends.quantized.engine`` (prepacking reads it)."""
-    old = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = old
-
-
-def _prepack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, engine: str):
-    """Per-channel qint8 weight (exactly q, scale) prepacked for :func:`_packed_linear` (bias None: added after)."""
-    N = q.shape[0]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated.*")
-        qw = torch._make_per_channel_quantized_tensor(q.cpu(), scale.cpu().to(torch.float64), torch.zeros(N, dtype=torch.int64), 0)
-    with _engine(engine):
-        return torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().cpu().to(torch.float32))
-
-
-def _packed_linear(x2: torch.Tensor, packed, engine: str, bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) float32 -> (M, N) float32 on a :func:`_prepack` weight (module docstring: per-row activations on FBGEMM)."""
-    if engine == "fbgemm":
-        r = x2.abs().amax(dim=1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny)  # (M, 1); zero rows stay 0
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x2 / r, 1 / 63, 64, packed).mul_(r)
-    else:
-        y = torch.ops.quantized.linear_dynamic(x2.contiguous(), packed, False)  # (M, N)
-    return y if bias is None else y.add_(bias.to(torch.float32))
-
-
-@cache
-def _probe_engine(engine: str) -> str | None:
-    """None if ``engine`` prepacks and runs a tiny per-channel dynamic Linear correctly, else why not."""
-    if engine not in torch.backends.quantized.supported_engines:
-        return f"quantized engine {engine!r} not in this torch build ({torch.backends.quantized.supported_engines})"
-    try:
-        w = torch.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
-        q, s = quantize_per_channel(w)
-        packed = _prepack(q, s, None, engine)
-        x = torch.linspace(-1.0, 1.0, 4 * 16).reshape(4, 16)
-        y = _packed_linear(x, packed, engine, None)
-        ref = x @ dequantize_per_channel(q, s).T
-        if (y - ref).abs().max() > 0.1:
-            return f"engine {engine!r} ran but its result is off by {(y - ref).abs().max():.3g}"
-    except (RuntimeError, NotImplementedError, AttributeError) as exc:
-        return f"engine {engine!r} failed: {exc}".splitlines()[0]
-    return None
-
-
-def _int8_gemms(dev: torch.device) -> tuple[str, ...]:
-    """The integer GEMMs the backend of ``dev`` offers, in order of preference (none for an unknown kind)."""
-    try:
-        return backend.for_device(dev).int8_gemms
-    except ValueError:  # a device kind without a backend ("meta"): float fallback
-        return ()
-
-
-def _auto_kernel(engine: str) -> Int8Kernel | str:
-    """The Int8Kernel "auto" gives for ``engine``, or the reason it cannot run in this torch build."""
-    if engine == "int_mm":
-        if not hasattr(torch, "_int_mm"):
-            return f"torch._int_mm is absent in torch {torch.__version__}"
-        return Int8Kernel("int_mm", True, "torch._int_mm (cuBLASLt s8 x s8 -> s32) with per-row int8 activations")
-    why = _probe_engine(engine)
-    if why is not None:
-        return why
-    return Int8Kernel(
-        engine,
-        True,
-        f"torch.ops.quantized ({engine}, per-channel qint8 weights, "
-        f"{'7-bit per-row' if engine == 'fbgemm' else '8-bit per-tensor dynamic'} activations)",
-    )
-
-
-def select_int8_kernel(device: torch.device | str = "cpu", kernel: str = "auto") -> Int8Kernel:
-    """The INT8 GEMM for ``device``: "auto" tries the backend's ``int8_gemms`` in order (FBGEMM (x86)
-    then QNNPACK (ARM) on CPU, ``_int_mm`` on CUDA), else the visible float fallback.
-
-    Raises:
-        ValueError: unknown ``kernel`` name, or a forced kernel that cannot run here (says why).
-    """
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown INT8 kernel {kernel!r}; valid: {list(KERNELS)}")
-    dev = torch.device(device)
-    if kernel == "dequant":
-        return Int8Kernel("dequant", False, "forced: INT8 weights dequantized to float at each call (no integer GEMM)")
-    if kernel == "int_mm":
-        if not hasattr(torch, "_int_mm"):
-            raise ValueError(f"INT8 kernel 'int_mm' needs torch._int_mm, absent in torch {torch.__version__}")
-        return Int8Kernel("int_mm", True, f"torch._int_mm (s8 x s8 -> s32) on {dev.type}")
-    gemms = _int8_gemms(dev)
-    if kernel in ("fbgemm", "qnnpack"):
-        if kernel not in gemms:
-            raise ValueError(f"INT8 kernel {kernel!r} runs on CPU only, not on {dev}")
-        why = _probe_engine(kernel)
-        if why:
-            raise ValueError(f"INT8 kernel {kernel!r} cannot run: {why}")
-        return Int8Kernel(kernel, True, f"torch.ops.quantized.linear_dynamic ({kernel}, per-channel qint8 weights)")
-    reasons = []  # auto
-    for engine in gemms:
-        found = _auto_kernel(engine)
-        if isinstance(found, Int8Kernel):
-            return found
-        reasons.append(found)
-    if not gemms:
-        reasons.append(f"no integer GEMM kernel known for device type {dev.type!r} in torch {torch.__version__}")
-    return Int8Kernel(
-        "dequant", False, "; ".join(reasons) + ": INT8 weights are dequantized to float at each call (memory saving only, no speed-up)"
-    )
-
+CPU_KERNELS = ("fbgemm", "onednn", "qnnpack")  # run on a prepacked weight (int8_kernels.prepack)
 
 # ---------------------------------------------------------------------------------------------
 # Modules
@@ -230,7 +43,7 @@ class Int8Linear(nn.Module):
 
     forward: x (…, K) float -> (…, N) in x's dtype; the GEMM runs on float32 activations
     quantized per call (see module docstring). Input is trusted (no shape check beyond K).
-    Activations are quantized per row (FBGEMM, int_mm): a row's result is the same in any batch.
+    Activations are quantized per row (FBGEMM, oneDNN, int_mm): a row's result is the same in any batch.
     QNNPACK quantizes per call (per tensor): there a row can move by an activation rounding step
     when the other rows of the call change.
     There is deliberately no float ``weight`` attribute: code that reads ``layer.uvqk.weight`` to
@@ -251,7 +64,7 @@ class Int8Linear(nn.Module):
         else:
             self.bias = None
         self._kernel: Int8Kernel | None = None
-        self._packed = None
+        self._packed: PackedInt8 | None = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear, *, kernel: str = "auto") -> Int8Linear:
@@ -298,8 +111,8 @@ class Int8Linear(nn.Module):
     def prepare(self) -> Int8Linear:
         """Select the kernel and prepack now (otherwise done at the first call)."""
         k = self.kernel
-        if k.name in ("fbgemm", "qnnpack") and self._packed is None:
-            self._packed = _prepack(self.weight_int8, self.weight_scale, None, k.name)
+        if k.name in CPU_KERNELS and self._packed is None:
+            self._packed = prepack(self.weight_int8, self.weight_scale, k.name)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,10 +120,10 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, K).to(torch.float32)  # (M, K)
         k = self.kernel
-        if k.name in ("fbgemm", "qnnpack"):
+        if k.name in CPU_KERNELS:
             if self._packed is None:
                 self.prepare()
-            y = _packed_linear(x2, self._packed, k.name, self.bias)  # (M, N)
+            y = packed_linear(x2, self._packed, self.bias)  # (M, N)
         elif k.name == "int_mm":
             y = self._int_mm(x2)
         else:

@@ -95,12 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def head_and_purchase_floors(model, res: dict, log_, weights: np.ndarray, seed: int) -> dict:
     """Issue 20's Taobao floors for ``model``, paired over the same test users (bootstrap ``weights``):
-    its next action against the majority action (most-popular's answer) and the last action
-    (repeat-recent's), accuracy and macro-F1 differences; its HR@10 on the purchase targets against
+    its next action against the majority action (most-popular's answer), the last action
+    (repeat-recent's) and the Markov chain on the last action and the time gap (action-markov's: what
+    these inputs allow), accuracy and macro-F1 differences; its HR@10 on the purchase targets against
     the repeat-aware baselines (purchase users resampled with seed + 1, as the slice report)."""
     m, y, U = res[model], res[model].target_actions, len(res[model].users)
     out: dict = {"next_action": {}, "purchase_HR@10": {}}
-    for other in ("most-popular", "repeat-recent"):
+    for other in ("most-popular", "repeat-recent", "action-markov"):
         p, q = m.pred_actions, res[other].pred_actions
         f1 = ci_stat(lambda w, p=p, q=q: macro_f1(y, p, w) - macro_f1(y, q, w), U, weights)
         out["next_action"][other] = {

@@ -125,3 +125,56 @@ def test_repeat_recent_on_taobao_equals_pure_python(taobao_csv):
         hits += rank <= 10
     assert got["HR@10"] == pytest.approx(hits / got["users"])
     assert got["users"] == 814
+
+
+def test_action_markov_next_actions_by_hand():
+    """Training transitions (last action, gap bucket floor(ln gap / 0.301)) -> next: user 1 view→buy at 100 s
+    (bucket 15) twice, buy→buy at 0 s (bucket 0) twice, buy→view at 4900 s (28) once; user 2 view→view at 10 s
+    (7) twice. The majority training action is view (6 of 10)."""
+    rows = [(1, 10 + i, a, t) for i, (a, t) in enumerate(zip("vbbvbbvv", (0, 100, 100, 5000, 5100, 5100, 9000, 9100)))]
+    rows += [(2, 20 + i, "v", 10 * i) for i in range(5)] + [(3, 30, "v", 0), (3, 31, "c", 1), (3, 32, "v", 2)]
+    df = pd.DataFrame(rows, columns=["user_id", "item_id", "action", "timestamp"])
+    df["action"] = df["action"].map({"v": "view", "b": "buy", "c": "cart"})
+    log_ = EventLog.from_frame(df, name="tiny", exclude_history_default=False)
+    split = make_split(log_, "clean")
+    b = make_baseline("action-markov", log_, split)
+    act = {name: i + 1 for i, name in enumerate(log_.action_names)}
+    assert b.name == "action-markov" and b.majority_action == act["view"]
+    users, ends = np.array([0, 0, 1, 2, 0]), np.array([6, 7, 12, 15, 2])
+    # u1 valid: last buy 3900 s before (bucket 27, unseen) -> buy's row: buy 2, view 1; u1 test: view 100 s before
+    # (15) -> buy; u2: view 10 s before (7) -> view; u3: cart never seen in training -> majority; u1 at event 2:
+    # buy in the same second (0) -> buy
+    want = [act[a] for a in ("buy", "buy", "view", "view", "buy")]
+    assert b.next_actions(users, ends).tolist() == want
+    assert MostPopular(log_, split).next_actions(users, ends).tolist() == [act["view"]] * 5
+
+
+def test_action_markov_on_taobao_equals_pandas(taobao_csv):
+    """On the Taobao head: the baseline's test-target actions equal a pandas groupby over the training
+    transitions (argmax per (last action, floor(ln max(gap, 1) / 0.301)), lower id on ties, then the last
+    action's row, then the majority)."""
+    from hstu.data.ecommerce import load_taobao
+
+    log_ = load_taobao(taobao_csv)
+    split = make_split(log_, "clean")
+    b = make_baseline("action-markov", log_, split)
+    rows = []
+    for u in range(log_.num_users):
+        lo, hi = log_.offsets[u], split.train_end[u]
+        a, t = log_.actions[lo:hi], log_.timestamps[lo:hi]
+        rows += [(int(a[i - 1]), min(128, math.floor(math.log(max(int(t[i] - t[i - 1]), 1)) / 0.301)), int(a[i])) for i in range(1, len(a))]
+    tr = pd.DataFrame(rows, columns=["last", "gap", "next"])
+    by_ctx = tr.groupby(["last", "gap"])["next"].agg(lambda s: s.value_counts().sort_index().idxmax())
+    by_last = tr.groupby("last")["next"].agg(lambda s: s.value_counts().sort_index().idxmax())
+    majority = int(pd.Series(np.concatenate([log_.actions[log_.offsets[u] : split.train_end[u]] for u in range(log_.num_users)])).mode()[0])
+    t_ = split.test_target
+    users = np.nonzero(t_ >= 0)[0]
+    want = []
+    for u in users:
+        e = t_[u]
+        last, gap = int(log_.actions[e - 1]), int(log_.timestamps[e] - log_.timestamps[e - 1])
+        key = (last, min(128, math.floor(math.log(max(gap, 1)) / 0.301)))
+        want.append(int(by_ctx[key]) if key in by_ctx.index else int(by_last.get(last, majority)))
+    got = b.next_actions(users, t_[users])
+    assert got.tolist() == want
+    assert (got != majority).sum() > 0  # it does answer something else than the majority somewhere

@@ -6,6 +6,11 @@
   first — ordered by recency (``mode="recent"``: the most recently seen first) or frequency
   (``mode="frequent"``: the most often seen first, ties by recency) — then every other item by
   popularity. With history items excluded from the candidates it reduces to MostPopular.
+- ``ActionMarkov``: a next-action baseline that sees what the model's next-action head sees about
+  the next event, the last action and the time from it to the query (the target's time): a
+  first-order Markov chain on actions conditioned on the log-bucketed gap (the buckets of HSTU's
+  time bias, :func:`hstu.model.bias.log_bucket_`), i.e. the most frequent next action after that
+  context in training. Its item scores are MostPopular's.
 
 Scores follow the models' conventions so :func:`hstu.train.metrics.target_ranks` applies: (B, I+1)
 float64, column 0 (padding) = -inf, higher is better; equal scores rank against the target.
@@ -23,7 +28,7 @@ import torch
 
 from hstu.data.sequences import EventLog, Split
 
-BASELINES = ("most-popular", "repeat-recent", "repeat-frequent")
+BASELINES = ("most-popular", "repeat-recent", "repeat-frequent", "action-markov")
 
 
 def training_counts(log_: EventLog, split: Split) -> np.ndarray:
@@ -106,10 +111,53 @@ class RepeatAware(MostPopular):
         return out
 
 
+class ActionMarkov(MostPopular):
+    """Next action = argmax over training transitions of count(next action | last action a, gap
+    bucket g), g = :func:`~hstu.model.bias.log_bucket_` of (query time - last event's time) with the
+    model's defaults (128 buckets, log base 0.301); a context never seen in training falls back to
+    argmax count(next | a), then to the majority action. Ties go to the lower action id."""
+
+    name = "action-markov"
+
+    def __init__(self, log_: EventLog, split: Split, num_buckets: int = 128, log_base: float = 0.301) -> None:
+        super().__init__(log_, split)
+        self.num_buckets, self.log_base = num_buckets, log_base
+        A = log_.num_actions
+        self.counts = np.zeros((A + 1, num_buckets + 1, A + 1), np.int64)  # (last action, gap bucket, next action)
+        for u in range(log_.num_users):
+            lo, hi = log_.offsets[u], split.train_end[u]
+            if hi - lo >= 2:
+                a, t = log_.actions[lo:hi], log_.timestamps[lo:hi]
+                np.add.at(self.counts, (a[:-1], self._bucket(t[1:] - t[:-1]), a[1:]), 1)
+
+    def _bucket(self, gap: np.ndarray) -> np.ndarray:
+        from hstu.model.bias import log_bucket_
+
+        return log_bucket_(torch.as_tensor(np.asarray(gap, np.int64)).clone(), self.num_buckets, self.log_base).numpy()
+
+    def next_actions(self, users: np.ndarray, ends: np.ndarray, max_history: int | None = None) -> np.ndarray | None:
+        """(B,) rows, (B,) exclusive ends (the target's index: its time is the query time) -> (B,) action ids."""
+        if not self.log.num_actions:
+            return None
+        out = np.full(len(users), self.majority_action, np.int64)
+        for b, (u, e) in enumerate(zip(users, ends)):
+            if e <= self.log.offsets[u]:
+                continue  # empty history: the majority action
+            a = int(self.log.actions[e - 1])
+            g = int(self._bucket(np.array([self.log.timestamps[e] - self.log.timestamps[e - 1]]))[0])
+            for c in (self.counts[a, g], self.counts[a].sum(axis=0)):
+                if c[1:].sum() > 0:
+                    out[b] = int(np.argmax(c[1:]) + 1)
+                    break
+        return out
+
+
 def make_baseline(name: str, log_: EventLog, split: Split) -> MostPopular:
-    """ "most-popular" | "repeat-recent" | "repeat-frequent" -> a fitted baseline."""
+    """ "most-popular" | "repeat-recent" | "repeat-frequent" | "action-markov" -> a fitted baseline."""
     if name == "most-popular":
         return MostPopular(log_, split)
+    if name == "action-markov":
+        return ActionMarkov(log_, split)
     if name in ("repeat-recent", "repeat-frequent"):
         return RepeatAware(log_, split, name.split("-", 1)[1])
     raise ValueError(f"unknown baseline {name!r}; valid: {list(BASELINES)}")

@@ -69,6 +69,7 @@ from hstu.runs import (  # noqa: F401
 )
 from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.train.loop.load_run)
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
+from hstu.train.calibrate import REPEAT_SCALES, calibrate_action_head, calibrate_repeat_scale  # noqa: F401 (re-exported)
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
@@ -96,36 +97,6 @@ def repeat_share(log_: EventLog, split: Split, window: int, max_seq_len: int) ->
                 hits += int(it in last and t - 1 - last[it] < window)
             last[it] = t
     return hits / max(total, 1)
-
-
-REPEAT_SCALES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-
-
-def calibrate_repeat_scale(
-    model,
-    log_: EventLog,
-    split: Split,
-    *,
-    batch_size: int = 256,
-    device: torch.device | str = "cpu",
-    evaluate_fn: Callable[..., dict] | None = None,
-) -> tuple[dict, dict]:
-    """Choose the repeat head's scale (:mod:`hstu.model.repeat`) among REPEAT_SCALES by
-    validation NDCG@10 (ties: the smaller scale) and set it on the model. Returns
-    ({"chosen": s, "valid_NDCG@10": {s: value}}, the validation metrics at s). The test split
-    is never read. ``evaluate_fn(model, which)``: the evaluation to use (default
-    :func:`hstu.train.evaluate.evaluate`; the distributed strategy splits the users over ranks)."""
-    if evaluate_fn is None:
-        evaluate_fn = lambda m, which: evaluate(m, log_, split, which, batch_size=batch_size, device=device)  # noqa: E731
-    valid = {}
-    for s in REPEAT_SCALES:
-        model.repeat.scale.fill_(s)
-        valid[s] = evaluate_fn(model, "valid")
-    grid = {s: m["NDCG@10"] for s, m in valid.items()}
-    best = max(REPEAT_SCALES, key=lambda s: (grid[s], -s))
-    model.repeat.scale.fill_(best)
-    log.info("repeat scale %g chosen on validation NDCG@10 %s", best, {k: round(v, 4) for k, v in grid.items()})
-    return {"chosen": best, "valid_NDCG@10": {str(k): v for k, v in grid.items()}}, valid[best]
 
 
 def train_lengths(log_: EventLog, split: Split, max_seq_len: int) -> np.ndarray:
@@ -301,13 +272,18 @@ def _report(
     strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, tcfg: TrainConfig, spec: DataSpec, state, history, status: str
 ) -> dict:
     """After the epochs: the reported weights (best, or the last epoch under --protocol paper) with
-    the repeat scale calibrated on validation, evaluated on valid and test; writes (rank 0) and
+    the repeat scale and the next-action head calibrated on validation (hstu.train.calibrate; not
+    under the paper protocol), evaluated on valid and test; writes (rank 0) and
     returns metrics.json's object (``status``: "completed", or why training stopped before ``tcfg.epochs``)."""
     paper = spec.protocol == "paper"
     best = strategy.best_model(run, model)
     calibration = valid = None
     if best.repeat is not None and not paper:
         calibration, valid = calibrate_repeat_scale(best, log_, split, evaluate_fn=lambda m, w: strategy.evaluate(m, log_, split, w, tcfg))
+    head = None if paper else calibrate_action_head(best, log_, split, device=strategy.device)
+    if head is not None:
+        valid = None  # the validation metrics again, with the calibrated head
+    if calibration is not None or head is not None:
         strategy.keep_best(run, best)
     metrics = {
         "valid": valid or strategy.evaluate(best, log_, split, "valid", tcfg),
@@ -325,6 +301,8 @@ def _report(
     }
     if calibration is not None:
         metrics["repeat_scale"] = calibration
+    if head is not None:
+        metrics["action_head_calibration"] = head
     if strategy.is_main:
         write_metrics(run, metrics)
     strategy.barrier()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 
 import pytest
 
@@ -119,3 +120,17 @@ def test_latin1_sequence_file_and_meta(tmp_path):
     (tmp_path / "r" / "reviews_X_5.json").write_text(_json_lines(REVIEWS))
     (tmp_path / "r" / "meta_X.json").write_bytes((repr({"asin": "B0000X", "title": "Crème"}) + "\n").encode("iso-8859-1"))
     assert load_dataset("amazon", tmp_path / "r").titles == {"B0000X": "Crème"}
+
+
+def test_the_skipped_row_count_reads_right(tmp_path, caplog):
+    """One skipped line is "1 line", two are "2 lines" (a fresh-user finding: "skipped 1 malformed rows")."""
+    q = tmp_path / "data.txt"
+    q.write_text("1 2 3\n7\n2 3 4\n")
+    with caplog.at_level(logging.WARNING):
+        load_dataset("sequences", q, skip_bad_rows=True)
+    assert "skipped 1 line without items (first:" in caplog.text
+    q.write_text("1 2 3\n7\n8\n2 3 4\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_dataset("sequences", q, skip_bad_rows=True)
+    assert "skipped 2 lines without items (first:" in caplog.text

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from hstu.data.errors import DataFormatError
+from hstu.data.errors import DataFormatError, plural
 from hstu.data.features import parse_feature_options
 from hstu.data.movielens import file_encoding
 from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, to_event_log
@@ -211,7 +211,7 @@ def _frame_checks(
         if not skip_bad_rows:
             raise exc
         skipped = int(any_bad.sum())
-        log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, exc)
+        log.warning("%s: skipped %s (first: %s)", path, plural(skipped, "malformed row"), exc)
     keep = ~any_bad
     frame = pd.DataFrame(
         {k: (v[keep].astype(np.int64) if pd.api.types.is_integer_dtype(v) else v[keep]) for k, v in out.items()}

@@ -10,3 +10,8 @@ class DataFormatError(ValueError):
         where = f"{path}:{line}" if line is not None else f"{path}"
         super().__init__(f"{where}: {message}")
         self.path, self.line = path, line
+
+
+def plural(n: int, noun: str) -> str:
+    """ "1 malformed row" / "2 malformed rows": a count the loaders report (``noun`` singular)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from hstu.data.errors import DataFormatError
+from hstu.data.errors import DataFormatError, plural
 
 log = logging.getLogger(__name__)
 ENCODINGS = ("utf-8", "iso-8859-1")  # tried in this order; latin-1 decodes any byte string
@@ -223,7 +223,7 @@ def load_ratings(path: Path, skip_bad_rows: bool = False, layout: str | Layout =
         arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
     report.rows = len(arr)
     if report.skipped:
-        log.warning("%s: skipped %d malformed rows (first: %s)", path, report.skipped, report.first_error)
+        log.warning("%s: skipped %s (first: %s)", path, plural(report.skipped, "malformed row"), report.first_error)
     return pd.DataFrame(arr, columns=["user_id", "item_id", "rating", "timestamp"]), report
 
 
@@ -293,7 +293,7 @@ def load_movielens(data_dir: str | Path, skip_bad_rows: bool = False, *, dataset
         raise DataFormatError(
             d / lay.ratings,
             None,
-            "no events" + (f" left after skipping {report.skipped} malformed rows" if report.skipped else " (empty file)"),
+            "no events" + (f" left after skipping {plural(report.skipped, 'malformed row')}" if report.skipped else " (empty file)"),
         )
     movie_report = ParseReport()
     movies = load_movies(d / lay.movies, skip_bad_rows, movie_report, lay) if (d / lay.movies).exists() else None

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from hstu.data.errors import DataFormatError
+from hstu.data.errors import DataFormatError, plural
 from hstu.data.sequences import EventLog
 from hstu.data.times import split_time, to_time
 
@@ -180,7 +180,7 @@ def parse_lines(
                 ids = ids[~bad]
             out[c.key] = ids.tolist()
     if skipped:
-        log.warning("%s: skipped %d malformed rows (first: %s)", path, skipped, first)
+        log.warning("%s: skipped %s (first: %s)", path, plural(skipped, "malformed row"), first)
     texts = {c.key for c in cols if c.key == "action" or c.key.startswith("feature:") or (c.text and _any_text(out[c.key]))}
     frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key in texts else np.int64) for c in cols})
     if "time" in out:
@@ -284,7 +284,7 @@ def to_event_log(
     ``titles`` / ``item_genres`` / ``feature_buckets`` (:meth:`EventLog.from_frame`)."""
     frame = df.rename(columns=OUT_NAMES)
     if frame.empty:
-        raise ValueError(f"{name}: no events left after parsing (skipped {skipped} malformed rows)")
+        raise ValueError(f"{name}: no events left after parsing (skipped {plural(skipped, 'malformed row')})")
     return EventLog.from_frame(
         frame,
         name=name,

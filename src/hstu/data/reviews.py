@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.delimited import Format, read_delimited
-from hstu.data.errors import DataFormatError
+from hstu.data.errors import DataFormatError, plural
 from hstu.data.movielens import file_encoding
 from hstu.data.parsing import exact_ids, resolve_path, to_event_log
 from hstu.data.sequences import EventLog
@@ -104,7 +104,7 @@ def read_reviews(path: Path, skip_bad_rows: bool = False) -> tuple[pd.DataFrame,
                 raise
             skipped, first = skipped + 1, first or str(exc)
     if skipped:
-        log.warning("%s: skipped %d malformed lines (first: %s)", path, skipped, first)
+        log.warning("%s: skipped %s (first: %s)", path, plural(skipped, "malformed line"), first)
     df = pd.DataFrame(rows, columns=["user_id", "item_id", "value", "timestamp"])
     return df, skipped
 
@@ -209,7 +209,7 @@ def load_sequences(data_dir: str | Path, skip_bad_rows: bool = False, *, exclude
         users += [tokens[0]] * (len(tokens) - 1)
         items += tokens[1:]
     if skipped:
-        log.warning("%s: skipped %d lines without items (first: %s)", path, skipped, first)
+        log.warning("%s: skipped %s without items (first: %s)", path, plural(skipped, "line"), first)
     if not items:
         raise DataFormatError(path, None, "no events" + (f" left after skipping {skipped} lines" if skipped else " (empty file)"))
     u, i = _token_ids(path, "user", users), _token_ids(path, "item", items)

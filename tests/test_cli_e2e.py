@@ -250,7 +250,8 @@ def test_eval_data_dir_flag_and_env(run_dir, tmp_path):
 
 
 def test_demo_says_1_epoch(tmp_path, capsys):
-    """`hstu demo --epochs 1` printed "1 epochs" (twice); on the first 30 ML-1M users."""
+    """`hstu demo --epochs 1` printed "1 epochs" (twice); on the first 30 ML-1M users. `--threads` reaches
+    the training recipe (a fresh-user finding: the demo had no --threads)."""
     from conftest import ML1M, need
 
     from hstu.cli import main
@@ -261,8 +262,9 @@ def test_demo_says_1_epoch(tmp_path, capsys):
     with open(ML1M / "ratings.dat", encoding="latin-1") as f:
         (data / "ratings.dat").write_text("".join(line for line in f if int(line.split("::", 1)[0]) <= 30), encoding="latin-1")
     (data / "movies.dat").symlink_to(ML1M / "movies.dat")
-    assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet", "--threads", "2"]) == 0
     out = capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["num_threads"] == 2
     assert " for 1 epoch on cpu" in out and "\ntrained 1 epoch in " in out and "epochs" not in out
     with pytest.raises(SystemExit) as e:  # --epochs 0 printed the banner, then failed inside training
         main(["demo", "--data-dir", str(data), "--epochs", "0", "--out", str(tmp_path / "run0")])

@@ -274,7 +274,7 @@ def cmd_demo(args) -> int:
     metrics = fit(
         out,
         model_config_from_preset("small"),
-        TrainConfig(epochs=args.epochs, seed=args.seed),
+        TrainConfig(epochs=args.epochs, seed=args.seed, num_threads=args.threads),
         DataSpec("ml-1m", str(data_dir.resolve())),
         device=args.device,
         overwrite=True,  # each demo replaces the previous one in --out
@@ -351,7 +351,7 @@ def _add_eval(sub) -> None:
     e.add_argument("--split", default="test", choices=["valid", "test"])
     e.add_argument("--protocol", choices=["clean", "paper"])
     e.add_argument("--data-dir", help="the run's data set, if it moved (default: $HSTU_DATA_DIR, else the run's recorded directory)")
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     e.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (default: torch's)")
     e.add_argument("--json", action="store_true")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
@@ -394,19 +394,18 @@ def _add_generate(sub) -> None:
     add_loader_flags(q, run=True)
     q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
-    q.add_argument("--unknown-items", default="drop", choices=["drop", "reject"])
+    q.add_argument(
+        "--unknown-items", default="drop", choices=["drop", "reject"], help="unknown history items: drop, warned (default), or reject"
+    )
     q.add_argument(
         "--allow-untrained-items",
         action="store_true",
-        help="may generate items without training events (default: only for a run trained with cold_item_dropout > 0)",
+        help="may generate items without training events (default: only if cold_item_dropout > 0)",
     )
-    q.add_argument("--device", default="cpu")
+    q.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     q.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     q.add_argument(
-        "--graphs",
-        default="eager",
-        choices=["eager", "compiled"],
-        help="eager (default) or compiled graphs (loaded from the run's graph cache, `hstu export --graphs`, else compiled now)",
+        "--graphs", default="eager", choices=["eager", "compiled"], help="eager (default), or compiled: the run's graph cache, else now"
     )
     q.add_argument("--json", action="store_true")
     from hstu.generate.batch_cli import add_ann_flags, add_arguments
@@ -418,12 +417,13 @@ def _add_generate(sub) -> None:
 
 def _add_demo(sub) -> None:
     d = sub.add_parser("demo", help="train on ML-1M, evaluate, and show next-5 titles for three users")
-    d.add_argument("--data-dir")
+    d.add_argument("--data-dir", help="ML-1M directory holding ratings.dat (default: $HSTU_DATA_DIR, else ../shared/data/ml-1m)")
     d.add_argument("--epochs", type=number_in(int, 1), default=12, help="training epochs, >= 1 (default 12)")
-    d.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=42)
-    d.add_argument("--out", default="runs/demo")
-    d.add_argument("--device", default="cpu")
-    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=42, help="training seed (default 42)")
+    d.add_argument("--out", default="runs/demo", help="run directory, replaced by each demo (default runs/demo)")
+    d.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
+    d.add_argument("--threads", type=number_in(int, 0), default=0, help="torch threads (0: torch's default)")
+    d.add_argument("--quiet", action="store_true", help="no per-batch progress bar")
     d.set_defaults(func=cmd_demo)
 
 

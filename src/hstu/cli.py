@@ -392,7 +392,7 @@ def _add_generate(sub) -> None:
         "(default: $HSTU_DATA_DIR, else the directory recorded in the run)",
     )
     add_loader_flags(q, run=True)
-    q.add_argument("--request-time", type=int, help="Unix seconds (default: the last event's time)")
+    q.add_argument("--request-time", type=number_in(int, 0, INT64_MAX), help="Unix seconds (default: the last event's time)")
     q.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     q.add_argument(
         "--unknown-items", default="drop", choices=["drop", "reject"], help="unknown history items: drop, warned (default), or reject"

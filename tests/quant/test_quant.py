@@ -400,6 +400,8 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     assert rc == 2 and "unknown layer 'layers.9'" in capsys.readouterr().err
     rc = main(["quantize", "--run", str(out), "--scheme", "int8", "--out", str(tmp_path / "again")])
     assert rc == 2 and "already quantized" in capsys.readouterr().err
+    rc = main(["quantize", "--run", str(tiny_run), "--scheme", "bf16", "--kernel", "fbgemm", "--out", str(tmp_path / "b16")])
+    assert rc == 2 and "--kernel apply to --scheme int8 only, not bf16" in capsys.readouterr().err  # was silently ignored
     # a taken --out is refused before the run's data is read (it loaded the whole data set first);
     # the data directory is pointed at nothing, so reaching the data would fail differently
     (tmp_path / "afile").write_text("x")

@@ -78,3 +78,17 @@ def test_calibration_folds_exactly_into_the_head_and_reads_no_test(taobao_run):
     np.testing.assert_allclose(z2, z / cal["temperature"] + delta, rtol=1e-5, atol=1e-5)
     assert torch.equal(model.action_head.weight[0], w0) and torch.equal(model.action_head.bias[0], b0)
     assert cal["valid_after"]["cross_entropy"] <= cal["valid_before"]["cross_entropy"] + 1e-12
+
+
+def test_a_resumed_run_keeps_its_calibration_record(taobao_run):
+    """Resuming without a new best epoch reports the calibration that made the saved head (calibrating the
+    calibrated head again recorded T = 1 and zero offsets: a fresh-user finding)."""
+    run, spec = taobao_run
+    before = read_json(run / "metrics.json")
+    cfg = model_config_from_preset("small", max_seq_len=50, embedding_dim=16, d_qk=16, d_v=16)
+    tcfg = TrainConfig(epochs=2, batch_size=32, learning_rate=5e-3, seed=0, early_stopping_patience=100)
+    fit(run, cfg, tcfg, spec, resume=True, progress=False)
+    after = read_json(run / "metrics.json")
+    assert after["best_epoch"] == before["best_epoch"]
+    assert after["action_head_calibration"] == before["action_head_calibration"]
+    assert after["valid"]["action_accuracy"] == before["valid"]["action_accuracy"]

@@ -39,8 +39,8 @@ def cmd_quantize(args) -> int:
     kw = {}
     if args.scheme == "int8":
         kw = dict(embeddings=args.embeddings or "fp16", keep_float=args.keep_float or (), kernel=args.kernel)
-    elif args.embeddings or args.keep_float:
-        raise ValueError(f"--embeddings and --keep-float apply to --scheme int8 only, not {args.scheme}")
+    elif args.embeddings or args.keep_float or args.kernel != "auto":
+        raise ValueError(f"--embeddings, --keep-float and --kernel apply to --scheme int8 only, not {args.scheme}")
     qmodel = apply_precision(copy.deepcopy(float_model), args.scheme, **kw)
     kernels = {m.kernel for m in qmodel.modules() if isinstance(m, Int8Linear)}
     for k in kernels:
@@ -102,7 +102,8 @@ def add_subcommands(subparsers) -> None:
         "--kernel",
         default="auto",
         choices=["auto", "fbgemm", "onednn", "qnnpack", "int_mm", "dequant"],  # int8_kernels.KERNELS (torch not imported here)
-        help="int8 GEMM kernel (default: the integer kernel of this device; onednn = fbgemm's results, large calls on oneDNN)",
+        help="int8 GEMM kernel of the calibration report (default: this device's; onednn = fbgemm's results, large calls on oneDNN); "
+        "not saved: a loaded run uses the device's kernel",
     )
     q.add_argument("--calib-users", type=number_in(int, 1), default=256, help="users in the calibration batch")
     q.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=0, help="calibration user sample seed")

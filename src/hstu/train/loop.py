@@ -268,6 +268,20 @@ def _resume(strategy: LocalStrategy, run: Path, model: HSTUModel, opt, gen: torc
     return list(info["history"])
 
 
+def _action_head_calibration(strategy: LocalStrategy, run: Path, best, log_, split, state, paper: bool) -> tuple[dict | None, bool]:
+    """(calibrate_action_head's record or None, whether it was kept from metrics.json): a resumed run whose
+    best epoch did not change holds the calibrated head already (calibrating again would record T = 1)."""
+    if getattr(best, "action_head", None) is None or not log_.num_actions:
+        return None, False
+    if paper:
+        log.info("next-action head not calibrated: under --protocol paper the validation targets are the test's")
+        return None, False
+    prev = read_json(run / "metrics.json") if (run / "metrics.json").exists() else {}
+    if prev.get("best_epoch") == state["best_epoch"] and "action_head_calibration" in prev:
+        return prev["action_head_calibration"], True
+    return calibrate_action_head(best, log_, split, device=strategy.device), False
+
+
 def _report(
     strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, tcfg: TrainConfig, spec: DataSpec, state, history, status: str
 ) -> dict:
@@ -280,10 +294,10 @@ def _report(
     calibration = valid = None
     if best.repeat is not None and not paper:
         calibration, valid = calibrate_repeat_scale(best, log_, split, evaluate_fn=lambda m, w: strategy.evaluate(m, log_, split, w, tcfg))
-    head = None if paper else calibrate_action_head(best, log_, split, device=strategy.device)
-    if head is not None:
+    head, kept = _action_head_calibration(strategy, run, best, log_, split, state, paper)
+    if head is not None and not kept:
         valid = None  # the validation metrics again, with the calibrated head
-    if calibration is not None or head is not None:
+    if calibration is not None or (head is not None and not kept):
         strategy.keep_best(run, best)
     metrics = {
         "valid": valid or strategy.evaluate(best, log_, split, "valid", tcfg),

@@ -265,6 +265,12 @@ def test_demo_says_1_epoch(tmp_path, capsys):
     assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(tmp_path / "run"), "--quiet", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["num_threads"] == 2
+    mine = tmp_path / "mine"  # a fresh-user finding: the demo wrote its run over any --out
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(mine), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "holds files that are not an earlier demo's" in err and [p.name for p in mine.iterdir()] == ["notes.txt"]
     assert " for 1 epoch on cpu" in out and "\ntrained 1 epoch in " in out and "epochs" not in out
     with pytest.raises(SystemExit) as e:  # --epochs 0 printed the banner, then failed inside training
         main(["demo", "--data-dir", str(data), "--epochs", "0", "--out", str(tmp_path / "run0")])

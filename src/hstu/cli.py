@@ -262,13 +262,13 @@ def cmd_demo(args) -> int:
     """Train the small preset on ML-1M, evaluate on test, show next-5 titles for 3 users."""
     from hstu.config import TrainConfig, model_config_from_preset
     from hstu.generate.recommend import Recommender
-    from hstu.model.checkpoint import read_json
+    from hstu.runs import claim_demo_dir, read_json
     from hstu.train.loop import DataSpec, fit
 
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     if data_dir is None or not (data_dir / "ratings.dat").exists():
         raise FileNotFoundError(NO_DATA if data_dir is None else f"{data_dir}/ratings.dat not found. " + NO_DATA)
-    out = Path(args.out)
+    claim_demo_dir(out := Path(args.out))  # refuses a directory holding anything but an earlier demo
     t0 = time.perf_counter()
     print(f"hstu demo: training HSTU (small preset) on {data_dir} for {_count(args.epochs, 'epoch')} on {args.device} ...", flush=True)
     metrics = fit(

@@ -452,3 +452,18 @@ def load_run(run_dir: str | Path, device: str = "cpu", precision: str | None = N
         apply_precision(model, precision)
         prepare_kernels(model)
     return model, cfg, ids
+
+
+DEMO_MARK = ".hstu-demo"  # written into `hstu demo --out` before training: the directory is the demo's to replace
+
+
+def claim_demo_dir(out: Path) -> None:
+    """Make ``out`` `hstu demo`'s: absent or empty (marked now) or marked by an earlier demo. ValueError for
+    anything else (a trained run, other files), which the demo would overwrite: nothing is touched."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory")
+    if out.exists() and any(out.iterdir()) and not (out / DEMO_MARK).exists():
+        raise ValueError(f"--out {out} holds files that are not an earlier demo's (a run, or others): choose another --out or remove it")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARK).write_text("hstu demo writes here; each demo replaces the previous one\n", encoding="utf-8")

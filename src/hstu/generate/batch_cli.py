@@ -46,7 +46,8 @@ def add_arguments(q) -> None:
     g.add_argument(
         "--batch-users",
         type=number_in(int, 1),
-        help=f"users per engine call; every call is padded to this many rows, so results never depend on batching (default {BATCH_USERS})",
+        help=f"users per engine call (default {BATCH_USERS}); every call is padded to this many rows, so a user's result does not depend "
+        "on the users sharing its call (another value may move scores by float rounding)",
     )
     g.add_argument("--engine", choices=["local", "ray"], help="local processes (default) or Ray Data (pip install 'hstu[ray]')")
     g.add_argument("--ray-address", help="Ray cluster to join, e.g. auto (default: start a local Ray instance)")

@@ -96,8 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def head_and_purchase_floors(model, res: dict, log_, weights: np.ndarray, seed: int) -> dict:
     """Issue 20's Taobao floors for ``model``, paired over the same test users (bootstrap ``weights``):
     its next action against the majority action (most-popular's answer), the last action
-    (repeat-recent's) and the Markov chain on the last action and the time gap (action-markov's: what
-    these inputs allow), accuracy and macro-F1 differences; its HR@10 on the purchase targets against
+    (repeat-recent's) and the Markov chain on the last action and the time gap to the query
+    (action-markov's), accuracy and macro-F1 differences; its HR@10 on the purchase targets against
     the repeat-aware baselines (purchase users resampled with seed + 1, as the slice report)."""
     m, y, U = res[model], res[model].target_actions, len(res[model].users)
     out: dict = {"next_action": {}, "purchase_HR@10": {}}

@@ -2,7 +2,8 @@
 
     hstu quantize --run RUN_DIR --scheme int8|bf16|fp16 --out RUN_DIR_Q
                   [--embeddings fp16|bf16|int8|fp32] [--keep-float layers.1.o,...]
-                  [--calib-users 256] [--data-dir DIR] [--no-calibrate] [--report-only] [--json]
+                  [--kernel auto|fbgemm|onednn|qnnpack|int_mm|dequant] (int8: the report's GEMM; not saved)
+                  [--calib-users 256] [--seed 0] [--data-dir DIR] [--no-calibrate] [--report-only] [--json]
 
 The calibration batch comes from the run's own data set (config.json "data"; ``--data-dir``
 overrides the path): histories before each sampled user's validation target.

@@ -25,14 +25,16 @@ Kernels (``Int8Kernel.name``), chosen by :func:`select_int8_kernel`:
         oneDNN's integer GEMM (``onednn::qlinear_pointwise``, the op Inductor's x86 INT8 lowering
         calls; AMX or AVX-512 VNNI): the rows are quantized by ``torch.quantize_per_tensor`` at the
         same scale and zero point, the integer sums are exact, and the float epilogue is FBGEMM's
-        (fl(acc · fl(s[n] / 63)), :func:`prepack`), so the result equals FBGEMM's bit for bit and a
-        row's result still does not depend on the call (checked at the first use on each machine,
-        :func:`_probe_onednn`). Smaller calls stay on FBGEMM, where oneDNN's fixed cost per call
-        (~40 µs) is higher. Chosen by "auto" on CPUs with VNNI. Measured on a 2-core Xeon with
-        AMX, one thread, FBGEMM time / oneDNN time (``benchmarks/quant.py`` reports the model-level
-        ratio): 256 -> 1024 at M = 16 / 64 / 256 / 3200: 0.87 / 1.18 / 1.87 / 1.94; 256 -> 256:
-        0.84 / 0.94 / 1.27 / 1.36; 50 -> 200: 0.80 / 0.95 / 1.29 / 1.21; the 3706-row item table
-        (256 -> 3706) at M = 16 / 64: 1.20 / 1.58: break-even near M·N = 2^16.
+        (fl(acc · fl(fl(1/63) · s[n])), :func:`prepack`), so the result equals FBGEMM's bit for bit
+        and a row's result still does not depend on the call (checked at the first use on each
+        machine, :func:`_probe_onednn`). Smaller calls stay on FBGEMM, where oneDNN's fixed cost per
+        call is higher. Chosen by "auto" on CPUs with AVX-512 VNNI (``torch.cpu._is_vnni_supported``;
+        AVX-VNNI alone is not detected). ``benchmarks/int8_kernels.py`` measures both sides
+        (``benchmarks/results/int8_kernels.json``, a 2-core Xeon with AMX, one thread, FBGEMM time /
+        oneDNN time): 0.66-0.80 at M = 1-16 on every shape; from about 2^16 outputs 1.0-2.2 on the
+        wide Linears (256 -> 1024: 1.01 at M = 64, 2.18 at M = 3200, which varied 1.1-2.2 between
+        runs; the 3706-row item table: 1.25 at M = 64, 1.59 at 256) and 0.97-1.2 on the narrow ones
+        (N <= 256). The threshold sits near the wide Linears' break-even.
     "qnnpack": ``linear_dynamic`` on ARM, 8-bit activations per call (per tensor).
     "int_mm": per-row symmetric int8 activations and ``torch._int_mm`` (s8 × s8 → s32); on CUDA
         that is cuBLASLt's integer GEMM. On CPU ``torch._int_mm`` is a slow reference loop
@@ -159,8 +161,8 @@ def prepack(q: torch.Tensor, scale: torch.Tensor, kernel: str) -> PackedInt8:
     if kernel != "onednn":
         return PackedInt8(engine, N, packed)
     onednn = torch.ops.onednn.qlinear_prepack(q.cpu().contiguous(), None)
-    # oneDNN forms x_scale * w_scale[n] * float(acc); with x_scale = 1 and w_scale[n] = fl(1/63 · s[n]) that is
-    # fl(acc · fl(1/63 · s[n])), FBGEMM's float-output epilogue exactly (checked by _probe_onednn)
+    # oneDNN forms x_scale * w_scale[n] * float(acc); with x_scale = 1 and w_scale[n] = fl(fl(1/63) · s[n]) that is
+    # fl(acc · fl(fl(1/63) · s[n])), FBGEMM's float-output epilogue exactly (checked by _probe_onednn)
     mult = torch.tensor(_X_SCALE, dtype=torch.float32) * scale.cpu().to(torch.float32)  # (N,)
     return PackedInt8(engine, N, packed, onednn, mult.contiguous(), torch.zeros(N, dtype=torch.int32))
 
@@ -217,12 +219,13 @@ def _probe_engine(engine: str) -> str | None:
 @cache
 def _probe_onednn() -> str | None:
     """None if oneDNN's integer GEMM runs here and equals FBGEMM's result bit for bit, else why not.
-    Needs a CPU with VNNI (AVX-512 VNNI / AVX-VNNI; AMX has it): where it was measured faster."""
+    Needs a CPU with AVX-512 VNNI (AMX CPUs have it; torch does not detect AVX-VNNI alone): where it
+    was measured faster."""
     why = _probe_engine("fbgemm")
     if why:
         return why
     if not getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
-        return "this CPU has no VNNI (oneDNN's INT8 GEMM was measured only on AVX-512 VNNI / AMX)"
+        return "this CPU has no AVX-512 VNNI (oneDNN's INT8 GEMM was measured only there, with AMX)"
     g = torch.Generator().manual_seed(0)
     q2, s2 = quantize_per_channel(torch.randn(1024, 64, generator=g))
     for q, s, x in (_probe_inputs(), (q2, s2, torch.randn(64, 64, generator=g))):  # tiny, and at ONEDNN_MIN_OUTPUTS

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions, check_k
@@ -211,6 +210,10 @@ def cmd_generate(args) -> int:
     if args.all_users:  # the batch job (hstu.generate.batch): the data set read once
         return cmd_all_users(args, lambda cfg: _run_data(cfg, args.data_dir, args=args, run=(args.run, None))[0])
     reject_batch_flags(args)
+    if args.threads:  # one user's generation too (a fresh-user finding: only --all-users took it)
+        import torch
+
+        torch.set_num_threads(args.threads)
     if (args.user is None) == (args.history is None):
         raise ValueError("give exactly one of --user USER_ID, --history FILE or --all-users")
     rec = Recommender.from_run(args.run, args.device, args.precision)
@@ -254,54 +257,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def cmd_demo(args) -> int:
-    """Train the small preset on ML-1M, evaluate on test, show next-5 titles for 3 users."""
-    from hstu.config import TrainConfig, model_config_from_preset
-    from hstu.generate.recommend import Recommender
-    from hstu.runs import claim_demo_dir, read_json
-    from hstu.train.loop import DataSpec, fit
-
-    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
-    if data_dir is None or not (data_dir / "ratings.dat").exists():
-        raise FileNotFoundError(NO_DATA if data_dir is None else f"{data_dir}/ratings.dat not found. " + NO_DATA)
-    claim_demo_dir(out := Path(args.out))  # refuses a directory holding anything but an earlier demo
-    t0 = time.perf_counter()
-    print(f"hstu demo: training HSTU (small preset) on {data_dir} for {_count(args.epochs, 'epoch')} on {args.device} ...", flush=True)
-    metrics = fit(
-        out,
-        model_config_from_preset("small"),
-        TrainConfig(epochs=args.epochs, seed=args.seed, num_threads=args.threads),
-        DataSpec("ml-1m", str(data_dir.resolve())),
-        device=args.device,
-        overwrite=True,  # each demo replaces the previous one in --out
-        progress=not args.quiet,
-    )
-    t = metrics["test"]
-    print(
-        f"\ntest (full ranking over all items, {t['users']} users): HR@10 {t['HR@10']:.4f}  NDCG@10 {t['NDCG@10']:.4f}  "
-        f"HR@50 {t['HR@50']:.4f}  MRR {t['MRR']:.4f}"
-    )
-    print(
-        f"trained {_count(metrics['epochs'], 'epoch')} in {metrics['train_seconds']:.0f} s ({metrics['sequences_per_s']:.0f} sequences/s)\n"
-    )
-    from hstu.generate.batch import history_of
-
-    rec = Recommender.from_run(out, args.device)
-    log_ = _run_data(read_json(out / "config.json"), str(data_dir))[0]  # read once for the three users
-    for user in (1, 2, 3):
-        hist = history_of(log_, user)
-        items = rec.recommend([rec.prepare(hist)], 5)[0]
-        last = [rec.titles.get(str(i), str(i)) for i in hist.items[-3:]]
-        print(f"user {user}: last watched: " + " | ".join(last))
-        print("  next 5:      " + " | ".join(it.get("title", str(it["item_id"])) for it in items))
-    print(f"\nrun directory: {out}   total {time.perf_counter() - t0:.0f} s")
-    return 0
-
-
 def version_text() -> str:
     """``hstu --version``: hstu's version, torch's, and each backend (:data:`hstu.backend.BACKENDS`)
     with "available" or the reason it is not (``Backend.unavailable_reason``)."""
@@ -334,9 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.add_argument("--version", action=_Version, help="print hstu's and torch's versions and the backends available, and exit")
     sub = p.add_subparsers(dest="command", required=True)
+    from hstu.demo import add_demo_parser
     from hstu.train.cli import add_train_parser
 
-    for add in (add_train_parser, _add_eval, _add_generate, _add_demo, _add_features):
+    for add in (add_train_parser, _add_eval, _add_generate, add_demo_parser, _add_features):
         add(sub)
     for parser in (p, *sub.choices.values()):  # --epoch is not --epochs: no prefix matching of long flags
         parser.allow_abbrev = False
@@ -353,7 +309,7 @@ def _add_eval(sub) -> None:
     e.add_argument("--data-dir", help="the run's data set, if it moved (default: $HSTU_DATA_DIR, else the run's recorded directory)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     e.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (default: torch's)")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help="print the metrics as JSON")
     e.add_argument("--precision", choices=PRECISION_CHOICES, help=PRECISION_HELP)
     e.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     add_loader_flags(e, run=True)
@@ -371,11 +327,11 @@ def _add_generate(sub) -> None:
     from hstu.train.cli import add_loader_flags
 
     q = sub.add_parser("generate", help="next-k items for a user, a history file, or every user (--all-users)")
-    q.add_argument("--run", required=True)
+    q.add_argument("--run", required=True, help="run directory (hstu train, or hstu quantize)")
     q.add_argument("--user", help="original user id in the run's data set (an integer, or a text id as in the data)")
-    q.add_argument("--history", help='JSON list of {"item_id", "timestamp"[, "action"]} events')
+    q.add_argument("--history", help='JSON list of {"item_id", "timestamp"[, "action"][, "features"]} events (docs/cli.md)')
     q.add_argument("-k", type=int, default=5, help="items to generate, 1..the model's max_output_len (default 5)")
-    q.add_argument("--strategy", default="greedy", choices=["greedy", "topk", "beam"])
+    q.add_argument("--strategy", default="greedy", choices=["greedy", "topk", "beam"], help="decoding (default greedy)")
     # the ranges of the HTTP schema (hstu.serve.schemas.Decoding)
     q.add_argument("--top-k", type=number_in(int, 1, TOP_K_MAX), default=50, help="topk: sample among this many best (default 50)")
     q.add_argument(
@@ -407,24 +363,12 @@ def _add_generate(sub) -> None:
     q.add_argument(
         "--graphs", default="eager", choices=["eager", "compiled"], help="eager (default), or compiled: the run's graph cache, else now"
     )
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--json", action="store_true", help="print the answer as JSON (default: one line per item)")
     from hstu.generate.batch_cli import add_ann_flags, add_arguments
 
     add_ann_flags(q)  # --ann FACTORY ... (as hstu serve)
     add_arguments(q)  # --all-users --out ... (batch inference)
     q.set_defaults(func=cmd_generate)
-
-
-def _add_demo(sub) -> None:
-    d = sub.add_parser("demo", help="train on ML-1M, evaluate, and show next-5 titles for three users")
-    d.add_argument("--data-dir", help="ML-1M directory holding ratings.dat (default: $HSTU_DATA_DIR, else ../shared/data/ml-1m)")
-    d.add_argument("--epochs", type=number_in(int, 1), default=12, help="training epochs, >= 1 (default 12)")
-    d.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=42, help="training seed (default 42)")
-    d.add_argument("--out", default="runs/demo", help="run directory, replaced by each demo (default runs/demo)")
-    d.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
-    d.add_argument("--threads", type=number_in(int, 0), default=0, help="torch threads (0: torch's default)")
-    d.add_argument("--quiet", action="store_true", help="no per-batch progress bar")
-    d.set_defaults(func=cmd_demo)
 
 
 def _add_features(sub) -> None:

@@ -14,11 +14,13 @@ tiny 200-user ML-1M run:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from hstu.cli import main
 from hstu.config import DecodeOptions
@@ -214,6 +216,9 @@ def test_bad_batch_flags_exit_2_with_one_line(run_dir, tmp_path, capsys, extra, 
 def test_batch_flags_need_all_users(run_dir, capsys):
     assert main(["generate", "--run", str(run_dir), "--user", "1", "--out", "x.parquet", "--workers", "2"]) == 2
     assert "--out, --workers: only with --all-users" in capsys.readouterr().err
+    # --threads is not a batch flag: one user's generation takes it too (a fresh-user finding)
+    assert main(["generate", "--run", str(run_dir), "--user", "1", "--threads", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["items"] and torch.get_num_threads() == 2
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--run", str(run_dir), "--all-users", "--out", "x.parquet", "--workers", "0"])
     assert exc.value.code == 2

@@ -12,13 +12,12 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-# flag -> argparse dest of the options that only --all-users takes
+# flag -> argparse dest of the options that only --all-users takes (--threads applies to one user too)
 BATCH_FLAGS = {
     "--out": "out",
     "--users-file": "users_file",
     "--chunk-users": "chunk_users",
     "--workers": "workers",
-    "--threads": "threads",
     "--batch-users": "batch_users",
     "--engine": "engine",
     "--ray-address": "ray_address",
@@ -41,7 +40,7 @@ def add_arguments(q) -> None:
     g.add_argument(
         "--threads",
         type=number_in(int, 1),
-        help="torch threads per process (default: torch's for one worker, else cores // workers)",
+        help="torch threads (--all-users: per process; default: torch's for one worker, else cores // workers)",
     )
     g.add_argument(
         "--batch-users",

@@ -271,6 +271,9 @@ def test_demo_says_1_epoch(tmp_path, capsys):
     assert main(["demo", "--data-dir", str(data), "--epochs", "1", "--out", str(mine), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "holds files that are not an earlier demo's" in err and [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert main(["demo", "--data-dir", str(data), "--device", "tpu", "--out", str(tmp_path / "tpu")]) == 2
+    cap = capsys.readouterr()  # the banner said "training ... on tpu" before the error
+    assert "unknown device 'tpu'" in cap.err and cap.out == "" and not (tmp_path / "tpu").exists()
     assert " for 1 epoch on cpu" in out and "\ntrained 1 epoch in " in out and "epochs" not in out
     with pytest.raises(SystemExit) as e:  # --epochs 0 printed the banner, then failed inside training
         main(["demo", "--data-dir", str(data), "--epochs", "0", "--out", str(tmp_path / "run0")])

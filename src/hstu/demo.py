@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from hstu import backend
 from hstu.cli import NO_DATA, _run_data, default_data_dir, number_in
 from hstu.config import SEED_MAX
 from hstu.data.errors import plural
@@ -18,7 +19,7 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--epochs", type=number_in(int, 1), default=12, help="training epochs, >= 1 (default 12)")
     d.add_argument("--seed", type=number_in(int, 0, SEED_MAX), default=42, help="training seed (default 42)")
     d.add_argument("--out", default="runs/demo", help="run directory, replaced by each demo (default runs/demo)")
-    d.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
+    d.add_argument("--device", default="cpu", help="auto, cpu, cuda or npu (default cpu)")
     d.add_argument("--threads", type=number_in(int, 0), default=0, help="torch threads (0: torch's default)")
     d.add_argument("--quiet", action="store_true", help="no per-batch progress bar")
     d.set_defaults(func=cmd_demo)
@@ -34,6 +35,7 @@ def cmd_demo(args) -> int:
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     if data_dir is None or not (data_dir / "ratings.dat").exists():
         raise FileNotFoundError(NO_DATA if data_dir is None else f"{data_dir}/ratings.dat not found. " + NO_DATA)
+    backend.select(args.device)  # an unknown or absent device fails here, before the banner
     claim_demo_dir(out := Path(args.out))  # refuses a directory holding anything but an earlier demo
     t0 = time.perf_counter()
     print(f"hstu demo: training HSTU (small preset) on {data_dir} for {plural(args.epochs, 'epoch')} on {args.device} ...", flush=True)

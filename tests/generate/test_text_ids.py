@@ -159,7 +159,9 @@ def test_all_users_output_has_text_columns(runs):
 def test_api_and_http_take_text_ids(runs):
     text, ints, _ = runs
     rt, ri = Recommender.from_run(text), Recommender.from_run(ints)
-    got = rt.recommend([rt.prepare(History([sku(4), " SKU-011 ", "nope"], [1, 2, 3]))], 4)[0]
+    prep = rt.prepare(History([sku(4), " SKU-011 ", "nope"], [1, 2, 3]))
+    assert prep.warnings == ["dropped 1 event(s) with unknown item ids: 'nope'"]  # named (a fresh-user finding)
+    got = rt.recommend([prep], 4)[0]
     want = ri.recommend([ri.prepare(History([4, 11], [1, 2]))], 4)[0]
     assert [x["item_id"] for x in got] == [sku(x["item_id"]) for x in want]
     with pytest.raises(HistoryError, match=r"history\[0\]\.item_id: a boolean is not an id"):

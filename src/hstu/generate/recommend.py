@@ -224,7 +224,9 @@ class Recommender:
             raise HistoryError(f"history[{i}].item_id: unknown item id {h.items[i]}")
         keep_a, ids = idx[known], dense_all[idx][known]
         if len(keep_a) < n:
-            warnings.append(f"dropped {n - len(keep_a)} event(s) with unknown item ids")
+            gone = [h.items[i] for i in idx[~known]]  # named, as the untrained-items warning names them (the first 5)
+            more = f", ... ({len(gone)} in all)" if len(gone) > 5 else ""
+            warnings.append(f"dropped {len(gone)} event(s) with unknown item ids: {', '.join(map(repr, gone[:5]))}{more}")
         if not len(keep_a):
             raise HistoryError("history: no known item ids left after dropping unknown ones")
         if len(keep_a) > self.max_len:

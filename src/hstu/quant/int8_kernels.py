@@ -168,10 +168,9 @@ def prepack(q: torch.Tensor, scale: torch.Tensor, kernel: str) -> PackedInt8:
 
 
 def _onednn_gemm(a: torch.Tensor, p: PackedInt8) -> torch.Tensor:
-    """(M, K) float32 rows already divided by their max |x| -> (M, N) float32, on oneDNN (7-bit u8 rows)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated.*")
-        xq = torch.quantize_per_tensor(a, _X_SCALE, _X_ZERO, torch.quint8).int_repr()  # (M, K) uint8
+    """(M, K) float32 rows already divided by their max |x| -> (M, N) float32, on oneDNN (7-bit u8 rows).
+    quantize_per_tensor's deprecation warning is emitted once per process; :func:`_probe_onednn` takes it."""
+    xq = torch.quantize_per_tensor(a, _X_SCALE, _X_ZERO, torch.quint8).int_repr()  # (M, K) uint8
     out = (None, 1.0, 0, torch.float32, "none", [], "")  # no bias; float32 output, no post-op
     return torch.ops.onednn.qlinear_pointwise(xq, 1.0, _X_ZERO, p.onednn, p.scale, p.zeros, *out)
 
@@ -231,7 +230,10 @@ def _probe_onednn() -> str | None:
     for q, s, x in (_probe_inputs(), (q2, s2, torch.randn(64, 64, generator=g))):  # tiny, and at ONEDNN_MIN_OUTPUTS
         try:
             p = prepack(q, s, "onednn")
-            a, b = packed_linear(x, p, None, force_onednn=True), packed_linear(x, p, None, force_onednn=False)
+            with warnings.catch_warnings():  # the once-per-process deprecation of quantize_per_tensor, taken here
+                warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated.*")
+                a = packed_linear(x, p, None, force_onednn=True)
+            b = packed_linear(x, p, None, force_onednn=False)
         except (RuntimeError, NotImplementedError, AttributeError) as exc:
             return f"oneDNN qlinear failed: {exc}".splitlines()[0]
         if not torch.equal(a, b):

@@ -139,16 +139,19 @@ class ActionMarkov(MostPopular):
         """(B,) rows, (B,) exclusive ends (the target's index: its time is the query time) -> (B,) action ids."""
         if not self.log.num_actions:
             return None
+        ends = np.asarray(ends, np.int64)
         out = np.full(len(users), self.majority_action, np.int64)
-        for b, (u, e) in enumerate(zip(users, ends)):
-            if e <= self.log.offsets[u]:
-                continue  # empty history: the majority action
-            a = int(self.log.actions[e - 1])
-            g = int(self._bucket(np.array([self.log.timestamps[e] - self.log.timestamps[e - 1]]))[0])
+        has = ends > self.log.offsets[np.asarray(users, np.int64)]  # an empty history keeps the majority action
+        prev = ends[has] - 1
+        last = self.log.actions[prev].astype(np.int64)
+        gap = self._bucket(self.log.timestamps[ends[has]] - self.log.timestamps[prev])
+        picks = np.full(len(prev), self.majority_action, np.int64)
+        for j, (a, g) in enumerate(zip(last, gap)):
             for c in (self.counts[a, g], self.counts[a].sum(axis=0)):
                 if c[1:].sum() > 0:
-                    out[b] = int(np.argmax(c[1:]) + 1)
+                    picks[j] = int(np.argmax(c[1:]) + 1)
                     break
+        out[has] = picks
         return out
 
 

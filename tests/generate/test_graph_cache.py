@@ -230,3 +230,34 @@ def test_auto_on_the_cpu_loads_what_the_cache_holds_and_runs_the_rest_eager(buil
     assert {modes.pop(k) for k in beam} == {"fallback"} and "running it eager" in caplog.text and comp.built == 0
     assert set(modes.values()) == {"loaded"} and len(modes) == 6  # setup, prefill, step at batch 1 and 2
     assert Engine(m, graphs="auto", **KW).graphs == "eager"  # without a cache, as before
+
+
+def test_int8_graphs_beside_the_float_ones_match_eager(built, tmp_path):
+    """An INT8 model's graphs (hstu quantize / --precision int8) export with the packed GEMMs as one opaque op
+    (hstu::int8_linear, keyed by the Linear's weights) and give the eager INT8 engine's items; they live in the
+    same cache as the float model's graphs under other names, so neither replaces the other."""
+    from hstu.quant import apply_precision
+
+    d = _copy(built, tmp_path)
+    comp = ExportedProgram()
+    q = apply_precision(tiny_model(), "int8")
+    eng, ref = cached_engine(q, d, comp), Engine(apply_precision(tiny_model(), "int8"), graphs="eager", **KW)
+    for B, s in ((1, "greedy"), (2, "topk")):
+        same(eng, ref, B, s)
+    rep = eng.graph_report()
+    assert {r["mode"] for r in rep} == {"built"} and comp.built == 6, rep
+    prog = torch.export.load(str(sorted(d.glob("prefill_E20_1_*.pt2"))[-1]))
+    assert "hstu.int8_linear" in str(prog.graph) or any(
+        "hstu.int8_linear" in str(torch.export.load(str(p)).graph) for p in d.glob("prefill_E20_1_*.pt2")
+    )
+    f = cached_engine(tiny_model(), d, ExportedProgram())
+    same(f, Engine(tiny_model(), graphs="eager", **KW), 2, "greedy")
+    assert {r["mode"] for r in f.graph_report()} == {"loaded"}  # the float graphs, untouched by the INT8 build
+    assert {"fp32", "int8"} <= GraphCache.precisions(tmp_path)
+
+
+def test_an_int8_graph_refuses_weights_this_process_lacks():
+    from hstu.quant.int8 import int8_linear
+
+    with pytest.raises(RuntimeError, match="INT8 Linear 4x8:fbgemm:00 is not loaded in this process"):
+        int8_linear(torch.zeros(2, 8), "4x8:fbgemm:00")

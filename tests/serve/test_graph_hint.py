@@ -18,13 +18,35 @@ def test_the_command_carries_a_non_default_precision(tmp_path):
     assert line is not None and f"`hstu export --run {tmp_path} --graphs --buckets 50,200 --max-batch 4 --precision bf16`" in line
 
 
+def _entries(run, *precisions):
+    import json
+
+    from hstu.backend import graph_cache as gc
+
+    d = GraphCache.create(run)
+    entries = {f"g{i}": {"precision": p} for i, p in enumerate(precisions)}
+    (d / gc.MANIFEST).write_text(json.dumps({"format": gc.FORMAT, "entries": entries}))
+
+
 def test_a_matching_cache_or_another_mode_says_nothing(tmp_path):
-    GraphCache.create(tmp_path)
+    _entries(tmp_path, "float32")
     GraphCache.write_layout(tmp_path, [20, 50], 16)
     assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None) is None
+    assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, "fp32") is None
     assert graph_cache_hint(tmp_path / "none", "eager", "cpu", [20, 50], 16, None) is None
     assert graph_cache_hint(tmp_path / "none", "auto", "cuda", [20, 50], 16, None) is None
-    assert graph_cache_hint(tmp_path / "none", "auto", "cpu", [20, 50], 16, "int8") is None  # INT8 runs are not exportable
+
+
+def test_a_cache_without_the_served_precision_is_named(tmp_path):
+    """INT8 graphs are cached too (hstu::int8_linear): a server at --precision int8 on a cache of float graphs
+    runs eager, and the line says so with the command that builds them."""
+    _entries(tmp_path, "float32")
+    GraphCache.write_layout(tmp_path, [20, 50], 16)
+    line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, "int8")
+    assert line is not None and "no graph cache for buckets [20, 50], max batch 16 at int8 (its graphs are fp32)" in line
+    assert "--precision int8`" in line
+    _entries(tmp_path, "float32", "int8")
+    assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, "int8") is None
 
 
 def test_a_cache_for_another_layout_is_named(tmp_path):

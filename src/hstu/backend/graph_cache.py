@@ -53,6 +53,7 @@ FORMAT = 2  # 2: packages without the weights (AOTInductor.load supplies them)
 MANIFEST = "manifest.json"
 LAYOUT = "layout.json"  # the engine layout hstu export --graphs built for: {"buckets": [...], "max_batch": N}
 DIRNAME = "graphs"  # RUN/graphs
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # an entry's precision (a float model's dtype) -> the flag's name
 _CODE = ("model", "ops", "generate/runners.py", "generate/pool.py")  # sources the graphs trace (relative to hstu/)
 
 
@@ -220,6 +221,16 @@ class GraphCache:
             return {"buckets": [int(e) for e in lay["buckets"]], "max_batch": int(lay["max_batch"])} if lay else None
         except (ValueError, KeyError, TypeError):
             return None
+
+    @staticmethod
+    def precisions(run_dir) -> set[str]:
+        """The precisions ("fp32", "bf16", "fp16", "int8") of the entries in ``RUN/graphs`` (empty: none, or an
+        unreadable manifest)."""
+        try:
+            entries = json.loads((Path(run_dir) / DIRNAME / MANIFEST).read_text())["entries"].values()
+            return {_SHORT.get(str(e.get("precision")), str(e.get("precision"))) for e in entries}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return set()
 
     @classmethod
     def beside(cls, run_dir, model: torch.nn.Module, device, **kw) -> GraphCache | None:

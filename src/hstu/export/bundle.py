@@ -178,8 +178,9 @@ def export_run(
     scheme = precision or (cfg.get("quant") or {}).get("scheme") or "fp32"
     if scheme == "int8":
         raise ValueError(
-            f"{'--precision int8' if precision else f'{run} is an INT8 run (quant.json)'}: not exportable (the INT8 Linears hold "
-            "packed quantized (FBGEMM) weights, which torch.export cannot trace); export the float run, or --precision fp16 / bf16"
+            f"{'--precision int8' if precision else f'{run} is an INT8 run (quant.json)'}: not exportable (a program for another "
+            "runtime cannot carry the INT8 Linears' packed weights; `hstu export --graphs` caches INT8 graphs for hstu serve); "
+            "export the float run, or --precision fp16 / bf16"
         )
     edges = _buckets(buckets, model.cfg.max_seq_len)
     cat = ids.get("item_category")

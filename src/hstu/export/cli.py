@@ -3,12 +3,13 @@ graph cache for ``hstu serve --graphs compiled``.
 
     hstu export --run RUN --format onnx|pt2 --out DIR [--buckets 20,50] [--precision fp32|fp16|bf16]
                 [--batch N] [--overwrite]
-    hstu export --run RUN --graphs [--buckets 20,50] [--max-batch 16] [--precision ...] [--device cpu]
+    hstu export --run RUN --graphs [--buckets 20,50] [--max-batch 16] [--precision fp32|fp16|bf16|int8] [--device cpu]
 
 ``--graphs`` builds RUN/graphs (hstu.backend.graph_cache): one AOTInductor package per graph a
 server's warm-up runs (bucket x batch size of its ladder x step kind) for those buckets, max batch,
 precision and device (the server's defaults unless given), and prints each graph's compile time and
-bytes. A server started with the same settings and ``--graphs compiled`` loads them instead of
+bytes. INT8 graphs call the Linears' packed weights through one opaque op (hstu.quant.int8.int8_linear)
+and fuse the rest. A server started with the same settings and ``--graphs compiled`` loads them instead of
 compiling; entries already built for these weights and this torch are kept, stale ones rebuilt.
 
 Writes DIR/export.json (how to feed the programs), encoder_E{E}.onnx or .pt2 per bucket edge,
@@ -54,6 +55,11 @@ def cmd_export_graphs(args) -> int:
     return 1 if any(r["mode"] == "fallback" for r in rep) else 0
 
 
+_INT8_PROGRAMS = (
+    "a program for another runtime cannot carry the INT8 Linears' packed weights; export the float run, or --precision fp16 / bf16"
+)
+
+
 def cmd_export(args) -> int:
     """Run :func:`hstu.export.export_run` for the parsed flags; print a summary line per bucket
     (``--graphs``: :func:`cmd_export_graphs`)."""
@@ -70,6 +76,8 @@ def cmd_export(args) -> int:
         raise ValueError("--max-batch and --device go with --graphs (the graph cache), not --format / --out")
     if args.format is None or args.out is None:
         raise ValueError("--format and --out are required (or --graphs for the graph cache)")
+    if args.precision == "int8":
+        raise ValueError(f"--precision int8 goes with --graphs, not --format {args.format}: {_INT8_PROGRAMS}")
     try:
         edges = None if args.buckets is None else parse_buckets(args.buckets)
         m = export_run(args.run, args.out, args.format, buckets=edges, precision=args.precision, batch=args.batch, overwrite=args.overwrite)
@@ -100,7 +108,7 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--max-batch", type=number_in(int, 1), help="with --graphs: the server's --max-batch (default: its default)")
     p.add_argument("--device", default="cpu", help="with --graphs: the server's --device (default cpu)")
     p.add_argument("--buckets", help="comma-separated bucket edges <= max_seq_len (default: the engine's default buckets)")
-    p.add_argument("--precision", choices=[c for c in PRECISION_CHOICES if c != "int8"], help="the model's precision (default: as saved)")
+    p.add_argument("--precision", choices=PRECISION_CHOICES, help="the model's precision (default: as saved; int8 with --graphs only)")
     p.add_argument("--batch", type=number_in(int, 1), help="a fixed batch size (default: the batch axis is dynamic)")
     p.add_argument(
         "--overwrite",

@@ -57,6 +57,8 @@ def graph_runner(eng: Engine, b: BucketPool, key: tuple, make: Callable[[Engine,
         **{a: str(getattr(eng, a)) for a in ("prefill_blocks", "tb_chunk_elements", "chunk_time_buckets", "k_max", "dtype", "score_dtype")},
         "cfg": repr(eng.model.cfg),
     }
+    if eng.graph_cache.env["precision"] != "float32":  # one run's fp32 and INT8 / bf16 graphs side by side (fp32 names as before)
+        settings["precision"] = eng.graph_cache.env["precision"]
     label = f"engine graph {name}"
     return CachedRunner(eng.graph_cache, entry_name(key, b.E, module, settings), module, compiled, label, build=not fixed)
 

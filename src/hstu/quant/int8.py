@@ -7,6 +7,7 @@ QNNPACK, ``torch._int_mm``, the dequantizing fallback) are in :mod:`hstu.quant.i
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
@@ -28,6 +29,36 @@ from hstu.quant.int8_kernels import (  # noqa: F401  (QMAX, Int8Kernel, KERNELS 
 
 log = logging.getLogger(__name__)
 CPU_KERNELS = ("fbgemm", "onednn", "qnnpack")  # run on a prepacked weight (int8_kernels.prepack)
+# Int8Linear.key -> (packed weight, bias) of every Linear prepared in this process (kept for the process's life: a graph
+# loaded from the cache calls them by key, whichever copy of the model is alive; equal keys share one entry)
+_LIVE: dict[str, tuple[PackedInt8, torch.Tensor | None]] = {}
+
+# ---------------------------------------------------------------------------------------------
+# The prepacked GEMM as one opaque op in compiled graphs
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("hstu::int8_linear", mutates_args=())
+def int8_linear(x2: torch.Tensor, key: str) -> torch.Tensor:
+    """(M, K) float32 -> (M, N) float32: the prepacked GEMM of the Int8Linear whose ``key`` is ``key``
+    (the same kernel, so the same result, as its eager call). How a compiled graph (torch.compile, or an
+    AOTInductor package of the graph cache, hstu.backend.graph_cache) calls a weight that torch.export
+    cannot trace (packed FBGEMM params / a oneDNN packed tensor): the graph holds the key, a hash of the
+    weights and kernel, and this process's module with that key runs the call (PyTorch docs, "Custom
+    Python operators", ``torch.library.custom_op``; AOTInductor calls it through its proxy executor).
+
+    Raises:
+        RuntimeError: no Int8Linear with this key in this process (another run's or kernel's graph).
+    """
+    if key not in _LIVE:
+        raise RuntimeError(f"INT8 Linear {key} is not loaded in this process (a graph built for other weights or another kernel)")
+    return packed_linear(x2, *_LIVE[key])
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x2: torch.Tensor, key: str) -> torch.Tensor:
+    return x2.new_empty(x2.shape[0], int(key.split("x", 1)[0]))
+
 
 # ---------------------------------------------------------------------------------------------
 # Modules
@@ -65,6 +96,7 @@ class Int8Linear(nn.Module):
             self.bias = None
         self._kernel: Int8Kernel | None = None
         self._packed: PackedInt8 | None = None
+        self.key: str | None = None  # "{N}x{K}:{kernel}:{hash}" once prepared (int8_linear)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, *, kernel: str = "auto") -> Int8Linear:
@@ -76,7 +108,7 @@ class Int8Linear(nn.Module):
         m.weight_scale.copy_(s)
         if linear.bias is not None:
             m.bias.copy_(linear.bias.detach().to(torch.float32))
-        return m.to(dev)
+        return m.to(dev).prepare()
 
     def __getattr__(self, name: str):
         if name == "weight":
@@ -100,19 +132,30 @@ class Int8Linear(nn.Module):
                 )
         return self._kernel
 
+    # new weights or device: prepared again at once where it was (a compiled graph's tracing cannot prepack)
     def _apply(self, fn, *args, **kwargs):
-        self._kernel, self._packed = None, None
-        return super()._apply(fn, *args, **kwargs)
+        was, (self._kernel, self._packed, self.key) = self._packed is not None, (None, None, None)
+        out = super()._apply(fn, *args, **kwargs)
+        if was:
+            self.prepare()
+        return out
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._kernel, self._packed = None, None
-        return super()._load_from_state_dict(*args, **kwargs)
+        was, (self._kernel, self._packed, self.key) = self._packed is not None, (None, None, None)
+        super()._load_from_state_dict(*args, **kwargs)
+        if was:
+            self.prepare()
 
     def prepare(self) -> Int8Linear:
         """Select the kernel and prepack now (otherwise done at the first call)."""
         k = self.kernel
         if k.name in CPU_KERNELS and self._packed is None:
             self._packed = prepack(self.weight_int8, self.weight_scale, k.name)
+            h = hashlib.sha256(k.name.encode())
+            for t in (self.weight_int8, self.weight_scale, self.bias):
+                h.update(b"-" if t is None else t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self.key = f"{self.out_features}x{self.in_features}:{k.name}:{h.hexdigest()[:24]}"
+            _LIVE.setdefault(self.key, (self._packed, self.bias))  # equal keys: equal weights and kernel, equal results
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +166,10 @@ class Int8Linear(nn.Module):
         if k.name in CPU_KERNELS:
             if self._packed is None:
                 self.prepare()
-            y = packed_linear(x2, self._packed, self.bias)  # (M, N)
+            if torch.compiler.is_compiling():  # traced for a compiled graph: the packed weight stays outside it
+                y = torch.ops.hstu.int8_linear(x2, self.key)
+            else:
+                y = packed_linear(x2, self._packed, self.bias)  # (M, N)
         elif k.name == "int_mm":
             y = self._int_mm(x2)
         else:

@@ -62,7 +62,6 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     if graphs != "auto" or device != "cpu":
         return None
     from hstu.backend.graph_cache import GraphCache
-
     from hstu.quant.checkpoint import read_quant_meta
 
     lay = GraphCache.layout(run_dir)

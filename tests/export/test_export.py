@@ -286,7 +286,9 @@ def test_an_int8_run_is_refused_naming_the_run_not_a_flag(run_dir, tmp_path, cap
     assert main(["quantize", "--run", str(run_dir), "--scheme", "int8", "--out", str(q), "--no-calibrate"]) == 0
     capsys.readouterr()
     assert main(["export", "--run", str(q), "--format", "pt2", "--out", str(tmp_path / "x")]) == 2
-    assert _one_error_line(capsys).startswith(f"hstu export: error: {q} is an INT8 run (quant.json): not exportable")
+    line = _one_error_line(capsys)
+    assert line.startswith(f"hstu export: error: {q} is an INT8 run (quant.json): not exportable")
+    assert line.endswith("export the float run it was quantized from")  # not --precision bf16: a quantized run refuses it
     assert main(["export", "--run", str(run_dir), "--format", "pt2", "--precision", "int8", "--out", str(tmp_path / "x")]) == 2
     assert _one_error_line(capsys).startswith("hstu export: error: --precision int8 goes with --graphs, not --format pt2")
     assert not (tmp_path / "x").exists()

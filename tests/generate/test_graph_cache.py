@@ -261,3 +261,16 @@ def test_an_int8_graph_refuses_weights_this_process_lacks():
 
     with pytest.raises(RuntimeError, match="INT8 Linear 4x8:fbgemm:00 is not loaded in this process"):
         int8_linear(torch.zeros(2, 8), "4x8:fbgemm:00")
+
+
+def test_auto_skips_a_cache_without_graphs_at_the_models_precision(built, tmp_path):
+    """A fresh-user finding: a server at --precision int8 on a run whose cache holds float graphs only warned once per
+    graph (60 lines) that it ran eager; under graphs "auto" such a cache is not used at all (the log's hint names the
+    export command), while "compiled" still gets it to build into."""
+    from hstu.quant import apply_precision
+
+    shutil.copytree(built[0], tmp_path / gc.DIRNAME)
+    q, f = apply_precision(tiny_model(), "int8"), tiny_model()
+    assert GraphCache.beside(tmp_path, q, "cpu", holding=True) is None
+    assert GraphCache.beside(tmp_path, q, "cpu") is not None
+    assert GraphCache.beside(tmp_path, f, "cpu", holding=True) is not None

@@ -233,11 +233,15 @@ class GraphCache:
             return set()
 
     @classmethod
-    def beside(cls, run_dir, model: torch.nn.Module, device, **kw) -> GraphCache | None:
-        """The cache of ``run_dir`` if one was built there (``RUN/graphs/manifest.json``), else None."""
+    def beside(cls, run_dir, model: torch.nn.Module, device, *, holding: bool = False, **kw) -> GraphCache | None:
+        """The cache of ``run_dir`` if one was built there (``RUN/graphs/manifest.json``), else None; with
+        ``holding``, None also when it holds no graph at the model's precision (graphs "auto": run eager at once
+        instead of a warning per graph)."""
         if run_dir is None or not (Path(run_dir) / DIRNAME / MANIFEST).is_file():
             return None
-        return cls(Path(run_dir) / DIRNAME, model, device, **kw)
+        cache = cls(Path(run_dir) / DIRNAME, model, device, **kw)
+        p = cache.env["precision"]
+        return None if holding and _SHORT.get(p, p) not in cls.precisions(run_dir) else cache
 
     @staticmethod
     def create(run_dir) -> Path:

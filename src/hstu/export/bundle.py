@@ -180,7 +180,7 @@ def export_run(
         raise ValueError(
             f"{'--precision int8' if precision else f'{run} is an INT8 run (quant.json)'}: not exportable (a program for another "
             "runtime cannot carry the INT8 Linears' packed weights; `hstu export --graphs` caches INT8 graphs for hstu serve); "
-            "export the float run, or --precision fp16 / bf16"
+            + ("export the float run, or --precision fp16 / bf16" if precision else "export the float run it was quantized from")
         )
     edges = _buckets(buckets, model.cfg.max_seq_len)
     cat = ids.get("item_category")

@@ -104,8 +104,9 @@ class Recommender:
         the CPU) load from the run's graph cache where one was built (``hstu export --graphs``). Raises
         ValueError as the engine (buckets past max_seq_len, max_batch < 1, ...)."""
         cfg = self.model.cfg
-        if engine_kwargs.get("graphs", "auto") in ("auto", "compiled", "compile") and "graph_cache" not in engine_kwargs:
-            engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device)
+        graphs = engine_kwargs.get("graphs", "auto")
+        if graphs in ("auto", "compiled", "compile") and "graph_cache" not in engine_kwargs:
+            engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device, holding=graphs == "auto")
         if self.ann is not None:  # :meth:`attach_ann`
             engine_kwargs = {"ann": self.ann, "ann_candidates": self.ann_candidates, **engine_kwargs}
         return Engine(

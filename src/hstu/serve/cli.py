@@ -293,7 +293,8 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--graphs",
         choices=["auto", "eager", "compiled"],
-        help="per-bucket graphs: auto (CUDA / NPU graphs where the device has them, else eager; the default), eager, "
+        help="per-bucket graphs: auto (the default: CUDA / NPU graphs where the device has them; on the CPU the graphs of "
+        "the run's graph cache at this precision where `hstu export --graphs` built one, eager for the rest), eager, "
         "or compiled (those graphs, else torch.compile: Inductor C++ on the CPU, compiled at warm-up, or loaded from "
         "the run's graph cache where `hstu export --run RUN --graphs` built one for these buckets and --max-batch; "
         "a failed compilation runs eager with a warning)",

@@ -54,6 +54,18 @@ MANIFEST = "manifest.json"
 LAYOUT = "layout.json"  # the engine layout hstu export --graphs built for: {"buckets": [...], "max_batch": N}
 DIRNAME = "graphs"  # RUN/graphs
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # an entry's precision (a float model's dtype) -> the flag's name
+
+
+def model_precision(model: torch.nn.Module) -> str:
+    """The precision an entry records: the quantization scheme ("int8", "bf16", ...), else the float model's dtype."""
+    q = getattr(model, "quant_meta", None) or {}
+    return q.get("scheme", str(model.pos_emb.weight.dtype).removeprefix("torch."))
+
+
+def _short(precision) -> str:
+    return _SHORT.get(str(precision), str(precision))
+
+
 _CODE = ("model", "ops", "generate/runners.py", "generate/pool.py")  # sources the graphs trace (relative to hstu/)
 
 
@@ -191,12 +203,11 @@ class GraphCache:
         self.dir = Path(directory)
         self.build = build
         self.compiler = compiler or AOTInductor()
-        q = getattr(model, "quant_meta", None) or {}
         self.env = {
             "format": FORMAT,
             "torch": torch_version(),
             "weights_sha256": weights_sha256(model),
-            "precision": q.get("scheme", str(model.pos_emb.weight.dtype).removeprefix("torch.")),
+            "precision": model_precision(model),
             "device": str(torch.device(device)),
             "code_sha256": code_sha256(),
             "compiler": self.compiler.name,
@@ -228,7 +239,7 @@ class GraphCache:
         unreadable manifest)."""
         try:
             entries = json.loads((Path(run_dir) / DIRNAME / MANIFEST).read_text())["entries"].values()
-            return {_SHORT.get(str(e.get("precision")), str(e.get("precision"))) for e in entries}
+            return {_short(e.get("precision")) for e in entries}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return set()
 
@@ -239,9 +250,9 @@ class GraphCache:
         instead of a warning per graph)."""
         if run_dir is None or not (Path(run_dir) / DIRNAME / MANIFEST).is_file():
             return None
-        cache = cls(Path(run_dir) / DIRNAME, model, device, **kw)
-        p = cache.env["precision"]
-        return None if holding and _SHORT.get(p, p) not in cls.precisions(run_dir) else cache
+        if holding and _short(model_precision(model)) not in cls.precisions(run_dir):  # before hashing the weights
+            return None
+        return cls(Path(run_dir) / DIRNAME, model, device, **kw)
 
     @staticmethod
     def create(run_dir) -> Path:

@@ -148,6 +148,9 @@ def _place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+INT8_NOT_PORTABLE = "a program for another runtime cannot carry the INT8 Linears' packed weights"
+
+
 def export_run(
     run: str | Path,
     out: str | Path,
@@ -178,8 +181,8 @@ def export_run(
     scheme = precision or (cfg.get("quant") or {}).get("scheme") or "fp32"
     if scheme == "int8":
         raise ValueError(
-            f"{'--precision int8' if precision else f'{run} is an INT8 run (quant.json)'}: not exportable (a program for another "
-            "runtime cannot carry the INT8 Linears' packed weights; `hstu export --graphs` caches INT8 graphs for hstu serve); "
+            f"{'--precision int8' if precision else f'{run} is an INT8 run (quant.json)'}: not exportable ({INT8_NOT_PORTABLE}; "
+            "`hstu export --graphs` caches INT8 graphs for hstu serve); "
             + ("export the float run, or --precision fp16 / bf16" if precision else "export the float run it was quantized from")
         )
     edges = _buckets(buckets, model.cfg.max_seq_len)

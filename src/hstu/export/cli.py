@@ -55,11 +55,6 @@ def cmd_export_graphs(args) -> int:
     return 1 if any(r["mode"] == "fallback" for r in rep) else 0
 
 
-_INT8_PROGRAMS = (
-    "a program for another runtime cannot carry the INT8 Linears' packed weights; export the float run, or --precision fp16 / bf16"
-)
-
-
 def cmd_export(args) -> int:
     """Run :func:`hstu.export.export_run` for the parsed flags; print a summary line per bucket
     (``--graphs``: :func:`cmd_export_graphs`)."""
@@ -77,7 +72,10 @@ def cmd_export(args) -> int:
     if args.format is None or args.out is None:
         raise ValueError("--format and --out are required (or --graphs for the graph cache)")
     if args.precision == "int8":
-        raise ValueError(f"--precision int8 goes with --graphs, not --format {args.format}: {_INT8_PROGRAMS}")
+        from hstu.export.bundle import INT8_NOT_PORTABLE
+
+        fix = "export the float run, or --precision fp16 / bf16"
+        raise ValueError(f"--precision int8 goes with --graphs, not --format {args.format}: {INT8_NOT_PORTABLE}; {fix}")
     try:
         edges = None if args.buckets is None else parse_buckets(args.buckets)
         m = export_run(args.run, args.out, args.format, buckets=edges, precision=args.precision, batch=args.batch, overwrite=args.overwrite)

@@ -44,7 +44,7 @@ def int8_linear(x2: torch.Tensor, key: str) -> torch.Tensor:
     (the same kernel, so the same result, as its eager call). How a compiled graph (torch.compile, or an
     AOTInductor package of the graph cache, hstu.backend.graph_cache) calls a weight that torch.export
     cannot trace (packed FBGEMM params / a oneDNN packed tensor): the graph holds the key, a hash of the
-    weights and kernel, and this process's module with that key runs the call (PyTorch docs, "Custom
+    weights and kernel, and the packed weight this process prepared under that key runs the call (PyTorch docs, "Custom
     Python operators", ``torch.library.custom_op``; AOTInductor calls it through its proxy executor).
 
     Raises:
@@ -133,15 +133,17 @@ class Int8Linear(nn.Module):
         return self._kernel
 
     # new weights or device: prepared again at once where it was (a compiled graph's tracing cannot prepack)
-    def _apply(self, fn, *args, **kwargs):
+    def _unprepare(self) -> bool:
         was, (self._kernel, self._packed, self.key) = self._packed is not None, (None, None, None)
+        return was
+
+    def _apply(self, fn, *args, **kwargs):
+        was = self._unprepare()
         out = super()._apply(fn, *args, **kwargs)
-        if was:
-            self.prepare()
-        return out
+        return out.prepare() if was else out
 
     def _load_from_state_dict(self, *args, **kwargs):
-        was, (self._kernel, self._packed, self.key) = self._packed is not None, (None, None, None)
+        was = self._unprepare()
         super()._load_from_state_dict(*args, **kwargs)
         if was:
             self.prepare()

@@ -229,6 +229,8 @@ def test_auto_on_the_cpu_loads_what_the_cache_holds_and_runs_the_rest_eager(buil
     beam = {("step", 1, 2), ("setup", 1, False, 2)}  # the beam group's step and setup (one user, 2 beams)
     assert {modes.pop(k) for k in beam} == {"fallback"} and "running it eager" in caplog.text and comp.built == 0
     assert set(modes.values()) == {"loaded"} and len(modes) == 6  # setup, prefill, step at batch 1 and 2
+    runs = [r["runs"] for r in eng.graph_report()]
+    assert sorted(runs) == ["eager"] * 2 + ["loaded"] * 6  # what a server's /readyz counts (BatchRunner.graph_counts)
     assert Engine(m, graphs="auto", **KW).graphs == "eager"  # without a cache, as before
 
 

@@ -165,6 +165,8 @@ def test_server_runner_falls_back_to_eager_when_compilation_fails(rec, ref, monk
     for a, b in zip(got, want):
         assert repr(a) == repr(b)
     assert runner.engine.graph_report() and all(g["mode"] == "eager (fallback)" for g in runner.engine.graph_report())
+    n = len(runner.engine.graph_report())  # /readyz "generation" and the serving log say so
+    assert runner.backend_name == f"engine, graphs compile (compiled at warm-up): {n} eager"
 
 
 def test_platform_decides_the_compiled_mode():
@@ -260,6 +262,7 @@ def test_server_compiles_graphs_in_warm_up_only(rec, ref, monkeypatch):
     assert runner.engine.compile_new is False
     warmed = {tuple(g["key"]) for g in runner.engine.graph_report()}
     assert warmed and all(g["mode"] == "compiled" for g in runner.engine.graph_report())
+    assert runner.backend_name == f"engine, graphs compile (compiled at warm-up): {len(warmed)} compiled"
     jobs = [replace(j, decoding=DecodeOptions(strategy="beam", beam_width=2)) for j in runner.synthetic_jobs(20, 1)[:1]]
     got, want = runner.run_batch(20, jobs), plain.run_batch(20, jobs)
     assert not isinstance(got[0], Exception) and repr(got) == repr(want)

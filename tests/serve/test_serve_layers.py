@@ -76,6 +76,28 @@ def test_local_and_process_executors_implement_the_protocol(rec, run_dir) -> Non
         procs.close()
 
 
+def test_warm_up_names_how_the_graphs_run(run_dir) -> None:
+    """A model process's description is made before warm-up loads or compiles any graph, so the
+    warm-up's answer carries it again (graphs counted): /readyz "generation" and the serving log
+    say how many graphs loaded from the cache and how many run eager."""
+    import asyncio
+
+    from hstu.serve.admission import BucketCost
+
+    cost = BucketCost(1e-3, 1e-4, 1e-4, 1e-5, 1e-3, 1e-4)
+    said = "engine, graphs compile (the run's graph cache; eager where it has none): 2 eager, 58 loaded"
+
+    class Channel:  # the two processes answer the warm-up op as worker._worker_warmup does
+        async def call(self, op, edge):
+            assert op == "warmup"
+            return 0.5, (1e-3, 1e-4), cost, said
+
+    procs = ProcessModel(WorkerSpec(str(run_dir), buckets=tuple(BUCKETS), workers=2), start=False)
+    procs.channels, procs.up = [Channel(), Channel()], {0, 1}
+    asyncio.run(procs.warmup(BUCKETS[0]))
+    assert procs.backend_name == said + " (2 model processes)" and procs.warm == {BUCKETS[0]}
+
+
 def test_building_an_app_with_model_processes_starts_none_until_its_lifespan(rec, run_dir) -> None:
     """create_app(model_process=True) spawns nothing (the OS sees no new child); the lifespan's
     start-up starts the two model processes, its shutdown stops them."""

@@ -112,6 +112,17 @@ def replay_stance(skip_guards: bool):
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
 
 
+def runs_as(runner) -> str:
+    """What a called :class:`CompiledRunner` or graph-cache ``CachedRunner`` runs now: "compiled",
+    "loaded" / "built" (from / into the graph cache), "eager" (a fallback or, under a cache alone,
+    a graph it lacks) or "pending" (not called yet)."""
+    mode = runner.mode
+    if mode == "fallback":  # a CachedRunner's: its CompiledRunner, or the eager function itself
+        fb = runner.fallback
+        return runs_as(fb) if isinstance(fb, CompiledRunner) else "eager"
+    return "eager" if mode.startswith("eager") else mode
+
+
 class CompiledRunner:
     """A compiled runner with an eager fallback: the first call compiles (and runs) ``compiled``;
     if that raises, a warning names ``label`` and the error, and this and every later call runs

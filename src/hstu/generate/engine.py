@@ -113,7 +113,7 @@ import torch
 
 from hstu.backend import for_device
 from hstu.backend.graph_cache import CachedRunner, GraphCache
-from hstu.backend.graphs import CompiledRunner, replay_stance
+from hstu.backend.graphs import CompiledRunner, replay_stance, runs_as
 from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
 from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for, log_setup
@@ -299,11 +299,20 @@ class Engine:
 
     def graph_report(self) -> list[dict]:
         """The compiled runners built so far (graphs "compile"; empty otherwise), one dict each: bucket
-        (edge), key (kind, batch size[, T | W]), mode ("compiled" | "eager (fallback)" | "pending"),
+        (edge), key (kind, batch size[, T | W]), mode ("compiled" | "eager (fallback)" | "pending"; from a graph
+        cache "loaded" | "built" | "fallback"), runs (:func:`hstu.backend.graphs.runs_as`: what runs now),
         compile_s (seconds of the first call: compilation + one run) and error (None, or why it fell back)."""
         pools = [*self._buckets.values(), *self._recompute.values()]
         return [
-            {"bucket": b.E, "key": list(key), "mode": r.mode, "compile_s": round(r.compile_s, 3), "error": r.error, "bytes": r.bytes}
+            {
+                "bucket": b.E,
+                "key": list(key),
+                "mode": r.mode,
+                "runs": runs_as(r),
+                "compile_s": round(r.compile_s, 3),
+                "error": r.error,
+                "bytes": r.bytes,
+            }
             for b in pools
             for key, r in b.runners.items()
             if isinstance(r, (CompiledRunner, CachedRunner))

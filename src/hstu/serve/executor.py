@@ -170,6 +170,7 @@ class LocalModel:
         """Warm one bucket and measure its admission costs (seconds taken); raises what the warm-up raised."""
         secs, self.cost_model[edge] = await asyncio.get_running_loop().run_in_executor(self.pool, warm_and_measure, self.runner, edge)
         self.warm.add(edge)
+        self.backend_name = self.runner.backend_name  # with the graphs warmed so far
         return secs
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ import gc
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,15 +126,29 @@ class BatchRunner:
 
     # ----- backend choice -----
     def _describe(self) -> str:
-        """What generates, with the graph mode the engine resolved (/readyz "generation", the start-up log)."""
+        """What generates, with the graph mode the engine resolved (/readyz "generation", the start-up log)
+        and, once warm-up has called them, how its compiled graphs run (:meth:`graph_counts`), e.g.
+        "engine, graphs compile (the run's graph cache; eager where it has none): 58 loaded, 2 eager"."""
         e = self.engine
         if e is None:
             return "engine (the recommender's default buckets)"
         if e.graphs != "compile":
             return f"engine, graphs {e.graphs}"
         if e.graph_cache is None:
-            return "engine, graphs compile (compiled at warm-up)"
-        return "engine, graphs compile (the run's graph cache" + ("; eager where it has none)" if e.cache_only else ")")
+            how = "engine, graphs compile (compiled at warm-up)"
+        else:
+            how = "engine, graphs compile (the run's graph cache" + ("; eager where it has none)" if e.cache_only else ")")
+        counts = self.graph_counts()
+        return how + (": " + ", ".join(f"{n} {runs}" for runs, n in sorted(counts.items())) if counts else "")
+
+    def graph_counts(self) -> dict[str, int]:
+        """How many of the engine's compiled graphs run which way so far: {"loaded" | "built" | "compiled"
+        | "eager": n} (:func:`hstu.backend.graphs.runs_as`; graphs not yet called are not counted);
+        {} without compiled graphs."""
+        e = self.engine
+        if e is None or e.graphs != "compile":
+            return {}
+        return dict(Counter(g["runs"] for g in e.graph_report() if g["runs"] != "pending"))
 
     def _make_engine(self, use_engine: str):
         """The service's engine (its buckets and max_batch), or None for the Recommender's default."""
@@ -295,6 +310,7 @@ class BatchRunner:
                 self.engine.compile_new = False
         self.costs[bucket] = self._measure_cost(bucket)
         self.warm.add(bucket)
+        self.backend_name = self._describe()  # with the graphs this warm-up loaded, built or compiled
         return time.perf_counter() - t0
 
     def _measure_cost(self, bucket: int, k: int = 5) -> tuple[float, float]:

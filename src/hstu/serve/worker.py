@@ -121,10 +121,10 @@ def _worker_execute(edge: int, jobs: list[Job]) -> BatchOutcome:
     return execute(_WORKER["runner"], _WORKER["guard"], edge, jobs)
 
 
-def _worker_warmup(edge: int) -> tuple[float, tuple[float, float], BucketCost]:
+def _worker_warmup(edge: int) -> tuple[float, tuple[float, float], BucketCost, str]:
     r = _WORKER["runner"]
     secs, cost = warm_and_measure(r, edge)
-    return secs, r.costs[edge], cost
+    return secs, r.costs[edge], cost, r.backend_name  # the name now counts the graphs warmed
 
 
 _OPS = {"info": _worker_info, "execute": _worker_execute, "warmup": _worker_warmup}
@@ -339,6 +339,7 @@ class ProcessModel:
         self.slots = spec.workers
         self.buckets, self.max_k = list(spec.buckets), 0
         self.has_engine, self.backend_name, self.precision = False, "model process (not started)", {}
+        self._suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"  # of backend_name
         self.warm: set[int] = set()
         self.costs: dict[int, tuple[float, float]] = {}
         self.cost_model: dict[int, BucketCost] = {}  # bucket -> admission cost line, measured at warm-up
@@ -370,8 +371,7 @@ class ProcessModel:
             self.close()
             raise
         self.buckets, self.max_k = info["buckets"], info["max_k"]
-        suffix = " (model process)" if spec.workers == 1 else f" ({spec.workers} model processes)"
-        self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + suffix
+        self.has_engine, self.backend_name = info["has_engine"], info["backend_name"] + self._suffix
         self.precision = info["precision"]  # as loaded by the model process
         self.up = set(range(spec.workers))
 
@@ -466,7 +466,7 @@ class ProcessModel:
         """Warm ``edge`` in every model process (seconds of the slowest); costs from the first.
         A process that dies meanwhile is replaced and warmed again (up to 2 times each)."""
 
-        async def one(i: int) -> tuple[float, tuple[float, float], BucketCost]:
+        async def one(i: int) -> tuple[float, tuple[float, float], BucketCost, str]:
             for attempt in range(3):
                 try:
                     return await self.channels[i].call("warmup", edge)
@@ -480,6 +480,7 @@ class ProcessModel:
 
         res = await asyncio.gather(*(one(i) for i in range(len(self.channels))))
         self.costs[edge], self.cost_model[edge] = res[0][1], res[0][2]
+        self.backend_name = res[0][3] + self._suffix  # the first process's graphs (each loads the same cache)
         self.warm.add(edge)
         return max(r[0] for r in res)
 

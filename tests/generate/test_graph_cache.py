@@ -128,7 +128,10 @@ def test_truncated_file_rebuilt(built, tmp_path, caplog):
     assert modes == {"setup": "loaded", "prefill": "built", "step": "loaded"}
 
 
-def test_corrupt_manifest_and_failed_build_fall_back(tmp_path, caplog):
+def test_corrupt_manifest_is_rebuilt_and_a_failed_build_falls_back(tmp_path, caplog):
+    """An unreadable manifest is replaced (with a warning) by the first graph built: the graphs are
+    built, and the next engine loads them (before, every engine compiled in memory, never repairing
+    it). A build that fails falls back to torch.compile, then eager, and leaves no file."""
     d = tmp_path / "graphs"
     d.mkdir()
     (d / gc.MANIFEST).write_text("{not json")
@@ -137,13 +140,15 @@ def test_corrupt_manifest_and_failed_build_fall_back(tmp_path, caplog):
         def build(self, module, path):
             raise RuntimeError("no compiler here")
 
-    for directory, comp in ((d, ExportedProgram()), (tmp_path / "g2", Broken())):
+    runs = ((d, ExportedProgram(), "built"), (d, ExportedProgram(), "loaded"), (tmp_path / "g2", Broken(), "fallback"))
+    for directory, comp, mode in runs:
         eng = cached_engine(tiny_model(), directory, comp)
         with caplog.at_level(logging.WARNING):
             same(eng, Engine(tiny_model(), graphs="eager", **KW), 1, "greedy")
         rep = eng.graph_report()
-        assert {r["mode"] for r in rep} == {"fallback"}, rep
-    assert "not a graph-cache manifest" in caplog.text and "no compiler here" in caplog.text
+        assert {r["mode"] for r in rep} == {mode}, rep
+    assert "not a graph-cache manifest" in caplog.text and "writing a new one" in caplog.text and "no compiler here" in caplog.text
+    assert len(GraphCache(d, tiny_model(), "cpu").entries()) == len(rep)  # readable again, one entry per graph
     assert not list((tmp_path / "g2").glob("*.pt2"))  # a failed build leaves no file behind
 
 

@@ -73,6 +73,10 @@ class GraphCacheError(RuntimeError):
     """A cache entry that must not be used; the message names the file and the field that differs."""
 
 
+class ManifestError(GraphCacheError):
+    """The cache's manifest cannot be read (every entry unusable until a build writes a new one)."""
+
+
 def torch_version() -> str:
     """The running torch's version (a function so that tests can pretend another one)."""
     return torch.__version__
@@ -274,7 +278,7 @@ class GraphCache:
             m = json.loads(p.read_text())
             return dict(m["entries"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise GraphCacheError(f"{p}: not a graph-cache manifest ({exc}); rebuild it: hstu export --graphs") from None
+            raise ManifestError(f"{p}: not a graph-cache manifest ({exc}); rebuild it: hstu export --graphs") from None
 
     def check(self, name: str) -> Path:
         """The package file of entry ``name``, verified against this process. Raises GraphCacheError
@@ -302,7 +306,8 @@ class GraphCache:
 
     def store(self, name: str, module: StaticInputs) -> dict:
         """Build entry ``name`` from ``module`` (a temporary file, renamed when complete) and record
-        it in the manifest. Returns the entry (with compile_s, bytes)."""
+        it in the manifest (an unreadable manifest is replaced, with a warning: the graphs it listed
+        are rebuilt when next needed). Returns the entry (with compile_s, bytes)."""
         with self._locked():
             try:  # another process (a second model worker) built it while this one waited
                 self.check(name)
@@ -319,7 +324,11 @@ class GraphCache:
             path = self.dir / f"{name}.pt2"
             entry = {**self.env, "file": path.name, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
             entry["compile_s"] = round(time.perf_counter() - t0, 3)
-            entries = self.entries()
+            try:
+                entries = self.entries()
+            except ManifestError as exc:  # an unreadable manifest: replaced, its other graphs rebuilt as needed
+                log.warning("%s; writing a new one", exc)
+                entries = {}
             entries[name] = entry
             tmp_m = self.dir / f".{MANIFEST}.{os.getpid()}"
             tmp_m.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True))
@@ -358,7 +367,7 @@ class CachedRunner:
         except GraphCacheError as exc:
             if not self.build:
                 raise
-            if self.name in self.cache.entries():
+            if not isinstance(exc, ManifestError) and self.name in self.cache.entries():  # unreadable: store() says so
                 log.warning("%s; rebuilding it", exc)
             self.cache.store(self.name, self.module)
             path, self.mode = self.cache.check(self.name), "built"
@@ -385,4 +394,4 @@ class CachedRunner:
         return out
 
 
-__all__ = ["AOTInductor", "CachedRunner", "GraphCache", "GraphCacheError", "StaticInputs", "entry_name", "weights_sha256"]
+__all__ = ["AOTInductor", "CachedRunner", "GraphCache", "GraphCacheError", "ManifestError", "StaticInputs", "entry_name", "weights_sha256"]

@@ -239,9 +239,11 @@ def cmd_generate(args) -> int:
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
     need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
     rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
-    items = rec.recommend(
-        [prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=rec.engine_for([prep], dec, args.graphs)
-    )[0]  # through the engine, sized for this one call
+    eng = rec.engine_for([prep], dec, args.graphs)  # sized for this one call
+    items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=eng)[0]
+    built = [g for g in eng.graph_report() if g["mode"] == "built"]
+    if built:  # compiled into the run's graph cache now: say so (a later serve or generate loads them)
+        print(f"graph cache {eng.graph_cache.dir}: {len(built)} graphs built and stored now", file=sys.stderr)
     out = {"user": args.user, "items": items, **({"warnings": prep.warnings} if prep.warnings else {})}
     if args.json:
         print(json.dumps(out, indent=2, ensure_ascii=False))

@@ -207,7 +207,9 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     out = {}
     for g in ("eager", "compiled"):
         assert main(["generate", "--run", str(run), "--history", str(hist), "-k", "3", "--graphs", g, "--json"]) == 0
-        out[g] = json.loads(capsys.readouterr().out)
+        printed = capsys.readouterr()
+        out[g] = json.loads(printed.out)
+        assert "built and stored" not in printed.err
     assert [i["item_id"] for i in out["compiled"]["items"]] == [i["item_id"] for i in out["eager"]["items"]]
     for a, b in zip(out["compiled"]["items"], out["eager"]["items"]):
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
@@ -215,8 +217,10 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     assert GraphCache.layout(run) == {"buckets": [8], "max_batch": 2}  # the tiny model's one bucket (max_seq_len 8)
     (run / "graphs" / gc.LAYOUT).write_text("{")  # unreadable: the one-shot engine's own layout, built into the cache
     assert main(["generate", "--run", str(run), "--history", str(hist), "-k", "3", "--graphs", "compiled", "--json"]) == 0
-    assert [i["item_id"] for i in json.loads(capsys.readouterr().out)["items"]] == [i["item_id"] for i in out["eager"]["items"]]
+    printed = capsys.readouterr()
+    assert [i["item_id"] for i in json.loads(printed.out)["items"]] == [i["item_id"] for i in out["eager"]["items"]]
     assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9
+    assert f"graph cache {run / 'graphs'}: 3 graphs built and stored now" in printed.err  # said, on stderr (stdout stays JSON)
 
 
 def test_auto_on_the_cpu_loads_what_the_cache_holds_and_runs_the_rest_eager(built, caplog):

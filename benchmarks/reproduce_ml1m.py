@@ -151,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--no-query-key-map",
         action="store_true",
-        help="[model] query_key_map = false (A = SiLU(rab) / n, FuXi-beta's attention without the query-key map); "
+        help="[model] query_key_map = false (FuXi-beta's attention without the query-key map: with the multi-channel "
+        "block, the presets', its position and time channels alone; with --no-multi-channel, A = SiLU(rab) / n); "
         "adds -noqk to the run directory",
     )
     p.add_argument(

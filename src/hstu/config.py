@@ -58,7 +58,8 @@ class ModelConfig:
     # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
     # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
     attention_norm: str = "fixed"
-    query_key_map: bool = True  # False: A = SiLU(rab) / n, no Q Kᵀ (FuXi-beta, Ye et al. 2025); W_uvqk gives U, V only
+    # False: no Q Kᵀ (FuXi-beta, Ye et al. 2025): A = SiLU(rab) / n, W_uvqk gives U, V only; with multi_channel, no semantic channel
+    query_key_map: bool = True
     ffn_hidden: int = 0  # > 0: FuXi-alpha's SwiGLU FFN stage (§4.3) of this width after each block (hstu.model.hstu.SwiGLUFFN)
     multi_channel: bool = False  # True: FuXi-alpha's multi-channel attention (§4.2), rab as channels (hstu.model.meta.multi_channel)
     # attention kernel set (hstu.model.kernels) for every path: "auto" = the device's default where it can run ("triton" on CUDA,
@@ -124,8 +125,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention ([model] attention) must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if not self.query_key_map and not (self.use_position_bias or self.use_time_bias):  # attention from the bias alone
             raise ValueError("ModelConfig.query_key_map = false needs use_position_bias or use_time_bias (else no token attends another)")
-        if self.multi_channel and not (self.query_key_map and (self.use_position_bias or self.use_time_bias)):
-            raise ValueError("ModelConfig.multi_channel = true needs query_key_map = true and use_position_bias or use_time_bias")
+        if self.multi_channel and not (self.use_position_bias or self.use_time_bias):  # its channels are the biases
+            raise ValueError("ModelConfig.multi_channel = true needs use_position_bias or use_time_bias")
         set_ = [f"{k} = {json.dumps(getattr(self, k))}" for k in _BLOCK if getattr(self, k) != _BLOCK[k]]
         if self.architecture != "hstu" and set_:
             raise ValueError(f"ModelConfig.{', '.join(set_)}: HSTU block options; architecture {self.architecture!r} has none of them")
@@ -468,12 +469,13 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
     """The preset's values, ``overrides`` over them; the preset's ``multi_channel`` is dropped where ``overrides`` choose what
-    it cannot go with (SASRec, ``query_key_map = false``, no relative bias) without setting it. ValueError names the field."""
+    it cannot go with (SASRec, no relative bias) without setting it (with ``query_key_map = false`` it stays: FuXi-beta's
+    attention-free block). ValueError names the field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}
     m = {**dataclasses.asdict(ModelConfig()), **merged}  # every field: the defaults where neither sets it
-    fits = m["architecture"] == "hstu" and m["query_key_map"] and (m["use_position_bias"] or m["use_time_bias"])
+    fits = m["architecture"] == "hstu" and (m["use_position_bias"] or m["use_time_bias"])
     if "multi_channel" not in overrides and not fits:
         merged.pop("multi_channel", None)
     return _from_dict(ModelConfig, merged, f"preset {name}")

@@ -2,7 +2,9 @@
 Ye et al. 2025 §4.2): the relative position and time biases leave the scores and become channels of their own,
 A_p · V and A_t · V beside SiLU(Q Kᵀ) / n · V. Checked against a float64 hand computation of one block, for
 padding invariance, on the generation paths (KV-cached = recompute = the serving engine, greedy and beam), for
-packed training rows (tests/train/test_packing.py runs it too), under INT8 and through `hstu train` / `eval`."""
+packed training rows (tests/train/test_packing.py runs it too), under INT8 and through `hstu train` / `eval`.
+With ``query_key_map = false`` it is FuXi-beta's attention-free block (Ye et al. 2025, arXiv:2508.10615): the
+semantic channel goes, A·V = [A_p · V, A_t · V]; checked the same ways."""
 
 from __future__ import annotations
 
@@ -45,17 +47,31 @@ def test_the_projection_and_output_widths() -> None:
     assert one.channels == 2 and one.o.weight.shape == (12, 2 * hv)
 
 
-def test_one_block_equals_a_float64_hand_computation() -> None:
+def test_without_the_query_key_map_the_semantic_channel_goes() -> None:
+    """FuXi-beta's block: U and W_o's input two channels wide, no Q or K in W_uvqk; a preset keeps its
+    multi-channel block when the map is turned off (before: it fell back to the HSTU block)."""
+    from hstu.config import model_config_from_preset
+
+    layer, hv = _model(query_key_map=False).layers[0], 2 * 6
+    assert (layer.channels, layer.bias_channels, layer.semantic) == (2, 2, False)
+    assert layer.uvqk.weight.shape == (2 * hv + hv, 12) and layer.o.weight.shape == (12, 2 * hv)
+    assert model_config_from_preset("small", query_key_map=False).multi_channel is True
+
+
+@pytest.mark.parametrize("qk", [True, False])
+def test_one_block_equals_a_float64_hand_computation(qk: bool) -> None:
     """y = x + W_o(U ⊙ LN([SiLU(q_h k_hᵀ) / N · v_h]_h, [A_p v_h]_h, [A_t v_h]_h)), A_p[i, j] = pos_w[N-1+j-i] and
-    A_t[i, j] = ts_w[bucket(t[i+1] - t[j])] for j <= i, else 0 (no SiLU, no 1/N on the bias channels)."""
-    m = _model(1, num_blocks=1).double()
+    A_t[i, j] = ts_w[bucket(t[i+1] - t[j])] for j <= i, else 0 (no SiLU, no 1/N on the bias channels); without
+    the query-key map (FuXi-beta) the first channel is absent."""
+    m = _model(1, num_blocks=1, query_key_map=qk).double()
     layer = m.layers[0]
     W, N, d, H, dv = 5, m.cfg.width, 12, 2, 6
+    C = 3 if qk else 2
     x = torch.randn(2, W, d, dtype=torch.float64)
     ts = T0 + torch.tensor([[0, 30, 400, 5000, 90000], [0, 1, 2, 86400, 86500]])
     got = layer(x, m.attention_meta(ts, torch.ones(2, W, 1, dtype=torch.float64)))
-    h = F.silu(F.layer_norm(x, (d,), eps=layer.eps) @ layer.uvqk.weight.T)  # (2, W, 3Hdv + Hdv + 2Hdqk)
-    u, v, q, k = h.split([3 * H * dv, H * dv, H * 6, H * 6], dim=-1)
+    h = F.silu(F.layer_norm(x, (d,), eps=layer.eps) @ layer.uvqk.weight.T)  # (2, W, C Hdv + Hdv [+ 2Hdqk])
+    u, v, q, k = h.split([C * H * dv, H * dv, H * 6, H * 6], dim=-1) if qk else (*h.split([C * H * dv, H * dv], dim=-1), None, None)
     i, j = torch.arange(W).view(W, 1), torch.arange(W).view(1, W)
     causal = (j <= i).double()
     a_p = layer.rel_bias.pos_w[N - 1 + j - i] * causal  # (W, W)
@@ -63,14 +79,15 @@ def test_one_block_equals_a_float64_hand_computation() -> None:
     want = []
     for b in range(2):
         vh = [v[b, :, hh * dv : (hh + 1) * dv] for hh in range(H)]
-        sem = [F.silu(q[b, :, hh * 6 : (hh + 1) * 6] @ k[b, :, hh * 6 : (hh + 1) * 6].T) / N * causal @ vh[hh] for hh in range(H)]
-        av = torch.cat(sem + [a_p @ t for t in vh] + [a_t[b] @ t for t in vh], dim=-1)  # (W, 3Hdv)
-        want.append(x[b] + layer.o(u[b] * F.layer_norm(av, (3 * H * dv,), eps=layer.eps)))
+        sem = [F.silu(q[b, :, hh * 6 : (hh + 1) * 6] @ k[b, :, hh * 6 : (hh + 1) * 6].T) / N * causal @ vh[hh] for hh in range(H) if qk]
+        av = torch.cat(sem + [a_p @ t for t in vh] + [a_t[b] @ t for t in vh], dim=-1)  # (W, C Hdv)
+        want.append(x[b] + layer.o(u[b] * F.layer_norm(av, (C * H * dv,), eps=layer.eps)))
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-12)
 
 
-def test_padding_does_not_change_live_rows_and_it_trains() -> None:
-    m = _model(2)
+@pytest.mark.parametrize("qk", [True, False])
+def test_padding_does_not_change_live_rows_and_it_trains(qk: bool) -> None:
+    m = _model(2, query_key_map=qk)
     ids, ts, lengths, _ = three_histories(T0)
     ts = torch.where(torch.arange(8) < lengths.view(-1, 1), ts, ts.gather(1, (lengths - 1).view(-1, 1)))
     full = m.encode(ids, ts, lengths)
@@ -84,9 +101,10 @@ def test_padding_does_not_change_live_rows_and_it_trains() -> None:
     assert all(layer.rel_bias.pos_w.grad.abs().sum() > 0 and layer.rel_bias.ts_w.grad.abs().sum() > 0 for layer in m.layers)
 
 
+@pytest.mark.parametrize("qk", [True, False])
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_generation_paths_agree(strategy: str) -> None:
-    m = _model(3)
+def test_generation_paths_agree(strategy: str, qk: bool) -> None:
+    m = _model(3, query_key_map=qk)
     ids, ts, lengths, req = three_histories(T0)
 
     def ex():
@@ -118,9 +136,8 @@ def test_the_report_names_the_option() -> None:
 
 
 def test_bad_combinations_are_refused() -> None:
-    for kw in ({"query_key_map": False}, {"use_position_bias": False, "use_time_bias": False}):
-        with pytest.raises(ValueError, match="multi_channel = true needs"):
-            _cfg(**kw).validate()
+    with pytest.raises(ValueError, match="multi_channel = true needs"):
+        _cfg(use_position_bias=False, use_time_bias=False).validate()
     with pytest.raises(ValueError, match="HSTU block options"):
         ModelConfig(num_items=9, architecture="sasrec", multi_channel=True).validate()
 

@@ -167,16 +167,18 @@ def test_preset_and_config_parse_together_and_bad_combinations_are_refused(tmp_p
 
 def test_a_dropped_preset_multi_channel_is_logged(tmp_path, caplog) -> None:
     """The small / large presets train the multi-channel block; a [model] table or --arch that it cannot go with
-    gives the HSTU block (or SASRec) and says so once; the preset alone, or prod (HSTU block already), says nothing."""
+    gives the HSTU block (or SASRec) and says so once; the preset alone, or prod (HSTU block already), says nothing.
+    Without the query-key map the preset keeps its channels (FuXi-beta's attention-free block), silently."""
     import argparse
     import logging
 
     from hstu.train.cli import _model_cfg
 
-    f = tmp_path / "f.toml"
-    f.write_text("[model]\nquery_key_map = false\n")
+    f, g = tmp_path / "f.toml", tmp_path / "g.toml"
+    f.write_text("[model]\nuse_position_bias = false\nuse_time_bias = false\n")
+    g.write_text("[model]\nquery_key_map = false\n")
     cases = [(str(f), "large", None, False, True), (None, None, "sasrec", False, True), (None, "large", None, True, False)]
-    cases.append((None, "prod", None, False, False))
+    cases += [(None, "prod", None, False, False), (str(g), "large", None, True, False)]
     for config, preset, arch, mc, logged in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hstu"):

@@ -149,7 +149,7 @@ class BucketPool:
         # keys, mask folded in: formed once per request group when the kernel set can take it
         self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None else None
         # and, with FuXi-alpha's channels ([model] multi_channel), their weights per layer (R, channels, K, C + K)
-        Cc = getattr(m.layers[0], "channels", 1) - 1
+        Cc = getattr(m.layers[0], "bias_channels", 0)
         self.chan_j = [z(R, Cc, K, C + K) for _ in range(c.num_blocks)] if Cc > 0 else None
         self.kvalid = self.kvalid_j[:, :C]  # (R, C) set per request
         self.start = z(R, d=i64)

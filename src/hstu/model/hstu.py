@@ -13,6 +13,8 @@ Per layer, for input X (B, W, d)                                        (§3, eq
     [model] multi_channel = true (FuXi-alpha §4.2, adaptive multi-channel self-attention): rab leaves the scores and
         becomes channels of its own, A·V := [SiLU(Q Kᵀ) / n · V, A_p · V, A_t · V] (A_p, A_t the masked position and
         time biases, meta.multi_channel), U is C + 1 times as wide, and W_o maps the C + 1 channels back to d
+    [model] multi_channel = true with query_key_map = false (FuXi-beta's attention-free token mixer on FuXi-alpha's
+        channels, Ye et al. 2025, arXiv:2508.10615): no semantic channel, A·V := [A_p · V, A_t · V], U C times as wide
 Rows at positions >= length are zero after every layer, so padding never changes live rows.
 Input: item_emb · √d + pos_emb (+ action and category embeddings); output rows L2-normalised.
 
@@ -91,8 +93,11 @@ class HSTULayer(nn.Module):
             raise ValueError(f"HSTULayer attention_norm must be one of {ATTENTION_NORMS}, got {attention_norm!r}")
         self.dim, self.num_heads, self.d_qk, self.d_v, self.width, self.eps = dim, num_heads, d_qk, d_v, width, eps
         self.attention_norm, self.index, self.query_key_map = attention_norm, index, query_key_map
-        # FuXi-alpha's channels beside the semantic one: position, time (those whose bias is on)
-        self.channels = 1 + (int(use_position_bias) + int(use_time_bias) if multi_channel else 0)
+        # FuXi-alpha's bias channels (position, time: those whose bias is on) beside the semantic one, which
+        # FuXi-beta's attention-free block (multi_channel without the query-key map) drops
+        self.bias_channels = int(use_position_bias) + int(use_time_bias) if multi_channel else 0
+        self.semantic = query_key_map or not multi_channel  # SiLU(Q Kᵀ + rab) / n · V (rab alone without the map)
+        self.channels = int(self.semantic) + self.bias_channels
         hu = self.channels * num_heads * d_v  # U's width, that of the concatenated channels
         self.uvqk = nn.Linear(dim, hu + num_heads * d_v + 2 * num_heads * (d_qk if query_key_map else 0), bias=False)
         self.o = nn.Linear(hu, dim)
@@ -112,7 +117,7 @@ class HSTULayer(nn.Module):
         any other projection module runs itself (quant/int8.Int8Linear keeps no float weight), and so
         does a Linear with forward hooks (quant.calibrate's layer report), which then see every call."""
         lin = self.uvqk
-        fusable = self.query_key_map and self.channels == 1 and type(lin) is nn.Linear
+        fusable = self.query_key_map and self.bias_channels == 0 and type(lin) is nn.Linear
         if fusable and not (lin._forward_hooks or lin._forward_pre_hooks):
             return kernels.uvqk(x, self.uvqk.weight, num_heads=self.num_heads, d_qk=self.d_qk, d_v=self.d_v, eps=self.eps)
         h = self.uvqk(F.layer_norm(x, (self.dim,), eps=self.eps))  # (B, T, 2H(d_v+d_qk))
@@ -120,7 +125,7 @@ class HSTULayer(nn.Module):
         hv, hq = self.num_heads * self.d_v, self.num_heads * self.d_qk
         if not self.query_key_map:
             zero = h.new_zeros(()).expand(*h.shape[:-1], hq)  # (B, T, H*d_qk), stride 0
-            return (*torch.split(h, [hv, hv], dim=-1), zero, zero)
+            return (*torch.split(h, [self.channels * hv, hv], dim=-1), zero, zero)
         return torch.split(h, [self.channels * hv, hv, hq, hq], dim=-1)
 
     def heads(self, t: torch.Tensor, d: int) -> torch.Tensor:
@@ -132,7 +137,7 @@ class HSTULayer(nn.Module):
     def relative_bias(self, meta: AttentionMeta, dtype: torch.dtype) -> torch.Tensor:
         """rab of meta's (query, key) pairs with the mask folded in (kernels.decode_bias): the
         (B, T, S) ``dtype`` bias an AttentionMeta.bias holds, formed once for a decode loop."""
-        rb, inside = self.rel_bias, self.channels == 1  # multi-channel: the semantic scores' bias is the mask alone
+        rb, inside = self.rel_bias, self.bias_channels == 0  # multi-channel: the semantic scores' bias is the mask alone
         return meta.kernels.decode_bias(
             meta.q_pos,
             meta.k_pos,
@@ -167,13 +172,16 @@ class HSTULayer(nn.Module):
             r = meta.rows.view(B, 1, 1)
             q = q.gather(2, r.unsqueeze(1).expand(B, H, 1, self.d_qk))  # (B, H, 1, d_qk)
             u, x = u.gather(1, r.expand(B, 1, u.shape[-1])), x.gather(1, r.expand(B, 1, self.dim))  # (B, 1, ·)
-        fixed, one = self.attention_norm == "fixed", self.channels == 1
-        av = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one)
-        if not one:  # FuXi-alpha's position and time channels beside the semantic A·V: (B, T, channels*H*d_v)
+        fixed, one = self.attention_norm == "fixed", self.bias_channels == 0
+        parts = []  # the channels' A·V, each (B, T, H*d_v) (or several side by side), concatenated
+        if self.semantic:
+            parts.append(hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one))
+        if not one:  # FuXi-alpha's position and time channels (beside the semantic A·V): (B, T, channels*H*d_v)
             # a prefill's keys are its own rows (cache rows 0..T-1): read in the pass's (B, T, H*d_v) layout, where
             # one GEMM covers every head (kernels.reference.channels_av), not the cache's (B, H, S, d_v)
             src = own if meta.write_rows is None and meta.write_slot is None and kv.v.shape[2] == v.shape[2] else kv
-            av = torch.cat([av, *multi_channel(src, meta, rel_bias=self.rel_bias, layer_index=self.index)], dim=-1)
+            parts += multi_channel(src, meta, rel_bias=self.rel_bias, layer_index=self.index)
+        av = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         h = meta.kernels.ln_mul(av, u, eps=self.eps)  # U ⊙ LN(A·V), (B, T, channels*H*d_v)
         y = x + self.o(self.dropout(h) if self.training else h)  # Y = X + W_o · Dropout(U ⊙ LN(A·V)), (B, T, d)
         y = y if self.ffn is None else self.ffn(y)  # FuXi-alpha's second FFN stage, row by row

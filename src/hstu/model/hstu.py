@@ -175,7 +175,8 @@ class HSTULayer(nn.Module):
         fixed, one = self.attention_norm == "fixed", self.bias_channels == 0
         parts = []  # the channels' A·V, each (B, T, H*d_v) (or several side by side), concatenated
         if self.semantic:
-            parts.append(hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one))
+            sem = hstu_attention(q, kv, meta, rel_bias=self.rel_bias, width=self.width, fixed_norm=fixed, layer_index=self.index, rab=one)
+            parts.append(sem)
         if not one:  # FuXi-alpha's position and time channels (beside the semantic A·V): (B, T, channels*H*d_v)
             # a prefill's keys are its own rows (cache rows 0..T-1): read in the pass's (B, T, H*d_v) layout, where
             # one GEMM covers every head (kernels.reference.channels_av), not the cache's (B, H, S, d_v)

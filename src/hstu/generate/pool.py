@@ -147,7 +147,9 @@ class BucketPool:
         self.tb_j = z(R, 1, C + K, d=i64)  # generated rows keep bucket(|rt - rt|) = 0
         # per layer, the bias of the one-beam decode step s (query at position L + s) against the C + K
         # keys, mask folded in: formed once per request group when the kernel set can take it
-        self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None else None
+        # (none without a semantic channel: FuXi-beta's block attends through its bias channels alone)
+        semantic = getattr(m.layers[0], "semantic", True)
+        self.bias_j = [z(R, K, C + K) for _ in range(c.num_blocks)] if eng.kernels.attention_bias is not None and semantic else None
         # and, with FuXi-alpha's channels ([model] multi_channel), their weights per layer (R, channels, K, C + K)
         Cc = getattr(m.layers[0], "bias_channels", 0)
         self.chan_j = [z(R, Cc, K, C + K) for _ in range(c.num_blocks)] if Cc > 0 else None

@@ -11,7 +11,7 @@
 # OUT_DIR/<variant>/ml1m_hstu-large.json, their logs to OUT_DIR/<variant>.log.
 #   base     the default recipe, seed 42 (CPU figure: benchmarks/results/ml1m_hstu-large-default-lrdecay.json)
 #   seed43, seed44   the same with another seed (seed-to-seed spread of the default)
-#   noqk     [model] query_key_map = false (FuXi-beta's attention without the query-key map)
+#   noqk     [model] query_key_map = false (FuXi-beta: on the presets' multi-channel block, its position and time channels alone)
 #   full     [train] softmax = full (every item a negative)
 #   ffn200   [model] ffn_hidden = 200 (FuXi-alpha's second FFN stage)
 #   neg512   512 uniform negatives per position (the reference's 128)

@@ -215,6 +215,12 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
     assert json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"] == entries  # loaded, none rebuilt or added
     assert GraphCache.layout(run) == {"buckets": [8], "max_batch": 2}  # the tiny model's one bucket (max_seq_len 8)
+    from hstu.generate.recommend import Recommender
+
+    rec = Recommender.from_run(run)  # under "auto", an engine of another layout than the export's takes no cache
+    assert rec.build_engine((8,), max_batch=2, graphs="auto").graph_cache is not None
+    assert rec.build_engine((8,), max_batch=4, graphs="auto").graph_cache is None
+    assert rec.build_engine((8,), max_batch=4, graphs="compiled").graph_cache is not None  # builds into it
     (run / "graphs" / gc.LAYOUT).write_text("{")  # unreadable: the one-shot engine's own layout, built into the cache
     assert main(["generate", "--run", str(run), "--history", str(hist), "-k", "3", "--graphs", "compiled", "--json"]) == 0
     printed = capsys.readouterr()
@@ -285,3 +291,17 @@ def test_auto_skips_a_cache_without_graphs_at_the_models_precision(built, tmp_pa
     assert GraphCache.beside(tmp_path, q, "cpu", holding=True) is None
     assert GraphCache.beside(tmp_path, q, "cpu") is not None
     assert GraphCache.beside(tmp_path, f, "cpu", holding=True) is not None
+
+
+def test_auto_skips_a_cache_built_for_another_layout(built, tmp_path):
+    """A fresh-user finding: `hstu serve` with default buckets on a run exported with `--buckets 20 --max-batch 2`
+    logged "the model runs eager", then warned once per graph (60 lines) that the cache lacked it and said
+    "graphs compile (...): 60 eager" in /readyz. No graph of another layout can load (names cover the pools'
+    shapes), so under graphs "auto" such a cache is not used; "compiled" still gets it, to build into."""
+    shutil.copytree(built[0], tmp_path / gc.DIRNAME)
+    GraphCache.write_layout(tmp_path, [E], 2)
+    m = tiny_model()
+    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 2)) is not None
+    for other in (((E,), 4), ((4, E), 2)):
+        assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=other) is None
+        assert GraphCache.beside(tmp_path, m, "cpu", layout=other) is not None

@@ -248,13 +248,19 @@ class GraphCache:
             return set()
 
     @classmethod
-    def beside(cls, run_dir, model: torch.nn.Module, device, *, holding: bool = False, **kw) -> GraphCache | None:
+    def beside(
+        cls, run_dir, model: torch.nn.Module, device, *, holding: bool = False, layout: tuple | None = None, **kw
+    ) -> GraphCache | None:
         """The cache of ``run_dir`` if one was built there (``RUN/graphs/manifest.json``), else None; with
-        ``holding``, None also when it holds no graph at the model's precision (graphs "auto": run eager at once
-        instead of a warning per graph)."""
+        ``holding``, None also when it holds no graph at the model's precision or, given the engine's ``layout``
+        (buckets, max batch), when :meth:`layout` records another one (graphs "auto": run eager at once instead of
+        a warning per graph: a graph's name covers its pools' shapes, so no graph of another layout loads)."""
         if run_dir is None or not (Path(run_dir) / DIRNAME / MANIFEST).is_file():
             return None
         if holding and _short(model_precision(model)) not in cls.precisions(run_dir):  # before hashing the weights
+            return None
+        lay = cls.layout(run_dir) if holding and layout is not None else None
+        if lay is not None and lay != {"buckets": [int(e) for e in layout[0]], "max_batch": int(layout[1])}:
             return None
         return cls(Path(run_dir) / DIRNAME, model, device, **kw)
 

@@ -104,14 +104,17 @@ class Recommender:
         the CPU) load from the run's graph cache where one was built (``hstu export --graphs``). Raises
         ValueError as the engine (buckets past max_seq_len, max_batch < 1, ...)."""
         cfg = self.model.cfg
+        buckets = tuple(buckets or default_buckets(cfg.max_seq_len))
         graphs = engine_kwargs.get("graphs", "auto")
         if graphs in ("auto", "compiled", "compile") and "graph_cache" not in engine_kwargs:
-            engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device, holding=graphs == "auto")
+            auto = graphs == "auto"  # only a cache with graphs for this engine (precision, layout); else eager, unwarned
+            lay = (buckets, max_batch)
+            engine_kwargs["graph_cache"] = GraphCache.beside(self.run_dir, self.model, self.device, holding=auto, layout=lay)
         if self.ann is not None:  # :meth:`attach_ann`
             engine_kwargs = {"ann": self.ann, "ann_candidates": self.ann_candidates, **engine_kwargs}
         return Engine(
             self.model,
-            buckets=tuple(buckets or default_buckets(cfg.max_seq_len)),
+            buckets=buckets,
             max_batch=max_batch,
             k_max=cfg.max_output_len,
             device=self.device,

@@ -20,8 +20,10 @@ def test_presets_use_multi_channel_attention_for_hstu_only():
     sas = model_config_from_preset("large", architecture="sasrec")
     assert (sas.architecture, sas.multi_channel, sas.num_blocks, sas.num_heads) == ("sasrec", False, 8, 2)
     assert not model_config_from_preset("small", multi_channel=False).multi_channel
-    # the other block choices over the preset: FuXi-beta's (no query-key map), no relative bias at all
-    assert not model_config_from_preset("small", query_key_map=False).multi_channel
+    # the other block choices over the preset: FuXi-beta's (no query-key map: the channels stay, without the semantic
+    # one), no relative bias at all (the HSTU block)
+    beta = model_config_from_preset("small", query_key_map=False)
+    assert beta.multi_channel and not beta.query_key_map
     assert model_config_from_preset("small", use_time_bias=False).multi_channel
     assert not model_config_from_preset("small", use_time_bias=False, use_position_bias=False).multi_channel
     with pytest.raises(ValueError, match="multi_channel = true: HSTU block options; architecture 'sasrec'"):

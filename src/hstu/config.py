@@ -58,8 +58,7 @@ class ModelConfig:
     # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
     # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
     attention_norm: str = "fixed"
-    # False: no Q Kᵀ (FuXi-beta, Ye et al. 2025): A = SiLU(rab) / n, W_uvqk gives U, V only; with multi_channel, no semantic channel
-    query_key_map: bool = True
+    query_key_map: bool = True  # False: no Q Kᵀ (FuXi-beta): A = SiLU(rab) / n; with multi_channel, no semantic channel
     ffn_hidden: int = 0  # > 0: FuXi-alpha's SwiGLU FFN stage (§4.3) of this width after each block (hstu.model.hstu.SwiGLUFFN)
     multi_channel: bool = False  # True: FuXi-alpha's multi-channel attention (§4.2), rab as channels (hstu.model.meta.multi_channel)
     # attention kernel set (hstu.model.kernels) for every path: "auto" = the device's default where it can run ("triton" on CUDA,
@@ -469,8 +468,7 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
     """The preset's values, ``overrides`` over them; the preset's ``multi_channel`` is dropped where ``overrides`` choose what
-    it cannot go with (SASRec, no relative bias) without setting it (with ``query_key_map = false`` it stays: FuXi-beta's
-    attention-free block). ValueError names the field."""
+    it cannot go with (SASRec, no relative bias) without setting it (``query_key_map = false`` keeps it: FuXi-beta). ValueError names the field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}

@@ -468,7 +468,7 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
     """The preset's values, ``overrides`` over them; the preset's ``multi_channel`` is dropped where ``overrides`` choose what
-    it cannot go with (SASRec, no relative bias) without setting it (``query_key_map = false`` keeps it: FuXi-beta). ValueError names the field."""
+    it cannot go with (SASRec, no relative bias) without setting it (kept without the query-key map: FuXi-beta). ValueError names it."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}

@@ -218,12 +218,17 @@ class GraphCache:
         }
 
     @staticmethod
+    def layout_of(buckets, max_batch: int) -> dict:
+        """An engine layout as :meth:`layout` returns it: {"buckets": [int, ...], "max_batch": int}."""
+        return {"buckets": [int(e) for e in buckets], "max_batch": int(max_batch)}
+
+    @staticmethod
     def write_layout(run_dir, buckets, max_batch: int) -> None:
         """Record in RUN/graphs the server engine layout an export built (its graphs' names hash the pools'
         shapes, so only an engine of that layout finds them): :meth:`layout` reads it back."""
         d = Path(run_dir) / DIRNAME
         tmp = d / f".{LAYOUT}.{os.getpid()}"
-        tmp.write_text(json.dumps({"buckets": [int(e) for e in buckets], "max_batch": int(max_batch)}))
+        tmp.write_text(json.dumps(GraphCache.layout_of(buckets, max_batch)))
         os.replace(tmp, d / LAYOUT)
 
     @staticmethod
@@ -233,7 +238,7 @@ class GraphCache:
         p = Path(run_dir) / DIRNAME / LAYOUT if run_dir is not None else None
         try:
             lay = json.loads(p.read_text()) if p is not None and p.is_file() else None
-            return {"buckets": [int(e) for e in lay["buckets"]], "max_batch": int(lay["max_batch"])} if lay else None
+            return GraphCache.layout_of(lay["buckets"], lay["max_batch"]) if lay else None
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -260,7 +265,7 @@ class GraphCache:
         if holding and _short(model_precision(model)) not in cls.precisions(run_dir):  # before hashing the weights
             return None
         lay = cls.layout(run_dir) if holding and layout is not None else None
-        if lay is not None and lay != {"buckets": [int(e) for e in layout[0]], "max_batch": int(layout[1])}:
+        if lay is not None and lay != cls.layout_of(*layout):
             return None
         return cls(Path(run_dir) / DIRNAME, model, device, **kw)
 

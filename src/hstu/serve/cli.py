@@ -66,7 +66,7 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
 
     lay = GraphCache.layout(run_dir)
     want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
-    if lay == {"buckets": list(buckets), "max_batch": int(max_batch)}:
+    if lay == GraphCache.layout_of(buckets, max_batch):
         built = GraphCache.precisions(run_dir)
         if want in built:
             return None

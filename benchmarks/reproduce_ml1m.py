@@ -177,6 +177,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"uniform negatives per position (default {RECIPE['num_negatives']}, the reference's); another value adds -negN to "
         "the run directory",
     )
+    p.add_argument(
+        "--in-batch-negatives",
+        type=int,
+        default=0,
+        help="TrainConfig.in_batch_negatives (per position, this many more negatives from the batch's targets, logQ-corrected; "
+        "mixed negative sampling); N > 0 adds -ibN to the run directory",
+    )
+    p.add_argument(
+        "--lr-warmup-steps",
+        type=int,
+        default=0,
+        help="TrainConfig.lr_warmup_steps (linear warm-up of every learning rate over the first N steps); N > 0 adds -warmupN to "
+        "the run directory",
+    )
     p.add_argument("--width", type=int, default=0, help="[model] embedding_dim (d_qk = d_v = width / heads); adds -dN to the run directory")
     p.add_argument("--blocks", type=int, default=0, help="[model] num_blocks; adds -blocksN to the run directory")
     p.add_argument("--threads", type=int, default=2)
@@ -257,6 +271,8 @@ def main(argv=None) -> int:
                 + (f"-neg{args.num_negatives}" if args.num_negatives != RECIPE["num_negatives"] else "")
                 + (f"-d{args.width}" if args.width else "")
                 + (f"-blocks{args.blocks}" if args.blocks else "")
+                + (f"-ib{args.in_batch_negatives}" if args.in_batch_negatives else "")
+                + (f"-warmup{args.lr_warmup_steps}" if args.lr_warmup_steps else "")
             )
             run = overrides.get(f"{name}-{protocol}", run)
             spec = DataSpec("ml-1m", args.data_dir, protocol, max_users=args.max_users)
@@ -278,6 +294,8 @@ def main(argv=None) -> int:
                 early_stopping_patience=args.patience,
                 lr_decay_patience=args.lr_decay_patience,
                 softmax=args.softmax,
+                in_batch_negatives=args.in_batch_negatives,
+                lr_warmup_steps=args.lr_warmup_steps,
                 num_threads=args.threads,
             )
             run.mkdir(parents=True, exist_ok=True)

@@ -175,8 +175,7 @@ LOCAL_TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad")  # TrainConfig.table_optim
 
 @dataclass
 class TrainConfig:
-    """Training recipe (HSTU ML-1M: AdamW lr 1e-3, betas (0.9, 0.98), no weight decay,
-    batch 128, 128 uniform negatives, temperature 0.05)."""
+    """Training recipe (HSTU ML-1M: AdamW lr 1e-3, betas (0.9, 0.98), no weight decay, batch 128, 128 uniform negatives)."""
 
     epochs: int = 10
     batch_size: int = 128
@@ -185,36 +184,33 @@ class TrainConfig:
     beta2: float = 0.98
     weight_decay: float = 0.0
     num_negatives: int = 128
-    # Runs of this many consecutive positions share their negatives (1: per position, the reference's; train/losses.py).
-    negatives_chunk: int = 1
-    # > 0: per-position negatives drawn from one pool of this many distinct items per batch, scored
-    # as one (positions x pool) GEMM (train/losses.py pool_softmax_loss); negatives_chunk is then unused.
+    negatives_chunk: int = 1  # runs of this many consecutive positions share their negatives (1: per position, the reference's)
+    # > 0: per-position negatives from one pool of this many distinct items per batch, one (positions x pool) GEMM (train/losses.py).
     negatives_pool: int = 0
+    # > 0: per position, this many negatives more, each another position's target (mixed negative sampling, logQ-corrected
+    # to the uniform sampler's objective; train/mixed_negatives.py); not with negatives_pool.
+    in_batch_negatives: int = 0
     # "sampled": the sampled softmax above (Zhai et al. 2024 §4.1.1); "full": cross-entropy over every item
-    # (train/full_softmax.py; num_negatives and negatives_chunk unused, warned; negatives_pool refused).
+    # (train/full_softmax.py; num_negatives and negatives_chunk unused, warned; negatives_pool, in_batch_negatives refused).
     softmax: str = "sampled"
-    # Batches of sequences of similar length (pools of this many batches are sorted by length
-    # before cutting; padding costs little) or 1 = random batches as in the reference (the default).
+    # Batches sorted by length within pools of this many batches, or 1 = random batches as in the reference (the default).
     length_pool: int = 1
-    # The divisor of a batch's summed position losses: "batch" = its own positions P_b (the mean); "epoch" = the epoch's
-    # mean P over its batches, so every position weighs the same (length-bucketed batches: else up to ~10x apart).
+    # A batch's summed loss over: "batch" = its positions P_b (the mean); "epoch" = the epoch's mean P_b (train/loop.py loss_weights).
     loss_divisor: str = "batch"
-    # "pack": each batch's sequences packed into rows of width max_seq_len (data/batching.py packed_train_batch),
-    # same-user attention, the padded batch's loss; "off": one sequence per padded row; "auto": "pack" where the trainer
-    # and kernel set can (train/losses.py resolve_packing, recorded resolved in config.json and metrics.json "recipe").
+    # "pack": sequences packed into rows of width max_seq_len (data/batching.py), same-user attention, the padded batch's loss;
+    # "off": one sequence a row; "auto": "pack" where the trainer and kernel set can (train/losses.py resolve_packing, recorded).
     packing: str = "auto"
     action_loss_weight: float = 0.5  # weight of the next-action cross-entropy (if num_actions > 0)
     seed: int = 42
     eval_batch_size: int = 256
     early_stopping_patience: int = 5  # epochs without a better valid NDCG@10
-    # Learning-rate decay on a plateau (train/recipe.py decay_on_plateau): every lr x lr_decay_factor at
-    # each lr_decay_patience-th evaluation in a row without a better valid NDCG@10; 0: a constant lr.
-    lr_decay_patience: int = 3
+    lr_decay_patience: int = 3  # plateau decay (train/recipe.py): lr x lr_decay_factor at each N-th validation not better; 0: off
     lr_decay_factor: float = 0.5
+    lr_warmup_steps: int = 0  # > 0: every learning rate rises linearly to its value over the first N steps (train/recipe.py)
     eval_every: int = 1
     num_threads: int = 0  # 0: torch default
-    # The item table's optimizer in one process (hstu.train.sparse_optim): "adamw" (the recipe's) or "rowwise_adagrad" (the
-    # rows a batch looks up, one float32 state per row: for tables whose AdamW moments do not fit), at table_learning_rate (0: 0.1).
+    # The item table's optimizer in one process (train/sparse_optim.py): "adamw" (the recipe's) or "rowwise_adagrad" (looked-up
+    # rows, one float32 state per row: tables whose AdamW moments do not fit), at table_learning_rate (0: 0.1).
     table_optimizer: str = "adamw"
     table_learning_rate: float = 0.0
 
@@ -222,12 +218,16 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "num_negatives", "eval_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TrainConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.negatives_pool < 0:
-            raise ValueError(f"TrainConfig.negatives_pool must be >= 0, got {self.negatives_pool}")
+        for name in ("negatives_pool", "in_batch_negatives", "lr_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.softmax not in ("sampled", "full"):
             raise ValueError(f"TrainConfig.softmax ([train] softmax) must be 'sampled' or 'full', got {self.softmax!r}")
-        if self.softmax == "full" and self.negatives_pool:
-            raise ValueError("TrainConfig.negatives_pool is a sampled-softmax option: set it to 0 with [train] softmax = 'full'")
+        for name in ("negatives_pool", "in_batch_negatives"):
+            if self.softmax == "full" and getattr(self, name):
+                raise ValueError(f"TrainConfig.{name} is a sampled-softmax option: set it to 0 with [train] softmax = 'full'")
+        if self.negatives_pool and self.in_batch_negatives:
+            raise ValueError("TrainConfig.in_batch_negatives and negatives_pool are two negative schemes: set one of them to 0")
         if self.packing not in ("auto", "off", "pack"):
             raise ValueError(f"TrainConfig.packing ([train] packing) must be 'auto', 'off' or 'pack', got {self.packing!r}")
         if self.loss_divisor not in ("batch", "epoch"):
@@ -487,9 +487,8 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return _from_dict(ModelConfig, data, "model config")
 
 
-# The recipe fields whose defaults changed (issue 20: the packed per-position recipe became the default) and
-# their values before: a run's saved config.json without one of them was trained with these.
-# Issue 20 again: the learning-rate decay on a plateau became the default (runs before it had a constant lr).
+# The recipe fields whose defaults changed (issue 20: the packed per-position recipe, then the plateau decay) and their values
+# before: a run's saved config.json without one of them was trained with these.
 LEGACY_TRAIN_DEFAULTS: dict[str, Any] = {"negatives_chunk": 16, "length_pool": 50, "packing": "off", "lr_decay_patience": 0}
 
 

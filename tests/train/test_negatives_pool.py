@@ -156,6 +156,8 @@ def test_recipe_is_stated() -> None:
         "table_optimizer": "adamw",
         "table_learning_rate": TrainConfig().learning_rate,  # AdamW trains the table with the rest
         "lr_decay": {"patience": 3, "factor": 0.5, "scope": "all parameters"},
+        "lr_warmup_steps": 0,
+        "in_batch_negatives": 0,
     }
     r = recipe(TrainConfig(negatives_pool=512, length_pool=1))
     assert (r["negatives"], r["negatives_pool"], r["batching"]) == ("pool", 512, "random")
@@ -202,6 +204,8 @@ def test_hstu_train_flags_set_the_recipe_and_metrics_json_records_it(tmp_path) -
         "table_optimizer": "adamw",
         "table_learning_rate": train["learning_rate"],
         "lr_decay": {"patience": 3, "factor": 0.5, "scope": "all parameters"},
+        "lr_warmup_steps": 0,
+        "in_batch_negatives": 0,
     }
     line = "recipe: negatives pool (4 per position from 12 distinct items per batch), batching random, packed rows, loss divisor epoch"
     assert line in r.stderr

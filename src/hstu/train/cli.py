@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hstu.cli import EXCLUDE_HISTORY_HELP, NO_DATA, default_data_dir, number_in
 from hstu.config import ARCHITECTURES, SEED_MAX
+from hstu.train.recipe_flags import RECIPE_FIELDS, add_recipe_flags
 
 log = logging.getLogger("hstu")
 
@@ -45,7 +46,7 @@ def add_train_parser(sub) -> None:
     )
     t.add_argument("--learning-rate", type=number_in(float, 0, lo_open=True))
     t.add_argument("--num-negatives", type=number_in(int, 1))
-    _add_recipe_flags(t)
+    add_recipe_flags(t)
     t.add_argument("--out", required=True, help="run directory")
     t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
     t.add_argument("--seed", type=number_in(int, 0, SEED_MAX), help=f"training seed in 0..{SEED_MAX} (default 42)")
@@ -89,75 +90,6 @@ def add_train_parser(sub) -> None:
         "--sharding", choices=list(SHARDING_TYPES), help="TorchRec layout of the item table (default row_wise; with --resume: the run's)"
     )
     t.set_defaults(func=cmd_train)
-
-
-def _add_recipe_flags(t) -> None:
-    """The TrainConfig recipe flags beyond the optimizer's: negatives scheme, length pooling, threads
-    (``cmd_train`` copies each one given onto the TrainConfig)."""
-    t.add_argument(
-        "--negatives-chunk",
-        type=number_in(int, 1),
-        help="consecutive positions sharing one set of uniform negatives (default 1: per position, as the reference; "
-        "TrainConfig.negatives_chunk)",
-    )
-    t.add_argument(
-        "--negatives-pool",
-        type=number_in(int, 0),
-        help="per-position negatives drawn from one batch pool of K distinct items (0: off; TrainConfig.negatives_pool, hstu.train.losses)",
-    )
-    t.add_argument(
-        "--softmax",
-        choices=["sampled", "full"],
-        help="sampled (default): sampled softmax over uniform negatives; full: cross-entropy over every item "
-        "(TrainConfig.softmax, hstu.train.full_softmax)",
-    )
-    t.add_argument(
-        "--length-pool",
-        type=number_in(int, 1),
-        help="batches sorted by length inside pools of this many batches (default 1: random batches, as the reference; "
-        "TrainConfig.length_pool)",
-    )
-    t.add_argument(
-        "--loss-divisor",
-        choices=["batch", "epoch"],
-        help="batch: each batch's mean loss; epoch: its summed loss over the epoch's mean positions per batch (TrainConfig.loss_divisor)",
-    )
-    t.add_argument(
-        "--packing",
-        choices=["auto", "off", "pack"],
-        help="pack: several users' sequences per row of width max_seq_len, masked per user, no padding cost; auto (default): "
-        "pack where the trainer and the attention kernel set support it, else off (TrainConfig.packing)",
-    )
-    t.add_argument(
-        "--lr-decay-patience",
-        type=number_in(int, 0),
-        help="multiply the learning rates by --lr-decay-factor after this many epochs in a row without a better valid "
-        "NDCG@10, and again every that many (default 3; 0: a constant lr; TrainConfig.lr_decay_patience, hstu.train.recipe)",
-    )
-    t.add_argument(
-        "--lr-decay-factor",
-        type=number_in(float, 0, 1, lo_open=True, hi_open=True),
-        help="the plateau decay's factor, in (0, 1) (default 0.5; TrainConfig.lr_decay_factor)",
-    )
-    t.add_argument(
-        "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"
-    )
-    from hstu.config import LOCAL_TABLE_OPTIMIZERS
-    from hstu.train.dist_setup import TABLE_OPTIMIZERS
-
-    t.add_argument(
-        "--table-optimizer",
-        choices=list(dict.fromkeys([*LOCAL_TABLE_OPTIMIZERS, *TABLE_OPTIMIZERS])),
-        help="optimizer of the item table. One process: adamw (default; dense state) or rowwise_adagrad (looked-up rows only; "
-        "[train] table_optimizer); --distributed: FBGEMM's fused sgd, adagrad, rowwise_adagrad (default), adam, "
-        "partial_rowwise_adam (CPU: the first three). With --resume: the run's",
-    )
-    t.add_argument(
-        "--table-learning-rate",
-        type=number_in(float, 0, lo_open=True),
-        help="its learning rate. One process, rowwise_adagrad: default 0.1 ([train] table_learning_rate; adamw trains the table "
-        "at --learning-rate); --distributed: 1.0 (sgd), 0.1 (adagrad types), --learning-rate (adam types). With --resume: the run's",
-    )
 
 
 def add_loader_flags(p, run: bool = False) -> None:
@@ -206,22 +138,7 @@ def cmd_train(args) -> int:
         given = load_config_tables(args.config).get("train", {}) if args.config else {}
         tcfg = train_config_from_dict({**saved["train"], **given}, saved=True)  # fields it lacks: the old defaults
     tcfg = tcfg or TrainConfig()
-    for name in (
-        "epochs",
-        "seed",
-        "batch_size",
-        "learning_rate",
-        "num_negatives",
-        "negatives_chunk",
-        "negatives_pool",
-        "softmax",
-        "length_pool",
-        "loss_divisor",
-        "packing",
-        "lr_decay_patience",
-        "lr_decay_factor",
-        "num_threads",
-    ):
+    for name in RECIPE_FIELDS:
         if getattr(args, name, None) is not None:
             setattr(tcfg, name, getattr(args, name))
     if not args.distributed:  # under --distributed the flags choose FBGEMM's optimizer (_distributed_strategy)

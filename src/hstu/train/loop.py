@@ -73,7 +73,7 @@ from hstu.train.calibrate import REPEAT_SCALES, calibrate_action_head, calibrate
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
-from hstu.train.recipe import decay_on_plateau, recipe, recipe_text, unused_fields
+from hstu.train.recipe import decay_on_plateau, recipe, recipe_text, unused_fields, warm_up
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -242,6 +242,7 @@ def train_one_epoch(
         loss, n = strategy.step(model, log_, split, ub, tcfg, gen)
         opt.zero_grad(set_to_none=True)
         (loss * weights[i]).backward()
+        warm_up(opt.param_groups, tcfg, (epoch - 1) * len(batches) + i)
         opt.step()
         gl = strategy.global_loss(loss)
         if on_step is not None:

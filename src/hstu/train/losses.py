@@ -121,10 +121,7 @@ def sampled_softmax_loss(
             (:func:`draw_pool`, :func:`pool_softmax_loss`); ``chunk`` is then not read.
         segments: (B, W) int64 packed rows (:func:`supervised_mask`): the positions are each
             segment's 0..L-2; a run of ``chunk`` positions may then span two segments.
-    Returns:
-        (loss scalar, number of supervised positions P).
-    Raises:
-        ValueError: chunk < 1; ``neg`` not (B, nc, M); ``neg`` with ``pool``.
+    Returns (loss scalar, number of supervised positions P). ValueError: chunk < 1; ``neg`` not (B, nc, M) or with ``pool``.
     """
     B, W, d = out.shape
     T = W - 1  # supervised slots
@@ -223,6 +220,7 @@ def pool_softmax_loss(
     *,
     temperature: float,
     zero: torch.Tensor,
+    neg_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Sampled softmax with per-position negatives taken from a shared pool of rows: position p's
     negative logits are S[p, cols[p]] of S = q · Ê_poolᵀ (P x K), computed by :func:`sampled_scores`
@@ -237,6 +235,7 @@ def pool_softmax_loss(
         cols: (P, M) int64 columns of the pool, position p's negatives being pool_ids[cols[p]].
         item_emb: callable (…) int64 -> (…, d) rows.
         zero: the loss to return when P = 0 (keeps the graph).
+        neg_offset: (P, M) float subtracted from the negatives' logits / temperature (logQ, :mod:`hstu.train.mixed_negatives`).
     Returns:
         (mean loss, P).
     """
@@ -245,6 +244,7 @@ def pool_softmax_loss(
         return zero, 0
     pos = (q * l2_normalize(item_emb(tgt))).sum(-1, keepdim=True)  # (P, 1)
     negl = sampled_scores(q, l2_normalize(item_emb(pool_ids)), cols)  # (P, M)
+    negl = negl if neg_offset is None else negl - temperature * neg_offset
     negl = negl.masked_fill(pool_ids[cols] == tgt.view(P, 1), float("-inf"))
     logits = torch.cat([pos, negl], dim=1)  # (P, 1+M)
     return F.cross_entropy(logits / temperature, torch.zeros(P, dtype=torch.long, device=q.device)), P
@@ -444,14 +444,15 @@ def training_loss(
 ) -> tuple[torch.Tensor, int]:
     """The recipe's loss on one batch, for single-process and distributed training alike:
     :func:`repeat_aware_loss` with a repeat head, else :func:`sampled_softmax_loss` (Zhai et al.
-    2024, §4.1.1), or with ``tcfg.softmax`` "full" :func:`hstu.train.full_softmax.full_softmax_loss`,
+    2024, §4.1.1), or with ``tcfg.softmax`` "full" :func:`hstu.train.full_softmax.full_softmax_loss`, or with
+    ``tcfg.in_batch_negatives`` :func:`hstu.train.mixed_negatives.mixed_softmax_loss`,
     plus ``tcfg.action_loss_weight`` x :func:`next_action_loss` with an action head.
 
     Args:
         model: the HSTUModel (its ``item_emb`` supplies the rows: an ``nn.Embedding`` or the
             TorchRec-sharded table inside its step's prefetch).
         out: (B, W, d) encoder rows; ids (B, W) int64; lengths (B,) int64; actions (B, W) int64 or None.
-        tcfg: TrainConfig (num_negatives, negatives_chunk, negatives_pool, action_loss_weight).
+        tcfg: TrainConfig (num_negatives, negatives_chunk, negatives_pool, in_batch_negatives, action_loss_weight).
         neg, chunk: pre-drawn negatives (B, nc, M) and their run length; None: drawn here from
             ``generator`` with ``tcfg.negatives_chunk``.
         segments: (B, W) int64 packed rows (TrainConfig.packing "pack", :func:`supervised_mask`);
@@ -469,6 +470,10 @@ def training_loss(
         raise ValueError("[train] packing = 'pack' is not supported with a repeat head (repeat_window > 0): its windows would cross users")
     if tcfg.softmax == "full":
         loss, n = _full(model, out, ids, lengths, neg, segments)
+    elif tcfg.in_batch_negatives:
+        from hstu.train.mixed_negatives import model_mixed_loss  # it imports this module
+
+        loss, n = model_mixed_loss(model, out, ids, lengths, tcfg, generator, neg, segments)
     elif model.repeat is not None:
         loss, n = repeat_aware_loss(
             out, ids, actions, lengths, model, num_negatives=tcfg.num_negatives, chunk=c, generator=generator, neg=neg

@@ -20,13 +20,14 @@ log = logging.getLogger(__name__)
 def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dict:
     """The negatives scheme, the batching and the item table's optimizer a TrainConfig trains with,
     as metrics.json's ``recipe`` and the log's recipe line: {"negatives": "pool" | "per-position" |
-    "chunked" | "full" (``[train] softmax = "full"``: every item, no sampling), "num_negatives",
+    "chunked" | "mixed" (per position, uniform + in-batch) | "full" (``[train] softmax = "full"``: every item), "num_negatives",
     "negatives_chunk" (None unless per-position / chunked), "negatives_pool" (None under "full": nothing is sampled),
     "batching": "length-bucketed" |
     "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved,
     :func:`hstu.train.losses.resolve_packing`),
     "table_optimizer", "table_learning_rate", "lr_decay": "off" | {"patience", "factor", "scope"}
-    (:func:`decay_on_plateau`)} (:func:`hstu.train.losses.training_loss`;
+    (:func:`decay_on_plateau`), "lr_warmup_steps" (:func:`warm_up`), "in_batch_negatives" (None under "full";
+    :mod:`hstu.train.mixed_negatives`)} (:func:`hstu.train.losses.training_loss`;
     :func:`hstu.data.batching.length_bucketed_batches`). ``table``: a strategy's own item-table
     optimizer, {"table_optimizer", "table_learning_rate", ...} (the distributed strategy's
     config.json ``distributed`` table, FBGEMM's fused optimizer); None: the TrainConfig's
@@ -35,6 +36,7 @@ def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dic
     from hstu.train.sparse_optim import table_learning_rate
 
     scheme = "pool" if tcfg.negatives_pool > 0 else ("per-position" if tcfg.negatives_chunk == 1 else "chunked")
+    scheme = "mixed" if tcfg.in_batch_negatives and scheme != "pool" else scheme
     scheme = "full" if tcfg.softmax == "full" else scheme
     opt, lr = (table["table_optimizer"], table["table_learning_rate"]) if table else (tcfg.table_optimizer, table_learning_rate(tcfg))
     sampled = scheme != "full"
@@ -50,6 +52,8 @@ def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dic
         "table_optimizer": opt,
         "table_learning_rate": lr,
         "lr_decay": _decay(tcfg, fused_table=table is not None),
+        "lr_warmup_steps": tcfg.lr_warmup_steps,
+        "in_batch_negatives": tcfg.in_batch_negatives if sampled else None,
     }
 
 
@@ -86,6 +90,7 @@ def describe(r: dict) -> str:
         "per-position": f"per-position ({r['num_negatives']} per position)",
         "chunked": f"chunked ({r['num_negatives']} shared by runs of {r['negatives_chunk']} positions)",
         "full": "full (every item: full softmax)",
+        "mixed": f"mixed ({r['num_negatives']} uniform + {r.get('in_batch_negatives')} in-batch per position, logQ-corrected)",
     }[r["negatives"]]
     bat = "random" if r["batching"] == "random" else f"length-bucketed (pools of {r['length_pool']} batches)"
     pack = ", packed rows" if r["packing"] == "pack" else ""
@@ -94,6 +99,8 @@ def describe(r: dict) -> str:
     decay = "constant lr" if d == "off" else f"lr x {d['factor']:g} after {d['patience']} epochs without a better valid NDCG@10"
     if d != "off" and d["scope"] != "all parameters":
         decay += f" ({d['scope']})"
+    if r.get("lr_warmup_steps"):
+        decay = f"linear lr warm-up over {r['lr_warmup_steps']} steps, {decay}"
     return f"negatives {neg}, batching {bat}{pack}, loss divisor {r['loss_divisor']}, {table}, {decay}"
 
 
@@ -109,3 +116,16 @@ def decay_on_plateau(param_groups: list[dict], tcfg, bad_epochs: int, epoch: int
     rates = ", ".join(f"{g['lr']:.3g}" for g in param_groups)
     log.info("epoch %d: %d epochs without a better valid NDCG@10: learning rate x %g -> %s", epoch, bad_epochs, tcfg.lr_decay_factor, rates)
     return True
+
+
+def warm_up(param_groups: list[dict], tcfg, step: int) -> None:
+    """Linear learning-rate warm-up (Goyal et al. 2017, "Accurate, Large Minibatch SGD", §2.2): at optimizer step
+    ``step`` (0-based, counted over the whole run) below N = ``tcfg.lr_warmup_steps``, every group's rate is its
+    target x (step + 1) / N, the target being the group's rate when the warm-up began, kept in the group as
+    ``"warmup_lr"`` (a checkpoint's optimizer state carries it to ``--resume``); from step N on, nothing changes."""
+    n = tcfg.lr_warmup_steps
+    if step >= n:
+        return
+    for g in param_groups:
+        g.setdefault("warmup_lr", g["lr"])
+        g["lr"] = g["warmup_lr"] * (step + 1) / n

@@ -1,0 +1,188 @@
+"""Mixed negative sampling (TrainConfig.in_batch_negatives, hstu.train.mixed_negatives) and the learning-rate
+warm-up (TrainConfig.lr_warmup_steps, hstu.train.recipe.warm_up), issue 20's levers.
+
+The loss is checked against a float64 loop written here from the definition (each negative's logit / tau lowered
+by log((M + N I c_j / P) / (M + N)), c_j counted by hand); the correction against its defining property: summed
+over a position's draws, exp(s_j - offset_j) estimates (M + N) / I x the sum of exp(s_j) over all items whatever the
+mix, which the uncorrected sum does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from hstu.config import TrainConfig
+from hstu.data.prepare import DataSpec, prepare_data
+from hstu.train import losses as L
+from hstu.train.loop import epoch_batches, fit
+from hstu.train.mixed_negatives import draw_mixed, mixed_softmax_loss
+from hstu.train.recipe import recipe, recipe_text, warm_up
+
+TAU = 0.05
+
+
+def _batch(B=3, W=7, d=5, I=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.nn.Embedding(I + 1, d).double()
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(I + 1, d, generator=g, dtype=torch.float64))
+    out = torch.nn.functional.normalize(torch.randn(B, W, d, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    lengths = torch.tensor([W, 4, 1][:B])
+    ids = torch.randint(1, I + 1, (B, W), generator=g) * (torch.arange(W) < lengths.view(B, 1))
+    return emb, out, ids, lengths
+
+
+def _loop_loss(out, ids, lengths, emb, neg, M, N, I) -> torch.Tensor:
+    """The definition, one position at a time, with the correction counted by hand."""
+    tgts = [int(ids[b, t + 1]) for b in range(out.shape[0]) for t in range(int(lengths[b]) - 1)]
+    count, P = Counter(tgts), len(tgts)
+    terms, p = [], 0
+    for b in range(out.shape[0]):
+        for t in range(int(lengths[b]) - 1):
+            q, tgt = out[b, t], tgts[p]
+            cos = lambda j, q=q: torch.dot(q, emb.weight[j] / emb.weight[j].norm())  # noqa: E731
+            logits = [cos(tgt) / TAU]
+            for j in neg[p].tolist():
+                if j != tgt:
+                    logits.append(cos(j) / TAU - math.log((M + N * I * count[j] / P) / (M + N)))
+            z = torch.stack(logits)
+            terms.append(torch.logsumexp(z, 0) - z[0])
+            p += 1
+    return torch.stack(terms).mean()
+
+
+def _targets(ids, lengths):
+    mask = L.supervised_mask(lengths, ids.shape[1] - 1)
+    return ids[:, 1:][mask], mask
+
+
+def test_loss_is_the_float64_definition() -> None:
+    emb, out, ids, lengths = _batch()
+    got, n = mixed_softmax_loss(
+        out, ids, lengths, emb, num_negatives=3, in_batch=4, temperature=TAU, num_items=13, generator=torch.Generator().manual_seed(5)
+    )
+    tgt, mask = _targets(ids, lengths)
+    neg, _ = draw_mixed(tgt, mask, num_negatives=3, in_batch=4, num_items=13, generator=torch.Generator().manual_seed(5))
+    assert n == 6 + 3 and neg.shape == (n, 7)
+    assert set(neg[:, 3:].flatten().tolist()) <= set(tgt.tolist())  # the in-batch draws are targets of the batch
+    torch.testing.assert_close(got, _loop_loss(out, ids, lengths, emb, neg, 3, 4, 13), rtol=1e-12, atol=1e-12)
+    got.backward()
+    assert out.grad is not None and torch.isfinite(out.grad).all() and emb.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dense", [True, False])  # dense logits over the table; the distinct ids drawn (P x (I + 1) above the cap)
+def test_no_in_batch_draws_is_the_per_position_loss_draw_for_draw(dense, monkeypatch) -> None:
+    I = 400
+    if not dense:
+        monkeypatch.setattr(L, "DENSE_LOGITS_MAX", 118 * I)
+    emb, out, ids, lengths = _batch(B=3, W=70, I=I, seed=1)
+    lengths = torch.tensor([70, 50, 1])
+    ids = ids * (torch.arange(70) < lengths.view(3, 1))
+    kw = dict(num_negatives=6, temperature=TAU, num_items=I)
+    a, na = mixed_softmax_loss(out, ids, lengths, emb, in_batch=0, generator=torch.Generator().manual_seed(9), **kw)
+    b, nb = L.sampled_softmax_loss(out, ids, lengths, emb, chunk=1, generator=torch.Generator().manual_seed(9), **kw)
+    assert na == nb == 118
+    assert L.uses_dense_logits(na, 1, I) == dense
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_correction_keeps_the_uniform_samplers_estimate() -> None:
+    """E[sum over one position's M + N draws of exp(s_j - offset_j)] = (M + N) / I x sum_j exp(s_j), for a popularity-skewed
+    batch; 20,000 positions' draws average it to within 2 %, while without the offsets the in-batch draws overweight
+    the popular items (here by more than 30 %)."""
+    I, M, N = 20, 2, 6
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(I + 1, generator=g, dtype=torch.float64) * 1.5
+    s[1:4] += 2.0  # the three popular items score high: in-batch draws pick them often
+    rest = torch.randint(4, I + 1, (1_000,), generator=g)
+    tgt = torch.cat([torch.full((12_000,), 1), torch.full((5_000,), 2), torch.full((2_000,), 3), rest])
+    mask = torch.ones(1, tgt.shape[0], dtype=torch.bool)
+    neg, off = draw_mixed(tgt, mask, num_negatives=M, in_batch=N, num_items=I, generator=g)
+    want = (M + N) / I * s[1:].exp().sum()
+    corrected = (s[neg] - off.double()).exp().sum(1).mean()
+    plain = s[neg].exp().sum(1).mean()
+    assert float(corrected / want) == pytest.approx(1.0, abs=0.02)
+    assert float(plain / want) > 1.3
+
+
+def test_config_recipe_and_training_loss_route() -> None:
+    for kw, msg in [
+        ({"in_batch_negatives": -1}, "in_batch_negatives must be >= 0"),
+        ({"in_batch_negatives": 4, "softmax": "full"}, "in_batch_negatives is a sampled-softmax option"),
+        ({"in_batch_negatives": 4, "negatives_pool": 64}, "in_batch_negatives and negatives_pool are two negative schemes"),
+        ({"lr_warmup_steps": -1}, "lr_warmup_steps must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            TrainConfig(**kw).validate()
+    r = recipe(TrainConfig(in_batch_negatives=32, lr_warmup_steps=100))
+    assert (r["negatives"], r["in_batch_negatives"], r["negatives_chunk"], r["lr_warmup_steps"]) == ("mixed", 32, None, 100)
+    text = recipe_text(TrainConfig(in_batch_negatives=32, lr_warmup_steps=100))
+    assert "negatives mixed (128 uniform + 32 in-batch per position, logQ-corrected)" in text
+    assert "linear lr warm-up over 100 steps, lr x 0.5" in text
+    assert recipe(TrainConfig())["in_batch_negatives"] == 0 and recipe(TrainConfig(softmax="full"))["in_batch_negatives"] is None
+
+
+def test_warm_up_by_hand() -> None:
+    groups = [{"lr": 1e-3}, {"lr": 4e-3}]
+    seen = []
+    for step in range(6):
+        warm_up(groups, TrainConfig(lr_warmup_steps=4), step)
+        seen += [g["lr"] for g in groups]
+    assert seen == pytest.approx([x for a in (0.25, 0.5, 0.75, 1, 1, 1) for x in (a * 1e-3, a * 4e-3)])
+    off = [{"lr": 1e-3}]
+    warm_up(off, TrainConfig(), 0)
+    assert off == [{"lr": 1e-3}]
+
+
+def test_warm_up_and_mixed_negatives_resume_as_uninterrupted(ml1m_dir, tmp_path) -> None:
+    """A warm-up spanning three epochs and mixed negatives: 2 epochs + --resume to 3 give the uninterrupted run's
+    losses and weights; the checkpoint after epoch 1 holds the rate warm_up set at its last step."""
+    from hstu.config import model_config_from_preset
+
+    mcfg = model_config_from_preset("small", max_seq_len=30, embedding_dim=16, d_qk=16, d_v=16)
+    spec = DataSpec("ml-1m", str(ml1m_dir), max_users=120)
+    tc = lambda e: TrainConfig(  # noqa: E731
+        epochs=e, batch_size=32, num_negatives=8, in_batch_negatives=4, lr_warmup_steps=10, seed=3, early_stopping_patience=99
+    )
+    log_, split = prepare_data(spec)
+    per_epoch = len(epoch_batches(log_, split, tc(1), mcfg.max_seq_len, 1))
+    assert 3 * per_epoch > 10 > 2 * per_epoch  # the warm-up ends inside epoch 3
+    fit(tmp_path / "b", mcfg, tc(1), spec, progress=False)
+    groups = json.loads((tmp_path / "b" / "last.json").read_text())["param_groups"]
+    assert [g["lr"] for g in groups] == pytest.approx([1e-3 * per_epoch / 10])
+    assert [g["warmup_lr"] for g in groups] == pytest.approx([1e-3])
+    fit(tmp_path / "a", mcfg, tc(3), spec, progress=False)
+    fit(tmp_path / "b", mcfg, tc(3), spec, resume=True, progress=False)
+    ha, hb = (json.loads((tmp_path / r / "history.json").read_text()) for r in "ab")
+    assert [h["loss"] for h in ha] == pytest.approx([h["loss"] for h in hb], rel=1e-6)
+    assert [g["lr"] for g in json.loads((tmp_path / "a" / "last.json").read_text())["param_groups"]] == pytest.approx([1e-3])
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["recipe"]["negatives"] == "mixed"
+
+
+def test_hstu_train_flags_reach_the_run(tmp_path) -> None:
+    """--in-batch-negatives / --lr-warmup-steps reach config.json's train table, metrics.json's recipe and the log."""
+    import subprocess
+    import sys
+
+    from conftest import tiny_csv_flags
+
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1}) + ["--in-batch-negatives", "3", "--lr-warmup-steps", "2", "--threads", "1"]
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "hstu", "train", *flags, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    train = json.loads((out / "config.json").read_text())["train"]
+    assert (train["in_batch_negatives"], train["lr_warmup_steps"]) == (3, 2)
+    rec = json.loads((out / "metrics.json").read_text())["recipe"]
+    assert (rec["negatives"], rec["in_batch_negatives"], rec["lr_warmup_steps"]) == ("mixed", 3, 2)
+    assert "negatives mixed (4 uniform + 3 in-batch per position, logQ-corrected)" in r.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", *flags[:-6], "--in-batch-negatives", "-1", "--out", str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--in-batch-negatives" in bad.stderr

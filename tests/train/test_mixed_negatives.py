@@ -180,9 +180,26 @@ def test_hstu_train_flags_reach_the_run(tmp_path) -> None:
     rec = json.loads((out / "metrics.json").read_text())["recipe"]
     assert (rec["negatives"], rec["in_batch_negatives"], rec["lr_warmup_steps"]) == ("mixed", 3, 2)
     assert "negatives mixed (4 uniform + 3 in-batch per position, logQ-corrected)" in r.stderr
+    assert "model: hstu, " in r.stderr and " parameters" in r.stderr
     bad = subprocess.run(
         [sys.executable, "-m", "hstu", "train", *flags[:-6], "--in-batch-negatives", "-1", "--out", str(tmp_path / "b")],
         capture_output=True,
         text=True,
     )
     assert bad.returncode == 2 and "--in-batch-negatives" in bad.stderr
+
+
+def test_the_log_names_the_block() -> None:
+    from hstu.config import model_config_from_preset
+    from hstu.train.recipe import model_text
+
+    small = lambda **kw: model_text(model_config_from_preset("small", **kw), 1234)  # noqa: E731
+    assert (
+        small()
+        == "hstu, FuXi-alpha block (semantic, position and time channels), 2 blocks x 1 head, d 50, max_seq_len 200, 1,234 parameters"
+    )
+    assert "FuXi-beta block (position and time channels, no query-key map)" in small(query_key_map=False)
+    assert small(multi_channel=False).startswith("hstu, HSTU block, 2 blocks")
+    assert "HSTU block without the query-key map" in small(multi_channel=False, query_key_map=False)
+    assert "+ SwiGLU FFN stage (hidden 200), 8 blocks x 2 heads" in model_text(model_config_from_preset("large", ffn_hidden=200))
+    assert small(architecture="sasrec").startswith("sasrec, 2 blocks x 1 head")

@@ -73,7 +73,7 @@ from hstu.train.calibrate import REPEAT_SCALES, calibrate_action_head, calibrate
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
-from hstu.train.recipe import decay_on_plateau, recipe, recipe_text, unused_fields, warm_up
+from hstu.train.recipe import decay_on_plateau, model_text, recipe, recipe_text, unused_fields, warm_up
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -421,6 +421,7 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
             remove_run_files(run)
         write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
         write_idmap(run, log_, split)
+        log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
         log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
         if unused := unused_fields(tcfg):
             log.warning("[train] softmax = 'full' samples no negatives: %s unused", ", ".join(unused))

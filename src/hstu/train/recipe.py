@@ -129,3 +129,24 @@ def warm_up(param_groups: list[dict], tcfg, step: int) -> None:
     for g in param_groups:
         g.setdefault("warmup_lr", g["lr"])
         g["lr"] = g["warmup_lr"] * (step + 1) / n
+
+
+def model_text(mcfg, parameters: int | None = None) -> str:
+    """The model a run trains, for the log's model line, e.g. ``hstu, FuXi-alpha block (semantic, position and time
+    channels), 2 blocks x 1 head, d 50, max_seq_len 200, 210,300 parameters``: the block named from ``[model]
+    multi_channel`` / ``query_key_map`` / ``ffn_hidden`` (Zhai et al. 2024; Ye et al. 2025, FuXi-alpha and FuXi-beta)."""
+    if mcfg.architecture != "hstu":
+        block = ""
+    elif mcfg.multi_channel:
+        block = (
+            "FuXi-alpha block (semantic, position and time channels)"
+            if mcfg.query_key_map
+            else "FuXi-beta block (position and time channels, no query-key map)"
+        )
+    else:
+        block = "HSTU block" + ("" if mcfg.query_key_map else " without the query-key map (A = SiLU(rab) / n)")
+    if block and mcfg.ffn_hidden:
+        block += f" + SwiGLU FFN stage (hidden {mcfg.ffn_hidden})"
+    heads = f"{mcfg.num_heads} head{'s' if mcfg.num_heads > 1 else ''}"
+    sizes = f"{mcfg.num_blocks} blocks x {heads}, d {mcfg.embedding_dim}, max_seq_len {mcfg.max_seq_len}"
+    return ", ".join(x for x in (mcfg.architecture, block, sizes, f"{parameters:,} parameters" if parameters else "") if x)

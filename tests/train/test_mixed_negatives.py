@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_negatives_pool import _batch
 
 from hstu.config import TrainConfig
 from hstu.data.prepare import DataSpec, prepare_data
@@ -24,17 +25,6 @@ from hstu.train.mixed_negatives import draw_mixed, mixed_softmax_loss
 from hstu.train.recipe import recipe, recipe_text, warm_up
 
 TAU = 0.05
-
-
-def _batch(B=3, W=7, d=5, I=13, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    emb = torch.nn.Embedding(I + 1, d).double()
-    with torch.no_grad():
-        emb.weight.copy_(torch.randn(I + 1, d, generator=g, dtype=torch.float64))
-    out = torch.nn.functional.normalize(torch.randn(B, W, d, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
-    lengths = torch.tensor([W, 4, 1][:B])
-    ids = torch.randint(1, I + 1, (B, W), generator=g) * (torch.arange(W) < lengths.view(B, 1))
-    return emb, out, ids, lengths
 
 
 def _loop_loss(out, ids, lengths, emb, neg, M, N, I) -> torch.Tensor:

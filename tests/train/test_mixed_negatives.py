@@ -193,3 +193,17 @@ def test_the_log_names_the_block() -> None:
     assert "HSTU block without the query-key map" in small(multi_channel=False, query_key_map=False)
     assert "+ SwiGLU FFN stage (hidden 200), 8 blocks x 2 heads" in model_text(model_config_from_preset("large", ffn_hidden=200))
     assert small(architecture="sasrec").startswith("sasrec, 2 blocks x 1 head")
+
+
+@pytest.mark.parametrize("flag", ["--in-batch-negatives", "--negatives-pool"])
+def test_a_repeat_head_refuses_the_batch_negative_schemes_before_writing(tmp_path, flag) -> None:
+    import subprocess
+    import sys
+
+    from conftest import tiny_csv_flags
+
+    flags = tiny_csv_flags(tmp_path, model={"repeat_window": 3}, train={"epochs": 1})
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "hstu", "train", *flags, flag, "4", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2 and f"({flag}) is not supported with a repeat head (repeat_window > 0); set it to 0" in r.stderr
+    assert not out.exists()

@@ -174,13 +174,18 @@ def cmd_train(args) -> int:
 
 
 def _check_softmax(tcfg, repeat_window: int, distributed: bool, saved: dict | None = None, out: str = "") -> None:
-    """``[train] softmax = "full"``'s refusals (hstu.train.losses._full's), made before the run directory is touched;
+    """``[train] softmax = "full"``'s, ``negatives_pool``'s and ``in_batch_negatives``' refusals (those of
+    hstu.train.losses.training_loss), made before the run directory is touched;
     ``repeat_window``: the resumed run's saved model's, else the new model's; ``saved``: the resumed run's train
     table, whose softmax a resume keeps (one run, one loss: metrics.json's recipe states one)."""
     if tcfg.softmax == "full" and repeat_window > 0:
         raise ValueError("[train] softmax = 'full' (--softmax full) is not supported with a repeat head (repeat_window > 0); use 'sampled'")
     if tcfg.softmax == "full" and distributed:
         raise ValueError("[train] softmax = 'full' (--softmax full) is not supported by --distributed yet; use 'sampled'")
+    for name in ("negatives_pool", "in_batch_negatives"):  # hstu.train.losses.training_loss's refusals, before any file
+        why = "with a repeat head (repeat_window > 0)" if repeat_window > 0 else "by --distributed yet" if distributed else ""
+        if getattr(tcfg, name) and why:
+            raise ValueError(f"[train] {name} (--{name.replace('_', '-')}) is not supported {why}; set it to 0")
     if saved is not None and tcfg.softmax != (was := saved.get("softmax", "sampled")):
         where = f"{Path(out) / 'config.json'} train.softmax"
         raise ValueError(f"--resume: the softmax is {tcfg.softmax!r} here, {was!r} in the run ({where}); drop --softmax / [train] softmax")

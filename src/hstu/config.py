@@ -171,6 +171,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 LOCAL_TABLE_OPTIMIZERS = ("adamw", "rowwise_adagrad")  # TrainConfig.table_optimizer (hstu.train.sparse_optim)
+NEGATIVES_MAX = 8192  # TrainConfig.num_negatives, in_batch_negatives: per position (the reference 128; 512 measured, issue 20)
 
 
 @dataclass
@@ -221,6 +222,9 @@ class TrainConfig:
         for name in ("negatives_pool", "in_batch_negatives", "lr_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("num_negatives", "in_batch_negatives"):  # a batch holds positions x negatives ids, logits and gradients
+            if getattr(self, name) > NEGATIVES_MAX:
+                raise ValueError(f"TrainConfig.{name} must be <= {NEGATIVES_MAX} (negatives per position), got {getattr(self, name)}")
         if self.softmax not in ("sampled", "full"):
             raise ValueError(f"TrainConfig.softmax ([train] softmax) must be 'sampled' or 'full', got {self.softmax!r}")
         for name in ("negatives_pool", "in_batch_negatives"):
@@ -307,9 +311,8 @@ class DecodeOptions:
 
 @dataclass
 class GenerateConfig(DecodeOptions):
-    """The [generate] table: :class:`DecodeOptions` plus k (items, >= 1; <= the model's
-    max_output_len, checked against the run by :func:`check_k`) and exclude_history (None: the
-    data set's default)."""
+    """The [generate] table: :class:`DecodeOptions` plus k (items, >= 1; <= the model's max_output_len, checked against the
+    run by :func:`check_k`) and exclude_history (None: the data set's default)."""
 
     k: int = 5
     exclude_history: bool | None = None  # None: the data set's default
@@ -330,15 +333,12 @@ class ServeConfig:
     max_queue: int = 256
     request_timeout_s: float = 10.0
     memory_threshold: float = 0.10
-    # slow-client limits (seconds): the whole body must arrive within body_timeout_s of the headers,
-    # and a request's headers within header_timeout_s of the connection opening / the previous response
+    # slow-client limits (s): the body within body_timeout_s of its headers, headers within header_timeout_s of connect / last reply
     body_timeout_s: float = 5.0
     header_timeout_s: float = 5.0
-    # the engine's graphs: "auto" (CUDA / NPU graph capture where the device has it, else eager), "eager",
-    # "compiled" (capture where the device has it, else torch.compile; a failed compilation runs eager, warned)
+    # engine graphs (docs/configuration.md [serve]): "auto" (device graphs, or the run's graph cache, else eager), "eager", "compiled"
     graphs: str = "auto"
-    # approximate candidates (hstu.model.ann): a faiss index_factory string ("" = exact picks), its IVF
-    # cells probed per query, and the candidates per row rescored exactly; the index is kept in RUN/ann/
+    # approximate candidates (hstu.model.ann): a faiss index_factory string ("" = exact), IVF cells probed, candidates rescored exactly
     ann: str = ""
     ann_nprobe: int = 16
     ann_candidates: int = 256

@@ -19,7 +19,7 @@ from conftest import tiny_csv_flags
 from hstu.config import TrainConfig
 from hstu.train import full_softmax as FS
 from hstu.train import losses as L
-from hstu.train.recipe import recipe, recipe_text, unused_fields
+from hstu.train.recipe import recipe, recipe_text, recipe_warnings
 
 TAU = 0.05
 
@@ -108,8 +108,10 @@ def test_config_errors_and_recipe() -> None:
     assert [recipe(tcfg)[k] for k in ("num_negatives", "negatives_chunk", "negatives_pool")] == [None] * 3  # nothing sampled
     assert recipe_text(tcfg).startswith("negatives full (every item: full softmax), batching random")
     assert recipe(TrainConfig())["negatives"] == "per-position"  # the default stays the sampled softmax
-    assert unused_fields(TrainConfig(softmax="full", num_negatives=512)) == ["num_negatives = 512"]
-    assert unused_fields(TrainConfig(softmax="full")) == unused_fields(TrainConfig(num_negatives=512)) == []
+    assert recipe_warnings(TrainConfig(softmax="full", num_negatives=512)) == [
+        "[train] softmax = 'full' samples no negatives: num_negatives = 512 unused"
+    ]
+    assert recipe_warnings(TrainConfig(softmax="full")) == recipe_warnings(TrainConfig(num_negatives=512)) == []
 
 
 def test_hstu_train_softmax_full(tmp_path) -> None:
@@ -169,7 +171,7 @@ def test_resume_keeps_the_runs_softmax(tmp_path) -> None:
     assert ok.returncode == 0, ok.stderr
     before = {f: (out / f).read_bytes() for f in ("config.json", "metrics.json", "last.json")}
     r = subprocess.run([*base, "--resume", "--epochs", "2", "--softmax", "full"], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "--resume: the softmax is 'full' here, 'sampled' in the run" in r.stderr
+    assert r.returncode != 0 and "--resume: [train] softmax is 'full' here, 'sampled' in the run" in r.stderr
     assert {f: (out / f).read_bytes() for f in before} == before
     again = subprocess.run([*base, "--resume", "--epochs", "2", "--softmax", "sampled"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr  # the run's own softmax, named, resumes

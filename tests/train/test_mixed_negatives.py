@@ -1,5 +1,5 @@
 """Mixed negative sampling (TrainConfig.in_batch_negatives, hstu.train.mixed_negatives) and the learning-rate
-warm-up (TrainConfig.lr_warmup_steps, hstu.train.recipe.warm_up), issue 20's levers.
+warm-up (TrainConfig.lr_warmup_steps, hstu.train.recipe.warmed_up), issue 20's levers.
 
 The loss is checked against a float64 loop written here from the definition (each negative's logit / tau lowered
 by log((M + N I c_j / P) / (M + N)), c_j counted by hand); the correction against its defining property: summed
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from hstu.data.prepare import DataSpec, prepare_data
 from hstu.train import losses as L
 from hstu.train.loop import epoch_batches, fit
 from hstu.train.mixed_negatives import draw_mixed, mixed_softmax_loss
-from hstu.train.recipe import recipe, recipe_text, warm_up
+from hstu.train.recipe import decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
 
 TAU = 0.05
 
@@ -118,20 +119,30 @@ def test_config_recipe_and_training_loss_route() -> None:
 
 
 def test_warm_up_by_hand() -> None:
-    groups = [{"lr": 1e-3}, {"lr": 4e-3}]
-    seen = []
+    """SGD at rate 1 on a gradient of 1 moves the parameter by the step's rate: (step + 1) / 4 for the first 4 steps,
+    then 1; a plateau decay at step 2 halves the run's rate, warmed or not, and the group keeps the run's rate."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    moves, kept = [], []
     for step in range(6):
-        warm_up(groups, TrainConfig(lr_warmup_steps=4), step)
-        seen += [g["lr"] for g in groups]
-    assert seen == pytest.approx([x for a in (0.25, 0.5, 0.75, 1, 1, 1) for x in (a * 1e-3, a * 4e-3)])
-    off = [{"lr": 1e-3}]
-    warm_up(off, TrainConfig(), 0)
-    assert off == [{"lr": 1e-3}]
+        if step == 2:
+            decay_on_plateau(opt.param_groups, TrainConfig(lr_decay_patience=1), 1, epoch=1)
+        before = float(p.detach())
+        p.grad = torch.ones(1)
+        with warmed_up(opt.param_groups, TrainConfig(lr_warmup_steps=4), step):
+            opt.step()
+        moves.append(before - float(p.detach()))
+        kept.append(opt.param_groups[0]["lr"])
+    assert moves == pytest.approx([0.25, 0.5, 0.75 * 0.5, 1.0 * 0.5, 0.5, 0.5])
+    assert kept == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5]
+    groups = [{"lr": 1e-3}]
+    with warmed_up(groups, TrainConfig(), 0):
+        assert groups == [{"lr": 1e-3}]
 
 
 def test_warm_up_and_mixed_negatives_resume_as_uninterrupted(ml1m_dir, tmp_path) -> None:
     """A warm-up spanning three epochs and mixed negatives: 2 epochs + --resume to 3 give the uninterrupted run's
-    losses and weights; the checkpoint after epoch 1 holds the rate warm_up set at its last step."""
+    losses and weights; the checkpoint holds the run's own rate throughout."""
     from hstu.config import model_config_from_preset
 
     mcfg = model_config_from_preset("small", max_seq_len=30, embedding_dim=16, d_qk=16, d_v=16)
@@ -142,16 +153,51 @@ def test_warm_up_and_mixed_negatives_resume_as_uninterrupted(ml1m_dir, tmp_path)
     log_, split = prepare_data(spec)
     per_epoch = len(epoch_batches(log_, split, tc(1), mcfg.max_seq_len, 1))
     assert 3 * per_epoch > 10 > 2 * per_epoch  # the warm-up ends inside epoch 3
-    fit(tmp_path / "b", mcfg, tc(1), spec, progress=False)
-    groups = json.loads((tmp_path / "b" / "last.json").read_text())["param_groups"]
-    assert [g["lr"] for g in groups] == pytest.approx([1e-3 * per_epoch / 10])
-    assert [g["warmup_lr"] for g in groups] == pytest.approx([1e-3])
     fit(tmp_path / "a", mcfg, tc(3), spec, progress=False)
+    fit(tmp_path / "b", mcfg, tc(2), spec, progress=False)
+    assert [g["lr"] for g in json.loads((tmp_path / "b" / "last.json").read_text())["param_groups"]] == [1e-3]
     fit(tmp_path / "b", mcfg, tc(3), spec, resume=True, progress=False)
     ha, hb = (json.loads((tmp_path / r / "history.json").read_text()) for r in "ab")
     assert [h["loss"] for h in ha] == pytest.approx([h["loss"] for h in hb], rel=1e-6)
-    assert [g["lr"] for g in json.loads((tmp_path / "a" / "last.json").read_text())["param_groups"]] == pytest.approx([1e-3])
     assert json.loads((tmp_path / "a" / "metrics.json").read_text())["recipe"]["negatives"] == "mixed"
+    with pytest.raises(ValueError, match=r"--resume: \[train\] lr_warmup_steps is 0 here, 10 in the run"):
+        fit(tmp_path / "b", mcfg, replace(tc(4), lr_warmup_steps=0), spec, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"--resume: \[train\] learning_rate is 0.005 here, 0.001 in the run"):
+        fit(tmp_path / "b", mcfg, replace(tc(4), learning_rate=5e-3), spec, resume=True, progress=False)
+    assert len(json.loads((tmp_path / "b" / "history.json").read_text())) == 3
+
+
+def test_the_python_api_refuses_before_writing_and_a_failed_first_epoch_leaves_nothing(ml1m_dir, tmp_path) -> None:
+    from hstu.config import model_config_from_preset
+
+    spec = DataSpec("ml-1m", str(ml1m_dir), max_users=40)
+    small = lambda **kw: model_config_from_preset("small", max_seq_len=30, embedding_dim=16, d_qk=16, d_v=16, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"\[train\] in_batch_negatives \(--in-batch-negatives\) is not supported with a repeat head"):
+        fit(tmp_path / "r", small(repeat_window=5), TrainConfig(epochs=1, batch_size=16, in_batch_negatives=4), spec, progress=False)
+    assert not (tmp_path / "r").exists()
+
+    def boom(epoch, step, loss):
+        raise RuntimeError("out of memory (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        fit(tmp_path / "f", small(), TrainConfig(epochs=1, batch_size=16, num_negatives=8), spec, progress=False, on_step=boom)
+    assert not (tmp_path / "f").exists()
+
+
+def test_warnings_and_bounds() -> None:
+    assert recipe_warnings(TrainConfig(in_batch_negatives=8, negatives_chunk=16)) == [
+        "[train] in_batch_negatives draws negatives per position: negatives_chunk = 16 unused"
+    ]
+    assert recipe_warnings(TrainConfig(negatives_pool=64, negatives_chunk=4))[0].startswith("[train] negatives_pool draws")
+    late = recipe_warnings(TrainConfig(epochs=2, lr_warmup_steps=100), steps_per_epoch=47)
+    assert late == [
+        "[train] lr_warmup_steps = 100 is more than this run's 94 optimizer steps (2 epochs x 47 batches): "
+        "the learning rate never reaches learning_rate = 0.001"
+    ]
+    assert recipe_warnings(TrainConfig(epochs=3, lr_warmup_steps=94), steps_per_epoch=47) == []
+    for name in ("num_negatives", "in_batch_negatives"):
+        with pytest.raises(ValueError, match=f"TrainConfig.{name} must be <= 8192"):
+            TrainConfig(**{name: 8193}).validate()
 
 
 def test_hstu_train_flags_reach_the_run(tmp_path) -> None:
@@ -181,7 +227,6 @@ def test_hstu_train_flags_reach_the_run(tmp_path) -> None:
 
 def test_the_log_names_the_block() -> None:
     from hstu.config import model_config_from_preset
-    from hstu.train.recipe import model_text
 
     small = lambda **kw: model_text(model_config_from_preset("small", **kw), 1234)  # noqa: E731
     assert (
@@ -189,9 +234,12 @@ def test_the_log_names_the_block() -> None:
         == "hstu, FuXi-alpha block (semantic, position and time channels), 2 blocks x 1 head, d 50, max_seq_len 200, 1,234 parameters"
     )
     assert "FuXi-beta block (position and time channels, no query-key map)" in small(query_key_map=False)
+    assert "FuXi-beta block (position channel, no query-key map)" in small(query_key_map=False, use_time_bias=False)
+    assert "FuXi-alpha block (semantic and time channels)" in small(use_position_bias=False)
     assert small(multi_channel=False).startswith("hstu, HSTU block, 2 blocks")
     assert "HSTU block without the query-key map" in small(multi_channel=False, query_key_map=False)
     assert "+ SwiGLU FFN stage (hidden 200), 8 blocks x 2 heads" in model_text(model_config_from_preset("large", ffn_hidden=200))
+    assert "channels) + repeat head (window 20) + next-action head, 2 blocks" in small(repeat_window=20, num_actions=4)
     assert small(architecture="sasrec").startswith("sasrec, 2 blocks x 1 head")
 
 

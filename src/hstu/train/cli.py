@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 
 from hstu.cli import EXCLUDE_HISTORY_HELP, NO_DATA, default_data_dir, number_in
-from hstu.config import ARCHITECTURES, SEED_MAX
+from hstu.config import ARCHITECTURES, NEGATIVES_MAX, SEED_MAX
+from hstu.train.recipe import check_recipe
 from hstu.train.recipe_flags import RECIPE_FIELDS, add_recipe_flags
 
 log = logging.getLogger("hstu")
@@ -45,7 +46,7 @@ def add_train_parser(sub) -> None:
         "--batch-size", type=number_in(int, 1), help="sequences per step (under --distributed: the global batch, split over the ranks)"
     )
     t.add_argument("--learning-rate", type=number_in(float, 0, lo_open=True))
-    t.add_argument("--num-negatives", type=number_in(int, 1))
+    t.add_argument("--num-negatives", type=number_in(int, 1, NEGATIVES_MAX), help="uniform negatives per position (default 128)")
     add_recipe_flags(t)
     t.add_argument("--out", required=True, help="run directory")
     t.add_argument("--max-users", type=number_in(int, 1), help="use only the first N users (>= 1)")
@@ -143,7 +144,8 @@ def cmd_train(args) -> int:
             setattr(tcfg, name, getattr(args, name))
     if not args.distributed:  # under --distributed the flags choose FBGEMM's optimizer (_distributed_strategy)
         _local_table_flags(args, tcfg, saved.get("train"))
-    _check_softmax(tcfg, saved.get("model", {}).get("repeat_window", mcfg.repeat_window), args.distributed, saved.get("train"), args.out)
+    repeat_window = saved.get("model", {}).get("repeat_window", mcfg.repeat_window)
+    check_recipe(tcfg, repeat_window, args.distributed, saved.get("train"), Path(args.out) / "config.json")  # before the data is read
     spec = DataSpec(
         args.dataset,
         str(Path(data_dir).resolve()),  # absolute: the run is read from any directory later
@@ -171,24 +173,6 @@ def cmd_train(args) -> int:
     if not torchrun_rank(args):
         print(json.dumps(metrics, indent=2))
     return 0
-
-
-def _check_softmax(tcfg, repeat_window: int, distributed: bool, saved: dict | None = None, out: str = "") -> None:
-    """``[train] softmax = "full"``'s, ``negatives_pool``'s and ``in_batch_negatives``' refusals (those of
-    hstu.train.losses.training_loss), made before the run directory is touched;
-    ``repeat_window``: the resumed run's saved model's, else the new model's; ``saved``: the resumed run's train
-    table, whose softmax a resume keeps (one run, one loss: metrics.json's recipe states one)."""
-    if tcfg.softmax == "full" and repeat_window > 0:
-        raise ValueError("[train] softmax = 'full' (--softmax full) is not supported with a repeat head (repeat_window > 0); use 'sampled'")
-    if tcfg.softmax == "full" and distributed:
-        raise ValueError("[train] softmax = 'full' (--softmax full) is not supported by --distributed yet; use 'sampled'")
-    for name in ("negatives_pool", "in_batch_negatives"):  # hstu.train.losses.training_loss's refusals, before any file
-        why = "with a repeat head (repeat_window > 0)" if repeat_window > 0 else "by --distributed yet" if distributed else ""
-        if getattr(tcfg, name) and why:
-            raise ValueError(f"[train] {name} (--{name.replace('_', '-')}) is not supported {why}; set it to 0")
-    if saved is not None and tcfg.softmax != (was := saved.get("softmax", "sampled")):
-        where = f"{Path(out) / 'config.json'} train.softmax"
-        raise ValueError(f"--resume: the softmax is {tcfg.softmax!r} here, {was!r} in the run ({where}); drop --softmax / [train] softmax")
 
 
 def torchrun_rank(args) -> int:

@@ -73,7 +73,7 @@ from hstu.train.calibrate import REPEAT_SCALES, calibrate_action_head, calibrate
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
-from hstu.train.recipe import decay_on_plateau, model_text, recipe, recipe_text, unused_fields, warm_up
+from hstu.train.recipe import check_recipe, decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -242,8 +242,8 @@ def train_one_epoch(
         loss, n = strategy.step(model, log_, split, ub, tcfg, gen)
         opt.zero_grad(set_to_none=True)
         (loss * weights[i]).backward()
-        warm_up(opt.param_groups, tcfg, (epoch - 1) * len(batches) + i)
-        opt.step()
+        with warmed_up(opt.param_groups, tcfg, (epoch - 1) * len(batches) + i):
+            opt.step()
         gl = strategy.global_loss(loss)
         if on_step is not None:
             on_step(epoch, i, gl)
@@ -389,6 +389,7 @@ def _setup(
     else:
         mcfg = model_config_for(log_, mcfg, use_features)
     check_trainable(log_, split, mcfg.max_seq_len)  # before anything is written
+    check_recipe(tcfg, mcfg.repeat_window, "distributed" in strategy.extra, saved["train"] if resume else None, run / CONFIG)
     tcfg = replace(tcfg, packing=resolve_packing(tcfg, mcfg, strategy.backend.name, getattr(strategy, "packs", False)))  # resolved
     if spec.protocol == "paper" and tcfg.lr_decay_patience:  # its "valid" is the test item: no decisions on it
         log.info("[train] lr_decay_patience = %d is not applied under --protocol paper: a constant lr", tcfg.lr_decay_patience)
@@ -423,8 +424,8 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         write_idmap(run, log_, split)
         log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
         log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
-        if unused := unused_fields(tcfg):
-            log.warning("[train] softmax = 'full' samples no negatives: %s unused", ", ".join(unused))
+        for warning in recipe_warnings(tcfg, len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1))):
+            log.warning(warning)
     strategy.barrier()
     started, status = clock(), "completed"
     try:
@@ -443,6 +444,10 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
                 )
                 log.warning(status)
                 break
+    except BaseException:
+        if strategy.is_main and not resume and state["epoch"] == 0:  # nothing committed: no half-written run stays
+            remove_run_files(run, everything=True)
+        raise
     finally:
         if board is not None:
             board.close()

@@ -13,6 +13,8 @@ decayed rates live in the optimizer's param_groups, which a checkpoint already s
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ def recipe(tcfg, table: dict | None = None, num_items: int | None = None) -> dic
     "random", "length_pool", "loss_divisor": "batch" | "epoch", "packing": "off" | "pack" (resolved,
     :func:`hstu.train.losses.resolve_packing`),
     "table_optimizer", "table_learning_rate", "lr_decay": "off" | {"patience", "factor", "scope"}
-    (:func:`decay_on_plateau`), "lr_warmup_steps" (:func:`warm_up`), "in_batch_negatives" (None under "full";
+    (:func:`decay_on_plateau`), "lr_warmup_steps" (:func:`warmed_up`), "in_batch_negatives" (None under "full";
     :mod:`hstu.train.mixed_negatives`)} (:func:`hstu.train.losses.training_loss`;
     :func:`hstu.data.batching.length_bucketed_batches`). ``table``: a strategy's own item-table
     optimizer, {"table_optimizer", "table_learning_rate", ...} (the distributed strategy's
@@ -73,14 +75,26 @@ def recipe_text(tcfg, table: dict | None = None, num_items: int | None = None) -
     return describe(recipe(tcfg, table, num_items))
 
 
-def unused_fields(tcfg) -> list[str]:
-    """``name = value`` of the sampling fields set away from their defaults that the recipe does not use
-    (``softmax = "full"`` samples nothing: num_negatives and negatives_chunk are then ignored)."""
+def recipe_warnings(tcfg, steps_per_epoch: int | None = None) -> list[str]:
+    """What the recipe does not use of the sampling fields set away from their defaults (``softmax = "full"`` samples
+    nothing: num_negatives, negatives_chunk; a pool or in-batch negatives draw per position: negatives_chunk), and a
+    warm-up longer than the run's tcfg.epochs x ``steps_per_epoch`` optimizer steps: the log's warnings."""
     from hstu.config import TrainConfig
 
-    if tcfg.softmax != "full":
-        return []
-    return [f"{f} = {getattr(tcfg, f)}" for f in ("num_negatives", "negatives_chunk") if getattr(tcfg, f) != getattr(TrainConfig, f)]
+    changed = [f for f in ("num_negatives", "negatives_chunk") if getattr(tcfg, f) != getattr(TrainConfig, f)]
+    scheme = "negatives_pool" if tcfg.negatives_pool else "in_batch_negatives" if tcfg.in_batch_negatives else ""
+    out = []
+    if tcfg.softmax == "full" and changed:
+        out.append(f"[train] softmax = 'full' samples no negatives: {', '.join(f'{f} = {getattr(tcfg, f)}' for f in changed)} unused")
+    elif scheme and "negatives_chunk" in changed:
+        out.append(f"[train] {scheme} draws negatives per position: negatives_chunk = {tcfg.negatives_chunk} unused")
+    total = tcfg.epochs * steps_per_epoch if steps_per_epoch is not None else None
+    if total is not None and tcfg.lr_warmup_steps > total:
+        out.append(
+            f"[train] lr_warmup_steps = {tcfg.lr_warmup_steps} is more than this run's {total} optimizer steps ({tcfg.epochs} epochs x "
+            f"{steps_per_epoch} batches): the learning rate never reaches learning_rate = {tcfg.learning_rate:g}"
+        )
+    return out
 
 
 def describe(r: dict) -> str:
@@ -118,35 +132,66 @@ def decay_on_plateau(param_groups: list[dict], tcfg, bad_epochs: int, epoch: int
     return True
 
 
-def warm_up(param_groups: list[dict], tcfg, step: int) -> None:
-    """Linear learning-rate warm-up (Goyal et al. 2017, "Accurate, Large Minibatch SGD", §2.2): at optimizer step
-    ``step`` (0-based, counted over the whole run) below N = ``tcfg.lr_warmup_steps``, every group's rate is its
-    target x (step + 1) / N, the target being the group's rate when the warm-up began, kept in the group as
-    ``"warmup_lr"`` (a checkpoint's optimizer state carries it to ``--resume``); from step N on, nothing changes."""
+@contextmanager
+def warmed_up(param_groups: list[dict], tcfg, step: int):
+    """Linear learning-rate warm-up (Goyal et al. 2017, "Accurate, Large Minibatch SGD", §2.2) around one optimizer step:
+    at step ``step`` (0-based, the run's optimizer steps so far: epochs x batches per epoch) below N =
+    ``tcfg.lr_warmup_steps``, every group's rate is scaled by (step + 1) / N inside the block and restored after it,
+    so the groups always hold the run's own rates (the plateau decay scales those; a checkpoint stores them)."""
     n = tcfg.lr_warmup_steps
-    if step >= n:
-        return
-    for g in param_groups:
-        g.setdefault("warmup_lr", g["lr"])
-        g["lr"] = g["warmup_lr"] * (step + 1) / n
+    rates = [g["lr"] for g in param_groups]
+    if step < n:
+        for g in param_groups:
+            g["lr"] *= (step + 1) / n
+    try:
+        yield
+    finally:
+        for g, r in zip(param_groups, rates):
+            g["lr"] = r
 
 
 def model_text(mcfg, parameters: int | None = None) -> str:
     """The model a run trains, for the log's model line, e.g. ``hstu, FuXi-alpha block (semantic, position and time
     channels), 2 blocks x 1 head, d 50, max_seq_len 200, 210,300 parameters``: the block named from ``[model]
     multi_channel`` / ``query_key_map`` / ``ffn_hidden`` (Zhai et al. 2024; Ye et al. 2025, FuXi-alpha and FuXi-beta)."""
+    chans = [c for c, on in (("semantic", mcfg.query_key_map), ("position", mcfg.use_position_bias), ("time", mcfg.use_time_bias)) if on]
+    chans = (", ".join(chans[:-1]) + " and " + chans[-1]) if len(chans) > 1 else "".join(chans)
     if mcfg.architecture != "hstu":
         block = ""
     elif mcfg.multi_channel:
-        block = (
-            "FuXi-alpha block (semantic, position and time channels)"
-            if mcfg.query_key_map
-            else "FuXi-beta block (position and time channels, no query-key map)"
-        )
+        name = "FuXi-alpha" if mcfg.query_key_map else "FuXi-beta"
+        block = f"{name} block ({chans} channel{'s' if ' and ' in chans else ''}{'' if mcfg.query_key_map else ', no query-key map'})"
     else:
         block = "HSTU block" + ("" if mcfg.query_key_map else " without the query-key map (A = SiLU(rab) / n)")
     if block and mcfg.ffn_hidden:
         block += f" + SwiGLU FFN stage (hidden {mcfg.ffn_hidden})"
+    heads_ = [f"repeat head (window {mcfg.repeat_window})" if mcfg.repeat_window else "", "next-action head" if mcfg.num_actions else ""]
+    block = " + ".join(x for x in (block, *heads_) if x)
     heads = f"{mcfg.num_heads} head{'s' if mcfg.num_heads > 1 else ''}"
     sizes = f"{mcfg.num_blocks} blocks x {heads}, d {mcfg.embedding_dim}, max_seq_len {mcfg.max_seq_len}"
     return ", ".join(x for x in (mcfg.architecture, block, sizes, f"{parameters:,} parameters" if parameters else "") if x)
+
+
+# Fields a --resume keeps (another value is refused): what they were when the run's steps were taken. The softmax: one run,
+# one loss; the warm-up: a function of the run's step count; the learning rate: the saved optimizer state carries the rates.
+RESUME_KEEPS = {"softmax": "sampled", "lr_warmup_steps": 0, "learning_rate": None}
+
+
+def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None = None, where: str | Path = "config.json") -> None:
+    """The recipe's refusals, made before anything is written (``hstu train`` before the data is read, :func:`hstu.train.loop.fit`
+    again for Python callers): ``softmax = "full"``, ``negatives_pool`` and ``in_batch_negatives`` with a repeat head
+    (``repeat_window`` > 0: the resumed run's) or ``distributed``; with ``saved`` (a resumed run's config.json train table,
+    at ``where``) another value of a :data:`RESUME_KEEPS` field than the run's. Raises ValueError naming the field and flag."""
+    why = "with a repeat head (repeat_window > 0)" if repeat_window > 0 else "by --distributed yet" if distributed else ""
+    if tcfg.softmax == "full" and why:
+        raise ValueError(f"[train] softmax = 'full' (--softmax full) is not supported {why}; use 'sampled'")
+    for name in ("negatives_pool", "in_batch_negatives"):  # hstu.train.losses.training_loss's own refusals
+        if getattr(tcfg, name) and why:
+            raise ValueError(f"[train] {name} (--{name.replace('_', '-')}) is not supported {why}; set it to 0")
+    for name, missing in RESUME_KEEPS.items() if saved is not None else ():
+        now, was = getattr(tcfg, name), saved.get(name, missing)
+        if was is not None and now != was:
+            raise ValueError(
+                f"--resume: [train] {name} is {now!r} here, {was!r} in the run ({where} train.{name}); a resume keeps it: "
+                f"drop --{name.replace('_', '-')} / [train] {name}"
+            )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from hstu.cli import number_in
+from hstu.config import NEGATIVES_MAX
 
 RECIPE_FIELDS = (
     "epochs",
@@ -41,7 +42,7 @@ def add_recipe_flags(t) -> None:
     )
     t.add_argument(
         "--in-batch-negatives",
-        type=number_in(int, 0),
+        type=number_in(int, 0, NEGATIVES_MAX),
         help="per position, this many negatives more drawn from the batch's targets, logQ-corrected (mixed negative sampling; "
         "0: off, the default; TrainConfig.in_batch_negatives, hstu.train.mixed_negatives)",
     )
@@ -83,7 +84,7 @@ def add_recipe_flags(t) -> None:
         "--lr-warmup-steps",
         type=number_in(int, 0),
         help="raise every learning rate linearly to its value over the first N optimizer steps (default 0: none; "
-        "TrainConfig.lr_warmup_steps, hstu.train.recipe.warm_up)",
+        "TrainConfig.lr_warmup_steps, hstu.train.recipe.warmed_up; --resume keeps the run's)",
     )
     t.add_argument(
         "--threads", dest="num_threads", type=number_in(int, 0), help="torch threads (0: torch's default; TrainConfig.num_threads)"

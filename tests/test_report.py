@@ -44,7 +44,13 @@ def _check_run_column(rows: dict, col: int, run) -> None:
     cfg = json.loads((run / "config.json").read_text())["model"]
     assert rows["blocks × heads × d"][col] == f"{cfg['num_blocks']} × {cfg['num_heads']} × {cfg['embedding_dim']}"
     # the presets' multi-channel block, else the stock HSTU block (tests/model/test_query_key_map.py: the others)
-    assert rows["block options"][col] == ("multi-channel attention" if cfg["multi_channel"] else "—")
+    from hstu.config import model_config_from_dict
+    from hstu.train.recipe import block_text
+
+    assert rows["block"][col] == block_text(model_config_from_dict(cfg))  # the training log's model line names it so
+    assert rows["block"][col].startswith(
+        "FuXi-alpha block (semantic, position and time channels)" if cfg["multi_channel"] else "HSTU block"
+    )
 
 
 def test_report_of_the_tiny_run(run_dir, tmp_path, capsys):

@@ -130,9 +130,10 @@ def test_int8_keeps_the_outputs_close() -> None:
 
 
 def test_the_report_names_the_option() -> None:
-    from hstu.report.summary import _block_options
+    from hstu.report.summary import _block
 
-    assert _block_options({"multi_channel": True, "ffn_hidden": 50}) == "FFN 50, multi-channel attention"
+    want = "FuXi-alpha block (semantic, position and time channels) + SwiGLU FFN stage (hidden 50)"
+    assert _block({"max_seq_len": 20, "num_items": 9, "multi_channel": True, "ffn_hidden": 50}) == want
 
 
 def test_bad_combinations_are_refused() -> None:

@@ -124,11 +124,14 @@ def test_train_quantize_and_eval_a_run_without_the_query_key_map(tmp_path) -> No
     assert abs(fp["NDCG@10"] - i8["NDCG@10"]) < 0.05
 
 
-def test_the_report_names_the_block_options() -> None:
-    from hstu.report.summary import _block_options
+def test_the_report_names_the_block() -> None:
+    from hstu.report.summary import _block
 
-    assert _block_options({"query_key_map": False, "ffn_hidden": 200}) == "no query-key map, FFN 200"
-    assert _block_options({"query_key_map": True, "ffn_hidden": 0}) == _block_options({}) == "—"  # runs saved before the fields
+    m = {"max_seq_len": 20, "num_items": 9}  # config.json's model table; a run saved before the block fields lacks them
+    want = "HSTU block without the query-key map (A = SiLU(rab) / n) + SwiGLU FFN stage (hidden 200)"
+    assert _block({**m, "query_key_map": False, "ffn_hidden": 200}) == want
+    assert _block({**m, "query_key_map": True, "ffn_hidden": 0}) == _block(m) == "HSTU block"
+    assert _block({**m, "architecture": "sasrec"}) == "—"
 
 
 def test_a_config_model_table_applies_over_the_preset(tmp_path) -> None:

@@ -65,7 +65,7 @@ def summary_rows(r: RunFacts) -> dict[str, str]:
         "run": f"`{r.path}`",
         "architecture": m.get("architecture", "hstu"),
         "blocks × heads × d": f"{m['num_blocks']} × {m['num_heads']} × {m['embedding_dim']}",
-        "block options": _block_options(m),
+        "block": _block(m),
         "max_seq_len": str(m["max_seq_len"]),
         "items": str(m["num_items"]),
         "dataset": f"{d['dataset']} ({d['protocol']} protocol)",
@@ -82,11 +82,12 @@ def summary_rows(r: RunFacts) -> dict[str, str]:
     return rows
 
 
-def _block_options(m: dict) -> str:
-    """config.json model's [model] options that change the HSTU block (issue 20's levers), or "—"."""
-    opts = ([] if m.get("query_key_map", True) else ["no query-key map"]) + ([f"FFN {m['ffn_hidden']}"] if m.get("ffn_hidden") else [])
-    opts += ["multi-channel attention"] if m.get("multi_channel") else []
-    return ", ".join(opts) or "—"
+def _block(m: dict) -> str:
+    """config.json model's block by name (hstu.train.recipe.block_text, as the training log states it), or "—"."""
+    from hstu.config import model_config_from_dict
+    from hstu.train.recipe import block_text
+
+    return block_text(model_config_from_dict(m)) or "—"
 
 
 def _recipe(config: dict) -> str:

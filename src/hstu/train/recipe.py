@@ -150,10 +150,11 @@ def warmed_up(param_groups: list[dict], tcfg, step: int):
             g["lr"] = r
 
 
-def model_text(mcfg, parameters: int | None = None) -> str:
-    """The model a run trains, for the log's model line, e.g. ``hstu, FuXi-alpha block (semantic, position and time
-    channels), 2 blocks x 1 head, d 50, max_seq_len 200, 210,300 parameters``: the block named from ``[model]
-    multi_channel`` / ``query_key_map`` / ``ffn_hidden`` (Zhai et al. 2024; Ye et al. 2025, FuXi-alpha and FuXi-beta)."""
+def block_text(mcfg) -> str:
+    """The model's block and heads by name, e.g. ``FuXi-alpha block (semantic, position and time channels)``, ``FuXi-beta
+    block (position and time channels, no query-key map)``, ``HSTU block + SwiGLU FFN stage (hidden 200) + next-action
+    head`` (Zhai et al. 2024; Ye et al. 2025, FuXi-alpha and FuXi-beta), from ``[model] multi_channel`` / ``query_key_map``
+    / the relative biases / ``ffn_hidden`` / ``repeat_window`` / ``num_actions``; "" for an architecture without them."""
     chans = [c for c, on in (("semantic", mcfg.query_key_map), ("position", mcfg.use_position_bias), ("time", mcfg.use_time_bias)) if on]
     chans = (", ".join(chans[:-1]) + " and " + chans[-1]) if len(chans) > 1 else "".join(chans)
     if mcfg.architecture != "hstu":
@@ -165,11 +166,16 @@ def model_text(mcfg, parameters: int | None = None) -> str:
         block = "HSTU block" + ("" if mcfg.query_key_map else " without the query-key map (A = SiLU(rab) / n)")
     if block and mcfg.ffn_hidden:
         block += f" + SwiGLU FFN stage (hidden {mcfg.ffn_hidden})"
-    heads_ = [f"repeat head (window {mcfg.repeat_window})" if mcfg.repeat_window else "", "next-action head" if mcfg.num_actions else ""]
-    block = " + ".join(x for x in (block, *heads_) if x)
+    heads = [f"repeat head (window {mcfg.repeat_window})" if mcfg.repeat_window else "", "next-action head" if mcfg.num_actions else ""]
+    return " + ".join(x for x in (block, *heads) if x)
+
+
+def model_text(mcfg, parameters: int | None = None) -> str:
+    """The model a run trains, for the log's model line, e.g. ``hstu, FuXi-alpha block (semantic, position and time
+    channels), 2 blocks x 1 head, d 50, max_seq_len 200, 210,300 parameters`` (:func:`block_text`)."""
     heads = f"{mcfg.num_heads} head{'s' if mcfg.num_heads > 1 else ''}"
     sizes = f"{mcfg.num_blocks} blocks x {heads}, d {mcfg.embedding_dim}, max_seq_len {mcfg.max_seq_len}"
-    return ", ".join(x for x in (mcfg.architecture, block, sizes, f"{parameters:,} parameters" if parameters else "") if x)
+    return ", ".join(x for x in (mcfg.architecture, block_text(mcfg), sizes, f"{parameters:,} parameters" if parameters else "") if x)
 
 
 # Fields a --resume keeps (another value is refused): what they were when the run's steps were taken. The softmax: one run,

@@ -214,7 +214,7 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     for a, b in zip(out["compiled"]["items"], out["eager"]["items"]):
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
     assert json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"] == entries  # loaded, none rebuilt or added
-    assert GraphCache.layout(run) == {"buckets": [8], "max_batch": 2}  # the tiny model's one bucket (max_seq_len 8)
+    assert GraphCache.layouts(run) == [{"buckets": [8], "max_batch": 2}]  # the tiny model's one bucket (max_seq_len 8)
     from hstu.generate.recommend import Recommender
 
     rec = Recommender.from_run(run)  # under "auto", an engine of another layout than the export's takes no cache
@@ -227,6 +227,27 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     assert [i["item_id"] for i in json.loads(printed.out)["items"]] == [i["item_id"] for i in out["eager"]["items"]]
     assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9
     assert f"graph cache {run / 'graphs'}: 3 graphs built and stored now" in printed.err  # said, on stderr (stdout stays JSON)
+    assert GraphCache.layouts(run) == [{"buckets": [8], "max_batch": 1}]  # the unreadable file replaced by the layout built
+
+
+def test_a_compiled_engine_records_the_layout_it_builds(built, tmp_path):
+    """A fresh-user finding: a `--graphs compiled` server with another max batch than the export's built its graphs into
+    the cache, but layout.json kept the export's layout alone, so a later `--graphs auto` server of that layout ran eager.
+    Each stored graph now records its engine's layout; "auto" then loads them."""
+    shutil.copytree(built[0], tmp_path / gc.DIRNAME)
+    GraphCache.add_layout(tmp_path, [E], 2)
+    GraphCache.add_layout(tmp_path, [E], 2)  # recorded once
+    m = tiny_model()
+    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 4)) is None
+    cache = GraphCache.beside(tmp_path, m, "cpu", layout=((E,), 4), compiler=ExportedProgram())
+    eng = Engine(m, graphs="compile", compile_backend="aot_eager", graph_cache=cache, **{**KW, "max_batch": 4, "batch_sizes": (1, 4)})
+    ids, ts, L, feats, ic = inputs(1, seed=3)
+    eng.generate(ids, ts, L, 3, item_category=ic, **feats)
+    assert {r["mode"] for r in eng.graph_report()} == {"built"}
+    assert GraphCache.layouts(tmp_path) == [{"buckets": [E], "max_batch": 2}, {"buckets": [E], "max_batch": 4}]
+    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 4)) is not None
+    (tmp_path / gc.DIRNAME / gc.LAYOUT).write_text('{"buckets": [20], "max_batch": 2}')  # a file from before
+    assert GraphCache.layouts(tmp_path) == [{"buckets": [E], "max_batch": 2}]
 
 
 def test_auto_on_the_cpu_loads_what_the_cache_holds_and_runs_the_rest_eager(built, caplog):
@@ -299,7 +320,7 @@ def test_auto_skips_a_cache_built_for_another_layout(built, tmp_path):
     "graphs compile (...): 60 eager" in /readyz. No graph of another layout can load (names cover the pools'
     shapes), so under graphs "auto" such a cache is not used; "compiled" still gets it, to build into."""
     shutil.copytree(built[0], tmp_path / gc.DIRNAME)
-    GraphCache.write_layout(tmp_path, [E], 2)
+    GraphCache.add_layout(tmp_path, [E], 2)
     m = tiny_model()
     assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 2)) is not None
     for other in (((E,), 4), ((4, E), 2)):

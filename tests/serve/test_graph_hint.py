@@ -30,7 +30,7 @@ def _entries(run, *precisions):
 
 def test_a_matching_cache_or_another_mode_says_nothing(tmp_path):
     _entries(tmp_path, "float32")
-    GraphCache.write_layout(tmp_path, [20, 50], 16)
+    GraphCache.add_layout(tmp_path, [20, 50], 16)
     assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None) is None
     assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, "fp32") is None
     assert graph_cache_hint(tmp_path / "none", "eager", "cpu", [20, 50], 16, None) is None
@@ -41,7 +41,7 @@ def test_a_cache_without_the_served_precision_is_named(tmp_path):
     """INT8 graphs are cached too (hstu::int8_linear): a server at --precision int8 on a cache of float graphs
     runs eager, and the line says so with the command that builds them."""
     _entries(tmp_path, "float32")
-    GraphCache.write_layout(tmp_path, [20, 50], 16)
+    GraphCache.add_layout(tmp_path, [20, 50], 16)
     line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, "int8")
     assert line is not None and "no graph cache for buckets [20, 50], max batch 16 at int8 (its graphs are fp32)" in line
     assert "--precision int8`" in line
@@ -51,6 +51,6 @@ def test_a_cache_without_the_served_precision_is_named(tmp_path):
 
 def test_a_cache_for_another_layout_is_named(tmp_path):
     GraphCache.create(tmp_path)
-    GraphCache.write_layout(tmp_path, [20, 50], 8)
+    GraphCache.add_layout(tmp_path, [20, 50], 8)
     line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
     assert line is not None and "its cache is for buckets [20, 50], max batch 8" in line

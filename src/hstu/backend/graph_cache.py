@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: packages without the weights (AOTInductor.load supplies them)
 MANIFEST = "manifest.json"
-LAYOUT = "layout.json"  # the engine layout hstu export --graphs built for: {"buckets": [...], "max_batch": N}
+LAYOUT = "layout.json"  # the engine layouts graphs were built for: {"layouts": [{"buckets": [...], "max_batch": N}, ...]}
 DIRNAME = "graphs"  # RUN/graphs
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # an entry's precision (a float model's dtype) -> the flag's name
 
@@ -203,8 +203,11 @@ class GraphCache:
             the caller compiles in memory). compiler: builds and loads packages (:class:`AOTInductor`).
     """
 
-    def __init__(self, directory, model: torch.nn.Module, device, *, build: bool = True, compiler=None) -> None:
+    def __init__(
+        self, directory, model: torch.nn.Module, device, *, build: bool = True, compiler=None, layout: tuple | None = None
+    ) -> None:
         self.dir = Path(directory)
+        self.layout = layout  # (buckets, max_batch) of the engine using it: recorded in layout.json with each graph stored
         self.build = build
         self.compiler = compiler or AOTInductor()
         self.env = {
@@ -223,24 +226,29 @@ class GraphCache:
         return {"buckets": [int(e) for e in buckets], "max_batch": int(max_batch)}
 
     @staticmethod
-    def write_layout(run_dir, buckets, max_batch: int) -> None:
-        """Record in RUN/graphs the server engine layout an export built (its graphs' names hash the pools'
-        shapes, so only an engine of that layout finds them): :meth:`layout` reads it back."""
+    def add_layout(run_dir, buckets, max_batch: int) -> None:
+        """Record in RUN/graphs an engine layout graphs were built for (``hstu export --graphs``; a compiled engine
+        with each graph it stores): graph names hash the pools' shapes, so only an engine of a recorded layout finds
+        them. :meth:`layouts` reads them back."""
         d = Path(run_dir) / DIRNAME
+        lays = GraphCache.layouts(run_dir)
+        if (new := GraphCache.layout_of(buckets, max_batch)) in lays:
+            return
         tmp = d / f".{LAYOUT}.{os.getpid()}"
-        tmp.write_text(json.dumps(GraphCache.layout_of(buckets, max_batch)))
+        tmp.write_text(json.dumps({"layouts": [*lays, new]}))
         os.replace(tmp, d / LAYOUT)
 
     @staticmethod
-    def layout(run_dir) -> dict | None:
-        """The layout of the run's last ``hstu export --graphs`` ({"buckets", "max_batch"}), or None
-        (no cache, an older one, or an unreadable file)."""
+    def layouts(run_dir) -> list[dict]:
+        """The engine layouts the run's graphs were built for ({"buckets", "max_batch"} each; a file from before
+        several were kept holds one), or [] (no cache, an older one, or an unreadable file)."""
         p = Path(run_dir) / DIRNAME / LAYOUT if run_dir is not None else None
         try:
-            lay = json.loads(p.read_text()) if p is not None and p.is_file() else None
-            return GraphCache.layout_of(lay["buckets"], lay["max_batch"]) if lay else None
+            raw = json.loads(p.read_text()) if p is not None and p.is_file() else {"layouts": []}
+            lays = raw["layouts"] if "layouts" in raw else [raw]
+            return [GraphCache.layout_of(x["buckets"], x["max_batch"]) for x in lays]
         except (ValueError, KeyError, TypeError):
-            return None
+            return []
 
     @staticmethod
     def precisions(run_dir) -> set[str]:
@@ -258,16 +266,17 @@ class GraphCache:
     ) -> GraphCache | None:
         """The cache of ``run_dir`` if one was built there (``RUN/graphs/manifest.json``), else None; with
         ``holding``, None also when it holds no graph at the model's precision or, given the engine's ``layout``
-        (buckets, max batch), when :meth:`layout` records another one (graphs "auto": run eager at once instead of
-        a warning per graph: a graph's name covers its pools' shapes, so no graph of another layout loads)."""
+        (buckets, max batch), when :meth:`layouts` records others only (graphs "auto": run eager at once instead of
+        a warning per graph: a graph's name covers its pools' shapes, so no graph of another layout loads). The cache
+        records ``layout`` with each graph it stores."""
         if run_dir is None or not (Path(run_dir) / DIRNAME / MANIFEST).is_file():
             return None
         if holding and _short(model_precision(model)) not in cls.precisions(run_dir):  # before hashing the weights
             return None
-        lay = cls.layout(run_dir) if holding and layout is not None else None
-        if lay is not None and lay != cls.layout_of(*layout):
+        lays = cls.layouts(run_dir) if holding and layout is not None else []
+        if lays and cls.layout_of(*layout) not in lays:
             return None
-        return cls(Path(run_dir) / DIRNAME, model, device, **kw)
+        return cls(Path(run_dir) / DIRNAME, model, device, layout=layout, **kw)
 
     @staticmethod
     def create(run_dir) -> Path:
@@ -344,6 +353,8 @@ class GraphCache:
             tmp_m = self.dir / f".{MANIFEST}.{os.getpid()}"
             tmp_m.write_text(json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True))
             os.replace(tmp_m, self.dir / MANIFEST)
+            if self.layout is not None:
+                self.add_layout(self.dir.parent, *self.layout)
         return entry
 
 

@@ -40,7 +40,7 @@ def cmd_export_graphs(args) -> int:
     buckets = fit_buckets(None if args.buckets is None else parse_buckets(args.buckets), rec.model.cfg.max_seq_len)
     d = GraphCache.create(args.run)
     runner = BatchRunner(rec, buckets, args.max_batch or ServeConfig().max_batch, graphs="compiled")
-    GraphCache.write_layout(args.run, runner.buckets, runner.max_batch)  # hstu generate --graphs compiled builds this layout
+    GraphCache.add_layout(args.run, runner.buckets, runner.max_batch)  # hstu generate --graphs compiled builds this layout
     if runner.engine.graph_cache is None:
         print(f"hstu export: error: graphs on {args.device} are device graphs captured at start-up, not cached", file=sys.stderr)
         return 2

@@ -149,11 +149,11 @@ class Recommender:
         longest history, rows for the batch (x beam width), ``graphs`` (eager). What a one-shot ``hstu
         generate`` builds: a third of the default engine's construction here (pools of one
         bucket), and the same results (each row runs in that bucket either way). With compiled graphs and a
-        graph cache, the layout ``hstu export --graphs`` built it for (the server's), whose graphs it then loads."""
+        graph cache, a layout its graphs were built for (``hstu export --graphs``: the server's), whose graphs it then loads."""
         W = decoding.beam_width if decoding.strategy == "beam" else 1
         L = max(len(p.ids) for p in preps)
-        lay = GraphCache.layout(self.run_dir) if graphs in ("auto", "compiled") else None
-        if lay and W <= lay["max_batch"] and L <= max(lay["buckets"]):
+        lays = GraphCache.layouts(self.run_dir) if graphs in ("auto", "compiled") else []
+        if lay := next((x for x in lays if W <= x["max_batch"] and L <= max(x["buckets"])), None):  # the first recorded that fits
             return self.build_engine(tuple(lay["buckets"]), max_batch=lay["max_batch"], graphs=graphs)
         E = smallest_edge(default_buckets(self.max_len), L)  # prepared histories fit: max_len is the last edge
         return self.build_engine((E,), max_batch=max(W, min(len(preps), ENGINE_MAX_BATCH // W) * W), graphs=graphs)

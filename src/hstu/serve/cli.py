@@ -56,7 +56,7 @@ def fit_buckets(edges: list[int] | None, max_seq_len: int, name: str = "--bucket
 def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_batch: int, precision: str | None) -> str | None:
     """A line for the log when ``hstu serve`` on the CPU under ``--graphs auto`` will run eager because the
     run has no graph cache for these buckets and max batch at this precision (``precision``, else the run's saved
-    scheme; :meth:`GraphCache.layout`, :meth:`GraphCache.precisions`), else None. Measured on 2 cores (docs/cli.md,
+    scheme; :meth:`GraphCache.layouts`, :meth:`GraphCache.precisions`), else None. Measured on 2 cores (docs/cli.md,
     "serve"): the exported cache served the multi-channel presets at 1.1x (small) and 1.5x (large) eager's QPS on an
     AVX-512 host, the HSTU-block large preset at 4-6x on an older one; prod INT8 at eager's QPS (lower latency below the knee)."""
     if graphs != "auto" or device != "cpu":
@@ -64,15 +64,16 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     from hstu.backend.graph_cache import GraphCache
     from hstu.quant.checkpoint import read_quant_meta
 
-    lay = GraphCache.layout(run_dir)
+    lays = GraphCache.layouts(run_dir)
     want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
-    if lay == GraphCache.layout_of(buckets, max_batch):
+    if GraphCache.layout_of(buckets, max_batch) in lays:
         built = GraphCache.precisions(run_dir)
         if want in built:
             return None
         had = f" at {want} (its graphs are {', '.join(sorted(built)) or 'none'})"
     else:
-        had = "" if lay is None else f" (its cache is for buckets {lay['buckets']}, max batch {lay['max_batch']})"
+        had = "; ".join(f"buckets {x['buckets']}, max batch {x['max_batch']}" for x in lays)
+        had = f" (its cache is for {had})" if had else ""
     # the command names this server's layout (and precision) so that it builds the cache this server loads
     flags = f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}"
     flags += f" --precision {precision}" if precision else ""

@@ -201,13 +201,14 @@ class GraphCache:
         model: the engine's (hardened) model: its weights hash and precision key the entries.
         device: the engine's device. build: rebuild missing / stale entries (False: refuse them,
             the caller compiles in memory). compiler: builds and loads packages (:class:`AOTInductor`).
+        layout: (buckets, max_batch) of the engine using it, recorded (:meth:`add_layout`) with each graph stored; None: not.
     """
 
     def __init__(
         self, directory, model: torch.nn.Module, device, *, build: bool = True, compiler=None, layout: tuple | None = None
     ) -> None:
         self.dir = Path(directory)
-        self.layout = layout  # (buckets, max_batch) of the engine using it: recorded in layout.json with each graph stored
+        self.layout = layout
         self.build = build
         self.compiler = compiler or AOTInductor()
         self.env = {

@@ -1,5 +1,6 @@
-"""What a TrainConfig trains with, stated once (metrics.json ``recipe`` and the log's recipe line),
-and the learning-rate decay on a validation plateau.
+"""What a TrainConfig trains with, stated once (metrics.json ``recipe`` and the log's recipe line; the model line,
+:func:`model_text`), the recipe's refusals (:func:`check_recipe`), the learning-rate warm-up (:func:`warmed_up`) and
+the learning-rate decay on a validation plateau.
 
 The decay is PyTorch's ``torch.optim.lr_scheduler.ReduceLROnPlateau`` rule (mode "max", threshold 0,
 cooldown 0; its ``patience`` is ours minus one): at the ``[train] lr_decay_patience``-th evaluation in

@@ -188,7 +188,7 @@ class TrainConfig:
     negatives_chunk: int = 1  # runs of this many consecutive positions share their negatives (1: per position, the reference's)
     # > 0: per-position negatives from one pool of this many distinct items per batch, one (positions x pool) GEMM (train/losses.py).
     negatives_pool: int = 0
-    # > 0: per position, this many negatives more, each another position's target (mixed negative sampling, logQ-corrected
+    # > 0: per position, this many negatives more, each the target of a batch position (mixed negative sampling, logQ-corrected
     # to the uniform sampler's objective; train/mixed_negatives.py); not with negatives_pool.
     in_batch_negatives: int = 0
     # "sampled": the sampled softmax above (Zhai et al. 2024 §4.1.1); "full": cross-entropy over every item

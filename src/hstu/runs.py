@@ -292,9 +292,10 @@ def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, co
 
 def remove_run_files(run: Path, everything: bool = False) -> None:
     """Delete an old run's files (:data:`RUN_FILES`) from ``run`` (a fresh run replaces it: nothing of
-    it can be resumed or reported). config.json and idmap.json are rewritten by the new run. ``everything``:
-    those two as well, and ``run`` itself if that leaves it empty (a fresh run that failed before its first epoch)."""
-    for f in [*RUN_FILES, *((CONFIG, IDMAP) if everything else ())]:
+    it can be resumed or reported). config.json and idmap.json are rewritten by the new run. ``everything``: those
+    two and the items file as well, and ``run`` itself if that leaves it empty (a fresh run that failed before its
+    first epoch)."""
+    for f in [*RUN_FILES, *((CONFIG, IDMAP, ITEMS) if everything else ())]:
         (Path(run) / f).unlink(missing_ok=True)
     if everything and Path(run).is_dir() and not any(Path(run).iterdir()):
         Path(run).rmdir()

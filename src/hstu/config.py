@@ -229,9 +229,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.softmax ([train] softmax) must be 'sampled' or 'full', got {self.softmax!r}")
         for name in ("negatives_pool", "in_batch_negatives"):
             if self.softmax == "full" and getattr(self, name):
-                raise ValueError(f"TrainConfig.{name} is a sampled-softmax option: set it to 0 with [train] softmax = 'full'")
+                raise ValueError(f"TrainConfig.{name} is a sampled-softmax option (--{name.replace('_', '-')}): 0 with softmax 'full'")
         if self.negatives_pool and self.in_batch_negatives:
-            raise ValueError("TrainConfig.in_batch_negatives and negatives_pool are two negative schemes: set one of them to 0")
+            raise ValueError("TrainConfig.in_batch_negatives, negatives_pool: set one to 0 (--in-batch-negatives, --negatives-pool)")
         if self.packing not in ("auto", "off", "pack"):
             raise ValueError(f"TrainConfig.packing ([train] packing) must be 'auto', 'off' or 'pack', got {self.packing!r}")
         if self.loss_divisor not in ("batch", "epoch"):

@@ -105,7 +105,7 @@ def test_config_recipe_and_training_loss_route() -> None:
     for kw, msg in [
         ({"in_batch_negatives": -1}, "in_batch_negatives must be >= 0"),
         ({"in_batch_negatives": 4, "softmax": "full"}, "in_batch_negatives is a sampled-softmax option"),
-        ({"in_batch_negatives": 4, "negatives_pool": 64}, "in_batch_negatives and negatives_pool are two negative schemes"),
+        ({"in_batch_negatives": 4, "negatives_pool": 64}, "in_batch_negatives, negatives_pool: set one to 0"),
         ({"lr_warmup_steps": -1}, "lr_warmup_steps must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=msg):
@@ -164,6 +164,10 @@ def test_warm_up_and_mixed_negatives_resume_as_uninterrupted(ml1m_dir, tmp_path)
         fit(tmp_path / "b", mcfg, replace(tc(4), lr_warmup_steps=0), spec, resume=True, progress=False)
     with pytest.raises(ValueError, match=r"--resume: \[train\] learning_rate is 0.005 here, 0.001 in the run"):
         fit(tmp_path / "b", mcfg, replace(tc(4), learning_rate=5e-3), spec, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"--resume: \[train\] in_batch_negatives is 8 here, 4 in the run"):
+        fit(tmp_path / "b", mcfg, replace(tc(4), in_batch_negatives=8), spec, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"--resume: \[train\] batch_size is 16 here, 32 in the run .* warm-up counts steps"):
+        fit(tmp_path / "b", mcfg, replace(tc(4), batch_size=16), spec, resume=True, progress=False)
     assert len(json.loads((tmp_path / "b" / "history.json").read_text())) == 3
 
 
@@ -191,7 +195,7 @@ def test_warnings_and_bounds() -> None:
     assert recipe_warnings(TrainConfig(negatives_pool=64, negatives_chunk=4))[0].startswith("[train] negatives_pool draws")
     late = recipe_warnings(TrainConfig(epochs=2, lr_warmup_steps=100), steps_per_epoch=47)
     assert late == [
-        "[train] lr_warmup_steps = 100 is more than this run's 94 optimizer steps (2 epochs x 47 batches): "
+        "[train] lr_warmup_steps = 100 is more than this run's 94 optimizer steps (2 epoch(s) x 47 batch(es)): "
         "the learning rate never reaches learning_rate = 0.001"
     ]
     assert recipe_warnings(TrainConfig(epochs=3, lr_warmup_steps=94), steps_per_epoch=47) == []

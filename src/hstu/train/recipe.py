@@ -92,8 +92,8 @@ def recipe_warnings(tcfg, steps_per_epoch: int | None = None) -> list[str]:
     total = tcfg.epochs * steps_per_epoch if steps_per_epoch is not None else None
     if total is not None and tcfg.lr_warmup_steps > total:
         out.append(
-            f"[train] lr_warmup_steps = {tcfg.lr_warmup_steps} is more than this run's {total} optimizer steps ({tcfg.epochs} epochs x "
-            f"{steps_per_epoch} batches): the learning rate never reaches learning_rate = {tcfg.learning_rate:g}"
+            f"[train] lr_warmup_steps = {tcfg.lr_warmup_steps} is more than this run's {total} optimizer steps ({tcfg.epochs} epoch(s) x "
+            f"{steps_per_epoch} batch(es)): the learning rate never reaches learning_rate = {tcfg.learning_rate:g}"
         )
     return out
 
@@ -115,7 +115,8 @@ def describe(r: dict) -> str:
     if d != "off" and d["scope"] != "all parameters":
         decay += f" ({d['scope']})"
     if r.get("lr_warmup_steps"):
-        decay = f"linear lr warm-up over {r['lr_warmup_steps']} steps, {decay}"
+        n = r["lr_warmup_steps"]
+        decay = f"linear lr warm-up over {n} step{'s' if n > 1 else ''}, {decay}"
     return f"negatives {neg}, batching {bat}{pack}, loss divisor {r['loss_divisor']}, {table}, {decay}"
 
 
@@ -179,9 +180,10 @@ def model_text(mcfg, parameters: int | None = None) -> str:
     return ", ".join(x for x in (mcfg.architecture, block_text(mcfg), sizes, f"{parameters:,} parameters" if parameters else "") if x)
 
 
-# Fields a --resume keeps (another value is refused): what they were when the run's steps were taken. The softmax: one run,
-# one loss; the warm-up: a function of the run's step count; the learning rate: the saved optimizer state carries the rates.
-RESUME_KEEPS = {"softmax": "sampled", "lr_warmup_steps": 0, "learning_rate": None}
+# Fields a --resume keeps (another value is refused): what they were when the run's steps were taken. The softmax and the
+# in-batch negatives: one run, one loss (metrics.json's recipe states one); the warm-up: a function of the run's step count (and
+# with it batch_size); the learning rate: the saved optimizer state carries the rates.
+RESUME_KEEPS = {"softmax": "sampled", "in_batch_negatives": 0, "lr_warmup_steps": 0, "learning_rate": None}
 
 
 def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None = None, where: str | Path = "config.json") -> None:
@@ -202,3 +204,9 @@ def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None
                 f"--resume: [train] {name} is {now!r} here, {was!r} in the run ({where} train.{name}); a resume keeps it: "
                 f"drop --{name.replace('_', '-')} / [train] {name}"
             )
+    was = (saved or {}).get("batch_size", tcfg.batch_size)
+    if tcfg.lr_warmup_steps and tcfg.batch_size != was:  # the warm-up counts the run's steps, batches of its size
+        raise ValueError(
+            f"--resume: [train] batch_size is {tcfg.batch_size} here, {was} in the run ({where} train.batch_size), whose learning-rate "
+            "warm-up counts steps of its batches: drop --batch-size / [train] batch_size"
+        )

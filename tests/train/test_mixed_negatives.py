@@ -259,3 +259,14 @@ def test_a_repeat_head_refuses_the_batch_negative_schemes_before_writing(tmp_pat
     r = subprocess.run([sys.executable, "-m", "hstu", "train", *flags, flag, "4", "--out", str(out)], capture_output=True, text=True)
     assert r.returncode == 2 and f"({flag}) is not supported with a repeat head (repeat_window > 0); set it to 0" in r.stderr
     assert not out.exists()
+
+
+def test_resume_accepts_the_preset_the_run_was_trained_with(tmp_path) -> None:
+    """A second fresh-user finding: `hstu train --resume --preset small` on a small run was refused ("drop --preset small");
+    the command that trained a run, with --resume added, goes on; another preset is refused naming the fields."""
+    from hstu.config import model_config_from_preset, to_dict
+    from hstu.train.cli import _preset_differs
+
+    (tmp_path / "config.json").write_text(json.dumps({"model": to_dict(model_config_from_preset("small"))}))
+    assert _preset_differs("small", tmp_path / "config.json") == ""
+    assert "num_blocks 8 in the preset, 2 in the run" in _preset_differs("large", tmp_path / "config.json")

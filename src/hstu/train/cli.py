@@ -291,8 +291,10 @@ def _check_resume_flags(args) -> None:
         return
     if getattr(args, "arch", None):
         raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --arch {args.arch}")
-    if args.preset is not None:
-        raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --preset {args.preset}")
+    if args.preset is not None and (diff := _preset_differs(args.preset, Path(args.out) / "config.json")):
+        raise ValueError(
+            f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}: {diff}); drop --preset {args.preset}"
+        )
     if args.config:
         from hstu.config import ModelConfig, load_config_file, load_config_tables
         from hstu.model.checkpoint import read_json
@@ -305,6 +307,19 @@ def _check_resume_flags(args) -> None:
         run = {k: saved.get(k, getattr(default, k)) for k in table}
         if other := ", ".join(f"{k} = {json.dumps(v)} (the run: {json.dumps(run[k])})" for k, v in table.items() if run[k] != v):
             raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {other}: drop them")
+
+
+def _preset_differs(preset: str, path: Path) -> str:
+    """The fields in which ``preset``'s values differ from the run's saved model at ``path`` (config.json), as text;
+    "" when the run was trained at those values (a resume with its training command's --preset goes on)."""
+    from hstu.config import PRESETS, ModelConfig
+    from hstu.model.checkpoint import read_json
+
+    if preset not in PRESETS or not path.exists():
+        return f"--preset {preset}"
+    saved, default = read_json(path).get("model", {}), ModelConfig()
+    run = {k: saved.get(k, getattr(default, k)) for k in PRESETS[preset]}
+    return ", ".join(f"{k} {v} in the preset, {run[k]} in the run" for k, v in PRESETS[preset].items() if run[k] != v)
 
 
 def _resume_defaults(args) -> dict:

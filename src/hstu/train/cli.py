@@ -291,35 +291,39 @@ def _check_resume_flags(args) -> None:
         return
     if getattr(args, "arch", None):
         raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --arch {args.arch}")
-    if args.preset is not None and (diff := _preset_differs(args.preset, Path(args.out) / "config.json")):
-        raise ValueError(
-            f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}: {diff}); drop --preset {args.preset}"
-        )
+    path = Path(args.out) / "config.json"
+    if args.preset is not None and (diff := _preset_differs(args.preset, path)):
+        raise ValueError(f"--resume continues the run's saved model ({path}: {diff}); drop --preset {args.preset}")
     if args.config:
-        from hstu.config import ModelConfig, load_config_file, load_config_tables
-        from hstu.model.checkpoint import read_json
+        from hstu.config import load_config_file, load_config_tables
 
         load_config_file(args.config)  # every table checked, errors naming the file
-        table, path = load_config_tables(args.config).get("model", {}), Path(args.out) / "config.json"
+        table = load_config_tables(args.config).get("model", {})
         if not (table and path.exists()):  # no run there: _resume_defaults says so
             return
-        saved, default = read_json(path).get("model", {}), ModelConfig()
-        run = {k: saved.get(k, getattr(default, k)) for k in table}
-        if other := ", ".join(f"{k} = {json.dumps(v)} (the run: {json.dumps(run[k])})" for k, v in table.items() if run[k] != v):
+        if other := ", ".join(f"{k} = {json.dumps(v)} (the run: {json.dumps(r)})" for k, v, r in _model_differs(table, path)):
             raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {other}: drop them")
+
+
+def _model_differs(values: dict, path: Path) -> list[tuple]:
+    """(field, value, the run's value) for each of ``values`` ([model] fields) that the run's saved model at ``path``
+    (config.json; fields it lacks: ModelConfig's defaults) holds otherwise."""
+    from hstu.config import ModelConfig
+    from hstu.model.checkpoint import read_json
+
+    saved, default = read_json(path).get("model", {}), ModelConfig()
+    run = {k: saved.get(k, getattr(default, k)) for k in values}
+    return [(k, v, run[k]) for k, v in values.items() if run[k] != v]
 
 
 def _preset_differs(preset: str, path: Path) -> str:
     """The fields in which ``preset``'s values differ from the run's saved model at ``path`` (config.json), as text;
     "" when the run was trained at those values (a resume with its training command's --preset goes on)."""
-    from hstu.config import PRESETS, ModelConfig
-    from hstu.model.checkpoint import read_json
+    from hstu.config import PRESETS
 
     if preset not in PRESETS or not path.exists():
         return f"--preset {preset}"
-    saved, default = read_json(path).get("model", {}), ModelConfig()
-    run = {k: saved.get(k, getattr(default, k)) for k in PRESETS[preset]}
-    return ", ".join(f"{k} {v} in the preset, {run[k]} in the run" for k, v in PRESETS[preset].items() if run[k] != v)
+    return ", ".join(f"{k} {v} in the preset, {r} in the run" for k, v, r in _model_differs(PRESETS[preset], path))
 
 
 def _resume_defaults(args) -> dict:

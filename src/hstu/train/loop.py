@@ -424,7 +424,8 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         write_idmap(run, log_, split)
         log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
         log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
-        for warning in recipe_warnings(tcfg, len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1))):
+        steps = len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1)) if tcfg.lr_warmup_steps else None  # for a warm-up only
+        for warning in recipe_warnings(tcfg, steps):
             log.warning(warning)
     strategy.barrier()
     started, status = clock(), "completed"

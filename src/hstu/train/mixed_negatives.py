@@ -48,9 +48,10 @@ def draw_mixed(
         uni = draw_negatives(B, T + 1, num_negatives=M, chunk=1, num_items=num_items, generator=generator, device=device)[0][mask]
     picks = torch.randint(0, max(P, 1), (P, N), generator=generator, device=device)
     neg = torch.cat([uni, tgt[picks]], dim=1)  # (P, M + N)
-    counts = torch.bincount(tgt, minlength=num_items + 1).to(torch.float64)
-    ratio = (M + N * num_items * counts / max(P, 1)) / (M + N)  # I Q(j), (I + 1,)
-    return neg, ratio.log()[neg]
+    ids, counts = torch.unique(tgt, return_counts=True)  # c_j of the targets only: no (I + 1,) table a batch
+    at = torch.searchsorted(ids, neg).clamp(max=max(len(ids) - 1, 0))
+    c = torch.where(ids[at] == neg, counts[at], 0).to(torch.float64)  # (P, M + N); P = 0: empty
+    return neg, ((M + N * num_items * c / max(P, 1)) / (M + N)).log()  # log(I Q(j))
 
 
 def mixed_softmax_loss(

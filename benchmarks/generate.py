@@ -4,6 +4,7 @@
     python benchmarks/generate.py --json benchmarks/results/generate_full.json            # more repeats, bigger mixes
     python benchmarks/generate.py --graphs compiled ...                                   # compiled bucket graphs
     python benchmarks/generate.py --graphs eager,compiled --json ...                      # section 0 only: side by side
+    python benchmarks/generate.py --graphs compiled,cached --json ...                     # torch.compile vs a graph cache's packages
 
 Model: random weights, the "small" preset (2 blocks, 1 head, d = 50, N = 210) with
 num_items = 3706 (ML-1M's catalogue); no training needed, the cost does not depend on weights.
@@ -31,7 +32,8 @@ Memory: peak RSS (getrusage), device peak where present, KV pool bytes per bucke
 
 0. ``--graphs A,B`` (e.g. eager,compiled) runs only this section: next-5 at batch 1 and 16, length
    50 / 100 / 200, by two engines of the same model (buckets 50/100/200, batch sizes 1 and 16), one
-   per graph mode, called alternately; P50 ratio A / B per shape, each shape's compile seconds
+   per graph mode ("cached": the AOTInductor packages of a graph cache, what a served run loads),
+   called alternately; P50 ratio A / B per shape, each shape's compile seconds
    (``Engine.graph_report``: first call = compilation + one run) and the load average around it.
    ``--preset`` picks the model size (small, large, prod).
 """
@@ -45,6 +47,7 @@ import os
 import platform
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,7 @@ import torch
 
 from _flop_floor import flop_floor, summary_part
 from hstu.backend import Backend, CPUBackend, select
+from hstu.backend.graph_cache import GraphCache
 from hstu.bench.timing import interleaved, latency_stats
 from hstu.bench.timing import percentile_ms as pct
 from hstu.config import PRESETS, ModelConfig
@@ -373,12 +377,17 @@ def graphs_side_by_side(args: argparse.Namespace, be: Backend, model: HSTUModel,
     out |= {"preset": args.preset, "precision": args.precision, "threads": torch.get_num_threads(), "reps": reps}
     out["load_avg_at_start"] = list(os.getloadavg())
     engines, warm = {}, {}
+    tmp = tempfile.TemporaryDirectory(prefix="hstu-graphs-")  # "cached": the packages, removed at exit
     for m in modes:
         t0 = time.perf_counter()
         mode, _, guards = m.partition("+")  # "compiled+guards": TorchDynamo's per-call guard checks kept (Engine.guard_checks)
+        cache = None
+        if mode == "cached":  # what `hstu serve` loads from a run's `hstu export --graphs`: AOTInductor packages
+            mode, cache = "compile", GraphCache(Path(tmp.name) / "graphs", model, dev, layout=(edges, 16))
         engines[m] = Engine(
-            model, buckets=edges, max_batch=16, k_max=10, batch_sizes=(1, 16), device=dev, graphs=mode, kernels=args.kernels
-        )
+            model, buckets=edges, max_batch=16, k_max=10, batch_sizes=(1, 16), device=dev, graphs=mode, kernels=args.kernels,
+            graph_cache=cache,
+        )  # fmt: skip
         engines[m].guard_checks = guards == "guards"
         engines[m].warmup()
         warm[m] = {"seconds": round(time.perf_counter() - t0, 1), "mode": engines[m].graphs, "graphs": engines[m].graph_report()}
@@ -406,6 +415,7 @@ def graphs_side_by_side(args: argparse.Namespace, be: Backend, model: HSTUModel,
             )
     out["next5"] = rows
     out["load_avg_at_end"] = list(os.getloadavg())
+    tmp.cleanup()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
@@ -424,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="engine graph mode: auto | eager | compiled | compile | cuda_graph | npu_graph; two, comma-separated "
         "(eager,compiled): section 0 only, side by side; a mode with '+guards' keeps TorchDynamo's per-call guard checks "
-        "(compiled+guards,compiled: what skipping them saves)",
+        "(compiled+guards,compiled: what skipping them saves); 'cached' (side by side only): AOTInductor packages built "
+        "into a temporary graph cache, as `hstu serve` loads a run's `hstu export --graphs`",
     )
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size (section 0; the others use small)")
     ap.add_argument("--kernels", default="auto")

@@ -426,7 +426,11 @@ def graphs_side_by_side(args: argparse.Namespace, be: Backend, model: HSTUModel,
 def main(argv: list[str] | None = None) -> int:
     global DATA
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few repeats and small mixes (< 60 s on 2 cores)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="few repeats and small mixes (< 60 s on 2 cores; graph builds with a compiled or cached side add ~3 minutes)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--device", default="cpu")
     ap.add_argument(

@@ -237,3 +237,12 @@ def test_ray_data_job_equals_the_local_file(full, run_dir, ratings, tmp_path):
     finally:
         ray.shutdown()
     _same(_read(out), _read(full).iloc[: 40 * K].reset_index(drop=True))
+
+
+def test_all_users_refuses_compiled_graphs_before_any_work(tmp_path, capsys):
+    """--graphs compiled with --all-users was accepted and ignored (the batch job runs eager): refused in one line, as --ann."""
+    from hstu.cli import main
+
+    out = tmp_path / "x.jsonl"
+    assert main(["generate", "--run", str(tmp_path), "--all-users", "--out", str(out), "--graphs", "compiled"]) == 2
+    assert "--graphs compiled: the batch job (--all-users) runs eager" in capsys.readouterr().err and not out.exists()

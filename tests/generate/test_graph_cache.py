@@ -317,7 +317,7 @@ def test_auto_skips_a_cache_without_graphs_at_the_models_precision(built, tmp_pa
 def test_auto_skips_a_cache_built_for_another_layout(built, tmp_path):
     """A fresh-user finding: `hstu serve` with default buckets on a run exported with `--buckets 20 --max-batch 2`
     logged "the model runs eager", then warned once per graph (60 lines) that the cache lacked it and said
-    "graphs compile (...): 60 eager" in /readyz. No graph of another layout can load (names cover the pools'
+    "graphs from the run's graph cache (...): 60 eager" in /readyz. No graph of another layout can load (names cover the pools'
     shapes), so under graphs "auto" such a cache is not used; "compiled" still gets it, to build into."""
     shutil.copytree(built[0], tmp_path / gc.DIRNAME)
     GraphCache.add_layout(tmp_path, [E], 2)

@@ -54,3 +54,21 @@ def test_a_cache_for_another_layout_is_named(tmp_path):
     GraphCache.add_layout(tmp_path, [20, 50], 8)
     line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
     assert line is not None and "its cache is for buckets [20, 50], max batch 8" in line
+
+
+def test_a_cache_without_a_readable_layout_record_is_not_called_missing(tmp_path):
+    """A cache whose layout.json is missing or unreadable is still used under auto (GraphCache.beside cannot rule it
+    out: its graphs load where their names match this server's shapes), so the line must not say "runs eager"; it
+    names the file and the command that rewrites it (a fresh-user trial: the log said eager, /readyz "2 loaded")."""
+    from hstu.backend import graph_cache as gc
+
+    _entries(tmp_path, "float32")
+    for content in (None, "garbage{"):
+        p = tmp_path / gc.DIRNAME / gc.LAYOUT
+        p.unlink(missing_ok=True)
+        if content is not None:
+            p.write_text(content)
+        line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
+        assert line is not None and "runs eager;" not in line and gc.LAYOUT in line
+        assert f"`hstu export --run {tmp_path} --graphs --buckets 20,50 --max-batch 16`" in line
+        assert GraphCache.layouts(tmp_path) == []  # GraphCache.beside(holding=True) then keeps the cache: no layout rules it out

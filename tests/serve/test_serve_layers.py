@@ -85,7 +85,7 @@ def test_warm_up_names_how_the_graphs_run(run_dir) -> None:
     from hstu.serve.admission import BucketCost
 
     cost = BucketCost(1e-3, 1e-4, 1e-4, 1e-5, 1e-3, 1e-4)
-    said = "engine, graphs compile (the run's graph cache; eager where it has none): 2 eager, 58 loaded"
+    said = "engine, graphs from the run's graph cache (eager where it has none): 2 eager, 58 loaded"
 
     class Channel:  # the two processes answer the warm-up op as worker._worker_warmup does
         async def call(self, op, edge):

@@ -9,7 +9,7 @@ graph cache for ``hstu serve --graphs compiled``.
 server's warm-up runs (bucket x batch size of its ladder x step kind) for those buckets, max batch,
 precision and device (the server's defaults unless given), and prints each graph's compile time and
 bytes. INT8 graphs call the Linears' packed weights through one opaque op (hstu.quant.int8.int8_linear)
-and fuse the rest. A server started with the same settings and ``--graphs compiled`` loads them instead of
+and fuse the rest. A server started with the same settings (``--graphs auto``, the default, or ``compiled``) loads them instead of
 compiling; entries already built for these weights and this torch are kept, stale ones rebuilt.
 
 Writes DIR/export.json (how to feed the programs), encoder_E{E}.onnx or .pt2 per bucket edge,
@@ -102,7 +102,12 @@ def add_subcommands(subparsers) -> None:
     p.add_argument("--run", required=True, help="run directory written by `hstu train`")
     p.add_argument("--format", help="onnx (ONNX Runtime, Triton Inference Server) or pt2 (torch.export)")
     p.add_argument("--out", help="export directory (must not exist or be empty, unless --overwrite)")
-    p.add_argument("--graphs", action="store_true", help="build the run's graph cache (RUN/graphs) for `hstu serve --graphs compiled`")
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="build the run's graph cache (RUN/graphs) that `hstu serve` loads (its default --graphs auto, or compiled) "
+        "with the same buckets, max batch and precision",
+    )
     p.add_argument("--max-batch", type=number_in(int, 1), help="with --graphs: the server's --max-batch (default: its default)")
     p.add_argument("--device", default="cpu", help="with --graphs: the server's --device (default cpu)")
     p.add_argument("--buckets", help="comma-separated bucket edges <= max_seq_len (default: the engine's default buckets)")

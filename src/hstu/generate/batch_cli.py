@@ -74,6 +74,8 @@ def cmd_all_users(args, load_log: Callable[[dict], object]) -> int:
         raise ValueError("--all-users needs --out FILE (.parquet or .jsonl)")
     if getattr(args, "ann", None):
         raise ValueError("--ann: the batch job (--all-users) picks exactly; drop --ann")
+    if getattr(args, "graphs", "eager") != "eager":
+        raise ValueError(f"--graphs {args.graphs}: the batch job (--all-users) runs eager; drop --graphs")
     if args.engine != "ray" and (args.ray_address is not None or args.ray_gpus_per_worker is not None):
         raise ValueError("--ray-address / --ray-gpus-per-worker: only with --engine ray")
     output_format(args.out)

@@ -61,11 +61,20 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     AVX-512 host, the HSTU-block large preset at 4-6x on an older one; prod INT8 at eager's QPS (lower latency below the knee)."""
     if graphs != "auto" or device != "cpu":
         return None
-    from hstu.backend.graph_cache import GraphCache
+    from hstu.backend.graph_cache import DIRNAME, LAYOUT, GraphCache
     from hstu.quant.checkpoint import read_quant_meta
 
     lays = GraphCache.layouts(run_dir)
     want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
+    # the command names this server's layout (and precision) so that it builds the cache this server loads
+    flags = f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}"
+    flags += f" --precision {precision}" if precision else ""
+    if not lays and want in GraphCache.precisions(run_dir):  # GraphCache.beside cannot rule the cache out: it is used
+        return (
+            f"{run_dir}: {DIRNAME}/{LAYOUT} is missing or unreadable: the graph cache's graphs load where they match "
+            f"buckets {list(buckets)}, max batch {max_batch}, the rest run eager; `hstu export --run {run_dir} --graphs "
+            f"{flags}` builds what is missing and rewrites the file"
+        )
     if GraphCache.layout_of(buckets, max_batch) in lays:
         built = GraphCache.precisions(run_dir)
         if want in built:
@@ -74,9 +83,6 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     else:
         had = "; ".join(f"buckets {x['buckets']}, max batch {x['max_batch']}" for x in lays)
         had = f" (its cache is for {had})" if had else ""
-    # the command names this server's layout (and precision) so that it builds the cache this server loads
-    flags = f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}"
-    flags += f" --precision {precision}" if precision else ""
     gain = (
         "measured at eager's QPS for the prod preset at the knee, lower latency below it: P99 54 against 71 ms at 85 QPS"
         if want == "int8"
@@ -215,7 +221,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len, source)
         hint = graph_cache_hint(run, cfg.graphs, args.device, cfg.buckets, cfg.max_batch, args.precision)
         if hint:
-            log.info(hint)
+            (log.warning if "unreadable" in hint else log.info)(hint)
         popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
         app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
     except BaseException:

@@ -128,7 +128,8 @@ class BatchRunner:
     def _describe(self) -> str:
         """What generates, with the graph mode the engine resolved (/readyz "generation", the start-up log)
         and, once warm-up has called them, how its compiled graphs run (:meth:`graph_counts`), e.g.
-        "engine, graphs compile (the run's graph cache; eager where it has none): 58 loaded, 2 eager"."""
+        "engine, graphs from the run's graph cache (eager where it has none): 58 loaded, 2 eager" (nothing is compiled
+        then: under ``--graphs auto`` the packages load and the rest run eager)."""
         e = self.engine
         if e is None:
             return "engine (the recommender's default buckets)"
@@ -137,7 +138,7 @@ class BatchRunner:
         if e.graph_cache is None:
             how = "engine, graphs compile (compiled at warm-up)"
         else:
-            how = "engine, graphs compile (the run's graph cache" + ("; eager where it has none)" if e.cache_only else ")")
+            how = "engine, graphs from the run's graph cache (" + ("eager where it has none)" if e.cache_only else "built where missing)")
         counts = self.graph_counts()
         return how + (": " + ", ".join(f"{n} {runs}" for runs, n in sorted(counts.items())) if counts else "")
 

@@ -243,7 +243,9 @@ def cmd_generate(args) -> int:
     items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=eng)[0]
     built = [g for g in eng.graph_report() if g["mode"] == "built"]
     if built:  # compiled into the run's graph cache now: say so (a later serve or generate loads them)
-        print(f"graph cache {eng.graph_cache.dir}: {len(built)} graph{'s' if len(built) != 1 else ''} built and stored now", file=sys.stderr)
+        print(
+            f"graph cache {eng.graph_cache.dir}: {len(built)} graph{'s' if len(built) != 1 else ''} built and stored now", file=sys.stderr
+        )
     out = {"user": args.user, "items": items, **({"warnings": prep.warnings} if prep.warnings else {})}
     if args.json:
         print(json.dumps(out, indent=2, ensure_ascii=False))

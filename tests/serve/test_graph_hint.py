@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hstu.backend.graph_cache import GraphCache
-from hstu.serve.cli import graph_cache_hint
+from hstu.serve.cli import graph_cache_hint, layout_record_warning
 
 
 def test_no_cache_names_the_export_command(tmp_path):
@@ -58,7 +58,7 @@ def test_a_cache_for_another_layout_is_named(tmp_path):
 
 def test_a_cache_without_a_readable_layout_record_is_not_called_missing(tmp_path):
     """A cache whose layout.json is missing or unreadable is still used under auto (GraphCache.beside cannot rule it
-    out: its graphs load where their names match this server's shapes), so the line must not say "runs eager"; it
+    out: its graphs load where their names match this server's shapes), so no line says "runs eager"; a warning
     names the file and the command that rewrites it (a fresh-user trial: the log said eager, /readyz "2 loaded")."""
     from hstu.backend import graph_cache as gc
 
@@ -68,7 +68,11 @@ def test_a_cache_without_a_readable_layout_record_is_not_called_missing(tmp_path
         p.unlink(missing_ok=True)
         if content is not None:
             p.write_text(content)
-        line = graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None)
-        assert line is not None and "runs eager;" not in line and gc.LAYOUT in line
+        assert graph_cache_hint(tmp_path, "auto", "cpu", [20, 50], 16, None) is None
+        line = layout_record_warning(tmp_path, "auto", "cpu", [20, 50], 16, None)
+        assert line is not None and "the rest run eager" in line and gc.LAYOUT in line
         assert f"`hstu export --run {tmp_path} --graphs --buckets 20,50 --max-batch 16`" in line
         assert GraphCache.layouts(tmp_path) == []  # GraphCache.beside(holding=True) then keeps the cache: no layout rules it out
+    GraphCache.add_layout(tmp_path, [20, 50], 16)  # a readable record: nothing to warn about
+    assert layout_record_warning(tmp_path, "auto", "cpu", [20, 50], 16, None) is None
+    assert layout_record_warning(tmp_path / "none", "auto", "cpu", [20, 50], 16, None) is None

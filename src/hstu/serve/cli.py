@@ -61,20 +61,13 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     AVX-512 host, the HSTU-block large preset at 4-6x on an older one; prod INT8 at eager's QPS (lower latency below the knee)."""
     if graphs != "auto" or device != "cpu":
         return None
-    from hstu.backend.graph_cache import DIRNAME, LAYOUT, GraphCache
+    from hstu.backend.graph_cache import GraphCache
     from hstu.quant.checkpoint import read_quant_meta
 
     lays = GraphCache.layouts(run_dir)
     want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
-    # the command names this server's layout (and precision) so that it builds the cache this server loads
-    flags = f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}"
-    flags += f" --precision {precision}" if precision else ""
-    if not lays and want in GraphCache.precisions(run_dir):  # GraphCache.beside cannot rule the cache out: it is used
-        return (
-            f"{run_dir}: {DIRNAME}/{LAYOUT} is missing or unreadable: the graph cache's graphs load where they match "
-            f"buckets {list(buckets)}, max batch {max_batch}, the rest run eager; `hstu export --run {run_dir} --graphs "
-            f"{flags}` builds what is missing and rewrites the file"
-        )
+    if not lays and want in GraphCache.precisions(run_dir):  # used (GraphCache.beside cannot rule it out): layout_record_warning
+        return None
     if GraphCache.layout_of(buckets, max_batch) in lays:
         built = GraphCache.precisions(run_dir)
         if want in built:
@@ -83,6 +76,7 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     else:
         had = "; ".join(f"buckets {x['buckets']}, max batch {x['max_batch']}" for x in lays)
         had = f" (its cache is for {had})" if had else ""
+    flags = export_flags(buckets, max_batch, precision)
     gain = (
         "measured at eager's QPS for the prod preset at the knee, lower latency below it: P99 54 against 71 ms at 85 QPS"
         if want == "int8"
@@ -91,6 +85,32 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     return (
         f"{run_dir}: no graph cache for buckets {list(buckets)}, max batch {max_batch}{had}: the model runs eager; "
         f"`hstu export --run {run_dir} --graphs {flags}` builds one once (minutes; {gain}, 2 cores)"
+    )
+
+
+def export_flags(buckets: list[int], max_batch: int, precision: str | None) -> str:
+    """The `hstu export --graphs` flags that build the cache of this server's layout (and precision)."""
+    return f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}" + (
+        f" --precision {precision}" if precision else ""
+    )
+
+
+def layout_record_warning(run_dir, graphs: str, device: str, buckets: list[int], max_batch: int, precision: str | None) -> str | None:
+    """A warning for the log when ``hstu serve`` on the CPU under ``--graphs auto`` uses a graph cache whose
+    ``layout.json`` is missing or unreadable (:meth:`GraphCache.beside` cannot rule it out, so its graphs load where
+    their names match this server's buckets and max batch, the rest run eager), else None."""
+    if graphs != "auto" or device != "cpu":
+        return None
+    from hstu.backend.graph_cache import DIRNAME, LAYOUT, GraphCache
+    from hstu.quant.checkpoint import read_quant_meta
+
+    want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
+    if GraphCache.layouts(run_dir) or want not in GraphCache.precisions(run_dir):
+        return None
+    return (
+        f"{run_dir}: {DIRNAME}/{LAYOUT} is missing or unreadable: the graph cache's graphs load where they match "
+        f"buckets {list(buckets)}, max batch {max_batch}, the rest run eager; `hstu export --run {run_dir} --graphs "
+        f"{export_flags(buckets, max_batch, precision)}` builds what is missing and rewrites the file"
     )
 
 
@@ -219,9 +239,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # with a model process, this process only maps ids and formats answers: no weights here
         rec = Recommender.mapping_only(run) if args.model_process else Recommender.from_run(run, args.device, args.precision)
         cfg.buckets = fit_buckets(explicit, rec.model.cfg.max_seq_len, source)
-        hint = graph_cache_hint(run, cfg.graphs, args.device, cfg.buckets, cfg.max_batch, args.precision)
-        if hint:
-            (log.warning if "unreadable" in hint else log.info)(hint)
+        where = (run, cfg.graphs, args.device, cfg.buckets, cfg.max_batch, args.precision)
+        if warning := layout_record_warning(*where):
+            log.warning(warning)
+        elif hint := graph_cache_hint(*where):
+            log.info(hint)
         popularity = popularity_for_run(read_json(run / "config.json"), rec.idmap, args.data_dir) if args.cold_start == "popular" else None
         app = create_app(cfg, rec, run_dir=str(run), policy=policy, popularity=popularity)
     except BaseException:
@@ -390,4 +412,4 @@ def add_subcommands(subparsers) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "graph_cache_hint", "parse_buckets", "run_server"]
+__all__ = ["add_subcommands", "cmd_serve", "fit_buckets", "graph_cache_hint", "layout_record_warning", "parse_buckets", "run_server"]

@@ -62,10 +62,9 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     if graphs != "auto" or device != "cpu":
         return None
     from hstu.backend.graph_cache import GraphCache
-    from hstu.quant.checkpoint import read_quant_meta
 
     lays = GraphCache.layouts(run_dir)
-    want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
+    want = _served_precision(run_dir, precision)
     if not lays and want in GraphCache.precisions(run_dir):  # used (GraphCache.beside cannot rule it out): layout_record_warning
         return None
     if GraphCache.layout_of(buckets, max_batch) in lays:
@@ -88,6 +87,13 @@ def graph_cache_hint(run_dir, graphs: str, device: str, buckets: list[int], max_
     )
 
 
+def _served_precision(run_dir, precision: str | None) -> str:
+    """The precision a server of ``run_dir`` runs at: ``precision`` (--precision), else the run's saved scheme, else fp32."""
+    from hstu.quant.checkpoint import read_quant_meta
+
+    return precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
+
+
 def export_flags(buckets: list[int], max_batch: int, precision: str | None) -> str:
     """The `hstu export --graphs` flags that build the cache of this server's layout (and precision)."""
     return f"--buckets {','.join(str(b) for b in buckets)} --max-batch {int(max_batch)}" + (
@@ -102,10 +108,8 @@ def layout_record_warning(run_dir, graphs: str, device: str, buckets: list[int],
     if graphs != "auto" or device != "cpu":
         return None
     from hstu.backend.graph_cache import DIRNAME, LAYOUT, GraphCache
-    from hstu.quant.checkpoint import read_quant_meta
 
-    want = precision or (read_quant_meta(Path(run_dir)) or {}).get("scheme") or "fp32"
-    if GraphCache.layouts(run_dir) or want not in GraphCache.precisions(run_dir):
+    if GraphCache.layouts(run_dir) or _served_precision(run_dir, precision) not in GraphCache.precisions(run_dir):
         return None
     return (
         f"{run_dir}: {DIRNAME}/{LAYOUT} is missing or unreadable: the graph cache's graphs load where they match "

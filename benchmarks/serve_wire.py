@@ -14,6 +14,9 @@ jobs of 20..200 ML-1M-sized events (dense ids drawn from the run's items) and it
   (:func:`~hstu.serve.wire.pack_answer`) and the serving process unpacks and describes them. The
   figures are split by process (``model_us``, ``serving_us``): the serving process's share is the
   one the HTTP event loop pays.
+- ``request``: a 200-event /v1/generate body validated by pydantic (``model_validate_json``) against
+  msgspec's mirror of the schema (:mod:`hstu.serve.fast_body`, what ``edge.read_body`` tries first),
+  each with the service's per-event attribute reads.
 - ``response``: a 5-item /v1/generate body encoded by orjson (``edge.json_response``) against
   ``json.dumps`` (Starlette's JSONResponse).
 - ``edge_cold_start``, ``edge_invalid``: one whole ASGI request to the app of ``create_app`` (in
@@ -38,13 +41,16 @@ import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import orjson
 
 from hstu.config import DecodeOptions
 from hstu.generate.recommend import Prepared, Ranked, Recommender
+from hstu.serve import fast_body
 from hstu.serve.executor import BatchOutcome
 from hstu.serve.runner import Job
+from hstu.serve.schemas import GenerateRequest
 from hstu.serve.wire import pack_answer, pack_jobs, unpack_answer, unpack_jobs
 
 
@@ -60,6 +66,27 @@ def _batch(n_items: int, batch: int, k: int, seed: int) -> tuple[list[Job], list
         items = rng.choice(np.arange(1, n_items + 1), k, replace=False).astype(np.int64)
         ranked.append(Ranked(items, np.sort(rng.standard_normal(k).astype(np.float32))[::-1].copy(), None))
     return jobs, ranked
+
+
+def _request_case(rec: Recommender) -> tuple:
+    """(before, now) for ``request``: a 200-event /v1/generate body validated by pydantic
+    (``GenerateRequest.model_validate_json``) against msgspec's mirror (:mod:`hstu.serve.fast_body`),
+    each followed by the service's per-event reads (``Service.prepare``'s four lists)."""
+    raw = rec.raw_ids
+    body = orjson.dumps(
+        {
+            "user_id": 7,
+            "history": [{"item_id": int(raw[1 + i % (len(raw) - 1)]), "timestamp": 978300000 + 60 * i} for i in range(200)],
+            "k": 5,
+        }
+    )
+
+    def read(req) -> int:
+        h = req.history
+        return len([e.item_id for e in h]) + len([e.timestamp for e in h]) + len([e.action for e in h]) + len([e.features for e in h])
+
+    assert msgspec.to_builtins(fast_body.decode("GenerateRequest", body)) == GenerateRequest.model_validate_json(body).model_dump()
+    return (lambda: read(GenerateRequest.model_validate_json(body)), lambda: read(fast_body.decode("GenerateRequest", body)))
 
 
 def _us(fn, reps: int) -> float:
@@ -188,6 +215,7 @@ def main(argv=None) -> int:
         "answer_model": (old_model, new_model),
         "answer_serving": (lambda: loads(old_answer), lambda: [rec.describe_ranked(r) for r in unpack_answer(new_answer).results]),
     }
+    cases["request"] = _request_case(rec)
     body = {"user_id": 7, "items": rec.describe_ranked(ranked[0]), "bucket": 50, "latency_ms": 3.2, "history_length": 44, "warnings": []}
     cases["response"] = (lambda: json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(), lambda: orjson.dumps(body))
     assert loads(old_answer)[1].results == [rec.describe_ranked(r) for r in unpack_answer(new_answer).results]

@@ -26,6 +26,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hstu.serve import fast_body
 from hstu.serve.batcher import Rejected
 from hstu.serve.http_limits import is_json_media_type
 from hstu.serve.metrics import ServeMetrics
@@ -207,12 +208,13 @@ class EdgeMiddleware:
         await resp(scope, receive, send)
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The request body validated against ``model`` straight from its bytes (pydantic's JSON
-    parser, ``model_validate_json``: one pass, no intermediate dict, none of FastAPI's
-    per-parameter body handling; bare apps side by side on this project's 2-core box: ~0.57 ms
-    of CPU per /v1/generate request against 0.7-1.0). Errors take FastAPI's path:
-    RequestValidationError, loc under "body".
+async def read_body(request: Request, model: type[BaseModel]) -> Any:
+    """The request body validated against ``model`` straight from its bytes: first by msgspec into
+    the Struct that mirrors ``model`` (:mod:`hstu.serve.fast_body`: the same fields, values and
+    constraints, ~5x less CPU for a 200-event history), else by pydantic's JSON parser
+    (``model_validate_json``: one pass, no intermediate dict, none of FastAPI's per-parameter body
+    handling), which gives every error. Returns either form (the same attributes). Errors take
+    FastAPI's path: RequestValidationError, loc under "body".
 
     Raises:
         ApiError: 415 when a Content-Type is given and is not JSON (``application/json`` or
@@ -222,8 +224,12 @@ async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
     ctype = request.headers.get("content-type")
     if ctype is not None and not is_json_media_type(ctype):
         raise ApiError(415, "unsupported_media_type", f"content-type: expected application/json (UTF-8), got {ctype!r}", "content-type")
+    body = await request.body()
+    fast = fast_body.decode(model.__name__, body)
+    if fast is not None:
+        return fast
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
 

@@ -30,8 +30,13 @@ from hstu.serve.executor import Executor, LocalModel, batch_guard
 from hstu.serve.metrics import ServeMetrics
 from hstu.serve.popularity import Popularity
 from hstu.serve.runner import BatchRunner, DecodeOptions, Job
+from hstu.serve import fast_body
 from hstu.serve.schemas import Event, GenerateRequest, ScoreRequest
 from hstu.serve.worker import ProcessModel, WorkerSpec
+
+# a body in either form read_body returns (hstu.serve.fast_body: the same attributes)
+GenerateBody = GenerateRequest | fast_body.GenerateRequest
+ScoreBody = ScoreRequest | fast_body.ScoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +244,12 @@ class Service:
 
     # ----- input -----
     def prepare(
-        self, history: list[Event], request_time: int | None, exclude: list[int] | None, unknown: str | None, order: str | None
+        self,
+        history: list[Event] | list[fast_body.Event],
+        request_time: int | None,
+        exclude: list[int] | None,
+        unknown: str | None,
+        order: str | None,
     ) -> tuple[Prepared | None, list[str]]:
         """Validated, mapped, truncated history; (None, warnings) when nothing usable is left
         (empty, or every id unknown under the "drop" policy). Raises ApiError 422."""
@@ -276,11 +286,11 @@ class Service:
             warnings.append(f"history has {n} events; kept the most recent {m} (the largest bucket)")
         return p, warnings
 
-    def exclude_history(self, req: GenerateRequest) -> bool | None:
+    def exclude_history(self, req: GenerateBody) -> bool | None:
         """The request's candidate policy: its ``exclude_history``, else the server's, else None (the run's)."""
         return req.exclude_history if req.exclude_history is not None else self.policy.exclude_history
 
-    def check_room(self, prep: Prepared, req: GenerateRequest, dec: DecodeOptions) -> None:
+    def check_room(self, prep: Prepared, req: GenerateBody, dec: DecodeOptions) -> None:
         """ApiError 422 (field ``exclude``, or ``k`` without one) when the request's exclusions
         leave fewer than k items (beam: max(k, beam width)): checked per request, before batching."""
         need = max(req.k, dec.beam_width if dec.strategy == "beam" else 1)
@@ -317,7 +327,7 @@ class Service:
         return [self.rec.describe(d, s) for d, s in top]
 
     # ----- requests -----
-    async def generate(self, req: GenerateRequest, t0: float) -> dict[str, Any]:
+    async def generate(self, req: GenerateBody, t0: float) -> dict[str, Any]:
         """The /v1/generate body for ``req``, which arrived at ``t0`` (``time.perf_counter()``).
         Raises ApiError 422 (k, history, exclusions, beam width) and what the batcher raises (Rejected)."""
         try:
@@ -376,7 +386,7 @@ class Service:
             "warnings": warnings,
         }
 
-    async def score(self, req: ScoreRequest, t0: float) -> dict[str, Any]:
+    async def score(self, req: ScoreBody, t0: float) -> dict[str, Any]:
         """The /v1/score body for ``req`` (scores in candidate order, null for an unknown candidate),
         which arrived at ``t0``. Raises ApiError 422 (candidates, history) and Rejected."""
         policy = self.policy

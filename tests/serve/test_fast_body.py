@@ -109,6 +109,26 @@ def test_boundary_bodies(body):
     _check(schemas.GenerateRequest, body.encode())
 
 
+RAW = [
+    b'\xef\xbb\xbf{"history": []}',  # a UTF-8 byte-order mark
+    b'{"history": [{"item_id": "\xff\xfe", "timestamp": 1}]}',  # not UTF-8
+    b'{"history": [{"item_id": "\xed\xa0\x80", "timestamp": 1}]}',  # an encoded surrogate
+    b'{"history": []} x',
+    b' {"history": []}\n',
+    b'{"history": [{"item_id": "a\\u0000b", "timestamp": 1}]}',
+    b'{"history": [], "k": -0}',
+    b'{"history": [], "k": 1E2}',
+    b'{"history": [], "k": 00}',
+    b'{"history": [], "decoding": {"temperature": 1E2}}',
+    b'{"history": [], "decoding": {"temperature": -0.0}}',
+]
+
+
+@pytest.mark.parametrize("body", RAW, ids=range(len(RAW)))
+def test_raw_bytes(body):
+    _check(schemas.GenerateRequest, body)
+
+
 def test_score_boundaries():
     for b in ('{"history": [], "candidates": []}', '{"history": [], "candidates": [true]}', '{"history": [], "k": 5, "candidates": [1]}'):
         assert not _check(schemas.ScoreRequest, b.encode())

@@ -111,3 +111,27 @@ def test_a_trailing_slash_is_a_404_naming_the_endpoint(server) -> None:
     after = metrics(server.url)
     for endpoint in ("/v1/generate", "/v1/score", "/healthz", "/metrics", "other"):
         assert count(after, endpoint) - count(before, endpoint) == 1, endpoint
+
+
+def test_client_leaving_mid_body_counts_nothing(server, caplog) -> None:
+    """A client that closes its connection before its body is whole gets no answer (there is no one to
+    answer), and, as an idle connection closed, counts nothing: no 500 in the request counter and no
+    "unhandled error" in the log (it was both: starlette's ClientDisconnect reached the 500 path)."""
+    import socket
+    import time
+
+    def count(code: str) -> float:
+        m = metrics(server.url)
+        return sum(v for (name, labels), v in m.items() if name == "hstu_serve_requests_total" and ("code", code) in labels)
+
+    before = count("500")
+    port = int(server.url.rsplit(":", 1)[1])
+    for path in ("/v1/generate", "/v1/score"):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode())
+            s.sendall(b'{"history":')
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert count("500") == before
+    assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
+    assert httpx.post(server.url + "/v1/generate", json=GOOD, timeout=60).status_code == 200  # still serving

@@ -4,7 +4,8 @@
 streams in, 408 when it does not arrive within ``body_timeout_s`` of the headers), refuses model
 requests before their body is read while admission refuses everything (429), answers an
 unexpected exception with the 500 error body on a connection that stays open, and counts
-``hstu_serve_requests_total``. :func:`read_body` validates a body straight from its bytes.
+``hstu_serve_requests_total`` (a client that leaves before its body is whole gets no answer and counts
+nothing). :func:`read_body` validates a body straight from its bytes.
 :func:`error_response` is the one error body (``{"error": {"type", "message", "field"}}``) as a
 response. The header-read timeout, which needs the protocol, is :mod:`hstu.serve.http_limits`; its
 408 is :func:`header_timeout_response`, counted here too.
@@ -25,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hstu.serve import fast_body
 from hstu.serve.batcher import Rejected
@@ -188,13 +190,17 @@ class EdgeMiddleware:
                     await self._direct(direct, scope, receive_wrapper, send_wrapper)
                 else:
                     await self.app(scope, receive_wrapper, send_wrapper)
+            except ClientDisconnect:  # the client left before its body was whole: no one to answer
+                state["code"] = None  # counts nothing, as an idle connection closed
+                log.debug("client left during its %s request body", scope["path"])
             except Exception as exc:
                 if state["started"]:
                     raise  # part of an answer is out: uvicorn closes the connection
                 log.exception("unhandled error on %s", scope["path"], exc_info=exc)
                 await error_response(500, "internal_error", f"internal error: {type(exc).__name__}: {exc}")(scope, receive, send_wrapper)
         finally:
-            self.metrics.requests.labels(endpoint=endpoint, code=str(state["code"])).inc()
+            if state["code"] is not None:
+                self.metrics.requests.labels(endpoint=endpoint, code=str(state["code"])).inc()
 
     async def _direct(self, endpoint, scope, receive, send) -> None:
         """Answer a ``routes`` request: ``endpoint``'s response, or ``on_error``'s for what it raised

@@ -39,6 +39,7 @@ from typing import Any
 from hstu.serve.admission import BucketCost
 from hstu.serve.executor import BatchOutcome, LocalModel, ModelRestart, batch_guard, execute, warm_and_measure
 from hstu.generate.requests import smallest_edge
+from hstu.serve.pipe import PipeEnd
 from hstu.serve.runner import BatchRunner, Job
 from hstu.serve.wire import ANSWER, TAG, pack_answer, pack_jobs, unpack_answer, unpack_jobs
 
@@ -205,7 +206,7 @@ class _Channel:
         self.proc.start()
         child.close()
         self.pending: collections.deque[asyncio.Future] = collections.deque()
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.pipe = PipeEnd(self.conn, self._on_message, self._died)
         self.dead = False
 
     @staticmethod
@@ -232,50 +233,37 @@ class _Channel:
         return self.send(bytes(ForkingPickler.dumps((op, args))))
 
     def send(self, message: bytes) -> asyncio.Future:
-        """Send one encoded call (pickled ``(op, args)``, or a packed batch of :mod:`hstu.serve.wire`); as :meth:`call`."""
+        """Send one encoded call (pickled ``(op, args)``, or a packed batch of :mod:`hstu.serve.wire`); as :meth:`call`.
+        Written through :class:`hstu.serve.pipe.PipeEnd` (whatever its size, without blocking the loop)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if self.loop is not loop and not self.dead:  # first call in this loop
-            if self.loop is not None and not self.loop.is_closed():
-                self.loop.remove_reader(self.conn.fileno())
-            self.loop = loop
-            loop.add_reader(self.conn.fileno(), self._on_readable)
         if not self.dead:
-            try:
-                self.conn.send_bytes(message)
-            except OSError:  # BrokenPipeError: the process is gone
-                self._died()
-        if self.dead:
-            fut.set_exception(ModelProcessDied(f"the model process ended (exit code {self.proc.exitcode})"))
-        else:
+            self.pipe.attach(loop)  # first call in this loop: the pipe is watched from now on
             self.pending.append(fut)
+            self.pipe.send(message)  # a pipe found closed: _died has failed fut
+        elif not fut.done():
+            fut.set_exception(ModelProcessDied(f"the model process ended (exit code {self.proc.exitcode})"))
         return fut
 
-    def _on_readable(self) -> None:
+    def _on_message(self, buf: bytes) -> None:
+        if not self.pending:  # nothing asked: not an answer of ours
+            log.warning("model process sent %d bytes nobody asked for; dropped", len(buf))
+            return
+        fut = self.pending.popleft()
         try:
-            while self.pending and self.conn.poll():
-                buf = self.conn.recv_bytes()
-                fut = self.pending.popleft()
-                try:
-                    if buf[:1] == ANSWER:  # a batch's answer (hstu.serve.wire): an outcome, or the call's error
-                        value = unpack_answer(buf)
-                        status = "err" if isinstance(value, BaseException) else "ok"
-                    else:
-                        status, value = ForkingPickler.loads(buf)
-                except Exception as exc:  # noqa: BLE001 - a frame that does not decode, an exception type that does not unpickle
-                    status, value = "err", RuntimeError(f"cannot read the model process's answer: {type(exc).__name__}: {exc}")
-                if not fut.done():  # a cancelled waiter's answer is dropped
-                    fut.set_result(value) if status == "ok" else fut.set_exception(value)
-            if not self.pending and self.conn.poll():  # readable with nothing asked: the pipe's end
-                self.conn.recv_bytes()
-        except (EOFError, OSError):
-            self._died()
+            if buf[:1] == ANSWER:  # a batch's answer (hstu.serve.wire): an outcome, or the call's error
+                value = unpack_answer(buf)
+                status = "err" if isinstance(value, BaseException) else "ok"
+            else:
+                status, value = ForkingPickler.loads(buf)
+        except Exception as exc:  # noqa: BLE001 - a frame that does not decode, an exception type that does not unpickle
+            status, value = "err", RuntimeError(f"cannot read the model process's answer: {type(exc).__name__}: {exc}")
+        if not fut.done():  # a cancelled waiter's answer is dropped
+            fut.set_result(value) if status == "ok" else fut.set_exception(value)
 
     def _died(self) -> None:
         self.dead = True
-        if self.loop is not None:
-            self.loop.remove_reader(self.conn.fileno())
-            self.loop = None
+        self.pipe.detach()
         while self.pending:
             fut = self.pending.popleft()
             if not fut.done():
@@ -296,9 +284,7 @@ class _Channel:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the process (after the call it is running, if any) and close the pipe."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.remove_reader(self.conn.fileno())
-        self.loop = None
+        self.pipe.detach()  # blocking again: the Connection calls below
         if not self.dead:
             try:
                 self.conn.send(("stop", ()))

@@ -6,7 +6,7 @@ V1 splits its API server and engine core the same way). Each process has one dup
 ``multiprocessing`` pipe: the event loop sends a call (a batch packed as one header and its arrays'
 bytes, :mod:`hstu.serve.wire`, answered the same way: dense item ids, scores and action ids, or an
 error; the rare calls and their answers pickled) and reads the answer in a ``loop.add_reader``
-callback, so no thread of this process takes part
+callback, both without blocking the loop (:class:`hstu.serve.pipe.PipeEnd`), so no thread of this process takes part
 (``ProcessPoolExecutor`` routes every call through a manager and a feeder thread, each waiting for
 the GIL behind the event loop: 0.7 ms per round trip alone, more under load; a bare pipe 0.3 ms).
 A process that dies (killed, out of memory) is seen as the pipe's end, is replaced in the

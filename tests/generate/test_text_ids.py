@@ -76,6 +76,10 @@ def test_integer_ids_stay_int64_and_lookups_take_either_form():
     assert IdIndex(["", "b", "a"]).dense([1, "a", " b "]).tolist() == [0, 2, 1]  # an int given to a text map is its text
     with pytest.raises(ValueError, match=r"history\[1\]\.item_id: not an integer id"):
         as_ids([1, "x"], text=False, where="history[{i}].item_id")
+    assert as_ids([" 7 ", "+7", "-3"], text=False).tolist() == [7, 7, -3]
+    for bad in ("1_097", "\u0661\u0660\u0669\u0667", "\uff11\uff10\uff19\uff17", "7.0", "0x10"):  # what int() would also read
+        with pytest.raises(ValueError, match="not an integer id"):
+            as_ids([bad], text=False)
 
 
 def test_idmap_holds_text_ids_as_json_strings():

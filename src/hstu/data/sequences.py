@@ -17,12 +17,14 @@ Original ids (users and items, each on its own) are integers (int64) or texts. A
 string with surrounding whitespace removed, case kept ("SKU-001" and "sku-001" are two items); an
 empty id is refused. A text id map holds "" at row 0 (the padding entry), an integer one 0.
 Lookups (:func:`as_ids`, :class:`IdIndex`) take either form: an int given to a text map is its
-decimal text, a decimal string given to an integer map is that integer; a bool is never an id.
+decimal text, a decimal string given to an integer map (ASCII digits,
+an optional sign) is that integer; a bool is never an id.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +52,9 @@ def same_item_ids(a, b) -> bool:
     return bool(np.array_equal(np.asarray(a, dtype=dtype), np.asarray(b, dtype=dtype)))
 
 
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")  # an integer id given as text: ASCII digits and a sign, nothing else
+
+
 def as_id(x, text: bool, where: str):
     """One original id as :func:`as_ids` reads it; ValueError starting with ``where``."""
     if isinstance(x, (bool, np.bool_)):
@@ -62,6 +67,8 @@ def as_id(x, text: bool, where: str):
             raise ValueError(f"{where}: an id must be 1..{ID_MAX_CHARS} characters after trimming, got {x!r}")
         return s
     try:
+        if isinstance(x, str) and not _ASCII_INT.fullmatch(x.strip()):
+            raise ValueError  # int() would also read "1_097" and non-ASCII digits ("\uff11", Arabic-Indic) as integers
         v = int(x.strip()) if isinstance(x, str) else x
         if not isinstance(v, (int, np.integer)) or not -(2**63) <= int(v) < 2**63:
             raise ValueError

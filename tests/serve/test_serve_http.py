@@ -259,6 +259,23 @@ def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> No
         assert "415" in spec["paths"]["/v1/generate"]["post"]["responses"]
 
 
+def test_encoded_body_is_415_naming_content_encoding(rec, popularity) -> None:  # noqa: F811
+    """A gzip body (or any Content-Encoding but identity) is refused with 415 naming content-encoding:
+    it was read as JSON (a 422 'Invalid JSON' for gzip, and a 'br' label on a plain body passed)."""
+    import gzip
+
+    data = json.dumps(GOOD).encode()
+    with make_server(rec, popularity) as s:
+        for enc, body in (("gzip", gzip.compress(data)), ("br", data), ("deflate, gzip", data)):
+            r = httpx.post(
+                s.url + "/v1/generate", content=body, headers={"content-type": "application/json", "content-encoding": enc}, timeout=60
+            )
+            assert r.status_code == 415, (enc, r.text)
+            assert r.json()["error"]["field"] == "content-encoding" and enc in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/generate", content=data, headers={"content-encoding": "identity"}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 # ----------------------------------------------------------------------------------------------
 # keep-alive across error answers
 # ----------------------------------------------------------------------------------------------

@@ -224,12 +224,21 @@ async def read_body(request: Request, model: type[BaseModel]) -> Any:
 
     Raises:
         ApiError: 415 when a Content-Type is given and is not JSON (``application/json`` or
-            ``application/*+json``, UTF-8); a request without one is read as JSON (FastAPI's rule).
+            ``application/*+json``, UTF-8); a request without one is read as JSON (FastAPI's rule);
+            415 naming ``content-encoding`` for an encoded (e.g. gzip) body: bodies are read as sent.
         RequestValidationError: the body is not valid JSON or not a valid ``model``.
     """
     ctype = request.headers.get("content-type")
     if ctype is not None and not is_json_media_type(ctype):
         raise ApiError(415, "unsupported_media_type", f"content-type: expected application/json (UTF-8), got {ctype!r}", "content-type")
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"content-encoding: not supported, got {encoding!r}; send the body uncompressed",
+            "content-encoding",
+        )
     body = await request.body()
     fast = fast_body.decode(model.__name__, body)
     if fast is not None:

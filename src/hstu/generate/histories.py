@@ -40,6 +40,11 @@ class History:
 
 @dataclass
 class Prepared:
+    """A checked history in dense ids, the most recent events the model reads (``ids`` (n,) int64 and
+    the same-length timestamps, actions, categories), its request time, warnings, the request's block
+    list (dense ids) and ``older``: (m,) int64 dense ids of the known events dropped by truncation
+    (excluded with the history when the history is excluded, never read by the model)."""
+
     ids: np.ndarray
     timestamps: np.ndarray
     actions: np.ndarray
@@ -47,6 +52,7 @@ class Prepared:
     request_time: int
     warnings: list[str]
     block: list[int]
+    older: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass

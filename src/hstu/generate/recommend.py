@@ -233,6 +233,7 @@ class Recommender:
             warnings.append(f"dropped {len(gone)} event(s) with unknown item ids: {', '.join(map(repr, gone[:5]))}{more}")
         if not len(keep_a):
             raise HistoryError("history: no known item ids left after dropping unknown ones")
+        older = ids[: max(0, len(ids) - self.max_len)]  # known events the model will not read: still history to exclude
         if len(keep_a) > self.max_len:
             warnings.append(f"history has {len(keep_a)} events; kept the most recent {self.max_len}")
             keep_a, ids = keep_a[-self.max_len :], ids[-self.max_len :]
@@ -246,7 +247,7 @@ class Recommender:
             warnings.append("request_time is earlier than the last event; using the last event's time")
             rt = int(ts[keep_a].max())
         block = [int(d) for d in self.dense_ids(h.exclude, "exclude[{i}]") if d > 0] if h.exclude else []
-        return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block)
+        return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block, older)
 
     def _tokens(self, h: History, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """The kept events' categories: (n,) from the item table, or with side features (n, 1+F) token
@@ -316,7 +317,8 @@ class Recommender:
         if not self._excl_hist(exclude_history):
             hist = np.zeros(0, np.int64)
         else:
-            hist = np.setdiff1d(prep.ids, block) if len(block) else np.unique(prep.ids)
+            seen = np.concatenate([prep.ids, prep.older]) if len(prep.older) else prep.ids
+            hist = np.setdiff1d(seen, block) if len(block) else np.unique(seen)
         cold = 0
         if self.untrained_np is not None and not self.allows_untrained(allow_untrained):
             cold = self.num_untrained - int(self.untrained_np[block].sum()) - int(self.untrained_np[hist].sum())
@@ -335,18 +337,14 @@ class Recommender:
         self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None, allow_untrained: bool | None, sparse=False
     ) -> torch.Tensor | Exclusions:
         """(B, I+1) bool never-generate mask of a batch (``b`` from :meth:`batch`): padding, the
-        block lists, the histories when excluded, and the untrained items unless allowed; the one
-        mask builder of every generation path (``recommend`` and the server's engine adapter).
-        ``sparse``: the same set as :class:`hstu.generate.sampler.Exclusions` (a streamed engine's)."""
-        never = None if self.allows_untrained(allow_untrained) else self.untrained
+        block lists, the histories when excluded (with their ``older`` events), and the untrained items
+        unless allowed; the one mask builder of every generation path (``recommend`` and the server's
+        engine adapter). ``sparse``: the same set as :class:`hstu.generate.sampler.Exclusions` (a streamed engine's)."""
+        never, hist = None if self.allows_untrained(allow_untrained) else self.untrained, self._excl_hist(exclude_history)
+        blocks = [p.block + p.older.tolist() if hist and len(p.older) else p.block for p in preps]
+        ids = b["ids"] if hist else None
         return (exclusion_pairs if sparse else exclusion_mask)(
-            self.model.cfg.num_items,
-            len(preps),
-            b["ids"] if self._excl_hist(exclude_history) else None,
-            b["lengths"],
-            [p.block for p in preps],
-            device=self.device,
-            never=never,
+            self.model.cfg.num_items, len(preps), ids, b["lengths"], blocks, self.device, never
         )
 
     def ranked(self, items: torch.Tensor, scores: torch.Tensor, actions: torch.Tensor | None, k: int) -> list[Ranked]:

@@ -282,7 +282,8 @@ class Service:
         n = len(p.ids)
         if n > self.max_bucket:
             m = self.max_bucket
-            p = Prepared(p.ids[-m:], p.timestamps[-m:], p.actions[-m:], p.categories[-m:], p.request_time, p.warnings, p.block)
+            older = np.concatenate([p.older, p.ids[:-m]])
+            p = Prepared(p.ids[-m:], p.timestamps[-m:], p.actions[-m:], p.categories[-m:], p.request_time, p.warnings, p.block, older)
             warnings.append(f"history has {n} events; kept the most recent {m} (the largest bucket)")
         return p, warnings
 

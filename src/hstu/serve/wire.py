@@ -10,8 +10,8 @@ back (C order). The receiver rebuilds them as ``np.frombuffer`` views of one wri
 frame's array bytes, so no per-array object is unpickled. Two messages use it:
 
 - ``b"J"``, a batch (:func:`pack_jobs`): the bucket edge, each job's scalars (kind, k, decoding
-  options, exclusion and untrained-item settings, request time, warnings) and six arrays per job
-  (ids, timestamps, actions, categories, block list, candidates or none).
+  options, exclusion and untrained-item settings, request time, warnings) and seven arrays per job
+  (ids, timestamps, actions, categories, block list, candidates or none, the older history's ids).
 - ``b"A"``, its answer (:func:`pack_answer`): the :class:`~hstu.serve.executor.BatchOutcome`'s
   scalars (seconds, memory, guard trigger, shed message) and per job a generate result
   (:class:`~hstu.generate.recommend.Ranked`: dense item ids, scores, action ids, concatenated over
@@ -49,7 +49,7 @@ from hstu.serve.runner import Job
 TAG = b"J"  # a batch, serving process -> model process
 ANSWER = b"A"  # a batch's answer (or the call's error), model process -> serving process
 _LEN = struct.Struct("<I")
-_PER_JOB = 6  # arrays per job: ids, timestamps, actions, categories, block, candidates
+_PER_JOB = 7  # arrays per job: ids, timestamps, actions, categories, block, candidates, older
 
 
 class WireError(ValueError):
@@ -134,7 +134,7 @@ def pack_jobs(edge: int, jobs: list[Job]) -> bytes:
     meta, arrays = [], []
     for j in jobs:
         d, p = j.decoding, j.prepared
-        arrays += [p.ids, p.timestamps, p.actions, p.categories, np.asarray(p.block, dtype=np.int64), j.candidates]
+        arrays += [p.ids, p.timestamps, p.actions, p.categories, np.asarray(p.block, dtype=np.int64), j.candidates, p.older]
         meta.append(
             (j.kind, j.k, (d.strategy, d.top_k, d.temperature, d.beam_width, d.seed), j.exclude_history, j.allow_untrained)
             + (p.request_time, p.warnings)
@@ -149,8 +149,8 @@ def unpack_jobs(buf: bytes | bytearray | memoryview) -> tuple[int, list[Job]]:
         raise WireError(f"wire: batch of {len(meta)} jobs carries {len(arrays)} arrays, expected {_PER_JOB * len(meta)}")
     jobs = []
     for i, (kind, k, dec, exclude_history, allow_untrained, request_time, warnings) in enumerate(meta):
-        ids, ts, acts, cats, block, cands = arrays[_PER_JOB * i : _PER_JOB * (i + 1)]
-        prep = Prepared(ids, ts, acts, cats, request_time, warnings, block.tolist())
+        ids, ts, acts, cats, block, cands, older = arrays[_PER_JOB * i : _PER_JOB * (i + 1)]
+        prep = Prepared(ids, ts, acts, cats, request_time, warnings, block.tolist(), older)
         jobs.append(Job(kind, prep, k, DecodeOptions(*dec), exclude_history, cands, allow_untrained))
     return edge, jobs
 

@@ -5,6 +5,7 @@ real model process answers a batch exactly as the runner in this process does.""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -110,10 +111,11 @@ def test_broken_frames_are_refused_with_a_message() -> None:
         unpack_answer(bytes(bad))
 
 
-def test_model_process_answers_a_batch_as_the_local_runner(run_dir, ratings, rec) -> None:
+def test_model_process_answers_a_batch_as_the_local_runner(run_dir, ratings, rec, capfd) -> None:
     """One mixed batch (greedy, beam, score, one job that fails) through a real model process equals
     the same batch run here: item ids, scores and actions bit for bit, the failing job's error type
-    and message, the others unaffected."""
+    and message, the others unaffected. The model process's log lines carry time, level, a
+    "[model process]" tag and the logger (they were bare messages: its root logger had no handler)."""
     from hstu.serve.runner import BatchRunner, Job
     from hstu.serve.worker import ProcessModel, WorkerSpec
 
@@ -138,6 +140,8 @@ def test_model_process_answers_a_batch_as_the_local_runner(run_dir, ratings, rec
     finally:
         model.close()
     assert isinstance(out, BatchOutcome) and out.seconds > 0
+    err = capfd.readouterr().err
+    assert re.search(r"^\S+ \S+ WARNING \[model process\] hstu\.serve\.runner: batch group of 2 jobs failed", err, re.M), err[-2000:]
     for a, b in zip(local, out.results):
         if isinstance(a, Ranked):
             assert a.items.tolist() == b.items.tolist() and a.scores.tobytes() == b.scores.tobytes()

@@ -155,6 +155,8 @@ def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     :func:`hstu.serve.wire.pack_answer`), a pickled ``(op, args)`` with ``("ok", value)`` or
     ``("err", exception)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains, then stops us
+    # a spawned process starts with no logging set up (its warnings were bare stderr lines): the server's format, warnings up
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [model process] %(name)s: %(message)s")
     exit_with_parent()
     _worker_init(spec, warm)
     while True:

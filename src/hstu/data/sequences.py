@@ -17,8 +17,8 @@ Original ids (users and items, each on its own) are integers (int64) or texts. A
 string with surrounding whitespace removed, case kept ("SKU-001" and "sku-001" are two items); an
 empty id is refused. A text id map holds "" at row 0 (the padding entry), an integer one 0.
 Lookups (:func:`as_ids`, :class:`IdIndex`) take either form: an int given to a text map is its
-decimal text, a decimal string given to an integer map (ASCII digits,
-an optional sign) is that integer; a bool is never an id.
+decimal text, a decimal string given to an integer map (ASCII digits, an optional sign) is that
+integer; a bool is never an id.
 """
 
 from __future__ import annotations

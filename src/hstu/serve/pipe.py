@@ -61,7 +61,7 @@ class PipeEnd:
     """
 
     def __init__(self, conn, on_message: Callable[[bytes], None], on_closed: Callable[[], None]) -> None:
-        self.conn, self.fd = conn, conn.fileno()
+        self.fd = conn.fileno()
         self.on_message, self.on_closed = on_message, on_closed
         self.loop: asyncio.AbstractEventLoop | None = None
         self.out: collections.deque[memoryview] = collections.deque()

@@ -101,3 +101,21 @@ def test_export_refuses_a_model_with_side_features():
 
     with pytest.raises(ValueError, match=r"side features \['price', 'brand'\] \(ModelConfig.features\): export does not take them"):
         UserEncoder(featured_model(), item_category=torch.zeros(I + 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "topk", "beam"])
+def test_generated_items_without_item_category_take_category_zero(strategy):
+    """A request without ``item_category`` to a model that reads categories: its generated items take
+    category 0, as on a fresh engine, whatever an earlier request's items left in the engine's step
+    buffers (they were read as the new items' categories). (decode.py adds no category term there:
+    the same where the padding row is zero, which the model's init does not make it.)"""
+    m = featured_model(actions=0)
+    eng = Engine(m, buckets=EDGES, max_batch=8, k_max=5)
+    ids, ts, L, rt, acts, cats, tokens = inputs(LENS)
+    kw = dict(request_time=rt, categories=cats, strategy=strategy, beam_width=2, seed=3)
+    ex = exclusion_mask(I, len(LENS), None, None)
+    eng.generate(ids, ts, L, 4, exclude=ex.clone(), item_category=tokens, **kw)  # leaves its items' categories behind
+    got = eng.generate(ids, ts, L, 4, exclude=ex.clone(), **kw)
+    fresh = Engine(m, buckets=EDGES, max_batch=8, k_max=5).generate(ids, ts, L, 4, exclude=ex.clone(), **kw)
+    assert torch.equal(got.items, fresh.items)
+    torch.testing.assert_close(got.scores, fresh.scores, rtol=1e-6, atol=1e-6)

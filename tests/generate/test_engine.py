@@ -374,12 +374,7 @@ def test_compile_mode_traces_each_bucket_once_and_matches():
     close(got.scores, ref.scores)
     again = eng.generate(ids, ts, L, 3, request_time=rt)
     assert torch.equal(again.items, got.items)
-    assert sorted(k[:1] + k[2:] for k in eng._buckets[20].runners) == [
-        ("greedy", False),
-        ("greedy", True),
-        ("prefill",),
-        ("setup", True, 2),
-    ]
+    assert sorted(k[0] for k in eng._buckets[20].runners) == ["prefill", "setup", "step"]
 
 
 def test_engine_serves_recommender_batches(model, engine):
@@ -416,8 +411,7 @@ def test_warmup_runs_every_bucket_and_batch_size(model):
     assert set(secs) == {20, 40} and all(s >= 0 for s in secs.values())
     for E in (20, 40):
         keys = set(eng._buckets[E].runners)
-        greedy = {("greedy", B, last) for B in (1, 2) for last in (False, True)}  # greedy steps: masks, picks and decode step in one
-        assert {("prefill", 1), ("prefill", 2), ("step", 1, 1), ("step", 1, 2)} | greedy <= keys
+        assert {("prefill", 1), ("prefill", 2), ("step", 1, 1), ("step", 2, 1), ("step", 1, 2)} <= keys
 
 
 @pytest.mark.parametrize("blocks, chunk", [(2, 0), (3, 0), (None, 0), (4, 100)])

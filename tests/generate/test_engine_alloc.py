@@ -94,14 +94,12 @@ def run_counting(engine, monkeypatch, k, strategy):
         counted.append(c.ops)
         return out
 
+    monkeypatch.setattr(Engine, "_decode", wrapped)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 201, (3, 40), generator=g)
     ts = torch.sort(torch.randint(0, 10**7, (3, 40), generator=g), dim=1).values
     lengths = torch.tensor([4, 25, 40])
-    kw = dict(strategy=strategy, beam_width=2, item_category=torch.randint(0, 5, (201,), generator=g))
-    engine.generate(ids, ts, lengths, k, **kw)  # not counted: the decode runners are made on their first use
-    monkeypatch.setattr(Engine, "_decode", wrapped)
-    engine.generate(ids, ts, lengths, k, **kw)
+    engine.generate(ids, ts, lengths, k, strategy=strategy, beam_width=2, item_category=torch.randint(0, 5, (201,), generator=g))
     monkeypatch.setattr(Engine, "_decode", orig)
     total = collections.Counter()
     for c in counted:

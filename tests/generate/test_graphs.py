@@ -58,16 +58,15 @@ def engines(backend: str, **model_kw):
     return Engine(m, graphs="compiled", compile_backend=backend, **kw), Engine(m, graphs="eager", **kw)
 
 
-# greedy without item categories: the greedy steps (runners.greedy_fn); with them, the decode loop and its step
-CASES = [(B, s, cats) for B in (1, 2) for s, cats in (("greedy", False), ("greedy", True), ("topk", True), ("beam", True))]
+CASES = [(B, s) for B in (1, 2) for s in ("greedy", "topk", "beam")]
 
 
 def check_all_cases(compiled: Engine, eager: Engine, rtol: float) -> None:
     """Every batch size x strategy, first as a prefix-cache miss (prefill), then as a hit (extend)."""
-    for B, strategy, cats in CASES:
+    for B, strategy in CASES:
         ids, ts, L, feats, ic = inputs(B, seed=B)
-        for users in (None, [f"{strategy}{cats}{i}" for i in range(B)], [f"{strategy}{cats}{i}" for i in range(B)]):
-            kw = dict(strategy=strategy, beam_width=2, seed=7, item_category=ic if cats else None, user_ids=users, **feats)
+        for users in (None, [f"{strategy}{i}" for i in range(B)], [f"{strategy}{i}" for i in range(B)]):
+            kw = dict(strategy=strategy, beam_width=2, seed=7, item_category=ic, user_ids=users, **feats)
             got, want = compiled.generate(ids, ts, L, 3, **kw), eager.generate(ids, ts, L, 3, **kw)
             assert torch.equal(got.items, want.items), (B, strategy, users)
             torch.testing.assert_close(got.scores, want.scores, rtol=rtol, atol=rtol)
@@ -76,8 +75,7 @@ def check_all_cases(compiled: Engine, eager: Engine, rtol: float) -> None:
     keys = {tuple(g["key"]) for g in report}
     # request setup, prefill and one-beam steps at both batch sizes, the beam step (1 user x 2 beams), extensions
     want = {("setup", 1, True, 2), ("setup", 2, True, 2), ("setup", 1, False, 2), ("prefill", 1), ("prefill", 2)}
-    greedy = {("greedy", B, last) for B in (1, 2) for last in (False, True)}
-    assert want | greedy | {("step", 1, 1), ("step", 2, 1), ("step", 1, 2)} <= keys
+    assert want | {("step", 1, 1), ("step", 2, 1), ("step", 1, 2)} <= keys
     assert any(k[0] == "extend" for k in keys)
     assert all(g["mode"] == "compiled" and g["error"] is None for g in report), report
 
@@ -113,7 +111,7 @@ def test_each_runner_has_its_own_graph_cache():
             want = eager.generate(ids[:B], ts[:B], L[:B], 3, **{k: v[:B] for k, v in feats.items()})
             assert torch.equal(got.items, want.items)
     names = {f"{g['key'][0]}_{g['key'][1]}": g["mode"] for g in compiled.graph_report()}
-    assert names == {f"{kind}_{B}": "compiled" for kind in ("setup", "prefill", "greedy") for B in (1, 2)}
+    assert names == {f"{kind}_{B}": "compiled" for kind in ("setup", "prefill", "step") for B in (1, 2)}
 
 
 def failing_backend(gm, example_inputs):
@@ -132,15 +130,15 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(caplog):
     want = eager.generate(ids, ts, L, 3, **feats)
     assert torch.equal(got.items, want.items) and torch.equal(got.scores, want.scores)
     report = broken.graph_report()
-    assert {tuple(g["key"]) for g in report} == {("setup", 2, True, 2), ("prefill", 2), ("greedy", 2, False), ("greedy", 2, True)}
+    assert {tuple(g["key"]) for g in report} == {("setup", 2, True, 2), ("prefill", 2), ("step", 2, 1)}
     assert all(g["mode"] == "eager (fallback)" and "forced compiler failure" in g["error"] for g in report)
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("prefill_E20_2" in s and "running it eager" in s for s in msgs), msgs
-    assert len(msgs) == 4  # one warning per graph
+    assert len(msgs) == 3  # one warning per graph
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hstu.backend.graphs"):
         again = broken.generate(ids, ts, L, 3, **feats)  # later calls go straight to eager: no second attempt, no warning
-    assert torch.equal(again.items, want.items) and len(broken.graph_report()) == 4 and not caplog.records
+    assert torch.equal(again.items, want.items) and len(broken.graph_report()) == 3 and not caplog.records
 
 
 def test_server_runner_falls_back_to_eager_when_compilation_fails(rec, ref, monkeypatch, caplog):

@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hstu.generate import runners
 from hstu.generate.pool import BucketPool
 from hstu.generate.sampler import Exclusions, beam_step_streamed, next_scores, pick_streamed
-from hstu.model.item_index import item_scores
 
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
@@ -37,6 +35,7 @@ def decode(
     W: int,
     k: int,
     user: torch.Tensor,
+    step: Callable[[], torch.Tensor],
     strategy: str,
     top_k: int,
     temperature: float,
@@ -45,14 +44,10 @@ def decode(
     pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """The decode loop: k picks, k - 1 cached steps, all writes into preallocated buffers
-    (streamed: ``pairs``, the request's exclusions of :func:`load_exclusions`); greedy with one
-    beam, full buffers, no item categories, graphs not captured: :func:`decode_greedy`."""
-    if item_category is None and b.has_features[1]:  # generated items' categories unknown: 0, not an earlier request's
-        b.cat[: Bp * W].zero_()
-    if W == 1 and strategy == "greedy" and item_category is None and not eng.streamed and eng.graphs in ("eager", "compile"):
-        return decode_greedy(eng, b, Bp, k, user, repeat)
-    step = eng._runner(b, ("step", Bp, W), lambda e, p: runners.step_fn(e, p, Bp, W))
+    (streamed: ``pairs``, the request's exclusions of :func:`load_exclusions`)."""
     R = Bp * W
+    if item_category is None and b.has_features[1]:  # generated items' categories unknown: 0, not an earlier request's
+        b.cat[:R].zero_()
     stream = eng.streamed
     excl = None if stream else eng._excl[:R]
     items, sc, acts = eng._out_items[:R], eng._out_scores[:R], eng._out_actions[:R]
@@ -103,23 +98,6 @@ def decode(
     best = beam_lp.argmax(dim=1)  # (Bp,)
     rows = bidx[:Bp] * W + best
     return items[rows, :k], sc[rows, :k], acts[rows, :k], beam_lp.max(dim=1).values, None if stream else excl[rows]
-
-
-def decode_greedy(eng: Engine, b: BucketPool, Bp: int, k: int, user: torch.Tensor, repeat: tuple | None):
-    """Greedy next-k for Bp users, one beam each (``user`` (Bp, d) from the prefill or extension):
-    per step the scores (:func:`hstu.model.item_index.item_scores` into the engine's (R, I+1)
-    buffer, the repeat bias with them), then one graph (:func:`hstu.generate.runners.greedy_fn`)
-    that masks, picks, writes column s and, before the last pick, runs the decode step.
-    Returns what :func:`decode` returns."""
-    u, scores, temp = eng._user[:Bp], eng._scores[:Bp], eng.model.cfg.temperature
-    u.copy_(user)
-    b.s_idx.zero_()
-    b.s_idx_j.fill_(b.C)
-    for s in range(k):
-        item_scores(eng._index, u, temp, repeat=repeat, out=scores)  # (Bp, I+1)
-        last = s == k - 1
-        eng._runner(b, ("greedy", Bp, last), lambda e, p, last=last: runners.greedy_fn(e, p, Bp, last))()
-    return eng._out_items[:Bp, :k], eng._out_scores[:Bp, :k], eng._out_actions[:Bp, :k], None, eng._excl[:Bp]
 
 
 def beam_expand(eng: Engine, Bp: int, W: int, s: int, user: torch.Tensor, beam_lp, repeat, pairs) -> tuple[torch.Tensor, ...]:

@@ -68,7 +68,7 @@ model's fixed width, I items.
   An appended token has timestamp = request time = the query time, so a cached step equals a
   full recompute of the grown sequence.
 - Graphs (``graphs``), one per (bucket, batch size of ``batch_sizes``, step kind: prefill,
-  extend of T rows, decode step of W beams, greedy step), made at warmup or first use: "eager"; "compile"
+  extend of T rows, decode step of W beams), made at warmup or first use: "eager"; "compile"
   (torch.compile, static shapes, one graph each, Inductor's C++ code on the CPU:
   :func:`hstu.backend.graphs.compile_graph`; a graph whose compilation fails runs eager with a
   warning, :meth:`graph_report` says which and how long each took; with ``graph_cache``, AOTInductor
@@ -76,10 +76,9 @@ model's fixed width, I items.
   (torch.cuda.CUDAGraph); "npu_graph" (torch.npu.NPUGraph where torch_npu has it). "compiled": the
   platform object decides (the device's graph capture where it has one, else "compile"). "auto":
   cuda_graph on CUDA, npu_graph on NPU when available, eager on CPU (whether compiling pays on a
-  CPU: benchmarks/generate.py --graphs eager,compiled). Greedy steps (one beam, full buffers, no item
-  categories, graphs not captured): the catalogue GEMM, then one graph that masks, picks, writes and
-  runs the decode step (runners.greedy_fn); the other picks run eagerly between the graphs, on preallocated
-  buffers. Compiled graphs replay without guard checks (``guard_checks``, replay_stance); ``compile_new``: runners.graph_runner.
+  CPU: benchmarks/generate.py --graphs eager,compiled). The decode loop's scoring, exclusion and
+  picks run eagerly between the graphs, on preallocated buffers. Compiled graphs replay without guard
+  checks (``guard_checks``, :func:`hstu.backend.graphs.replay_stance`); ``compile_new``: see runners.graph_runner.
 - Kernels: the model's own :class:`hstu.model.kernels.KernelSet` (``model.kernels``, the set
   training and evaluation run), or one named from the device backend's registry ("auto": the
   backend's ``default_kernels``; "triton" on CUDA by name).
@@ -198,7 +197,8 @@ class Engine:
         self.prefill_blocks: int | None = None
         self.tb_chunk_elements = TB_CHUNK_ELEMENTS  # time buckets in groups of batch rows (runners.time_buckets); 0: one call
         self.chunk_time_buckets = self.platform.is_host  # cache-sized passes pay off on host memory
-        self.batch_sizes, self.compile_backend = batch_sizes_for(self.graphs, self.max_batch, batch_sizes), compile_backend
+        self.batch_sizes = batch_sizes_for(self.graphs, self.max_batch, batch_sizes)
+        self.compile_backend = compile_backend
         self.guard_checks = False  # True: TorchDynamo checks its guards at every graph call (replay_stance)
         self.compile_new = True  # False (a server outside warm-up): a graph first needed now runs eager / cached
         self.graph_cache = graph_cache if self.graphs == "compile" else None
@@ -226,7 +226,6 @@ class Engine:
             self._excl = torch.zeros(R, I1, dtype=torch.bool, device=dev)
             self._excl_scratch = torch.zeros_like(self._excl)
             self._scores = torch.zeros(R, I1, dtype=self.score_dtype, device=dev)
-        self._user = torch.zeros(R, self.model.cfg.embedding_dim, dtype=self.score_dtype, device=dev)  # greedy steps' user vectors
         self._out_items = torch.zeros(R, K, dtype=torch.int64, device=dev)
         self._out_scores = torch.zeros(R, K, dtype=self.score_dtype, device=dev)
         self._out_actions = torch.zeros(R, K, dtype=torch.int64, device=dev)
@@ -459,7 +458,8 @@ class Engine:
         b.gpos[:R] = b.len_r[:R].view(R, 1) + self._arange[: self.k_max].view(1, self.k_max)
         ic = req["item_category"] if (req["item_category"] is not None and b.has_features[1]) else None
         if use_cache:
-            res = self._decode(b, Bp, W, k, user, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W), pairs)
+            step = self._runner(b, ("step", Bp, W), lambda e, p: runners.step_fn(e, p, Bp, W))
+            res = self._decode(b, Bp, W, k, user, step, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, W), pairs)
         else:
             prefill = self._runner(b, ("prefill", Bp), lambda e, p: runners.prefill_fn(e, p, Bp))
             res = self._decode_recompute(b, Bp, k, user, prefill, strategy, top_k, temperature, ic, self._repeat(req, ri, Bp, 1), pairs)

@@ -19,7 +19,6 @@ import torch
 from hstu.backend.graph_cache import CachedRunner, StaticInputs, entry_name
 from hstu.backend.graphs import CompiledRunner
 from hstu.generate.pool import BucketPool
-from hstu.generate.sampler import pick
 from hstu.model.base import l2_normalize
 from hstu.model.meta import AttentionMeta, KVView, decode_channels
 
@@ -254,42 +253,3 @@ def step_fn_one_beam(eng: Engine, b: BucketPool, Bp: int) -> Runner:
         return l2_normalize(x.squeeze(1).to(eng.score_dtype))  # (Bp, d)
 
     return step
-
-
-def greedy_fn(eng: Engine, b: BucketPool, Bp: int, last: bool) -> Runner:
-    """Greedy step s = ``b.s_idx`` for Bp users, one beam each, after the step's scores were formed
-    into ``eng._scores`` (:func:`hstu.model.item_index.item_scores` of ``eng._user``: the one GEMM
-    against the item table, whatever its storage, stays outside): the exclusion mask (as
-    :func:`hstu.generate.sampler.next_scores`), the first maximal item (:func:`~hstu.generate.sampler.pick`,
-    "greedy"), its id / score / next action written to column s of the engine's outputs and excluded
-    from later steps; unless ``last``, the pick fed through :func:`step_fn_one_beam` (generated row s
-    at slot C + s), whose user vector replaces ``eng._user``, then s, C + s and the positions advance.
-    So a decode step is one graph call (issue 19: the decode loop's fixed work inside the graphs).
-
-    Not idempotent (it advances its own counters and exclusions): used where graphs are compiled or
-    eager, not captured (a device graph's capture runs the function three times). () -> (Bp,) int64 picks."""
-    items, sc, acts = eng._out_items[:Bp], eng._out_scores[:Bp], eng._out_actions[:Bp]
-    user, scores, excl = eng._user[:Bp], eng._scores[:Bp], eng._excl[:Bp]
-    col = b.s_idx.view(1, 1).expand(Bp, 1)
-    step = None if last else step_fn_one_beam(eng, b, Bp)
-
-    def greedy() -> torch.Tensor:
-        scores.masked_fill_(excl, float("-inf"))
-        choice = pick(scores, "greedy", 0, 1.0, None)  # (Bp,)
-        c2 = choice.view(Bp, 1)
-        items.scatter_(1, col, c2)
-        sc.scatter_(1, col, scores.gather(1, c2))
-        excl.scatter_(1, c2, True)
-        act = eng._next_action(user)
-        if act is not None:
-            acts.scatter_(1, col, act.view(Bp, 1))
-        if step is not None:
-            b.item[:Bp].copy_(choice)
-            if act is not None:
-                b.act[:Bp].copy_(act)
-            user.copy_(step())
-            for t in (b.pos[:Bp], b.s_idx, b.s_idx_j):
-                t.add_(1)
-        return choice
-
-    return greedy

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -289,8 +289,8 @@ class BatchRunner:
         return jobs
 
     def warmup(self, bucket: int) -> float:
-        """Run the bucket's greedy generate and score paths at full batch and alone (with an engine that
-        captures graphs or compiles: at every batch size of its ladder), and a top-k request alone; returns seconds taken.
+        """Run the bucket's generate and score paths at full batch and alone (with an engine that
+        captures graphs or compiles: at every batch size of its ladder); returns seconds taken.
         Marks the bucket warm. Only here may the engine compile a graph (``Engine.compile_new``): a
         graph first needed by a request (a beam width, a prefix-cache extension) runs eager, since
         compiling it (minutes on a CPU) would outlast the request timeout."""
@@ -299,13 +299,10 @@ class BatchRunner:
         if self.engine is not None and self.engine.graphs != "eager":  # capture every padded batch size now, not on a request
             sizes = sorted(set(self.engine.batch_sizes), reverse=True)
         if self.engine is not None:
-            self.engine.compile_new = True  # greedy and top-k graphs compile here; a later first use (beam, extension) runs eager
+            self.engine.compile_new = True  # the greedy graphs compile here; a later first use (beam, extension) runs eager
         try:
             for n in sizes:
-                jobs = self.synthetic_jobs(bucket, n)
-                if n == 1:  # a top-k request runs alone (its own group): its one-user decode step
-                    jobs.append(replace(jobs[0], decoding=DecodeOptions(strategy="topk")))
-                res = self.run_batch(bucket, jobs)
+                res = self.run_batch(bucket, self.synthetic_jobs(bucket, n))
                 err = next((r for r in res if isinstance(r, Exception)), None)
                 if err is not None:
                     raise RuntimeError(f"warm-up of bucket {bucket} failed: {err}") from err

@@ -92,3 +92,21 @@ def test_a_resumed_run_keeps_its_calibration_record(taobao_run):
     assert after["best_epoch"] == before["best_epoch"]
     assert after["action_head_calibration"] == before["action_head_calibration"]
     assert after["valid"]["action_accuracy"] == before["valid"]["action_accuracy"]
+
+
+def test_a_resume_of_a_finished_run_keeps_its_calibrated_weights(taobao_csv, tmp_path):
+    """A resume that trains nothing, of a run whose last epoch is its best: model.safetensors stays the
+    calibrated file (it was rewritten from last.safetensors, the uncalibrated head, while the calibration
+    record was kept: test action accuracy .83 -> .06 on a fresh-user run)."""
+    run = tmp_path / "one"
+    cfg = model_config_from_preset("small", max_seq_len=50, embedding_dim=16, d_qk=16, d_v=16)
+    tcfg = TrainConfig(epochs=1, batch_size=32, learning_rate=5e-3, seed=0)
+    spec = DataSpec("taobao", str(taobao_csv.parent), max_users=150)
+    fit(run, cfg, tcfg, spec, progress=False)
+    before, weights = read_json(run / "metrics.json"), (run / "model.safetensors").read_bytes()
+    assert before["best_epoch"] == before["epochs"] == 1 and "action_head_calibration" in before
+    fit(run, cfg, tcfg, spec, resume=True, progress=False)
+    after = read_json(run / "metrics.json")
+    assert (run / "model.safetensors").read_bytes() == weights
+    assert after["test"]["action_accuracy"] == before["test"]["action_accuracy"]
+    assert after["action_head_calibration"] == before["action_head_calibration"]

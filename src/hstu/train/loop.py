@@ -13,9 +13,8 @@ line per epoch (:mod:`hstu.train.logs`); metrics.csv with each epoch's commit (:
 ``resume`` continues from RUN_DIR/last.*; ``max_minutes`` stops after the epoch in which that much wall time
 has passed (committed, resumable; metrics.json ``status`` says so).
 
-Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs;
-BackendUnavailableError for a missing device; FileExistsError when RUN_DIR holds a run and
-neither ``resume`` nor ``overwrite`` is set.
+Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs; BackendUnavailableError
+for a missing device; FileExistsError when RUN_DIR holds a run and neither ``resume`` nor ``overwrite`` is set.
 """
 
 from __future__ import annotations
@@ -258,20 +257,22 @@ def train_one_epoch(
 def _resume(strategy: LocalStrategy, run: Path, model: HSTUModel, opt, gen: torch.Generator, state: dict, paper: bool) -> list[dict]:
     """Load the last committed epoch into ``model``, ``opt``, ``gen`` and ``state``; returns its
     history. Files a kill left behind the commit are rewritten: last.json and history.json, and
-    model.safetensors when that epoch holds the reported weights (its weights are the ones just loaded)."""
+    model.safetensors when that epoch holds the reported weights (its weights are the ones just loaded)
+    and metrics.json does not report it yet (a reported run's file holds them calibrated: kept as is)."""
     info, plain = strategy.load_state(run, model, opt, gen)
     state.update({k: v for k, v in info.items() if k not in ("param_groups", "history", *strategy.extra)})
     if strategy.is_main:
         repair_run_files(run, info)
-    if state["epoch"] and (paper or state["best_epoch"] == state["epoch"]):
+    reported = read_json(run / "metrics.json").get("best_epoch") if (run / "metrics.json").exists() else None
+    if state["epoch"] and (paper or state["best_epoch"] == state["epoch"]) and reported != state["epoch"]:
         strategy.keep_best(run, plain)
     log.info("resumed %s at epoch %d", run, state["epoch"])
     return list(info["history"])
 
 
 def _action_head_calibration(strategy: LocalStrategy, run: Path, best, log_, split, state, paper: bool) -> tuple[dict | None, bool]:
-    """(calibrate_action_head's record or None, whether it was kept from metrics.json): a resumed run whose
-    best epoch did not change holds the calibrated head already (calibrating again would record T = 1)."""
+    """(calibrate_action_head's record or None, whether kept from metrics.json): a resumed run whose best epoch did
+    not change holds the calibrated head already (_resume keeps its file; calibrating again would record T = 1)."""
     if getattr(best, "action_head", None) is None or not log_.num_actions:
         return None, False
     if paper:
@@ -439,10 +440,8 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
                 log.info(status)
                 break
             if state["epoch"] < tcfg.epochs and _time_is_up(strategy, started, opts["max_minutes"]):
-                status = (
-                    f"stopped by --max-minutes {opts['max_minutes']:g} after epoch {state['epoch']} of {tcfg.epochs} "
-                    f"({(clock() - started) / 60:.1f} min); continue with --resume"
-                )
+                status = f"stopped by --max-minutes {opts['max_minutes']:g} after epoch {state['epoch']} of {tcfg.epochs} "
+                status += f"({(clock() - started) / 60:.1f} min); continue with --resume"
                 log.warning(status)
                 break
     except BaseException:

@@ -247,6 +247,11 @@ def test_csv_malformed_rows_name_the_line(tmp_path: Path):
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,2024-01-01\n1,3,not-a-date\n")
     with pytest.raises(DataFormatError, match=r"log.csv:3: time \('t'\) is neither"):
         load_csv(p, columns="user=u,item=i,time=t")
+    # in a column of ISO date-times "-100" parsed as the year -100 and raised pandas' OutOfBoundsDatetime
+    p = _write(tmp_path / "log.csv", "u,i,t\n1,2,2024-01-01\n1,3,2024-01-02\n1,4,-100\n1,5,2024-01-03\n")
+    with pytest.raises(DataFormatError, match=r"log.csv:4: time \('t'\) is neither .* years 1677..2262 .*'-100'"):
+        load_csv(p, columns="user=u,item=i,time=t")
+    assert load_csv(p, columns="user=u,item=i,time=t", skip_bad_rows=True).skipped_rows == 1
     p = _write(tmp_path / "log.csv", "u,item,t\n1,2,10\n")
     with pytest.raises(DataFormatError, match=r"log.csv:1: column 'i' \(for item\) not in the header"):
         load_csv(p, columns="user=u,item=i,time=t")

@@ -230,7 +230,8 @@ def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path
                 + (
                     "missing"
                     if pd.isna(col.iloc[i])
-                    else f"neither integer Unix time (int64) nor an ISO 8601 date-time: {str(col.iloc[i])[:40]!r}"
+                    else "neither integer Unix time (int64) nor an ISO 8601 date-time of years 1677..2262 (one format per column): "
+                    + repr(str(col.iloc[i])[:40])
                 )
             ),
         )

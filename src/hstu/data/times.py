@@ -56,7 +56,7 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series
     """(Unix seconds, sub-second rest in ns, bad-row mask) of a time column: integer Unix time in
     ``unit`` (auto: s, or ms when every value is >= 1e11), a datetime column, or ISO 8601 strings.
     Both parts come from the exact value (:func:`split_time`), so ms / ns / fractional ISO times
-    keep their order; bad rows hold 0."""
+    keep their order; bad rows (unparsed, or outside int64 ns: years 1677..2262) hold 0."""
     epoch = pd.Timestamp(0, tz="UTC")
     if pd.api.types.is_datetime64_any_dtype(col) or not _mostly_numbers(col):
         t = (
@@ -65,7 +65,8 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series
             else pd.to_datetime(col.where(col.notna(), None).astype(str), errors="coerce", utc=True, format="ISO8601")
         )
         t = t.dt.tz_localize("UTC") if t.dt.tz is None else t
-        bad = t.isna().to_numpy()
+        lo, hi = (x.tz_localize("UTC") for x in (pd.Timestamp.min, pd.Timestamp.max))  # int64 ns: years 1677..2262
+        bad = (t.isna() | (t < lo) | (t > hi)).to_numpy()  # "-100" parses as the year -100
         ns = (t.where(~bad, epoch) - epoch) // pd.Timedelta(1, "ns")  # int64 ns: NaT rows set to 0 first (NaN would make it float)
         secs, rest = split_time(ns.astype(np.int64), NS_PER_S)
         return secs, rest, bad

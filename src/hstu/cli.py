@@ -10,7 +10,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions, check_k
@@ -411,6 +413,30 @@ def _missing_extra(command: str, extra: str, missing: str | None):
     return handler
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``docker stop``, Kubernetes) raised as an interrupt, so a command cleans up
+    as after Ctrl-C (no half-written output) and says so; exit status 143 (128 + SIGTERM)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def _interrupted(args, exc: KeyboardInterrupt) -> int:
+    """The one line after Ctrl-C or SIGTERM; a training run that committed an epoch is resumable."""
+    from hstu.runs import has_train_state
+
+    out = getattr(args, "out", None)
+    if args.command != "train" or not out:
+        hint = ""
+    elif Path(out).is_dir() and has_train_state(Path(out)):
+        hint = "; the run keeps its last committed epoch: continue with --resume"
+    else:
+        hint = f"; no epoch was committed, nothing is kept in {out}: run the command again"
+    print(f"hstu {args.command}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
+    return 143 if isinstance(exc, Terminated) else 130
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -419,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     from hstu.backend import BackendUnavailableError
 
     where = f"hstu {args.command}"
+    on_term = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         from hstu.train.cli import torchrun_rank
 
@@ -438,10 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FloatingPointError, MemoryError) as exc:  # a diverged training (train.loop._epoch), a model too big: a failure
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        resume = "; the run keeps its last committed epoch: continue with --resume" if args.command == "train" else ""
-        print(f"{where}: interrupted{resume}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        return _interrupted(args, exc)
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
 
 
 if __name__ == "__main__":

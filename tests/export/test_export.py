@@ -306,3 +306,22 @@ def test_the_manifest_notes_follow_the_runs_history_policy(run_dir, exported, tm
     assert main(["export", "--run", str(run), "--format", "pt2", "--out", str(tmp_path / "x"), "--buckets", "20"]) == 0
     notes = json.loads((tmp_path / "x" / "export.json").read_text())["notes"]
     assert not any("history items" in n for n in notes) and any("exclude_history_default is off" in n for n in notes)
+
+
+def test_sigterm_mid_export_leaves_nothing(run_dir, tmp_path, capsys, monkeypatch):
+    """SIGTERM (timeout, docker stop, Kubernetes) cleans up as Ctrl-C does: it used to kill the process
+    and leave the hidden .NAME.tmp-* directory beside --out (a fresh-user finding); exit 143, one line."""
+    import os
+    import signal
+
+    from hstu.export import pt2_export
+
+    def killed(path, names, inputs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not interrupt the export")
+
+    monkeypatch.setattr(pt2_export, "run", killed)
+    out = tmp_path / "z"
+    assert main(["export", "--run", str(run_dir), "--format", "pt2", "--out", str(out), "--buckets", "20"]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "hstu export: terminated"
+    assert _leftovers(tmp_path, "z") == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 from conftest import TINY_MODEL, tiny_csv
@@ -81,6 +82,8 @@ def test_abbreviated_flags_and_ctrl_c_are_one_line(tmp_path, monkeypatch, capsys
     assert exc.value.code == 2 and "unrecognized arguments: --epoch" in capsys.readouterr().err
 
     def interrupted(args):
+        if args.seed == 7:  # SIGTERM (timeout, docker stop): the same cleanup as Ctrl-C, said as such
+            os.kill(os.getpid(), signal.SIGTERM)
         raise KeyboardInterrupt
 
     import hstu.train.cli as tcli
@@ -92,9 +95,18 @@ def test_abbreviated_flags_and_ctrl_c_are_one_line(tmp_path, monkeypatch, capsys
         sub.choices["train"].set_defaults(func=interrupted)
 
     monkeypatch.setattr(tcli, "add_train_parser", add)
-    assert main(["train", "--out", str(tmp_path / "r")]) == 130
+    run = tmp_path / "r"
+    assert main(["train", "--out", str(run)]) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["hstu train: interrupted; the run keeps its last committed epoch: continue with --resume"]
+    assert err == [f"hstu train: interrupted; no epoch was committed, nothing is kept in {run}: run the command again"]
+    run.mkdir()
+    (run / "last.json").write_text("{}")  # a committed epoch (an older run's manifest)
+    assert main(["train", "--out", str(run)]) == 130
+    assert capsys.readouterr().err.strip() == "hstu train: interrupted; the run keeps its last committed epoch: continue with --resume"
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["train", "--out", str(run), "--seed", "7"]) == 143
+    assert capsys.readouterr().err.strip() == "hstu train: terminated; the run keeps its last committed epoch: continue with --resume"
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is main()'s only
 
 
 def _cli_flags(tmp_path, train_extra=""):

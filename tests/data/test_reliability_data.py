@@ -196,3 +196,15 @@ def test_enough_data_for_paper_but_not_clean_trains_under_paper(tmp_path):
     m = fit(tmp_path / "run", _tiny_model(), TrainConfig(epochs=1, batch_size=4, num_negatives=2), spec, progress=False)
     hist = json.loads((tmp_path / "run" / "history.json").read_text())
     assert hist[0]["positions"] == 6 and m["test"]["users"] == 6
+
+
+def test_max_seq_len_one_is_named_not_the_data(tmp_path, capsys):
+    """[model] max_seq_len = 1 gave "too little data ... 0 training positions" while every user had
+    enough events (a fresh-user finding): the error names max_seq_len, and nothing is written."""
+    path, out = _short_log(tmp_path, [6] * 40), tmp_path / "out"
+    (tmp_path / "m.toml").write_text("[model]\nmax_seq_len = 1\n")
+    flags = ["--dataset", "csv", "--data-dir", str(path), "--columns", "user=u,item=i,time=t", "--epochs", "1"]
+    assert main(["train", *flags, "--config", str(tmp_path / "m.toml"), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "hstu train: error: [model] max_seq_len = 1 leaves no training position: a window needs >= 2 events"
+    assert not out.exists()

@@ -126,6 +126,8 @@ def check_trainable(log_: EventLog, split: Split, max_seq_len: int) -> None:
             f"too little data for --protocol {split.protocol} in {log_.name}: {_users_by_length(lengths, need)} events; "
             f"a user needs >= {need} ({what}) to be evaluated, and no user does"
         )
+    if max_seq_len < 2:  # a training position is an event predicted from an earlier one in the same window
+        raise ValueError(f"[model] max_seq_len = {max_seq_len} leaves no training position: a window needs >= 2 events")
     train_len = np.minimum(split.train_end - log_.offsets[:-1], max_seq_len)
     positions = int(np.clip(train_len - 1, 0, None).sum())
     if positions == 0:

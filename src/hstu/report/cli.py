@@ -57,7 +57,10 @@ def write_report(runs: list[str], out: str | Path, slices: bool = False, device:
     pyplot()  # ImportError before anything is written
     reports = [run_slices(f.path, device, resamples) for f in facts] if slices else None
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # a file at --out or on its path: [Errno 17] / [Errno 20] alone
+        raise ValueError(f"--out {out}: not a directory (a file named {exc.filename} is in the way)") from None
     what = facts[0].label if len(facts) == 1 else f"{len(facts)} runs"
     plots = [plot_curves(out / "loss.png", {f.label: f.curve("loss") for f in facts}, title=f"{what}: training loss", ylabel="mean loss")]
     for k in CURVE_METRICS:

@@ -59,8 +59,9 @@ def write_report(runs: list[str], out: str | Path, slices: bool = False, device:
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as exc:  # a file at --out or on its path: [Errno 17] / [Errno 20] alone
-        raise ValueError(f"--out {out}: not a directory (a file named {exc.filename} is in the way)") from None
+    except (FileExistsError, NotADirectoryError):  # a file at --out or on its path: [Errno 17] / [Errno 20] alone
+        blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), out)
+        raise ValueError(f"--out {out}: not a directory ({blocker} is a file)") from None
     what = facts[0].label if len(facts) == 1 else f"{len(facts)} runs"
     plots = [plot_curves(out / "loss.png", {f.label: f.curve("loss") for f in facts}, title=f"{what}: training loss", ylabel="mean loss")]
     for k in CURVE_METRICS:

@@ -321,7 +321,11 @@ def test_sigterm_mid_export_leaves_nothing(run_dir, tmp_path, capsys, monkeypatc
         raise AssertionError("SIGTERM did not interrupt the export")
 
     monkeypatch.setattr(pt2_export, "run", killed)
-    out = tmp_path / "z"
-    assert main(["export", "--run", str(run_dir), "--format", "pt2", "--out", str(out), "--buckets", "20"]) == 143
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "hstu export: terminated"
+    out, stray = tmp_path / "z", []
+    previous = signal.signal(signal.SIGTERM, lambda *a: stray.append(a))  # without main()'s handler: caught here, not pytest killed
+    try:
+        assert main(["export", "--run", str(run_dir), "--format", "pt2", "--out", str(out), "--buckets", "20"]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not stray and capsys.readouterr().err.strip().splitlines()[-1] == "hstu export: terminated"
     assert _leftovers(tmp_path, "z") == []

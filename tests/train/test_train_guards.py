@@ -13,7 +13,7 @@ import signal
 import pytest
 from conftest import TINY_MODEL, tiny_csv
 
-from hstu.cli import main
+from hstu.cli import _terminated, main
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data.prepare import DataSpec
 from hstu.runs import read_history
@@ -103,10 +103,15 @@ def test_abbreviated_flags_and_ctrl_c_are_one_line(tmp_path, monkeypatch, capsys
     (run / "last.json").write_text("{}")  # a committed epoch (an older run's manifest)
     assert main(["train", "--out", str(run)]) == 130
     assert capsys.readouterr().err.strip() == "hstu train: interrupted; the run keeps its last committed epoch: continue with --resume"
-    before = signal.getsignal(signal.SIGTERM)
-    assert main(["train", "--out", str(run), "--seed", "7"]) == 143
+    stray: list = []
+    before = signal.signal(signal.SIGTERM, lambda *a: stray.append(a))  # without main()'s handler: caught here, not pytest killed
+    try:
+        assert main(["train", "--out", str(run), "--seed", "7"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is not _terminated  # the handler is main()'s only
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not stray
     assert capsys.readouterr().err.strip() == "hstu train: terminated; the run keeps its last committed epoch: continue with --resume"
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is main()'s only
 
 
 def _cli_flags(tmp_path, train_extra=""):

@@ -332,6 +332,34 @@ def test_checkpoint_round_trip_and_sizes(tiny_run, calib, tmp_path):
     assert load_run(out, "cpu")[0].quant_meta["scheme"] == "int8"
 
 
+def test_an_interrupted_save_leaves_nothing_and_overwrite_replaces_whole(tiny_run, tmp_path, monkeypatch):
+    """hstu quantize wrote its files straight into --out: an interrupt between them left a partial run
+    (config.json and idmap.json, no weights) that later commands took for a run."""
+    from hstu.quant import checkpoint as qc
+
+    qm = apply_precision(copy.deepcopy(_float(tiny_run)), "int8")
+    out = tmp_path / "q8"
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(qc, "save_tensors", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_quantized_run(qm, tiny_run, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither --out nor its hidden staging directory
+    save_quantized_run(qm, tiny_run, out)
+    (out / "stale.txt").write_text("from before")
+    with monkeypatch.context() as m:
+        m.setattr(qc, "save_tensors", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            save_quantized_run(qm, tiny_run, out, overwrite=True)
+    assert (out / "stale.txt").exists() and (out / "model.quant.safetensors").exists()  # the old run kept whole
+    save_quantized_run(qm, tiny_run, out, overwrite=True)
+    assert not (out / "stale.txt").exists() and load_run(out, "cpu")[0].quant_meta["scheme"] == "int8"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q8"]
+
+
 def test_wrong_scheme_refused(tiny_run, tmp_path):
     fm = _float(tiny_run)
     q8, qb = tmp_path / "q8", tmp_path / "qbf16"
@@ -409,6 +437,7 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
         (out, "directory exists and is not empty"),
         (tiny_run, "is the source run itself"),
         (tiny_run / "q8", "is inside the source run"),
+        (out / "nested", f"is inside the run {out.resolve()}"),  # another (quantized) run: was accepted
         (tmp_path / "afile" / "sub", "is a file, not a directory"),
     ):
         rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(taken), "--data-dir", str(tmp_path / "none")])

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ import torch
 
 from hstu.export import onnx_export, pt2_export
 from hstu.export.encoder import UserEncoder, example_inputs, max_abs_error
+from hstu.model.checkpoint import staged_dir
 from hstu.model.run_files import CONFIG, IDMAP, ITEMS
 
 log = logging.getLogger(__name__)
@@ -137,17 +137,6 @@ def _manifest(fmt: str, run: Path, enc: UserEncoder, entries: list[dict], batch:
     }
 
 
-def _place(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``, replacing an old one only now."""
-    old = None
-    if out.is_dir():
-        old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 INT8_NOT_PORTABLE = "a program for another runtime cannot carry the INT8 Linears' packed weights"
 
 
@@ -188,10 +177,7 @@ def export_run(
     edges = _buckets(buckets, model.cfg.max_seq_len)
     cat = ids.get("item_category")
     enc = UserEncoder(model, None if cat is None else torch.as_tensor(cat, dtype=torch.int64))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp's 0700 would become the export's mode
-    try:
+    with staged_dir(out) as tmp:
         entries = [_export_bucket(fmt, enc, E, tmp, batch) for E in edges]
         with torch.no_grad():
             np.save(tmp / "items.npy", model.item_vectors().to(torch.float32).cpu().numpy())
@@ -200,10 +186,6 @@ def export_run(
                 shutil.copyfile(run / name, tmp / name)
         manifest = _manifest(fmt, run, enc, entries, batch, scheme, bool(ids.get("exclude_history_default", True)))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -9,12 +9,16 @@ into place; JSON run files are checked field by field as they are read (hstu.mod
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import shutil
 import signal
+import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,30 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically (temp file + rename)."""
     write_text(path, json.dumps(obj, indent=2))
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | Path) -> Iterator[Path]:
+    """Build a directory whole or not at all: yield a hidden temp directory beside ``out``
+    (``.NAME.tmp-*``, mode 0755) to write into; when the block ends without error, move it to
+    ``out``, replacing an old ``out`` only then. On any error (KeyboardInterrupt and SIGTERM
+    included) the temp directory is removed and ``out`` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the directory's mode
+    try:
+        yield tmp
+        old = None
+        if out.is_dir():
+            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            out.rename(old)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def file_sha256(path: Path) -> str:

@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, save_tensors, write_json
+from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, save_tensors, staged_dir, write_json
 from hstu.model.run_files import CONFIG, IDMAP, ITEMS, require_run_dir
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
@@ -113,13 +113,17 @@ def layer_table(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = False) -> None:
-    """FileExistsError when ``out`` is ``src_run``, inside it, or a non-empty directory (unless ``overwrite``);
+    """FileExistsError when ``out`` is ``src_run``, inside it or inside any other run directory (config.json and
+    idmap.json), or a non-empty directory (unless ``overwrite``);
     ``hstu quantize`` calls it before it reads any data."""
     src, out = Path(src_run), Path(out)
     if out.resolve() == src.resolve():
         raise FileExistsError(f"--out {out} is the source run itself; write the quantized run to a new directory")
     if src.resolve() in out.resolve().parents:  # a run nested in a run: its files would be taken for the run's own
         raise FileExistsError(f"--out {out} is inside the source run {src}; write the quantized run to a directory beside it")
+    host = next((p for p in out.resolve().parents if (p / CONFIG).is_file() and (p / IDMAP).is_file()), None)
+    if host is not None:  # e.g. another quantized run: its graph cache and report would share a tree with this one
+        raise FileExistsError(f"--out {out} is inside the run {host}; write the quantized run to a directory beside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out}: {'directory exists and is not empty' if out.is_dir() else 'is a file'} (choose a new --out)")
     above = next((p for p in out.absolute().parents if p.exists()), None)
@@ -130,7 +134,9 @@ def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = 
 def save_quantized_run(
     model: torch.nn.Module, src_run: str | Path, out: str | Path, *, calibration: dict | None = None, overwrite: bool = False
 ) -> dict[str, Any]:
-    """Write a quantized run directory (see module docstring) and return its quant.json dict.
+    """Write a quantized run directory (see module docstring) and return its quant.json dict. The directory is
+    built beside ``out`` and moved there when complete (:func:`hstu.model.checkpoint.staged_dir`): an error or an
+    interrupt leaves nothing at ``out``, and ``overwrite`` replaces an old ``out`` whole, only then.
 
     Raises:
         FileExistsError: ``out`` exists and is not empty (unless ``overwrite``), or is ``src_run``.
@@ -142,27 +148,26 @@ def save_quantized_run(
     if meta.get("scheme") not in SCHEMES:
         raise ValueError("model has no quantization scheme (quant_meta): convert it with hstu.quant.apply_precision first")
     state = quantized_state(model)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in (CONFIG, ITEMS, IDMAP):  # items.npz (a large catalogue's, when there is one) before the idmap.json naming it
-        if f != ITEMS or (src / f).exists():
-            shutil.copyfile(src / f, out / f)
     float_weights = src / FLOAT_WEIGHTS
-    meta.update(
-        {
-            "format": FORMAT,
-            "layers": layer_table(model),
-            "versions": versions(),
-            "source_run": str(src.resolve()),
-            "source_weights_sha256": file_sha256(float_weights) if float_weights.exists() else None,
-            "calibration": calibration,
-        }
-    )
-    save_tensors(out / WEIGHTS, state, {"hstu_quant_scheme": meta["scheme"], "hstu_quant_format": str(FORMAT)})
-    q = tensor_bytes(state)
-    meta["bytes"] = {"tensors": q, "file": (out / WEIGHTS).stat().st_size}
-    if float_weights.exists():
-        meta["bytes"]["float_file"] = float_weights.stat().st_size
-    write_json(out / META, meta)
+    with staged_dir(out) as tmp:  # whole or not at all: an error or Ctrl-C leaves ``out`` as it was
+        for f in (CONFIG, ITEMS, IDMAP):  # items.npz (a large catalogue's, when there is one) before the idmap.json naming it
+            if f != ITEMS or (src / f).exists():
+                shutil.copyfile(src / f, tmp / f)
+        meta.update(
+            {
+                "format": FORMAT,
+                "layers": layer_table(model),
+                "versions": versions(),
+                "source_run": str(src.resolve()),
+                "source_weights_sha256": file_sha256(float_weights) if float_weights.exists() else None,
+                "calibration": calibration,
+            }
+        )
+        save_tensors(tmp / WEIGHTS, state, {"hstu_quant_scheme": meta["scheme"], "hstu_quant_format": str(FORMAT)})
+        meta["bytes"] = {"tensors": tensor_bytes(state), "file": (tmp / WEIGHTS).stat().st_size}
+        if float_weights.exists():
+            meta["bytes"]["float_file"] = float_weights.stat().st_size
+        write_json(tmp / META, meta)
     log.info("wrote %s (%s, %d bytes)", out / WEIGHTS, meta["scheme"], meta["bytes"]["file"])
     return meta
 

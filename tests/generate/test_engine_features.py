@@ -107,8 +107,8 @@ def test_export_refuses_a_model_with_side_features():
 def test_generated_items_without_item_category_take_category_zero(strategy):
     """A request without ``item_category`` to a model that reads categories: its generated items take
     category 0, as on a fresh engine, whatever an earlier request's items left in the engine's step
-    buffers (they were read as the new items' categories). (decode.py adds no category term there:
-    the same where the padding row is zero, which the model's init does not make it.)"""
+    buffers (they were read as the new items' categories), and as the decode.py oracle (which added no
+    category term there: the category table's row 0 is not zero)."""
     m = featured_model(actions=0)
     eng = Engine(m, buckets=EDGES, max_batch=8, k_max=5)
     ids, ts, L, rt, acts, cats, tokens = inputs(LENS)
@@ -119,3 +119,7 @@ def test_generated_items_without_item_category_take_category_zero(strategy):
     fresh = Engine(m, buckets=EDGES, max_batch=8, k_max=5).generate(ids, ts, L, 4, exclude=ex.clone(), **kw)
     assert torch.equal(got.items, fresh.items)
     torch.testing.assert_close(got.scores, fresh.scores, rtol=1e-6, atol=1e-6)
+    if strategy != "topk":  # the oracle samples top-k with its own generator
+        ref = generate(m, ids, ts, L, 4, exclude=ex.clone(), **kw)
+        assert torch.equal(got.items, ref.items)
+        torch.testing.assert_close(got.scores, ref.scores, rtol=1e-5, atol=1e-5)

@@ -161,10 +161,17 @@ def generate(
         if step == k - 1:
             break
         tbuf[bidx, pos] = request_time
-        cat = item_category[choice] if (item_category is not None and model.reads_categories) else None
-        user = model.step(choice, pos, tbuf, request_time, kv, actions=act, categories=cat)
+        user = model.step(choice, pos, tbuf, request_time, kv, actions=act, categories=_step_categories(model, item_category, choice))
         pos += 1
     return GenerationResult(out_items, out_scores, out_actions)
+
+
+def _step_categories(model, item_category: torch.Tensor | None, items: torch.Tensor) -> torch.Tensor | None:
+    """The generated items' category tokens: ``item_category[items]``; without ``item_category``
+    category 0 (unknown), as the engine gives them; None for a model that reads no categories."""
+    if not model.reads_categories:
+        return None
+    return item_category[items] if item_category is not None else torch.zeros_like(items)
 
 
 def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, actions, categories, item_category) -> GenerationResult:
@@ -215,8 +222,7 @@ def _beam(model, ids, timestamps, lengths, k, request_time, exclude, W, cache, a
             vv.copy_(vv.index_select(0, src))
         tbuf.copy_(tbuf.index_select(0, src))
         tbuf[torch.arange(B * W, device=ids.device), pos] = rt_r
-        cat = item_category[item_f] if (item_category is not None and model.reads_categories) else None
-        user = model.step(item_f, pos, tbuf, rt_r, kv, categories=cat)
+        user = model.step(item_f, pos, tbuf, rt_r, kv, categories=_step_categories(model, item_category, item_f))
         pos += 1
     best = beam_lp.argmax(dim=1)  # (B,)
     rows = torch.arange(B, device=ids.device) * W + best

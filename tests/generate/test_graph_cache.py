@@ -129,12 +129,15 @@ def test_truncated_file_rebuilt(built, tmp_path, caplog):
 
 
 def test_corrupt_manifest_is_rebuilt_and_a_failed_build_falls_back(tmp_path, caplog):
-    """An unreadable manifest is replaced (with a warning) by the first graph built: the graphs are
+    """An unreadable manifest is replaced (with a warning) by the first graph built, with the graph files and
+    layouts the old one listed removed (they stayed on disk, unlisted): the graphs are
     built, and the next engine loads them (before, every engine compiled in memory, never repairing
     it). A build that fails falls back to torch.compile, then eager, and leaves no file."""
     d = tmp_path / "graphs"
     d.mkdir()
     (d / gc.MANIFEST).write_text("{not json")
+    (d / "prefill_E99_1_0123456789ab.pt2").write_bytes(b"an old graph")  # nothing vouches for it any more
+    (d / gc.LAYOUT).write_text('{"layouts": [{"buckets": [99], "max_batch": 1}]}')
 
     class Broken(ExportedProgram):
         def build(self, module, path):
@@ -147,8 +150,12 @@ def test_corrupt_manifest_is_rebuilt_and_a_failed_build_falls_back(tmp_path, cap
             same(eng, Engine(tiny_model(), graphs="eager", **KW), 1, "greedy")
         rep = eng.graph_report()
         assert {r["mode"] for r in rep} == {mode}, rep
-    assert "not a graph-cache manifest" in caplog.text and "writing a new one" in caplog.text and "no compiler here" in caplog.text
-    assert len(GraphCache(d, tiny_model(), "cpu").entries()) == len(rep)  # readable again, one entry per graph
+    assert "not a graph-cache manifest" in caplog.text and "no compiler here" in caplog.text
+    assert "started a new cache, removing the 1 graph files and the layouts the old one listed" in caplog.text
+    # readable again, one entry per graph; the old files went (they stayed, unlisted, and layout.json named a
+    # layout whose graphs no manifest listed)
+    assert len(GraphCache(d, tiny_model(), "cpu").entries()) == len(rep) == len(list(d.glob("*.pt2")))
+    assert not (d / "prefill_E99_1_0123456789ab.pt2").exists() and GraphCache.layouts(tmp_path) == []
     assert not list((tmp_path / "g2").glob("*.pt2"))  # a failed build leaves no file behind
 
 

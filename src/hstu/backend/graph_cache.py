@@ -325,10 +325,19 @@ class GraphCache:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
 
+    def _clear(self, keep: str) -> int:
+        """Remove every graph file but ``keep`` and layout.json (under the lock); returns the files removed."""
+        stale = [p for p in self.dir.glob("*.pt2") if p.name != keep]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        (self.dir / LAYOUT).unlink(missing_ok=True)
+        return len(stale)
+
     def store(self, name: str, module: StaticInputs) -> dict:
         """Build entry ``name`` from ``module`` (a temporary file, renamed when complete) and record
-        it in the manifest (an unreadable manifest is replaced, with a warning: the graphs it listed
-        are rebuilt when next needed). Returns the entry (with compile_s, bytes)."""
+        it in the manifest (an unreadable manifest is replaced, with a warning, by a new cache: the other
+        graph files and layout.json go, as nothing vouches for them; graphs are rebuilt when next needed).
+        Returns the entry (with compile_s, bytes)."""
         with self._locked():
             try:  # another process (a second model worker) built it while this one waited
                 self.check(name)
@@ -347,8 +356,14 @@ class GraphCache:
             entry["compile_s"] = round(time.perf_counter() - t0, 3)
             try:
                 entries = self.entries()
-            except ManifestError as exc:  # an unreadable manifest: replaced, its other graphs rebuilt as needed
-                log.warning("%s; writing a new one", exc)
+            except ManifestError as exc:  # unreadable: nothing on disk can be verified any more
+                removed = self._clear(keep=path.name)
+                log.warning(
+                    "%s: started a new cache, removing the %d graph files and the layouts the old one listed (built again as "
+                    "needed; all at once: hstu export --graphs)",
+                    str(exc).split("; rebuild")[0],
+                    removed,
+                )
                 entries = {}
             entries[name] = entry
             tmp_m = self.dir / f".{MANIFEST}.{os.getpid()}"

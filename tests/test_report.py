@@ -103,6 +103,16 @@ def test_report_of_a_missing_run_is_one_line_and_writes_nothing(tmp_path, run_di
     assert not out.exists()
 
 
+def test_report_of_the_same_run_twice_is_refused(tmp_path, run_dir, capsys):
+    """--vs of the run itself (or the same directory by another path) drew one line for the two and wrote
+    two identical columns, without a word."""
+    out = tmp_path / "rep"
+    other_path = run_dir.parent / "." / run_dir.name
+    assert main(["report", "--run", str(run_dir), "--vs", str(other_path), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"hstu report: error: --vs {other_path}: the same run as {run_dir} (compare different runs)"
+    assert not out.exists()
+
+
 def test_report_out_blocked_by_a_file_names_out(tmp_path, run_dir, capsys):
     """A file at --out or on its path gave the bare "[Errno 17] File exists" / "[Errno 20] Not a directory"."""
     (tmp_path / "f.csv").write_text("x")

@@ -49,8 +49,13 @@ def _labels(paths: list[str]) -> list[str]:
 def write_report(runs: list[str], out: str | Path, slices: bool = False, device: str = "cpu", resamples: int = 1000) -> list[Path]:
     """Read ``runs`` (the first is the report's subject), write the plots and report.md into ``out``
     (with ``slices``: also :mod:`hstu.report.slices`' table, slices.png and slices.json); returns the
-    files written. Raises FileNotFoundError / ValueError (a run's files), ImportError (matplotlib
-    absent: ``pip install 'hstu[plot]'``)."""
+    files written. Raises FileNotFoundError / ValueError (a run's files; a run given twice), ImportError
+    (matplotlib absent: ``pip install 'hstu[plot]'``)."""
+    seen: dict[Path, str] = {}
+    for p in runs:  # the curves are keyed by label: a repeated run drew one line for two and a doubled column
+        if (key := Path(p).resolve()) in seen:
+            raise ValueError(f"--vs {p}: the same run as {seen[key]} (compare different runs)")
+        seen[key] = str(p)
     facts = [read_run_facts(p, label) for p, label in zip(runs, _labels(runs))]
     from hstu.report.plots import pyplot
 

@@ -29,9 +29,9 @@ from hstu.config import PRESETS, ModelConfig
 from hstu.generate.engine import Engine
 from hstu.model import build_hstu
 
-BLOCKS = {  # the [model] fields of each block compared
-    "multi_channel": {"multi_channel": True},
-    "hstu_block": {"multi_channel": False},
+BLOCKS = {  # the [model] fields of each block compared (whatever block the preset has)
+    "multi_channel": {"multi_channel": True, "query_key_map": True},
+    "hstu_block": {"multi_channel": False, "query_key_map": True},
     "fuxi_beta": {"multi_channel": True, "query_key_map": False},
 }
 

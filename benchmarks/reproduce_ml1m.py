@@ -92,9 +92,10 @@ RECIPE = {"batch_size": 128, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.98,
 
 
 def model_options(args, preset: str) -> dict:
-    """The [model] fields that --no-query-key-map, --ffn-hidden, --[no-]multi-channel, --width and --blocks set over
+    """The [model] fields that --[no-]query-key-map, --ffn-hidden, --[no-]multi-channel, --width and --blocks set over
     the preset's (none by default); --width D sets embedding_dim D and d_qk = d_v = D / the preset's heads."""
-    opts = {**({"query_key_map": False} if args.no_query_key_map else {}), **({"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {})}
+    opts = {"ffn_hidden": args.ffn_hidden} if args.ffn_hidden else {}
+    opts |= {} if args.query_key_map is None else {"query_key_map": args.query_key_map}
     opts |= {} if args.multi_channel is None else {"multi_channel": args.multi_channel}
     if args.width:
         heads = PRESETS[preset]["num_heads"]
@@ -149,11 +150,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "item); full adds -full to the run directory",
     )
     p.add_argument(
-        "--no-query-key-map",
-        action="store_true",
-        help="[model] query_key_map = false (FuXi-beta's attention without the query-key map: with the multi-channel "
-        "block, the presets', its position and time channels alone; with --no-multi-channel, A = SiLU(rab) / n); "
-        "adds -noqk to the run directory",
+        "--query-key-map",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="[model] query_key_map (default: the preset's, off for hstu-large: FuXi-beta's block); off: FuXi-beta's "
+        "attention without the query-key map (with the multi-channel block, its position and time channels alone; with "
+        "--no-multi-channel, A = SiLU(rab) / n); a model without it has -noqk in its run directory",
     )
     p.add_argument(
         "--ffn-hidden",
@@ -265,7 +267,7 @@ def main(argv=None) -> int:
                 + (f"-seed{args.seed}" if args.seed != 42 else "")
                 + (f"-lrdecay{args.lr_decay_patience}" if args.lr_decay_patience != TrainConfig.lr_decay_patience else "")
                 + ("-full" if args.softmax == "full" else "")
-                + ("-noqk" if args.no_query_key_map else "")
+                + ("" if mcfg.query_key_map else "-noqk")
                 + (f"-ffn{args.ffn_hidden}" if args.ffn_hidden else "")
                 + ("-mc" if mcfg.multi_channel else "")
                 + (f"-neg{args.num_negatives}" if args.num_negatives != RECIPE["num_negatives"] else "")

@@ -214,8 +214,8 @@ def run_hstu(args, out: Path, flags: tuple[str, ...] = ()) -> dict:
     cmd += ["--max-users", str(args.max_batches * BATCH)] if args.max_batches else []
     checked(cmd, env=child_env(args.threads))
     h, met, cfg = (json.loads((out / f).read_text()) for f in ("history.json", "metrics.json", "config.json"))
-    keys = ("num_blocks", "num_heads", "embedding_dim", "d_qk", "d_v", "max_seq_len", "num_items", "multi_channel")
-    model = {k: cfg["model"][k] for k in keys}
+    keys = ("num_blocks", "num_heads", "embedding_dim", "d_qk", "d_v", "max_seq_len", "num_items", "multi_channel", "query_key_map")
+    model = {k: cfg["model"][k] for k in keys if k in cfg["model"]}
     res = {"seqs": round(h[0]["sequences_per_s"] * h[0]["seconds"]), "recipe": met["recipe"], "model": model}
     return res | {k: h[0][k] for k in ("seconds", "sequences_per_s", "loss")}
 

@@ -214,8 +214,9 @@ def test_arch_sasrec_with_the_large_preset(tmp_path):
     assert main(["train", *flags, "--arch", "sasrec", "--preset", "large", "--epochs", "1", "--out", str(run), "--quiet"]) == 0
     model, cfg, _ = load_float_run(run)
     assert isinstance(model, SASRecModel) and cfg["model"]["architecture"] == "sasrec"
-    for k, v in PRESETS["large"].items():  # the preset's sizes; its HSTU block option is not SASRec's
-        assert cfg["model"][k] == (False if k == "multi_channel" else v), k
+    block = {"multi_channel": False, "query_key_map": True}  # the preset's HSTU block options are not SASRec's
+    for k, v in PRESETS["large"].items():  # the preset's sizes
+        assert cfg["model"][k] == block.get(k, v), k
     assert len(model.layers) == PRESETS["large"]["num_blocks"]
 
 

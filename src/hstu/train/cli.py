@@ -260,7 +260,8 @@ def _model_cfg(args):
         where = f"{args.config} [model]" + (f" with --arch {args.arch}" if arch else "")
         raise (ValueError(f"{where}: {exc}") if fields else exc) from None
     if PRESETS[preset].get("multi_channel") and not mcfg.multi_channel and "multi_channel" not in fields:
-        log.info("--preset %s: multi_channel off (the multi-channel block needs hstu and a relative bias)", preset)
+        qk = ", query_key_map on" if PRESETS[preset].get("query_key_map") is False and mcfg.query_key_map else ""
+        log.info("--preset %s: multi_channel off%s (the multi-channel block needs hstu and a relative bias)", preset, qk)
     return mcfg, tcfg
 
 

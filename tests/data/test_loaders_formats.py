@@ -91,6 +91,23 @@ def test_headerless_malformed_lines_are_named(tmp_path: Path):
         load_csv(_write(tmp_path / "log.txt", ""), columns="user=0,item=1", format="header=none")
 
 
+def test_a_short_row_is_named_by_its_fields(tmp_path: Path):
+    """A row with fewer fields than the header was reported as its first missing column ("category is missing"),
+    though the others after it were missing too; an empty field is still named as such."""
+    head = "user,item,category,time,action\n1,10,3,100,view\n"
+    p = _write(tmp_path / "log.csv", head + "1,11\n2,10,3,102,view\n")
+    cols = "user=user,item=item,category=category,time=time,action=action"
+    with pytest.raises(DataFormatError, match=r"^.*log.csv:3: expected 5 fields \(as the header\), got 2: '1,11'$"):
+        load_csv(p, columns=cols)
+    assert load_csv(p, columns=cols, skip_bad_rows=True).num_events == 2
+    p = _write(tmp_path / "log.csv", head + "1,11,,101,view\n")
+    with pytest.raises(DataFormatError, match=r"log.csv:3: category \('category'\) is missing"):
+        load_csv(p, columns=cols)
+    p = _write(tmp_path / "log.txt", "1;10;100\n1;11\n")  # no header: as wide as the first row
+    with pytest.raises(DataFormatError, match=r"log.txt:2: expected 3 fields, got 2: '1,11'$"):
+        load_csv(p, columns="user=0,item=1,time=2", format="sep=;,header=none")
+
+
 def _month_log(tmp_path: Path):
     """Three months of events for 3 users, ties within a month; returns (rows, parts by month)."""
     rng = np.random.default_rng(0)

@@ -41,7 +41,7 @@ import pandas as pd
 from hstu.data.errors import DataFormatError, plural
 from hstu.data.features import parse_feature_options
 from hstu.data.movielens import file_encoding
-from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, to_event_log
+from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, row_width_error, to_event_log
 from hstu.data.sequences import FEATURE_PREFIX, EventLog
 from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
 
@@ -380,7 +380,11 @@ def read_delimited(
         raw = raw.dropna(how="all")
         lines = raw.index.to_numpy() + 1 + int(fmt.header)
         raw = raw.reset_index(drop=True)
-        return _frame_checks(raw, labels, unit, lambda i: (int(lines[i]), ""), path, skip_bad_rows)
+        try:
+            return _frame_checks(raw, labels, unit, lambda i: (int(lines[i]), ""), path, skip_bad_rows)
+        except DataFormatError as exc:  # a short row reads as missing values: name its fields instead
+            short = exc.line and row_width_error(path, exc.line, sep=sep, width=head.shape[1], header=fmt.header, encoding=encoding)
+            raise (short or exc) from None
     # a row with too many fields stops the C parser: the line-by-line pass names it
     cols = [Column(k, labels[k] if fmt.header else int(labels[k][1:]), text=k in ("user", "item")) for k in keys]
     df, skipped = parse_lines(

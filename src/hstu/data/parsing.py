@@ -202,10 +202,27 @@ def _header_index(path: Path, row: list[str], cols: list[Column]) -> dict[str, i
     return idx
 
 
+def width_error(path: Path, line: int, row: list[str], width: int, header: bool) -> DataFormatError | None:
+    """The error of a row with another number of fields than ``width`` (the header's, with one), else None."""
+    if len(row) == width:
+        return None
+    what = f"{width} fields" + (" (as the header)" if header else "")
+    return DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
+
+
+def row_width_error(path: Path, line: int, *, sep: str, width: int, header: bool, encoding: str) -> DataFormatError | None:
+    """:func:`width_error` of file line ``line`` (read again: pandas fills a short row's missing fields with NaN)."""
+    with open(path, newline="", encoding=encoding, errors="replace") as fh:
+        reader = csv.reader(fh, delimiter=sep)
+        for row in reader:
+            if reader.line_num >= line:
+                return width_error(path, line, row, width, header) if row else None
+    return None
+
+
 def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: dict[str, int], width: int, time_unit: int) -> list:
-    if len(row) != width:
-        what = f"{width} fields" + (" (as the header)" if idx else "")
-        raise DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
+    if (bad := width_error(path, line, row, width, bool(idx))) is not None:
+        raise bad
     vals = []
     for c in cols:
         raw = row[idx[c.key] if idx else c.source]

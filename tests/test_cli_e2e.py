@@ -301,7 +301,7 @@ def test_resume_keeps_the_runs_data_and_refuses_contradicting_flags(run_dir, tmp
     p = hstu("train", "--resume", "--out", run_dir, "--data-dir", ML1M, "--max-users", 200, check=False)
     assert p.returncode == 2 and "--max-users is 200 here but 300 in the run" in p.stderr and "config.json" in p.stderr, p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--preset", "large", check=False)
-    assert p.returncode == 2 and "drop --preset large" in p.stderr and "num_blocks 8 in the preset, 2 in the run" in p.stderr, p.stderr
+    assert p.returncode == 2 and "drop --preset large" in p.stderr and "num_blocks = 8 (the run: 2)" in p.stderr, p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--protocol", "paper", "--data-dir", ML1M, check=False)
     assert p.returncode == 2 and "--protocol is 'paper' here but 'clean'" in p.stderr, p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--dataset", "taobao", check=False)  # refused before its data is looked for

@@ -220,9 +220,12 @@ def test_arch_sasrec_with_the_large_preset(tmp_path):
     assert len(model.layers) == PRESETS["large"]["num_blocks"]
 
 
-def test_arch_is_refused_with_resume(tmp_path, capsys):
+def test_another_arch_is_refused_with_resume(tmp_path, capsys):
+    from hstu.config import model_config_from_preset, to_dict
+
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"model": to_dict(model_config_from_preset("small"))}))
     assert main(["train", "--resume", "--arch", "sasrec", "--out", str(run)]) == 2
-    assert "drop --arch sasrec" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'the flags give architecture = "sasrec" (the run: "hstu"); drop --arch sasrec' in err, err

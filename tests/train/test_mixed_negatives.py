@@ -264,9 +264,29 @@ def test_a_repeat_head_refuses_the_batch_negative_schemes_before_writing(tmp_pat
 def test_resume_accepts_the_preset_the_run_was_trained_with(tmp_path) -> None:
     """A second fresh-user finding: `hstu train --resume --preset small` on a small run was refused ("drop --preset small");
     the command that trained a run, with --resume added, goes on; another preset is refused naming the fields."""
+    import argparse
+
     from hstu.config import model_config_from_preset, to_dict
-    from hstu.train.cli import _preset_differs
+    from hstu.train.cli import _check_resume_flags
+
+    def check(preset, config=None, arch=None):
+        _check_resume_flags(argparse.Namespace(resume=True, out=str(tmp_path), preset=preset, config=config, arch=arch))
 
     (tmp_path / "config.json").write_text(json.dumps({"model": to_dict(model_config_from_preset("small"))}))
-    assert _preset_differs("small", tmp_path / "config.json") == ""
-    assert "num_blocks 8 in the preset, 2 in the run" in _preset_differs("large", tmp_path / "config.json")
+    check("small")
+    with pytest.raises(ValueError, match=r"the flags give num_blocks = 8 \(the run: 2\), .*; drop --preset large$"):
+        check("large")
+    # a third: the flags together, as the run was trained (`--preset large --config F`, F's [model] over the preset)
+    f = tmp_path / "f.toml"
+    f.write_text("[model]\nmulti_channel = false\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model": to_dict(model_config_from_preset("large", multi_channel=False))}))
+    check("large", str(f))  # was refused: "multi_channel True in the preset, False in the run, query_key_map ..."
+    with pytest.raises(ValueError, match=r"give multi_channel = false \(the run: true\); drop .*f.toml's \[model\] multi_channel$"):
+        (tmp_path / "config.json").write_text(json.dumps({"model": to_dict(model_config_from_preset("small"))}))
+        check("small", str(f))
+    sas = to_dict(model_config_from_preset("large", architecture="sasrec"))
+    (tmp_path / "config.json").write_text(json.dumps({"model": sas}))
+    check("large", arch="sasrec")  # was refused: "drop --arch sasrec"
+    check(None, arch="sasrec")
+    with pytest.raises(ValueError, match=r"give architecture = \"hstu\" \(the run: \"sasrec\"\); drop --arch hstu$"):
+        check(None, arch="hstu")

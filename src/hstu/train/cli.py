@@ -285,25 +285,37 @@ def _check_out_dir(args) -> None:
 
 
 def _check_resume_flags(args) -> None:
-    """ValueError when --resume comes with a model choice: the run continues its saved model
-    (config.json), so --preset, --arch or a [model] table that sets another value than the run's would be
-    silently ignored (a table that repeats the run's values is accepted: the command that trained it resumes)."""
+    """ValueError when --resume comes with a model choice that differs from the run's: the run continues its saved
+    model (config.json), so --preset, --arch or a [model] table that sets another value than the run's would be
+    silently ignored. The flags are taken together, as a new run takes them (:func:`_model_cfg`): the command that
+    trained a run (``--preset large --config F``, ``--arch sasrec``), with --resume added, goes on."""
     if not args.resume:
         return
-    if getattr(args, "arch", None):
-        raise ValueError(f"--resume continues the run's saved model ({Path(args.out) / 'config.json'}); drop --arch {args.arch}")
     path = Path(args.out) / "config.json"
-    if args.preset is not None and (diff := _preset_differs(args.preset, path)):
-        raise ValueError(f"--resume continues the run's saved model ({path}: {diff}); drop --preset {args.preset}")
+    table = {}
     if args.config:
         from hstu.config import load_config_file, load_config_tables
 
         load_config_file(args.config)  # every table checked, errors naming the file
         table = load_config_tables(args.config).get("model", {})
-        if not (table and path.exists()):  # no run there: _resume_defaults says so
-            return
-        if other := ", ".join(f"{k} = {json.dumps(v)} (the run: {json.dumps(r)})" for k, v, r in _model_differs(table, path)):
-            raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {other}: drop them")
+    if not path.exists():  # no run there: _resume_defaults says so
+        return
+    arch, preset = getattr(args, "arch", None), args.preset
+    wanted = dict(table)  # a table alone: its fields as written
+    if arch or preset is not None:  # the model a new run would build from the flags together
+        from hstu.config import PRESETS
+
+        mcfg, _ = _model_cfg(args)
+        keys = [*(PRESETS[preset] if preset is not None else ()), *table, *(["architecture"] if arch else [])]
+        wanted = {k: getattr(mcfg, k) for k in keys}
+    if not (diffs := _model_differs(wanted, path)):
+        return
+    diff = ", ".join(f"{k} = {json.dumps(v)} (the run: {json.dumps(r)})" for k, v, r in diffs)
+    if not (arch or preset is not None):
+        raise ValueError(f"--resume continues the run's saved model ({path}); {args.config} [model] sets {diff}: drop them")
+    said = {k: f"{args.config}'s [model] {k}" for k in table} | {"architecture": f"--arch {arch}"}
+    drop = dict.fromkeys(said.get(k, f"--preset {preset}") for k, _, _ in diffs)
+    raise ValueError(f"--resume continues the run's saved model ({path}): the flags give {diff}; drop {', '.join(drop)}")
 
 
 def _model_differs(values: dict, path: Path) -> list[tuple]:
@@ -315,16 +327,6 @@ def _model_differs(values: dict, path: Path) -> list[tuple]:
     saved, default = read_json(path).get("model", {}), ModelConfig()
     run = {k: saved.get(k, getattr(default, k)) for k in values}
     return [(k, v, run[k]) for k, v in values.items() if run[k] != v]
-
-
-def _preset_differs(preset: str, path: Path) -> str:
-    """The fields in which ``preset``'s values differ from the run's saved model at ``path`` (config.json), as text;
-    "" when the run was trained at those values (a resume with its training command's --preset goes on)."""
-    from hstu.config import PRESETS
-
-    if preset not in PRESETS or not path.exists():
-        return f"--preset {preset}"
-    return ", ".join(f"{k} {v} in the preset, {r} in the run" for k, v, r in _model_differs(PRESETS[preset], path))
 
 
 def _resume_defaults(args) -> dict:

@@ -34,3 +34,14 @@ def test_example_loads_and_builds(path: Path) -> None:
         assert out.shape == (2, 7, cfg.embedding_dim) and torch.isfinite(out).all()
     if "serve" in tables:
         assert isinstance(tables["serve"], ServeConfig)
+
+
+def test_the_hstu_large_example_trains_the_papers_block() -> None:
+    """README: "--config examples/hstu-large-ml1m.toml for the paper's HSTU-large": it trained FuXi-alpha's
+    multi-channel block (its [model] table goes over the small preset's, which has it on)."""
+    import argparse
+
+    from hstu.train.cli import _model_cfg
+
+    mcfg, _ = _model_cfg(argparse.Namespace(config=str(REPO / "examples" / "hstu-large-ml1m.toml"), preset=None, arch=None))
+    assert (mcfg.architecture, mcfg.multi_channel, mcfg.query_key_map, mcfg.num_blocks, mcfg.num_heads) == ("hstu", False, True, 8, 2)

@@ -31,7 +31,7 @@ import torch
 
 from hstu.export import onnx_export, pt2_export
 from hstu.export.encoder import UserEncoder, example_inputs, max_abs_error
-from hstu.model.checkpoint import staged_dir
+from hstu.model.checkpoint import dir_target, staged_dir
 from hstu.model.run_files import CONFIG, IDMAP, ITEMS
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def _check_request(fmt: str, run: Path, out: Path, overwrite: bool, batch: int |
         raise ValueError(f"--format: unknown value {fmt!r}; valid: {', '.join(FORMATS)}")
     if fmt == "onnx" and (missing := onnx_export.missing_package()) is not None:
         raise ImportError(f"--format onnx needs the optional package {missing!r}: pip install 'hstu[{onnx_export.EXTRA}]'")
+    out = dir_target(out)  # FileExistsError: a link to nothing
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out}: exists and is not a directory")
     r, o = run.resolve(), out.resolve()
@@ -177,7 +178,7 @@ def export_run(
     edges = _buckets(buckets, model.cfg.max_seq_len)
     cat = ids.get("item_category")
     enc = UserEncoder(model, None if cat is None else torch.as_tensor(cat, dtype=torch.int64))
-    with staged_dir(out) as tmp:
+    with staged_dir(out, last=MANIFEST) as tmp:
         entries = [_export_bucket(fmt, enc, E, tmp, batch) for E in edges]
         with torch.no_grad():
             np.save(tmp / "items.npy", model.item_vectors().to(torch.float32).cpu().numpy())

@@ -60,19 +60,36 @@ def write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2))
 
 
+def dir_target(out: str | Path) -> Path:
+    """The directory an ``--out`` names, as :func:`staged_dir` writes it: absolute (``.`` too), a symbolic link
+    to a directory followed. FileExistsError for a link to nothing (naming both)."""
+    out = Path(os.path.abspath(out))
+    if out.is_symlink():
+        if not out.exists():
+            raise FileExistsError(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist")
+        out = out.resolve()
+    return out
+
+
 @contextlib.contextmanager
-def staged_dir(out: str | Path) -> Iterator[Path]:
+def staged_dir(out: str | Path, *, last: str | None = None) -> Iterator[Path]:
     """Build a directory whole or not at all: yield a hidden temp directory beside ``out``
     (``.NAME.tmp-*``, mode 0755) to write into; when the block ends without error, move it to
-    ``out``, replacing an old ``out`` only then. On any error (KeyboardInterrupt and SIGTERM
-    included) the temp directory is removed and ``out`` is left as it was."""
-    out = Path(out)
+    ``out``, replacing an old ``out`` only then. An existing empty ``out`` (one the user made: its mode,
+    a shell inside it) is kept and filled instead, the file ``last`` (the one that marks the directory
+    complete) moved in last. On any error (KeyboardInterrupt and SIGTERM included) the temp directory
+    and whatever was moved are removed and ``out`` is left as it was. ``out`` as :func:`dir_target`."""
+    out = dir_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would become the directory's mode
+    old = None
     try:
         yield tmp
-        old = None
+        if out.is_dir() and not any(out.iterdir()):
+            _fill(tmp, out, last)
+            tmp.rmdir()
+            return
         if out.is_dir():
             old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
             out.rename(old)
@@ -82,6 +99,19 @@ def staged_dir(out: str | Path) -> Iterator[Path]:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _fill(tmp: Path, out: Path, last: str | None) -> None:
+    """Move ``tmp``'s entries into the empty directory ``out``, ``last`` last; on any error, take them out again."""
+    moved = []
+    try:
+        for p in sorted(tmp.iterdir(), key=lambda p: p.name == last):
+            os.rename(p, out / p.name)
+            moved.append(out / p.name)
+    except BaseException:
+        for q in moved:
+            shutil.rmtree(q) if q.is_dir() and not q.is_symlink() else q.unlink(missing_ok=True)
+        raise
 
 
 def file_sha256(path: Path) -> str:

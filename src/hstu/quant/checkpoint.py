@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from hstu import backend
 from hstu.config import model_config_from_dict
-from hstu.model.checkpoint import file_sha256, read_idmap, read_json, read_safetensors, save_tensors, staged_dir, write_json
+from hstu.model.checkpoint import dir_target, file_sha256, read_idmap, read_json, read_safetensors, save_tensors, staged_dir, write_json
 from hstu.model.run_files import CONFIG, IDMAP, ITEMS, require_run_dir
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
@@ -116,7 +116,7 @@ def check_quantized_out(src_run: str | Path, out: str | Path, overwrite: bool = 
     """FileExistsError when ``out`` is ``src_run``, inside it or inside any other run directory (config.json and
     idmap.json), or a non-empty directory (unless ``overwrite``);
     ``hstu quantize`` calls it before it reads any data."""
-    src, out = Path(src_run), Path(out)
+    src, out = Path(src_run), dir_target(out)  # FileExistsError: a link to nothing
     if out.resolve() == src.resolve():
         raise FileExistsError(f"--out {out} is the source run itself; write the quantized run to a new directory")
     if src.resolve() in out.resolve().parents:  # a run nested in a run: its files would be taken for the run's own
@@ -149,7 +149,7 @@ def save_quantized_run(
         raise ValueError("model has no quantization scheme (quant_meta): convert it with hstu.quant.apply_precision first")
     state = quantized_state(model)
     float_weights = src / FLOAT_WEIGHTS
-    with staged_dir(out) as tmp:  # whole or not at all: an error or Ctrl-C leaves ``out`` as it was
+    with staged_dir(out, last=META) as tmp:  # whole or not at all: an error or Ctrl-C leaves ``out`` as it was
         for f in (CONFIG, ITEMS, IDMAP):  # items.npz (a large catalogue's, when there is one) before the idmap.json naming it
             if f != ITEMS or (src / f).exists():
                 shutil.copyfile(src / f, tmp / f)

@@ -80,3 +80,27 @@ def test_stdout_closed_by_the_reader_ends_quietly() -> None:
     p.stdout.close()
     _, err = p.communicate(timeout=300)
     assert p.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_while_the_parser_loads_is_one_line(capsys, monkeypatch, signal_name) -> None:
+    """Ctrl-C in the first seconds (the parser imports torch) printed a KeyboardInterrupt traceback, and SIGTERM
+    then killed the process without a word; both now end as later: one line, exit 130 / 143."""
+    import os
+    import signal
+
+    from hstu import cli
+
+    def loading():
+        os.kill(os.getpid(), getattr(signal, signal_name))
+        raise AssertionError("the signal did not interrupt")
+
+    monkeypatch.setattr(cli, "build_parser", loading)
+    stray = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: stray.append(a))  # main() installs its own; a leak lands here
+    try:
+        rc = main(["--verbose", "quantize", "--run", "r", "--scheme", "int8", "--out", "o"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    want = {"SIGINT": (130, "interrupted"), "SIGTERM": (143, "terminated")}[signal_name]
+    assert not stray and (rc, capsys.readouterr().err.strip()) == (want[0], f"hstu quantize: {want[1]}")

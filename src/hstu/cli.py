@@ -433,19 +433,32 @@ def _interrupted(args, exc: KeyboardInterrupt) -> int:
         hint = "; the run keeps its last committed epoch: continue with --resume"
     else:
         hint = f"; no epoch was committed, nothing is kept in {out}: run the command again"
-    print(f"hstu {args.command}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
+    where = f"hstu {args.command}" if args.command else "hstu"
+    print(f"{where}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    on_term = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(argv)
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+def _run(argv: list[str] | None) -> int:
+    try:  # building the parser imports torch: seconds in which Ctrl-C or SIGTERM may come
+        parser = build_parser()
+        args, unknown = parser.parse_known_args(argv)
+    except KeyboardInterrupt as exc:
+        words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+        return _interrupted(argparse.Namespace(command=words[0] if words else ""), exc)
     if unknown and not getattr(args, "stub", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     from hstu.backend import BackendUnavailableError
 
     where = f"hstu {args.command}"
-    on_term = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         from hstu.train.cli import torchrun_rank
 
@@ -467,9 +480,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as exc:
         return _interrupted(args, exc)
-    finally:
-        if on_term is not None:
-            signal.signal(signal.SIGTERM, on_term)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def test_corrupt_manifest_is_rebuilt_and_a_failed_build_falls_back(tmp_path, cap
         rep = eng.graph_report()
         assert {r["mode"] for r in rep} == {mode}, rep
     assert "not a graph-cache manifest" in caplog.text and "no compiler here" in caplog.text
-    assert "started a new cache, removing the 1 graph files and the layouts the old one listed" in caplog.text
+    assert "started a new cache with this graph, removing 1 other graph files and layout.json" in caplog.text
     # readable again, one entry per graph; the old files went (they stayed, unlisted, and layout.json named a
     # layout whose graphs no manifest listed)
     assert len(GraphCache(d, tiny_model(), "cpu").entries()) == len(rep) == len(list(d.glob("*.pt2")))

@@ -76,3 +76,20 @@ def test_a_cache_without_a_readable_layout_record_is_not_called_missing(tmp_path
     GraphCache.add_layout(tmp_path, [20, 50], 16)  # a readable record: nothing to warn about
     assert layout_record_warning(tmp_path, "auto", "cpu", [20, 50], 16, None) is None
     assert layout_record_warning(tmp_path / "none", "auto", "cpu", [20, 50], 16, None) is None
+
+
+def test_an_unreadable_manifest_is_a_warning(tmp_path):
+    """A fresh-user finding: with `{bad` in graphs/manifest.json the server said at INFO "no graph cache ... (its graphs
+    are none)", not naming the file."""
+    from hstu.backend import graph_cache as gc
+
+    d = GraphCache.create(tmp_path)
+    GraphCache.add_layout(tmp_path, [20, 50], 16)
+    for bad in ("{bad", '{"entries": 5}'):
+        (d / gc.MANIFEST).write_text(bad)
+        line = layout_record_warning(tmp_path, "auto", "cpu", [20, 50], 16, None)
+        assert line is not None and line.startswith(f"{d / gc.MANIFEST}: not a graph-cache manifest (")
+        assert line.endswith(
+            f"the model runs eager; `hstu export --run {tmp_path} --graphs --buckets 20,50 --max-batch 16` builds a new cache"
+        )
+    assert layout_record_warning(tmp_path, "eager", "cpu", [20, 50], 16, None) is None

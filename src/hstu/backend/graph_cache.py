@@ -77,6 +77,16 @@ class ManifestError(GraphCacheError):
     """The cache's manifest cannot be read (every entry unusable until a build writes a new one)."""
 
 
+def manifest_entries(path: Path) -> dict:
+    """The entries of the manifest at ``path`` ({} when there is none). ManifestError: unreadable, naming it."""
+    if not path.exists():
+        return {}
+    try:
+        return dict(json.loads(path.read_text())["entries"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"{path}: not a graph-cache manifest ({exc}); rebuild it: hstu export --graphs") from None
+
+
 def torch_version() -> str:
     """The running torch's version (a function so that tests can pretend another one)."""
     return torch.__version__
@@ -292,14 +302,7 @@ class GraphCache:
 
     def entries(self) -> dict:
         """The manifest's entries (empty when there is none). GraphCacheError: unreadable manifest."""
-        p = self.dir / MANIFEST
-        if not p.exists():
-            return {}
-        try:
-            m = json.loads(p.read_text())
-            return dict(m["entries"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ManifestError(f"{p}: not a graph-cache manifest ({exc}); rebuild it: hstu export --graphs") from None
+        return manifest_entries(self.dir / MANIFEST)
 
     def check(self, name: str) -> Path:
         """The package file of entry ``name``, verified against this process. Raises GraphCacheError
@@ -359,8 +362,8 @@ class GraphCache:
             except ManifestError as exc:  # unreadable: nothing on disk can be verified any more
                 removed = self._clear(keep=path.name)
                 log.warning(
-                    "%s: started a new cache, removing the %d graph files and the layouts the old one listed (built again as "
-                    "needed; all at once: hstu export --graphs)",
+                    "%s: started a new cache with this graph, removing %d other graph files and layout.json (graphs are "
+                    "built again as needed; all at once: hstu export --graphs)",
                     str(exc).split("; rebuild")[0],
                     removed,
                 )

@@ -102,13 +102,19 @@ def export_flags(buckets: list[int], max_batch: int, precision: str | None) -> s
 
 
 def layout_record_warning(run_dir, graphs: str, device: str, buckets: list[int], max_batch: int, precision: str | None) -> str | None:
-    """A warning for the log when ``hstu serve`` on the CPU under ``--graphs auto`` uses a graph cache whose
-    ``layout.json`` is missing or unreadable (:meth:`GraphCache.beside` cannot rule it out, so its graphs load where
-    their names match this server's buckets and max batch, the rest run eager), else None."""
+    """A warning for the log when ``hstu serve`` on the CPU under ``--graphs auto`` finds a graph cache whose
+    ``manifest.json`` is unreadable (the model runs eager), or uses one whose ``layout.json`` is missing or
+    unreadable (:meth:`GraphCache.beside` cannot rule it out, so its graphs load where their names match this
+    server's buckets and max batch, the rest run eager), else None."""
     if graphs != "auto" or device != "cpu":
         return None
-    from hstu.backend.graph_cache import DIRNAME, LAYOUT, GraphCache
+    from hstu.backend.graph_cache import DIRNAME, LAYOUT, MANIFEST, GraphCache, ManifestError, manifest_entries
 
+    try:
+        manifest_entries(Path(run_dir) / DIRNAME / MANIFEST)
+    except ManifestError as exc:
+        flags = export_flags(buckets, max_batch, precision)
+        return f"{str(exc).split('; rebuild')[0]}: the model runs eager; `hstu export --run {run_dir} --graphs {flags}` builds a new cache"
     if GraphCache.layouts(run_dir) or _served_precision(run_dir, precision) not in GraphCache.precisions(run_dir):
         return None
     return (

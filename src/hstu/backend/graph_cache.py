@@ -74,7 +74,12 @@ class GraphCacheError(RuntimeError):
 
 
 class ManifestError(GraphCacheError):
-    """The cache's manifest cannot be read (every entry unusable until a build writes a new one)."""
+    """The cache's manifest cannot be read (every entry unusable until a build writes a new one); ``what`` says
+    which file and why, the message adds how to rebuild it."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}; rebuild it: hstu export --graphs")
+        self.what = what
 
 
 def manifest_entries(path: Path) -> dict:
@@ -84,7 +89,7 @@ def manifest_entries(path: Path) -> dict:
     try:
         return dict(json.loads(path.read_text())["entries"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ManifestError(f"{path}: not a graph-cache manifest ({exc}); rebuild it: hstu export --graphs") from None
+        raise ManifestError(f"{path}: not a graph-cache manifest ({exc})") from None
 
 
 def torch_version() -> str:
@@ -364,7 +369,7 @@ class GraphCache:
                 log.warning(
                     "%s: started a new cache with this graph, removing %d other graph files and layout.json (graphs are "
                     "built again as needed; all at once: hstu export --graphs)",
-                    str(exc).split("; rebuild")[0],
+                    exc.what,
                     removed,
                 )
                 entries = {}

@@ -114,7 +114,7 @@ def layout_record_warning(run_dir, graphs: str, device: str, buckets: list[int],
         manifest_entries(Path(run_dir) / DIRNAME / MANIFEST)
     except ManifestError as exc:
         flags = export_flags(buckets, max_batch, precision)
-        return f"{str(exc).split('; rebuild')[0]}: the model runs eager; `hstu export --run {run_dir} --graphs {flags}` builds a new cache"
+        return f"{exc.what}: the model runs eager; `hstu export --run {run_dir} --graphs {flags}` builds a new cache"
     if GraphCache.layouts(run_dir) or _served_precision(run_dir, precision) not in GraphCache.precisions(run_dir):
         return None
     return (

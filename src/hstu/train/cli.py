@@ -245,8 +245,9 @@ def _local_table_flags(args, tcfg, saved: dict | None) -> None:
         tcfg.table_learning_rate = args.table_learning_rate
 
 
-def _model_cfg(args):
-    """(ModelConfig, TrainConfig or None): --preset (default small), --config [model] fields, --arch over it; errors name the file."""
+def _model_cfg(args, say: bool = True):
+    """(ModelConfig, TrainConfig or None): --preset (default small), --config [model] fields, --arch over it; errors name the file.
+    ``say``: log a preset block option that gives way (once per command: the --resume check asks quietly)."""
     from hstu.config import PRESETS, load_config_file, load_config_tables, model_config_from_preset
 
     tcfg, fields, preset = None, {}, args.preset or "small"
@@ -259,7 +260,7 @@ def _model_cfg(args):
     except ValueError as exc:  # a [model] field that the preset or --arch cannot take: name the file too
         where = f"{args.config} [model]" + (f" with --arch {args.arch}" if arch else "")
         raise (ValueError(f"{where}: {exc}") if fields else exc) from None
-    if PRESETS[preset].get("multi_channel") and not mcfg.multi_channel and "multi_channel" not in fields:
+    if say and PRESETS[preset].get("multi_channel") and not mcfg.multi_channel and "multi_channel" not in fields:
         qk = ", query_key_map on" if PRESETS[preset].get("query_key_map") is False and mcfg.query_key_map else ""
         log.info("--preset %s: multi_channel off%s (the multi-channel block needs hstu and a relative bias)", preset, qk)
     return mcfg, tcfg
@@ -305,7 +306,7 @@ def _check_resume_flags(args) -> None:
     if arch or preset is not None:  # the model a new run would build from the flags together
         from hstu.config import PRESETS
 
-        mcfg, _ = _model_cfg(args)
+        mcfg, _ = _model_cfg(args, say=False)
         keys = [*(PRESETS[preset] if preset is not None else ()), *table, *(["architecture"] if arch else [])]
         wanted = {k: getattr(mcfg, k) for k in keys}
     if not (diffs := _model_differs(wanted, path)):

@@ -33,7 +33,11 @@ def add_train_parser(sub) -> None:
         "(default ml-1m; with --resume: the run's)",
     )
     t.add_argument("--data-dir", help="data directory or file (default: $HSTU_DATA_DIR or ../shared/data/ml-1m)")
-    t.add_argument("--preset", choices=["small", "large", "prod"], help="model size (default small; not with --resume)")
+    t.add_argument(
+        "--preset",
+        choices=["small", "large", "prod"],
+        help="model size and block (default small; with --resume only the run's own: see docs/configuration.md)",
+    )
     t.add_argument("--config", help="TOML/JSON with [model], [train] and [data] tables; [model]'s fields apply over the --preset's values")
     t.add_argument(
         "--arch",

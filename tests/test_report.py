@@ -106,10 +106,13 @@ def test_report_of_a_missing_run_is_one_line_and_writes_nothing(tmp_path, run_di
 def test_report_of_the_same_run_twice_is_refused(tmp_path, run_dir, capsys):
     """--vs of the run itself (or the same directory by another path) drew one line for the two and wrote
     two identical columns, without a word."""
-    out = tmp_path / "rep"
-    other_path = run_dir.parent / "." / run_dir.name
-    assert main(["report", "--run", str(run_dir), "--vs", str(other_path), "--out", str(out)]) == 2
-    assert capsys.readouterr().err.strip() == f"hstu report: error: --vs {other_path}: the same run as {run_dir} (compare different runs)"
+    out, link = tmp_path / "rep", tmp_path / "link"
+    link.symlink_to(run_dir)
+    for other_path in (str(run_dir), str(link), f"{run_dir}/"):
+        assert main(["report", "--run", str(run_dir), "--vs", other_path, "--out", str(out)]) == 2
+        assert (
+            capsys.readouterr().err.strip() == f"hstu report: error: --vs {other_path}: the same run as {run_dir} (compare different runs)"
+        )
     assert not out.exists()
 
 

@@ -55,8 +55,7 @@ class ModelConfig:
     time_bucket_log_base: float = 0.301  # bucket(dt) = floor(ln(max(|dt|, 1)) / 0.301)
     use_time_bias: bool = True  # ablation switches (issue: relative bias off, time bias off)
     use_position_bias: bool = True
-    # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference
-    # implementation); "causal" = the number of keys row i attends (i + 1), an ablation (issue 3)
+    # attention divisor n (eq. 2): "fixed" = the model width N for every row (the reference); "causal" = i + 1, an ablation (issue 3)
     attention_norm: str = "fixed"
     query_key_map: bool = True  # False: no Q Kᵀ (FuXi-beta): A = SiLU(rab) / n; with multi_channel, no semantic channel
     ffn_hidden: int = 0  # > 0: FuXi-alpha's SwiGLU FFN stage (§4.3) of this width after each block (hstu.model.hstu.SwiGLUFFN)
@@ -162,8 +161,7 @@ class ModelConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads. Issue 20: small has FuXi-alpha's
-    # channels; large FuXi-beta's block (those channels without the semantic Q K^T one: better on ML-1M, 1.4-1.7x faster next-5).
+    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads; issue 20: FuXi-alpha's / -beta's block.
     "small": dict(num_blocks=2, num_heads=1, embedding_dim=50, d_qk=50, d_v=50, max_seq_len=200, multi_channel=True),
     "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200, multi_channel=True, query_key_map=False),
     # ML-20M recipe size, used by the quantization benchmark as the "production-size" model.
@@ -468,10 +466,8 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The preset's values, ``overrides`` over them; the preset's ``multi_channel`` is dropped where ``overrides`` choose what
-    it cannot go with (SASRec, no relative bias) without setting it (kept without the query-key map: FuXi-beta), and its
-    ``query_key_map = false`` (large: FuXi-beta's block) goes with its multi-channel block: dropped, unless ``overrides`` set
-    it, wherever that block is (``multi_channel = false`` gives the paper's HSTU block). ValueError names a bad field."""
+    """The preset's values, ``overrides`` over them; its ``multi_channel`` (and with it large's ``query_key_map = false``, FuXi-beta)
+    is dropped where ``overrides`` choose what it cannot go with (SASRec, no relative bias, the HSTU block). ValueError names a field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}

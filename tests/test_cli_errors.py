@@ -104,3 +104,23 @@ def test_an_interrupt_while_the_parser_loads_is_one_line(capsys, monkeypatch, si
         signal.signal(signal.SIGTERM, previous)
     want = {"SIGINT": (130, "interrupted"), "SIGTERM": (143, "terminated")}[signal_name]
     assert not stray and (rc, capsys.readouterr().err.strip()) == (want[0], f"hstu quantize: {want[1]}")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_signal_after_the_command_returned_keeps_its_exit_status(tmp_path, signal_name) -> None:
+    """The interpreter's exit takes ~0.7 s after a command's last line (torch's teardown): Ctrl-C there gave a
+    traceback and exit 1, SIGTERM exit -15, though the output was complete. Now the process ends at once with
+    the command's own status (here `hstu diagnose`'s 1: the log matched)."""
+    log = tmp_path / "plog.log"
+    log.write_text("[ERROR] RUNTIME(12345): EL0004: Failed to allocate memory.\n")
+    script = (
+        "import os, signal, sys, time\n"
+        "from hstu.cli import main\n"
+        f"sys.argv = ['hstu', 'diagnose', {str(log)!r}]\n"
+        "rc = main()\n"
+        f"os.kill(os.getpid(), signal.{signal_name})\n"
+        "time.sleep(30)\n"
+        "sys.exit(99)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "EL0004" in p.stdout, (p.returncode, p.stderr[-2000:])

@@ -441,10 +441,29 @@ def _interrupted(args, exc: KeyboardInterrupt) -> int:
 def main(argv: list[str] | None = None) -> int:
     on_term = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
-        return _run(argv)
+        rc = _run(argv)
     finally:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
+    if argv is None and on_term is not None:  # the program: its output is complete, the interpreter's exit takes ~0.7 s
+        _exit_on_signal(rc)
+    return rc
+
+
+def _exit_on_signal(rc: int) -> None:
+    """Ctrl-C or SIGTERM after the command returned ends the process at once with the command's status: the work
+    is done and written, so it is neither an interruption (130 / 143) nor a traceback from the interpreter's exit."""
+
+    def handler(signum, frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(rc)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def _run(argv: list[str] | None) -> int:

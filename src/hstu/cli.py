@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions, check_k
+from hstu.interrupts import exit_on_signal, interrupted, terminated
 
 log = logging.getLogger("hstu")
 
@@ -204,6 +205,8 @@ def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = Non
 
 
 def cmd_generate(args) -> int:
+    from hstu.backend.graph_cache import DIRNAME as GRAPHS_DIR
+    from hstu.backend.graph_cache import LAYOUT, GraphCache
     from hstu.generate.batch import history_of
     from hstu.generate.batch_cli import cmd_all_users, reject_batch_flags
     from hstu.generate.recommend import HistoryError, Recommender
@@ -241,6 +244,13 @@ def cmd_generate(args) -> int:
     dec = DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed)
     need = max(args.k, dec.beam_width if dec.strategy == "beam" else 1)
     rec.check_room(prep, need, exclude_history=excl, allow_untrained=allow, field="-k")  # HistoryError: exit 2, one line
+    if args.graphs == "compiled" and GraphCache.unrecorded(args.run):  # its graphs cannot be matched: say why we compile
+        print(
+            f"warning: {Path(args.run) / GRAPHS_DIR / LAYOUT} is missing or unreadable: this call compiles graphs of its own "
+            f"shape into the cache and records that layout alone; `hstu export --run {args.run} --graphs` with the server's "
+            "--buckets and --max-batch records its layout again",
+            file=sys.stderr,
+        )
     eng = rec.engine_for([prep], dec, args.graphs)  # sized for this one call
     items = rec.recommend([prep], args.k, decoding=dec, exclude_history=excl, allow_untrained=allow, engine=eng)[0]
     built = [g for g in eng.graph_report() if g["mode"] == "built"]
@@ -413,57 +423,16 @@ def _missing_extra(command: str, extra: str, missing: str | None):
     return handler
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``timeout``, ``docker stop``, Kubernetes) raised as an interrupt, so a command cleans up
-    as after Ctrl-C (no half-written output) and says so; exit status 143 (128 + SIGTERM)."""
-
-
-def _terminated(signum, frame) -> None:
-    raise Terminated
-
-
-def _interrupted(args, exc: KeyboardInterrupt) -> int:
-    """The one line after Ctrl-C or SIGTERM; a training run that committed an epoch is resumable."""
-    from hstu.runs import has_train_state
-
-    out = getattr(args, "out", None)
-    if args.command != "train" or not out:
-        hint = ""
-    elif Path(out).is_dir() and has_train_state(Path(out)):
-        hint = "; the run keeps its last committed epoch: continue with --resume"
-    else:
-        hint = f"; no epoch was committed, nothing is kept in {out}: run the command again"
-    where = f"hstu {args.command}" if args.command else "hstu"
-    print(f"{where}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
-    return 143 if isinstance(exc, Terminated) else 130
-
-
 def main(argv: list[str] | None = None) -> int:
-    on_term = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+    on_term = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         rc = _run(argv)
     finally:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
     if argv is None and on_term is not None:  # the program: its output is complete, the interpreter's exit takes ~0.7 s
-        _exit_on_signal(rc)
+        exit_on_signal(rc)
     return rc
-
-
-def _exit_on_signal(rc: int) -> None:
-    """Ctrl-C or SIGTERM after the command returned ends the process at once with the command's status: the work
-    is done and written, so it is neither an interruption (130 / 143) nor a traceback from the interpreter's exit."""
-
-    def handler(signum, frame) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(rc)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -472,7 +441,7 @@ def _run(argv: list[str] | None) -> int:
         args, unknown = parser.parse_known_args(argv)
     except KeyboardInterrupt as exc:
         words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
-        return _interrupted(argparse.Namespace(command=words[0] if words else ""), exc)
+        return interrupted(argparse.Namespace(command=words[0] if words else ""), exc)
     if unknown and not getattr(args, "stub", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     from hstu.backend import BackendUnavailableError
@@ -498,7 +467,7 @@ def _run(argv: list[str] | None) -> int:
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        return _interrupted(args, exc)
+        return interrupted(args, exc)
 
 
 if __name__ == "__main__":

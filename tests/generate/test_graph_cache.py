@@ -216,7 +216,7 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
         assert main(["generate", "--run", str(run), "--history", str(hist), "-k", "3", "--graphs", g, "--json"]) == 0
         printed = capsys.readouterr()
         out[g] = json.loads(printed.out)
-        assert "built and stored" not in printed.err
+        assert "built and stored" not in printed.err and gc.LAYOUT not in printed.err
     assert [i["item_id"] for i in out["compiled"]["items"]] == [i["item_id"] for i in out["eager"]["items"]]
     for a, b in zip(out["compiled"]["items"], out["eager"]["items"]):
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
@@ -234,6 +234,7 @@ def test_export_graphs_then_generate_compiled_from_the_cache(tmp_path, monkeypat
     assert [i["item_id"] for i in json.loads(printed.out)["items"]] == [i["item_id"] for i in out["eager"]["items"]]
     assert len(json.loads((run / "graphs" / gc.MANIFEST).read_text())["entries"]) == 9
     assert f"graph cache {run / 'graphs'}: 3 graphs built and stored now" in printed.err  # said, on stderr (stdout stays JSON)
+    assert f"warning: {run / 'graphs' / gc.LAYOUT} is missing or unreadable: this call compiles" in printed.err  # and why
     assert GraphCache.layouts(run) == [{"buckets": [8], "max_batch": 1}]  # the unreadable file replaced by the layout built
 
 

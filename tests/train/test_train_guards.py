@@ -13,9 +13,10 @@ import signal
 import pytest
 from conftest import TINY_MODEL, tiny_csv
 
-from hstu.cli import _terminated, main
+from hstu.cli import main
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data.prepare import DataSpec
+from hstu.interrupts import terminated as _terminated
 from hstu.runs import read_history
 from hstu.train import loop
 

@@ -267,6 +267,13 @@ class GraphCache:
             return []
 
     @staticmethod
+    def unrecorded(run_dir, precision: str | None = None) -> bool:
+        """True when ``RUN/graphs`` lists graphs (at ``precision``, else at any) but its layout.json is missing or
+        unreadable: no engine layout can be matched to them (:meth:`layouts` is [])."""
+        built = GraphCache.precisions(run_dir)
+        return not GraphCache.layouts(run_dir) and (_short(precision) in built if precision else bool(built))
+
+    @staticmethod
     def precisions(run_dir) -> set[str]:
         """The precisions ("fp32", "bf16", "fp16", "int8") of the entries in ``RUN/graphs`` (empty: none, or an
         unreadable manifest)."""

@@ -115,7 +115,7 @@ def layout_record_warning(run_dir, graphs: str, device: str, buckets: list[int],
     except ManifestError as exc:
         flags = export_flags(buckets, max_batch, precision)
         return f"{exc.what}: the model runs eager; `hstu export --run {run_dir} --graphs {flags}` builds a new cache"
-    if GraphCache.layouts(run_dir) or _served_precision(run_dir, precision) not in GraphCache.precisions(run_dir):
+    if not GraphCache.unrecorded(run_dir, _served_precision(run_dir, precision)):
         return None
     return (
         f"{run_dir}: {DIRNAME}/{LAYOUT} is missing or unreadable: the graph cache's graphs load where they match "

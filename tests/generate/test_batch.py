@@ -189,6 +189,16 @@ def test_a_job_failing_at_once_leaves_nothing(run_dir, tmp_path, monkeypatch, ca
     assert _gen(run_dir, out) == 2
     assert "broken on purpose" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+    assert _gen(run_dir, tmp_path / "new" / "deeper" / "recs.parquet") == 2  # the directories it made go too
+    assert "broken on purpose" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_the_output_directory_is_created(run_dir, tmp_path):
+    """A missing directory of --out is created, as `hstu quantize` and `hstu export` create theirs (the job
+    refused it, 'create it first'); the file equals one written into an existing directory."""
+    assert _gen(run_dir, tmp_path / "a.jsonl") == 0
+    assert _gen(run_dir, tmp_path / "new" / "deeper" / "a.jsonl") == 0
+    assert (tmp_path / "new" / "deeper" / "a.jsonl").read_bytes() == (tmp_path / "a.jsonl").read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -199,7 +209,7 @@ def test_a_job_failing_at_once_leaves_nothing(run_dir, tmp_path, monkeypatch, ca
         (["--out", "recs.csv"], "unknown output suffix '.csv'"),
         (["--out", "recs.parquet", "--users-file", "USERS"], "USERS:3: user 999999 is not among"),
         (["--out", "recs.parquet", "--users-file", "TEXT"], "TEXT:2: user id: not an integer id: 'abc'"),
-        (["--out", "nowhere/deeper/recs.parquet"], "its directory"),
+        (["--out", "USERS/recs.parquet"], "not a directory: "),
         (["--out", "recs.parquet", "--ray-address", "auto"], "only with --engine ray"),
     ],
 )

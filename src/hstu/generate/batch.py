@@ -94,12 +94,13 @@ class BatchSpec:
 
 def output_format(out: str | Path) -> str:
     """ "parquet" or "jsonl" from OUT's suffix; ValueError naming the suffix otherwise, or when
-    Parquet is asked for without pyarrow; FileNotFoundError when OUT's directory does not exist (never created)."""
+    Parquet is asked for without pyarrow, or when a file stands where OUT's directory would be (a missing directory is
+    created by the job, :class:`PartStore`)."""
     fmt = FORMATS.get(Path(out).suffix.lower())
     if fmt is None:
         raise ValueError(f"--out {out}: unknown output suffix {Path(out).suffix!r}; valid: {', '.join(FORMATS)}")
-    if not Path(out).absolute().parent.is_dir():
-        raise FileNotFoundError(f"--out {out}: its directory {Path(out).absolute().parent} does not exist; create it first")
+    if blocker := next((p for p in Path(out).absolute().parents if p.exists() and not p.is_dir()), None):
+        raise ValueError(f"--out {out}: not a directory: {blocker} is a file")
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -241,11 +242,13 @@ def _columns(columns: list[tuple[str, str]], users: list[int], items: list[list[
 # ----- parts and the output file -----
 class PartStore:
     """``OUT.parts/``: the finished chunks of one job (``job.json``), written atomically, and the
-    assembly of ``OUT``. Raises ValueError when the directory holds another job's parts."""
+    assembly of ``OUT`` (OUT's missing directories are created). Raises ValueError when the directory holds
+    another job's parts."""
 
     def __init__(self, out: str | Path, fmt: str, columns: list[tuple[str, str]], job: dict) -> None:
         self.out, self.fmt, self.columns = Path(out), fmt, columns
         self.dir = self.out.with_name(self.out.name + ".parts")
+        self.made = [p for p in self.dir.absolute().parents if not p.exists()]  # removed again by discard_if_empty
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "job.json"
         if meta.exists():
@@ -262,9 +265,15 @@ class PartStore:
             stale.unlink()
 
     def discard_if_empty(self) -> None:
-        """Remove the parts directory when it holds no finished chunk (a job that failed at once)."""
+        """Remove the parts directory when it holds no finished chunk (a job that failed at once), and the
+        directories made for it."""
         if not any(self.dir.glob(f"chunk-*.{self.fmt}")):
             shutil.rmtree(self.dir, ignore_errors=True)
+            for p in self.made:  # deepest first
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
 
     def path(self, i: int) -> Path:
         return self.dir / f"chunk-{i:06d}.{self.fmt}"

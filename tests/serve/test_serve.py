@@ -358,6 +358,28 @@ def test_wrong_item_id_is_one_error_at_the_field(server) -> None:
     assert [e.item_id for e in req.history] == ok and [type(e.item_id) for e in req.history] == [int, int, int, str]
 
 
+def test_feature_errors_name_the_feature_and_k_null_is_the_default(server) -> None:
+    """A feature value of a wrong type was two errors at pydantic's union branches (``....features.a.float`` and
+    ``....a.str``), a too long feature name one at ``....NAME.[key]``; now one error each at the feature or at
+    ``features`` naming the name. ``"k": null`` was refused while other optional fields take null: it is 5."""
+    from hstu.serve.schemas import GenerateRequest, public_errors
+
+    long = "n" * 70
+    body = {"history": [{"item_id": 1, "timestamp": 1, "features": {"a": [1, 2], long: 1.0}}]}
+    with pytest.raises(pydantic.ValidationError) as e:
+        GenerateRequest.model_validate_json(json.dumps(body))
+    got = [(x["loc"], x["msg"]) for x in public_errors(e.value.errors())]
+    assert got == [
+        (("history", 0, "features", "a"), "Input should be a number, a string or null"),
+        (("history", 0, "features"), f"name {long!r}: String should have at most 64 characters"),
+    ]
+    r = post(server.url, "/v1/generate", body)
+    assert r.status_code == 422 and [x["field"] for x in r.json()["errors"]] == ["history[0].features.a", "history[0].features"]
+    assert GenerateRequest.model_validate_json(b'{"history": [{"item_id": 1, "timestamp": 1}], "k": null}').k == 5
+    r = post(server.url, "/v1/generate", {"history": [{"item_id": 1, "timestamp": 1}], "k": None})
+    assert r.status_code == 200 and len(r.json()["items"]) == 5, r.text
+
+
 def test_k_out_of_range_names_the_models_range(server) -> None:
     """Both ends of k answer the message `hstu generate -k` gives (hstu.config.check_k); k = 0
     used to be pydantic's "Input should be greater than or equal to 1"."""

@@ -236,7 +236,7 @@ def test_413_closes_the_connection_so_the_next_request_starts_clean(rec, popular
 # ----------------------------------------------------------------------------------------------
 def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> None:  # noqa: F811
     """text/plain (the break-it finding) and a form body (curl -d) are 415 on both JSON endpoints;
-    application/json with a UTF-8 charset, an application/*+json type and a request without any
+    application/json with a UTF-8 (or US-ASCII, its subset) charset, an application/*+json type and a request without any
     Content-Type (FastAPI's convention: parsed as JSON) are served."""
     score = {"history": GOOD["history"], "candidates": [1, 48]}
     with make_server(rec, popularity) as s:
@@ -250,7 +250,7 @@ def test_non_json_content_type_is_415_naming_content_type(rec, popularity) -> No
                     "field": "content-type",
                     "message": f"content-type: expected application/json (UTF-8), got {ctype!r}",
                 }
-            for ctype in ("application/json; charset=utf-8", "application/vnd.hstu+json", None):
+            for ctype in ("application/json; charset=utf-8", "application/json; charset=US-ASCII", "application/vnd.hstu+json", None):
                 headers = {"content-type": ctype} if ctype else {}
                 r = httpx.post(s.url + path, content=data, headers=headers, timeout=60)
                 assert r.status_code == 200, (path, ctype, r.text)

@@ -30,14 +30,15 @@ log = logging.getLogger(__name__)
 
 def is_json_media_type(value: str) -> bool:
     """True for ``application/json`` and ``application/*+json`` (case-insensitive), with no
-    ``charset`` parameter or a UTF-8 one (RFC 8259 §8.1: JSON exchanged between systems is UTF-8)."""
+    ``charset`` parameter or a UTF-8 one (RFC 8259 §8.1: JSON exchanged between systems is UTF-8; US-ASCII, its
+    subset, too)."""
     media, *params = (p.strip().lower() for p in value.split(";"))
     kind, _, sub = media.partition("/")
     if kind != "application" or not (sub == "json" or sub.endswith("+json")):
         return False
     for p in params:
         name, _, v = p.partition("=")
-        if name.strip() == "charset" and v.strip().strip('"') not in ("utf-8", "utf8"):
+        if name.strip() == "charset" and v.strip().strip('"') not in ("utf-8", "utf8", "us-ascii", "ascii"):
             return False
     return True
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from hstu.data.sequences import ID_MAX_CHARS
@@ -69,13 +69,26 @@ ItemId = Annotated[
 _ID_MEMBER = "function-plain[_item_id()]"
 
 
+_FEATURE_MEMBERS = ("float", "str")  # the members of a feature value's union (Event.features), as pydantic names them
+
+
 def public_errors(errors: list[dict]) -> list[dict]:
     """Pydantic errors as a client should read them: an ItemId's two union-member errors become its
-    _item_id error alone, at the field's own location (``history[3].item_id``, not ``....constrained-int``)."""
-    out = []
+    _item_id error alone, at the field's own location (``history[3].item_id``, not ``....constrained-int``);
+    a feature value's two become one at ``history[i].features.NAME`` (not ``....float`` and ``....str``); a
+    feature name's error is at ``history[i].features``, naming the name (not ``....NAME.[key]``)."""
+    out, seen = [], set()
     for e in errors:
         loc = tuple(e.get("loc", ()))
         if loc and loc[-1] == _INT_MEMBER and e.get("type") != "missing":
+            continue
+        if len(loc) >= 3 and loc[-3] == "features" and loc[-1] in _FEATURE_MEMBERS:
+            if loc[:-1] not in seen:
+                seen.add(loc[:-1])
+                out.append({**e, "loc": loc[:-1], "type": "feature_type", "msg": "Input should be a number, a string or null"})
+            continue
+        if len(loc) >= 3 and loc[-3] == "features" and loc[-1] == "[key]":
+            out.append({**e, "loc": loc[:-2], "msg": f"name {str(loc[-2])[:80]!r}: {e.get('msg', 'invalid')}"})
             continue
         out.append({**e, "loc": loc[:-1]} if loc and loc[-1] == _ID_MEMBER else e)
     return out
@@ -146,7 +159,9 @@ class GenerateRequest(_Strict):
     user_id: UserId = Field(default=None, description="echoed back; routing key for a load balancer")
     history: list[Event] = Field(description="events, ideally oldest first")
     # range checked by the app against the loaded model (hstu.config.check_k: the message `hstu generate -k` gives)
-    k: int = Field(default=5, description="items to return, 1..the model's max_output_len", json_schema_extra={"minimum": 1})
+    k: Annotated[int | None, BeforeValidator(lambda v: 5 if v is None else v)] = Field(  # null: the default, as other optional fields
+        default=5, description="items to return, 1..the model's max_output_len (null: 5)", json_schema_extra={"minimum": 1}
+    )
     exclude: list[ItemId] | None = Field(default=None, max_length=100_000, description="original item ids never to return")
     exclude_history: bool | None = Field(default=None, description="never return history items (default: the data set's)")
     allow_untrained_items: bool | None = Field(

@@ -266,3 +266,11 @@ def test_real_host_report(capsys):
         assert mem["total_bytes"] == psutil.virtual_memory().total
         assert 0 < mem["free_bytes"] <= mem["total_bytes"]
         assert checks["device_memory"]["status"] in ("pass", "warn")
+
+
+def test_a_missing_compat_file_names_the_flag(tmp_path, capsys):
+    """`hstu doctor --compat nope.toml` printed the raw errno ("[Errno 2] No such file or directory: ...")."""
+    from hstu.ops.cli import main
+
+    assert main(["doctor", "--compat", str(tmp_path / "nope.toml"), "--no-import-probes"]) == 2
+    assert capsys.readouterr().err.strip() == f"hstu doctor: --compat {tmp_path / 'nope.toml'}: No such file or directory"

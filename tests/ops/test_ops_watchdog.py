@@ -224,7 +224,9 @@ def test_cli_once_on_slog_fixture(tmp_path, capsys):
     assert t.read_text().split() == ["stop", "reset", "start"]
     assert "healthy=True service_started=True" in out
     assert main(["watchdog", "--log-dir", str(tmp_path / "nope"), "--on-reset", "x", "--once"]) == 2
+    capsys.readouterr()
     assert main(["watchdog", "--log-dir", str(logs), "--on-reset", "x", "--marker", "(", "--once"]) == 2
+    assert capsys.readouterr().err.strip().startswith("hstu watchdog: --marker '(': not a regular expression: ")  # named the flag
 
 
 @pytest.mark.parametrize(

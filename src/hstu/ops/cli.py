@@ -50,7 +50,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     roots = tuple(Path(r) for r in args.ascend_root) if args.ascend_root else None
     try:
         table = doctor.load_compat(args.compat) if args.compat else doctor.load_compat()
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # the raw errno named no flag ("[Errno 2] No such file or directory: 'nope.toml'")
+        print(f"hstu doctor: --compat {args.compat}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"hstu doctor: {exc}", file=sys.stderr)
         return 2
     env = doctor.collect_environment(roots, import_probes=not args.no_import_probes)
@@ -182,7 +185,11 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
     _ensure_logging(getattr(args, "verbose", False))
     try:
         markers = [] if args.no_default_markers else list(load_knowledge_base().reset_markers)
-        markers += [re.compile(m) for m in args.marker or []]
+        for m in args.marker or []:
+            try:
+                markers.append(re.compile(m))
+            except re.error as exc:
+                raise ValueError(f"--marker {m!r}: not a regular expression: {exc}") from None
         plan = RecoveryPlan(
             reset_cmd=args.on_reset,
             stop_cmd=args.stop_cmd,
@@ -209,8 +216,13 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
         print(f"healthy={res.healthy} service_started={res.service_started}")
         return 0 if res.healthy is not False else 1
     stop = threading.Event()
+
+    def on_term(*_) -> None:  # a recovery in progress is finished first: a half-done reset is worse than a late exit
+        logging.getLogger("hstu.ops.watchdog").warning("SIGTERM: stopping after the step in progress (a recovery runs to its end)")
+        stop.set()
+
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, on_term)
     try:
         wd.run(stop, poll_s=args.poll)
     except KeyboardInterrupt:

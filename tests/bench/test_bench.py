@@ -161,6 +161,14 @@ def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_lengths_beyond_the_model_are_one_line(run_dir, capsys):
+    """Every --lengths value past the run's max_seq_len gave exit 0 and a table of n/a (a fresh-user finding)."""
+    max_len = json.loads((run_dir / "config.json").read_text())["model"]["max_seq_len"]
+    assert main(["bench", "--run", str(run_dir), "--lengths", f"{max_len + 1}", "--precisions", "fp32", "--quick", "--no-quality"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--lengths {max_len + 1}: every value exceeds the model's max_seq_len {max_len}" in err[0], err
+
+
 def test_no_source_is_one_line(capsys):
     assert main(["bench"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -145,6 +145,7 @@ def _measure(args) -> dict:
         else:
             run = write_preset_run(args.preset, args.num_items, Path(tmp) / "run")
             src = Source(run, f"preset {args.preset}, random weights ({args.num_items} items)")
+        _check_lengths(src.run, st.lengths)
         cells = []
         with tqdm(total=len(st.precisions) * (2 if args.serve else 1), desc="hstu bench", unit="cell", file=sys.stderr) as bar:
             for prec in st.precisions:
@@ -166,6 +167,17 @@ def _measure(args) -> dict:
         "notes": src.notes,
         "cells": cells,
     }
+
+
+def _check_lengths(run: Path, lengths: tuple[int, ...]) -> None:
+    """ValueError (exit 2) when no --lengths value fits the model: every figure would be n/a."""
+    from hstu.model.checkpoint import read_json
+
+    max_len = int(read_json(run / "config.json")["model"]["max_seq_len"])
+    if all(L > max_len for L in lengths):
+        raise ValueError(
+            f"--lengths {','.join(map(str, lengths))}: every value exceeds the model's max_seq_len {max_len}; nothing to measure"
+        )
 
 
 def _check_serve_extras() -> None:

@@ -124,3 +124,13 @@ def test_a_signal_after_the_command_returned_keeps_its_exit_status(tmp_path, sig
     )
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == 1 and "Traceback" not in p.stderr and "EL0004" in p.stdout, (p.returncode, p.stderr[-2000:])
+
+
+def test_a_history_file_with_a_byte_order_mark_is_read(tmp_path) -> None:
+    """A UTF-8 file with a byte-order mark (Windows editors) was 'not valid JSON'; it reads as without one."""
+    events = [{"item_id": 3, "timestamp": 10}, {"item_id": 7, "timestamp": 20, "action": "click"}]
+    plain, bom = tmp_path / "h.json", tmp_path / "bom.json"
+    plain.write_text(json.dumps(events), encoding="utf-8")
+    bom.write_text(json.dumps(events), encoding="utf-8-sig")
+    assert bom.read_bytes()[:3] == b"\xef\xbb\xbf"
+    assert _history_from_file(str(bom)) == _history_from_file(str(plain))

@@ -122,7 +122,7 @@ def _history_from_file(path: str):
 
     p = Path(path)
     try:
-        events = json.loads(p.read_text(encoding="utf-8"))
+        events = json.loads(p.read_text(encoding="utf-8-sig"))  # -sig: a byte-order mark (Windows editors) is allowed
     except FileNotFoundError:
         raise FileNotFoundError(f"{p}: history file not found") from None
     except IsADirectoryError:
@@ -162,15 +162,17 @@ def _history_from_file(path: str):
     )
 
 
-def run_data_dir(cfg: dict, data_dir: str | None = None) -> str:
+def run_data_dir(cfg: dict, data_dir: str | None = None) -> str | list[str]:
     """Where a run's data set is read from: ``data_dir`` (--data-dir), else $HSTU_DATA_DIR (as for
     ``hstu train``), else the directory recorded at training; for ML-1M whose recorded directory is
     gone, ../shared/data/ml-1m as ``hstu train`` finds it (:func:`default_data_dir`)."""
+    from hstu.data.prepare import data_dir_exists
+
     if data_dir:
         return str(data_dir)
     data = cfg["data"]
     recorded = data.get("data_dir")
-    if os.environ.get("HSTU_DATA_DIR") or (data.get("dataset") == "ml-1m" and not (recorded and Path(recorded).exists())):
+    if os.environ.get("HSTU_DATA_DIR") or (data.get("dataset") == "ml-1m" and not data_dir_exists(recorded)):
         found = default_data_dir()
         if found is not None:
             return str(found)
@@ -200,7 +202,7 @@ def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = Non
     if run is not None:
         from hstu.runs import check_resume_items
 
-        check_resume_items(Path(run[0]), log_, ids=run[1], command=f"hstu {getattr(args, 'command', 'eval')}")
+        check_resume_items(Path(run[0]), log_, ids=run[1], command="--data-dir" if getattr(args, "data_dir", None) else "")
     return log_, split, spec
 
 

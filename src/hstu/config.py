@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -369,9 +370,7 @@ _MOVED = {"DataSpec": "hstu.data.prepare", "PROTOCOLS": "hstu.data.prepare", "RU
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
+        return getattr(import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -379,6 +378,7 @@ _TYPE_CHECKS = {  # a field's annotation (a string under `from __future__ import
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
+    "str | list[str]": lambda v: isinstance(v, str) or (isinstance(v, list) and bool(v) and all(isinstance(x, str) and x for x in v)),
     "bool": lambda v: isinstance(v, bool),
     "bool | None": lambda v: v is None or isinstance(v, bool),
     "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
@@ -391,8 +391,7 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     """``cls(**data)`` with every field's type and the class's ``validate()`` checked; ValueError
     names ``where`` (a file and table, a preset) and the field."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
+    if unknown := sorted(set(data) - set(fields)):
         raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}; valid: {sorted(fields)}")
     for name, value in data.items():
         check = _TYPE_CHECKS.get(str(fields[name].type))
@@ -426,10 +425,14 @@ def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = 
         if not isinstance(rest.get("options", {}), dict):
             raise ValueError(f"{where}: options must be a table, got {rest['options']!r}")
         rest["options"] = {**rest.get("options", {}), **opts}
-    for key in ("data_dir", "items"):  # paths: relative to the config file
-        if base is not None and isinstance(rest.get(key), str) and rest[key] and not Path(rest[key]).is_absolute():
-            rest[key] = str(base / rest[key])
+    rest.update({k: _beside(base, rest[k]) for k in ("data_dir", "items") if base is not None and k in rest})  # paths, or a list
     return _from_dict(DataSpec, rest, where)
+
+
+def _beside(base: Path, v: Any) -> Any:  # a config file's path (or a list's), relative to its directory
+    if isinstance(v, list):
+        return [_beside(base, x) for x in v]
+    return str(base / v) if isinstance(v, str) and v and not Path(v).is_absolute() else v
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -456,12 +459,10 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"{path}: cannot parse config: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected tables such as [model] and [train], got {type(raw).__name__}")
-    unknown = sorted(set(raw) - set(_TABLES))
-    if unknown:
+    if unknown := sorted(set(raw) - set(_TABLES)):
         raise ValueError(f"{path}: unknown table(s) {unknown}; valid: {sorted(_TABLES)}")
-    for k, v in raw.items():
-        if not isinstance(v, dict):
-            raise ValueError(f"{path} [{k}]: must be a table of fields, got {v!r}")
+    if bad := next((k for k, v in raw.items() if not isinstance(v, dict)), None):
+        raise ValueError(f"{path} [{bad}]: must be a table of fields, got {raw[bad]!r}")
     return raw
 
 
@@ -488,8 +489,7 @@ def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     return _from_dict(ModelConfig, data, "model config")
 
 
-# The recipe fields whose defaults changed (issue 20: the packed per-position recipe, then the plateau decay) and their values
-# before: a run's saved config.json without one of them was trained with these.
+# Recipe defaults that changed (issue 20) and their old values: a run's saved config.json without one was trained with these.
 LEGACY_TRAIN_DEFAULTS: dict[str, Any] = {"negatives_chunk": 16, "length_pool": 50, "packing": "off", "lr_decay_patience": 0}
 
 

@@ -278,14 +278,14 @@ def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, co
     """ValueError when the data's item ids are not the run's (idmap.json, or ``ids``, that file
     already read): its embeddings are indexed by them, so training on (or rewriting the id map
     from) other data breaks the run, and evaluating or generating on other data (hstu eval /
-    generate, ``command`` in the message) scores the wrong items."""
+    generate) scores the wrong items. ``command``: the message's first word (none when empty)."""
     path = Path(run) / IDMAP
     if ids is None and not path.exists():
         return
     saved = (ids if ids is not None else read_idmap(run)).get("item_raw_ids")
     if saved is not None and not same_item_ids(saved, log_.item_raw_ids):
         raise ValueError(
-            f"{command}: the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
+            f"{command + ': ' if command else ''}the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
             f"({path}); use the data the run was trained on (--data-dir / $HSTU_DATA_DIR)"
         )
 

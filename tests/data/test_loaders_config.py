@@ -60,3 +60,26 @@ def test_order_only_run_from_the_data_table(tmp_path, capsys):
     assert saved["model"]["use_time_bias"] is False
     facts = json.loads((tmp_path / "run" / "idmap.json").read_text())["data_facts"]
     assert facts["order_only"] is True and facts["files"] == 2 and facts["users"] == 20
+
+
+def test_a_list_of_files_in_the_data_table(tmp_path, capsys):
+    """configuration.md: a csv log may be "a list in a `[data]` table" (DataSpec takes one in Python): the
+    table refused it ("data_dir must be str"). The list's paths are relative to the config file, the run
+    records them absolute, trains as on the directory holding the same two files, and `hstu eval` reads it."""
+    _log(tmp_path)
+    opts = 'columns = "user=1,item=0"\nformat = "sep=;,header=none"\n'
+    cfg = _toml(tmp_path, f'dataset = "csv"\ndata_dir = ["logs/part2.txt", "logs/part10.txt"]\n{opts}')
+    assert load_config_file(cfg)["data"].data_dir == [str(tmp_path / "logs" / "part2.txt"), str(tmp_path / "logs" / "part10.txt")]
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "a"), "--quiet"]) == 0, capsys.readouterr().err
+    by_dir = _toml(tmp_path, f'dataset = "csv"\ndata_dir = "logs"\n{opts}')
+    assert main(["train", "--config", str(by_dir), "--out", str(tmp_path / "b"), "--quiet"]) == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())["data"]["data_dir"]
+    assert saved == [str((tmp_path / "logs" / n).resolve()) for n in ("part2.txt", "part10.txt")]
+    capsys.readouterr()
+    got = []
+    for run in ("a", "b"):
+        assert main(["eval", "--run", str(tmp_path / run), "--split", "test", "--json"]) == 0
+        got.append(json.loads(capsys.readouterr().out))
+    assert got[0] == got[1] and len(got[0]) > 4
+    with pytest.raises(ValueError, match=r"\[data\]: data_dir must be str \| list\[str\], got \[\]"):
+        load_config_file(_toml(tmp_path, "data_dir = []\n"))

@@ -180,6 +180,16 @@ def test_a_stopped_job_resumes_without_recomputing(full, run_dir, ratings, tmp_p
         batch.run_batch(other, tmp_path / "b.parquet", log_, users, chunk_users=7)
 
 
+def test_a_users_file_with_a_byte_order_mark_is_read(run_dir, tmp_path):
+    """A --users-file saved with a byte-order mark named its first line 'not an integer id: '\ufeff1''."""
+    from hstu.cli import _run_data
+    from hstu.model.checkpoint import read_json
+
+    log_ = _run_data(read_json(run_dir / "config.json"))[0]
+    (tmp_path / "u.txt").write_text("1\n3\n2\n", encoding="utf-8-sig")
+    assert batch.read_users_file(tmp_path / "u.txt", log_) == [1, 3, 2]
+
+
 def test_a_job_failing_at_once_leaves_nothing(run_dir, tmp_path, monkeypatch, capsys):
     def boom(self, users, histories):
         raise ValueError("user 1: broken on purpose")
@@ -210,6 +220,7 @@ def test_the_output_directory_is_created(run_dir, tmp_path):
         (["--out", "recs.parquet", "--users-file", "USERS"], "USERS:3: user 999999 is not among"),
         (["--out", "recs.parquet", "--users-file", "TEXT"], "TEXT:2: user id: not an integer id: 'abc'"),
         (["--out", "USERS/recs.parquet"], "not a directory: "),
+        (["--out", "/proc/hstu-nope/recs.jsonl"], "--out /proc/hstu-nope/recs.jsonl: cannot create /proc/hstu-nope"),
         (["--out", "recs.parquet", "--ray-address", "auto"], "only with --engine ray"),
     ],
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class DataSpec:
     an ``items`` file of item metadata (:mod:`hstu.data.items`; None: none)."""
 
     dataset: str = "ml-1m"
-    data_dir: str = ""
+    data_dir: str | list[str] = ""  # a list: several files of one csv log, read in order
     protocol: str = "clean"  # leave-one-out split, see hstu.data.sequences.make_split
     max_users: int | None = None
     skip_bad_rows: bool = False
@@ -56,6 +57,16 @@ class DataSpec:
         bad = [k for k, v in self.options.items() if not isinstance(k, str) or not (isinstance(v, (str, dict)) or is_list(v))]
         if bad:
             raise ValueError(f"DataSpec.options: {bad[0]!r} must be a text, a list of texts or a table, got {self.options[bad[0]]!r}")
+
+
+def absolute_data_dir(data_dir: str | Path | list) -> str | list[str]:
+    """``data_dir`` (a path, or a list of them: DataSpec.data_dir) made absolute, as a run records it."""
+    return [str(Path(p).resolve()) for p in data_dir] if isinstance(data_dir, list) else str(Path(data_dir).resolve())
+
+
+def data_dir_exists(data_dir: str | list | None) -> bool:
+    """Whether ``data_dir`` (a path, or each of a list's) exists; False for None or ""."""
+    return bool(data_dir) and all(Path(p).exists() for p in (data_dir if isinstance(data_dir, list) else [data_dir]))
 
 
 def prepare_data(spec: DataSpec) -> tuple[EventLog, Split]:

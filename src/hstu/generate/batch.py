@@ -142,7 +142,7 @@ def read_users_file(path: str | Path, log_) -> list[int]:
     repeated user, or no users at all."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is allowed
     except FileNotFoundError:
         raise FileNotFoundError(f"--users-file {p}: not found") from None
     except (IsADirectoryError, UnicodeDecodeError) as exc:
@@ -249,7 +249,10 @@ class PartStore:
         self.out, self.fmt, self.columns = Path(out), fmt, columns
         self.dir = self.out.with_name(self.out.name + ".parts")
         self.made = [p for p in self.dir.absolute().parents if not p.exists()]  # removed again by discard_if_empty
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only or virtual file system: name the flag, not a bare errno
+            raise OSError(exc.errno, f"--out {out}: cannot create {exc.filename}: {exc.strerror}") from None
         meta = self.dir / "job.json"
         if meta.exists():
             old = json.loads(meta.read_text(encoding="utf-8"))

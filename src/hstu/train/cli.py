@@ -133,6 +133,7 @@ def cmd_train(args) -> int:
     _config_data(args)
     saved = _resume_defaults(args)
     from hstu.config import TrainConfig, load_config_tables, train_config_from_dict
+    from hstu.data.prepare import absolute_data_dir
     from hstu.train.loop import DataSpec, fit
 
     data_dir = args.data_dir or default_data_dir()
@@ -152,7 +153,7 @@ def cmd_train(args) -> int:
     check_recipe(tcfg, repeat_window, args.distributed, saved.get("train"), Path(args.out) / "config.json")  # before the data is read
     spec = DataSpec(
         args.dataset,
-        str(Path(data_dir).resolve()),  # absolute: the run is read from any directory later
+        absolute_data_dir(data_dir),  # absolute: the run is read from any directory later
         args.protocol,
         args.max_users,
         args.skip_bad_rows,
@@ -342,6 +343,7 @@ def _resume_defaults(args) -> dict:
     path = Path(args.out) / "config.json"
     if args.resume and not path.exists():
         raise FileNotFoundError(f"--resume: {args.out} holds no run to resume (no config.json); drop --resume to train a new run there")
+    from hstu.data.prepare import data_dir_exists
     from hstu.model.checkpoint import read_json
     from hstu.model.run_files import IDMAP
     from hstu.train.loop import check_resume_data
@@ -363,7 +365,7 @@ def _resume_defaults(args) -> dict:
     args.skip_bad_rows = args.skip_bad_rows or bool(data.get("skip_bad_rows", False))
     for k, v in data.get("options", {}).items():  # the run's loader options where neither a flag nor [data] gives one
         args.data_options.setdefault(k, v)
-    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data.get("data_dir") and Path(data["data_dir"]).exists():
+    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data_dir_exists(data.get("data_dir")):
         args.data_dir = data["data_dir"]
     return saved
 

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import hstu
 from hstu.cli import main
 
@@ -51,3 +53,21 @@ def test_recommend_of_no_histories_is_empty_and_subpackage_names(rec) -> None:
 
     assert (Recommender, History) == (hstu.Recommender, hstu.History) and Engine.__name__ == "Engine"
     assert dir(hstu) == sorted(hstu.__all__)
+
+
+def test_fit_refuses_a_config_field_of_the_wrong_type_naming_it(tmp_path) -> None:
+    """As a config file's [model] / [train] table: ValueError naming the field, before any data is read
+    (the DataSpec names no data set that exists) and before the run directory is made."""
+    small = hstu.model_config_from_preset("small")
+    spec = hstu.DataSpec(dataset="csv", data_dir=str(tmp_path / "absent.csv"))
+    cases = [
+        (small, hstu.TrainConfig(epochs="2"), "train config: epochs must be int, got '2'"),
+        (small, hstu.TrainConfig(learning_rate=None), "train config: learning_rate must be float, got None"),
+        (small, hstu.TrainConfig(epochs=0), "train config: TrainConfig.epochs"),
+        (hstu.ModelConfig(embedding_dim="64"), hstu.TrainConfig(), "model config: embedding_dim must be int, got '64'"),
+    ]
+    for mcfg, tcfg, message in cases:
+        with pytest.raises(ValueError) as exc:
+            hstu.fit(tmp_path / "run", mcfg, tcfg, spec, progress=False)
+        assert str(exc.value).startswith(message), str(exc.value)
+    assert not (tmp_path / "run").exists()

@@ -16,6 +16,10 @@ stays light)::
     metrics = hstu.fit("runs/new", hstu.model_config_from_preset("small"), hstu.TrainConfig(epochs=2),
                        hstu.DataSpec(dataset="ml-1m", data_dir="../shared/data/ml-1m"))
 
+``recommend`` takes prepared histories (``rec.prepare``), k an int, decoding a DecodeOptions (or its
+fields as keywords: ``strategy="beam", beam_width=4``); one Recommender may be shared by threads (its
+generation calls run one at a time). Each name's docstring gives shapes, types and errors.
+
 Names: Recommender, History (hstu.generate.recommend); fit (hstu.train.loop); DataSpec
 (hstu.data.prepare); ModelConfig, TrainConfig, DecodeOptions, ServeConfig, load_config_file,
 model_config_from_preset (hstu.config); load_run, read_config (hstu.runs).

@@ -118,6 +118,7 @@ def _eval_slices(model, log_, split, args, exclude: bool) -> dict:
 
 
 def _history_from_file(path: str):
+    from hstu.generate.histories import check_event_int
     from hstu.generate.recommend import History, HistoryError
 
     p = Path(path)
@@ -148,11 +149,8 @@ def _history_from_file(path: str):
             pass
         elif not isinstance(e["item_id"], int) or isinstance(e["item_id"], bool):
             raise HistoryError(f"{p}: event [{i}].item_id must be an integer or a text id, got {e['item_id']!r}")
-        for f in ("item_id", "timestamp") if isinstance(e["item_id"], int) else ("timestamp",):
-            if not isinstance(e[f], int) or isinstance(e[f], bool):
-                raise HistoryError(f"{p}: event [{i}].{f} must be an integer, got {e[f]!r}")
-            if not -INT64_MAX <= e[f] <= INT64_MAX or (f == "timestamp" and e[f] < 0):
-                raise HistoryError(f"{p}: event [{i}].{f} must be in {'0' if f == 'timestamp' else -INT64_MAX}..{INT64_MAX}, got {e[f]}")
+        for f in ("item_id", "timestamp") if isinstance(e["item_id"], int) else ("timestamp",):  # Recommender.prepare's check
+            check_event_int(f"{p}: event [{i}]", f, e[f], 0 if f == "timestamp" else -INT64_MAX)
         items.append(e["item_id"])
         ts.append(e["timestamp"])
         acts.append(e.get("action"))

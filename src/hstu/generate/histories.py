@@ -1,7 +1,9 @@
 """What a caller hands :class:`hstu.generate.recommend.Recommender` and gets back: a raw
 :class:`History` (original ids), its :class:`Prepared` form (dense ids, checked), the
 :class:`Ranked` items of one history, and :class:`HistoryError` for a history that cannot be
-used. Importable from :mod:`hstu.generate.recommend` as before.
+used, and the checks of an event's integer fields (:func:`check_event_int`, :func:`event_times`) that
+``hstu generate --history`` and :meth:`Recommender.prepare` share. Importable from
+:mod:`hstu.generate.recommend` as before.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from hstu.config import INT64_MAX
 
 
 class HistoryError(ValueError):
@@ -64,3 +68,30 @@ class Ranked:
     items: np.ndarray
     scores: np.ndarray
     actions: np.ndarray | None = None
+
+
+def check_event_int(where: str, name: str, value, minimum: int = 0) -> None:
+    """Refuse an event's integer field: HistoryError ``"{where}.{name} must be an integer, got 1.7"``
+    unless ``value`` is an int or a NumPy integer (a bool is not), ``"... must be in {minimum}..INT64_MAX,
+    got -1"`` outside that range. The messages of ``hstu generate --history`` (``where`` "FILE: event
+    [i]") and :meth:`Recommender.prepare` (``where`` "history[i]"); the HTTP schema holds the same ranges."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise HistoryError(f"{where}.{name} must be an integer, got {value!r}")
+    if not minimum <= value <= INT64_MAX:
+        raise HistoryError(f"{where}.{name} must be in {minimum}..{INT64_MAX}, got {value}")
+
+
+def event_times(timestamps) -> np.ndarray:
+    """(n,) int64 Unix seconds of a :class:`History`'s ``timestamps`` (a list of ints, or an integer
+    array), each in 0..INT64_MAX; else HistoryError naming the first bad one (:func:`check_event_int`,
+    ``history[i].timestamp``). A list of Python ints in range is checked in one pass in C."""
+    if (isinstance(timestamps, np.ndarray) and timestamps.dtype.kind in "iu") or set(map(type, timestamps)) <= {int}:
+        try:
+            ts = np.asarray(timestamps, dtype=np.int64)  # a uint64 past INT64_MAX wraps negative: refused below
+            if not len(ts) or ts.min() >= 0:
+                return ts
+        except OverflowError:  # a Python int past int64
+            pass
+    for i, t in enumerate(timestamps):
+        check_event_int(f"history[{i}]", "timestamp", t)
+    return np.asarray([int(t) for t in timestamps], dtype=np.int64)  # NumPy and Python ints mixed

@@ -21,6 +21,7 @@ such items gets a warning. A run without counts (older runs) counts every item a
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,11 @@ from torch.overrides import TorchFunctionMode
 from hstu import backend
 from hstu.backend.graph_cache import GraphCache
 from hstu.config import DecodeOptions
+from hstu.generate.api_checks import check_preps, decode_options, k_arg
 from hstu.generate.engine import DEFAULT_BUCKETS, Engine
+from hstu.generate.event_tokens import event_tokens
 from hstu.generate.hardening import harden
-from hstu.generate.histories import History, HistoryError, Prepared, Ranked  # noqa: F401 (their home; imported from here too)
+from hstu.generate.histories import History, HistoryError, Prepared, Ranked, check_event_int, event_times  # noqa: F401 (their home)
 from hstu.generate.requests import smallest_edge
 from hstu.generate.sampler import Exclusions, exclusion_mask, exclusion_pairs
 from hstu.data.features import FeatureMaps
@@ -67,6 +70,25 @@ class _NoRandomInit(TorchFunctionMode):
 
 
 class Recommender:
+    """A run's model and id map: raw :class:`History` -> :class:`Prepared` -> next-k items (module doc: the policies).
+
+    Symbols: B histories of a call, n events kept (<= max_seq_len), k items (1..max_output_len).
+
+    - :meth:`from_run` (run_dir, device, precision) loads a run; :meth:`mapping_only` its id map alone.
+    - :meth:`prepare` (History) -> :class:`Prepared`: (n,) int64 dense ids, timestamps, actions,
+      categories, with warnings. HistoryError (a ValueError) naming the field and index, with the
+      messages of ``hstu generate --history`` (``history[0].timestamp must be an integer, got 1.9``).
+    - :meth:`recommend` (B Prepared, k, decoding: :class:`hstu.config.DecodeOptions` or its fields as
+      keywords, exclude_history, allow_untrained) -> B lists of k dicts {"item_id", "score"(float), and
+      "title" / "action" / "category" / "meta" where known}; :meth:`rank` the same as B :class:`Ranked`
+      ((k,) int64 dense ids, (k,) float scores). TypeError for a History not prepared or a decoding
+      not a DecodeOptions; ValueError for a k not an int in range (a bool neither), a bad decoding
+      field, or fewer than max(k, beam width) items left (:meth:`check_room`).
+
+    Threads: safe to share. One lock (reentrant) guards the default :attr:`engine`'s construction and
+    every generation, whichever engine runs it (an engine holds static buffers: one call at a time), so
+    concurrent :meth:`rank` / :meth:`recommend` calls serialize; prepare and describe run unlocked."""
+
     def __init__(self, model: HSTUModel, idmap: dict, device: str = "cpu") -> None:
         self.model = model.eval()
         self.device = backend.select(device).device
@@ -95,6 +117,7 @@ class Recommender:
         self.num_untrained = 0 if self.untrained_np is None else int(self.untrained_np.sum())
         self.allow_untrained_default = float(getattr(model.cfg, "cold_item_dropout", 0.0)) > 0
         self._engine: Engine | None = None
+        self._lock = threading.RLock()  # the default engine's construction and every generation (class doc)
         self.run_dir: Path | None = None  # set by from_run: where the graph cache lives (RUN/graphs)
 
     def build_engine(self, buckets=None, max_batch: int = ENGINE_MAX_BATCH, **engine_kwargs) -> Engine:
@@ -142,7 +165,8 @@ class Recommender:
             index = ann_for_run(self.run_dir, self.model, factory, nprobe=nprobe or 16)
         except ImportError as exc:  # faiss is an optional extra: a usage error, said in one line
             raise ValueError(f"--ann: {exc}") from None
-        self.ann, self.ann_candidates, self._engine = index, candidates, None
+        with self._lock:  # not while a generation runs on the engine this drops
+            self.ann, self.ann_candidates, self._engine = index, candidates, None
 
     def engine_for(self, preps: list[Prepared], decoding: DecodeOptions, graphs: str = "eager") -> Engine:
         """The smallest engine for one call on ``preps``: the one default bucket that holds the
@@ -163,9 +187,10 @@ class Recommender:
         """The engine :meth:`recommend` uses by default, built on first use: default buckets,
         ENGINE_MAX_BATCH rows, eager (a one-shot ``hstu generate`` pays no graph capture; build
         one with graphs="auto" for many calls on CUDA)."""
-        if self._engine is None:
-            self._engine = self.build_engine(graphs="eager")
-        return self._engine
+        with self._lock:  # one engine, however many threads ask first
+            if self._engine is None:
+                self._engine = self.build_engine(graphs="eager")
+            return self._engine
 
     @classmethod
     def from_run(cls, run_dir, device: str = "cpu", precision: str | None = None) -> "Recommender":
@@ -207,13 +232,9 @@ class Recommender:
         if len(h.timestamps) != n or (h.actions is not None and len(h.actions) != n):
             raise HistoryError(f"history: items ({n}), timestamps ({len(h.timestamps)}) and actions must have equal lengths")
         warnings: list[str] = []
-        try:
-            ts = np.asarray(h.timestamps, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            i = next(
-                (i for i, t in enumerate(h.timestamps) if isinstance(t, bool) or not isinstance(t, int) or not -(2**63) <= t < 2**63), 0
-            )
-            raise HistoryError(f"history[{i}].timestamp: not an int64 Unix time: {h.timestamps[i]!r}") from None
+        ts = event_times(h.timestamps)  # (n,) int64; the checks and messages of `hstu generate --history`
+        if h.request_time is not None:
+            check_event_int("history", "request_time", h.request_time)
         idx = np.arange(n)
         if (np.diff(ts) < 0).any():
             if order == "reject":
@@ -241,44 +262,13 @@ class Recommender:
         self._warn_untrained(ids, warnings)
         # NumPy, not a torch op: in the HTTP process a torch op releases the GIL and may wait to get it
         # back from the executor threads (measured: ~0.2 ms per request under load vs ~1 us here)
-        cats = self._tokens(h, ids, keep_a)
+        cats = event_tokens(self.features, self.item_tokens_np, h, ids, keep_a)
         rt = int(h.request_time) if h.request_time is not None else int(ts[keep_a].max())
         if rt < int(ts[keep_a].max()):
             warnings.append("request_time is earlier than the last event; using the last event's time")
             rt = int(ts[keep_a].max())
         block = [int(d) for d in self.dense_ids(h.exclude, "exclude[{i}]") if d > 0] if h.exclude else []
         return Prepared(ids, ts[keep_a], acts, cats, rt, warnings, block, older)
-
-    def _tokens(self, h: History, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """The kept events' categories: (n,) from the item table, or with side features (n, 1+F) token
-        columns, the events' own feature values (``h.features``) where given. HistoryError naming
-        ``history[i].features[.NAME]`` for a bad entry, an unknown name or a bad value."""
-        cats = self.item_tokens_np[ids]  # a copy (fancy indexing)
-        if h.features is None:
-            return cats
-        if len(h.features) != len(h.items):
-            raise HistoryError(f"history: features ({len(h.features)}) must have one entry (or null) per event ({len(h.items)})")
-        given: dict[str, list] = {}
-        for i, f in enumerate(h.features):
-            if f is None:
-                continue
-            if not isinstance(f, dict):
-                raise HistoryError(f"history[{i}].features: an object of feature name -> value or null, got {f!r}")
-            for name, v in f.items():
-                if name not in self.features.names:
-                    raise HistoryError(
-                        f"history[{i}].features.{name}: unknown feature {name!r}; this run's: {self.features.names or 'none'}"
-                    )
-                given.setdefault(name, [_UNSET] * len(h.items))[i] = v
-        for name, vals in given.items():
-            j = 1 + self.features.names.index(name)
-            named = np.array([v is not _UNSET for v in vals])[keep]
-            try:
-                codes = self.features.encode(name, [None if v is _UNSET else v for v in vals], f"history[{{i}}].features.{name}")
-            except ValueError as exc:
-                raise HistoryError(str(exc)) from None
-            cats[:, j] = np.where(named, codes[keep], cats[:, j])
-        return cats
 
     def _warn_untrained(self, ids: np.ndarray, warnings: list[str]) -> None:
         """Append a warning when the kept history ``ids`` ((n,) dense) hold items without training events."""
@@ -455,34 +445,35 @@ class Recommender:
             engine: the engine to run (default :attr:`engine`); bucket: one of its edges to pad
                 every history to (static (B, E) inputs; the server's), default each row's smallest.
         Raises:
-            ValueError: bad decoding options or k; a history whose exclusions leave fewer than
-                max(k, beam width) items (check :meth:`check_room` first); as the engine.
+            TypeError: ``preps`` not a list of Prepared (a History: call :meth:`prepare` first);
+                ``decoding`` not a DecodeOptions; an unknown decoding keyword.
+            ValueError: k not an int (a bool neither) in 1..max_output_len (:func:`hstu.config.check_k`); bad decoding options;
+                a history whose exclusions leave fewer than max(k, beam width) items (check
+                :meth:`check_room` first); as the engine.
         """
-        if decoding is not None and decode_kwargs:
-            raise ValueError(f"give decoding or its fields {sorted(decode_kwargs)}, not both")
+        d = decode_options(decoding, decode_kwargs)  # TypeError / ValueError naming decoding or the field
+        k = k_arg(k, self.model.cfg.max_output_len)
+        check_preps(preps)
         if not preps:
             return []
-        d = decoding if decoding is not None else DecodeOptions(**decode_kwargs)
-        eng = engine if engine is not None else self.engine
         b = self.batch(preps, width=bucket)  # (B, E) or (B, longest)
-        mask = self.exclusion(b, preps, exclude_history, allow_untrained, sparse=eng.streamed)  # (B, I+1), or pairs
-        res = eng.generate(
-            b["ids"],
-            b["timestamps"],
-            b["lengths"],
-            k,
-            request_time=b["request_time"],
-            exclude=mask,
-            actions=b["actions"],
-            categories=b["categories"],
-            item_category=self.item_tokens,
-            bucket=bucket,
-            **vars(d),  # strategy, top_k, temperature, beam_width, seed (a flat dataclass: no deep copy as asdict)
-        )
+        with self._lock:  # an engine is one caller at a time (class doc)
+            eng = engine if engine is not None else self.engine
+            mask = self.exclusion(b, preps, exclude_history, allow_untrained, sparse=eng.streamed)  # (B, I+1), or pairs
+            res = eng.generate(
+                b["ids"],
+                b["timestamps"],
+                b["lengths"],
+                k,
+                request_time=b["request_time"],
+                exclude=mask,
+                actions=b["actions"],
+                categories=b["categories"],
+                item_category=self.item_tokens,
+                bucket=bucket,
+                **vars(d),  # strategy, top_k, temperature, beam_width, seed (a flat dataclass: no deep copy as asdict)
+            )
         return self.ranked(res.items, res.scores, res.actions, k)
-
-
-_UNSET = object()  # a feature an event does not name (History.features)
 
 
 def _untrained(counts, n: int) -> np.ndarray | None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from hstu import backend
-from hstu.config import ModelConfig, TrainConfig
+from hstu.config import ModelConfig, TrainConfig, model_config_from_dict, train_config_from_dict
 from hstu.data import EventLog, Split, train_batch
 from hstu.data.batching import length_bucketed_batches, packed_train_batch
 from hstu.data.prepare import (  # noqa: F401
@@ -349,10 +349,11 @@ def fit(
     the epoch during which this many minutes of wall time (this call's, :data:`clock`) have passed, with
     that epoch committed (``resume`` continues; metrics.json ``status`` says why it stopped);
     ``tensorboard``: a directory for TensorBoard epoch scalars (:class:`hstu.train.logs.TensorBoardCurves`). Raises
-    FileExistsError for a ``run_dir`` that is a file, holds a run without ``resume`` or ``overwrite``, or a quantized copy
-    (quant.json); ValueError for too little data (:func:`check_trainable`), malformed run files on ``resume`` (naming file
-    and field), a run of the other strategy, ``max_minutes`` <= 0, ``tensorboard`` without its package, besides the module's."""
-    tcfg.validate()
+    FileExistsError for a ``run_dir`` that is a file, holds a run without ``resume`` or ``overwrite``, or a quantized copy (quant.json);
+    ValueError for a config field's type or value (named, as in a config file), too little data (:func:`check_trainable`), malformed
+    run files on ``resume`` (naming file and field), a run of the other strategy, ``max_minutes`` <= 0, ``tensorboard`` without its
+    package, besides the module's."""
+    mcfg, tcfg = model_config_from_dict(asdict(mcfg)), train_config_from_dict(asdict(tcfg))  # a config file's checks, naming the field
     if max_minutes is not None and not (math.isfinite(max_minutes) and max_minutes > 0):
         raise ValueError(f"--max-minutes must be a number > 0, got {max_minutes}")
     run = Path(run_dir)

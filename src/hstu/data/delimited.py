@@ -20,10 +20,14 @@ exact time, ties in that order (:meth:`~hstu.data.sequences.EventLog.from_frame`
 as one file holding the rows in that order.
 
 User and item ids are integers (exact int64) when every one of a column is an integer, else text
-(trimmed, case kept; :mod:`hstu.data.sequences`); categories are integers. Time is integer Unix time (``time_unit``,
-default s, or ms when every value is >= 1e11) or ISO 8601 (UTC unless it carries an offset), see
+(trimmed, case kept, at most 256 characters; :mod:`hstu.data.sequences`); categories are integers. Time is integer
+Unix time (``time_unit``, default s, or ms when every value is >= 1e11: a column with values on both sides of 1e11
+is an error naming the first value in the minority's unit) or ISO 8601 (UTC unless it carries an offset), see
 :mod:`hstu.data.times`. A text file is UTF-8 when all of it decodes so, else latin-1 (ISO-8859-1, as the
-MovieLens loader decides; ``facts["encodings"]`` names the latin-1 files). Errors name the file and 1-based line (Parquet: row index).
+MovieLens loader decides), unless a byte-order mark says UTF-16 or UTF-8 (``facts["encodings"]`` names the files
+in another encoding than plain UTF-8). Header names are trimmed; each column has one role (a key of the mapping
+or a side feature). Errors name the file and the 1-based line a row starts on (a quoted field may span lines;
+Parquet: row index).
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError, plural
-from hstu.data.features import parse_feature_options
+from hstu.data.features import numeric_column, parse_feature_options
 from hstu.data.movielens import file_encoding
-from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, row_width_error, to_event_log
+from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, record_line, row_width_error, to_event_log
 from hstu.data.sequences import FEATURE_PREFIX, EventLog
-from hstu.data.times import TIME_UNITS, exact_times, split_time, unit_of
+from hstu.data.times import TIME_UNITS, exact_times, unit_problem
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +193,9 @@ def _frame_checks(
             continue
         col = df[mapping[key]]
         num, bad = exact_ids(col, text=key != "category")
-        problems.append((bad, lambda i, key=key, col=col: f"{key} ({mapping[key]!r}) is " + id_problem(col.iloc[i])))
+        problems.append(
+            (bad, lambda i, key=key, col=col: f"{key} ({mapping[key]!r}) is " + id_problem(col.iloc[i], text=key != "category"))
+        )
         out[key] = num
     if "action" in mapping:
         col = df[mapping["action"]]
@@ -220,13 +226,15 @@ def _frame_checks(
 
 
 def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path: Path, out: dict, problems: list) -> None:
-    """The time column's part of :func:`_frame_checks`: ``out["time"]``, ``out["subsecond_ns"]`` and its problem."""
-    secs, out["subsecond_ns"], bad = exact_times(col, unit, path)
+    """The time column's part of :func:`_frame_checks`: ``out["time"]``, ``out["subsecond_ns"]`` and its problems
+    (unparsed times; with the automatic unit, integers on the other side of 1e11 than most, :func:`unit_problem`)."""
+    secs, out["subsecond_ns"], bad, mixed = exact_times(col, unit, path)
+    what = f"time ({mapping['time']!r}) is "
     problems.append(
         (
             bad,
             lambda i: (
-                f"time ({mapping['time']!r}) is "
+                what
                 + (
                     "missing"
                     if pd.isna(col.iloc[i])
@@ -236,6 +244,7 @@ def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path
             ),
         )
     )
+    problems.append((mixed, lambda i: what + unit_problem(int(pd.to_numeric(col.iloc[i])))))
     out["time"] = secs
 
 
@@ -262,7 +271,7 @@ def load_csv(
             ``action=@file``: the file name is the action.
         format: ``sep=…,header=yes|none`` (:func:`parse_format`); ``sep`` overrides its separator.
         time_unit: unit of integer times (s | ms | us | ns); default s, or ms when every
-            value is >= 1e11. Date-time strings are parsed as ISO 8601 (UTC if no offset).
+            value is >= 1e11 (values on both sides: an error). Date-time strings are parsed as ISO 8601 (UTC if no offset).
         exclude_history: the data set's candidate-exclusion default (default False).
         features, numeric_features: side-feature columns (names or positions; categorical, and
             numeric name -> quantile buckets), :func:`hstu.data.features.parse_feature_options`;
@@ -273,8 +282,10 @@ def load_csv(
     Raises:
         ValueError: no or bad ``columns`` / ``format``, unknown options. FileNotFoundError.
         DataFormatError: a mapped column missing from the header (line 1) or past a row's last
-        field, a row with too few or many fields, a non-integer user/item/category, an empty
-        action, an unparsable time (file:line; Parquet: row index), unless ``skip_bad_rows``.
+        field, one column with two roles, a numeric feature column without a number (the file);
+        unless ``skip_bad_rows`` (file:line; Parquet: row index): a row with too few or many fields,
+        a non-integer category, a missing or over-long user/item id, an empty action, an unparsable
+        time, an integer time in the other unit than most of the column (automatic unit).
     """
     if options:
         raise ValueError(
@@ -291,7 +302,7 @@ def load_csv(
     unit = time_unit or unit_from_map
     if unit is not None and unit not in TIME_UNITS:
         raise ValueError(f"csv: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
-    frames, skipped, encodings = _read_files(log_files(data_dir), mapping, unit, fmt, skip_bad_rows)
+    frames, skipped, encodings = _read_files(log_files(data_dir), mapping, unit, fmt, skip_bad_rows, list(num_features))
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     order_only = "time" not in mapping
     if order_only:
@@ -308,10 +319,11 @@ def load_csv(
 
 
 def _read_files(
-    files: list[Path], mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool
+    files: list[Path], mapping: dict[str, str], unit: str | None, fmt: Format, skip_bad_rows: bool, numeric: list[str]
 ) -> tuple[list[pd.DataFrame], int, dict[str, str]]:
     """(one frame per file, skipped rows, file name -> encoding). ``action=@file``: each file's
-    events have the file's name without its suffix as their action (one file per action type)."""
+    events have the file's name without its suffix as their action (one file per action type).
+    ``numeric``: the numeric side features, checked per file (:func:`_numeric_checks`)."""
     by_file = mapping.get("action") == FILE_ACTION
     cols = {k: v for k, v in mapping.items() if not (by_file and k == "action")}
     frames, skipped, encodings = [], 0, {}
@@ -323,9 +335,33 @@ def _read_files(
             df, n = read_delimited(path, cols, unit, fmt, skip_bad_rows, encodings[path.name])
         if by_file:
             df["action"] = path.name.split(".")[0]
+        _numeric_checks(path, df, numeric)
         frames.append(df)
         skipped += n
     return frames, skipped, encodings
+
+
+def _numeric_checks(path: Path, df: pd.DataFrame, numeric: list[str]) -> None:
+    """A numeric side feature's values in one file: DataFormatError when some are given but none is a
+    number (a text column, whose events would all get the unknown bucket: a ``--feature``); a warning
+    when some are no numbers (those events get the unknown bucket, :func:`hstu.data.features.numeric_column`)."""
+    for name in numeric:
+        col = df[FEATURE_PREFIX + name]
+        given = (col.notna() & (col.astype(str).str.strip() != "")).to_numpy()
+        odd = given & np.isnan(numeric_column(col))
+        if not odd.any():
+            continue
+        first = str(col[odd].iloc[0])[:40]
+        if odd.sum() == given.sum():
+            raise DataFormatError(
+                path,
+                None,
+                f"--numeric-feature {name}: no value of column {name!r} is a number (e.g. {first!r}); a text column is a --feature",
+            )
+        log.warning(
+            "%s: numeric feature %r: %d of %d values are not numbers (first %r): their events get the unknown bucket",
+            path, name, int(odd.sum()), int(given.sum()), first,
+        )  # fmt: skip
 
 
 def _keys(mapping: dict[str, str]) -> list[str]:
@@ -346,7 +382,22 @@ def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width:
         else:
             what = "not a position (no header: columns by 0-based position)" if not v.isdigit() else f"past the last field (#{width - 1})"
             raise DataFormatError(path, 1, f"column {v!r} (for {k}) is {what}")
-    return out
+    return _one_role_each(path, 1, out)
+
+
+def _one_role_each(path: Path, line: int | None, labels: dict[str, str]) -> dict[str, str]:
+    """``labels`` (mapping key -> the frame's column) when no column has two roles (a name and its
+    position count as one column), else DataFormatError naming the column and the options."""
+    seen: dict[str, str] = {}
+    for k, label in labels.items():
+        if label in seen:
+            roles = [f"the feature {r[len(FEATURE_PREFIX) :]!r}" if r.startswith(FEATURE_PREFIX) else r for r in (seen[label], k)]
+            opts = "--columns" + ("/--feature" if any(r.startswith(FEATURE_PREFIX) for r in (seen[label], k)) else "")
+            raise DataFormatError(
+                path, line, f"{opts}: column {label!r} is mapped to both {roles[0]} and {roles[1]}; a column has one role"
+            )
+        seen[label] = k
+    return labels
 
 
 def read_delimited(
@@ -363,10 +414,10 @@ def read_delimited(
         raise DataFormatError(path, 1, f"cannot read the {'header' if fmt.header else 'first row'}: {exc}") from None
     names = [str(c).strip() for c in head.columns] if fmt.header else None
     labels = _labels(path, mapping, names, head.shape[1])
-    given = None if fmt.header else [f"#{i}" for i in range(head.shape[1])]
+    given = names or [f"#{i}" for i in range(head.shape[1])]  # the header's names trimmed, as the mapping matched them
     read = dict(sep=sep, engine="c", skip_blank_lines=False, header=hdr, names=given, encoding=encoding)
     try:
-        # blank lines kept as all-NaN rows, so frame index i is file line i + 1 + header
+        # blank lines kept as all-NaN rows, so frame index i is record i + header (records: parsing.records)
         # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
         texts = {labels[k]: str for k in labels if k == "action" or k.startswith(FEATURE_PREFIX)}  # numeric features: coerced later
         raw = pd.read_csv(path, dtype=texts or None, **read)[[labels[k] for k in keys]]
@@ -378,30 +429,29 @@ def read_delimited(
         raw = None
     if raw is not None:
         raw = raw.dropna(how="all")
-        lines = raw.index.to_numpy() + 1 + int(fmt.header)
+        rec = raw.index.to_numpy() + int(fmt.header)
         raw = raw.reset_index(drop=True)
+
+        def where(i: int) -> tuple[int | None, str]:  # the line a record starts on, sought only for a message
+            return record_line(path, int(rec[i]), sep=sep, encoding=encoding), ""
+
         try:
-            return _frame_checks(raw, labels, unit, lambda i: (int(lines[i]), ""), path, skip_bad_rows)
+            return _frame_checks(raw, labels, unit, where, path, skip_bad_rows)
         except DataFormatError as exc:  # a short row reads as missing values: name its fields instead
             short = exc.line and row_width_error(path, exc.line, sep=sep, width=head.shape[1], header=fmt.header, encoding=encoding)
             raise (short or exc) from None
     # a row with too many fields stops the C parser: the line-by-line pass names it
     cols = [Column(k, labels[k] if fmt.header else int(labels[k][1:]), text=k in ("user", "item")) for k in keys]
-    df, skipped = parse_lines(
+    return parse_lines(
         path,
         cols,
         header=fmt.header,
         sep=sep,
-        time_unit=TIME_UNITS[unit] if unit else 1,
+        time_unit=TIME_UNITS[unit] if unit else None,
         skip_bad_rows=skip_bad_rows,
         width=head.shape[1],
         encoding=encoding,
     )
-    if "time" in mapping and unit is None and len(df):  # integer times were read as seconds; ISO ones are seconds already
-        auto = unit_of(df["time"], None, path)  # (auto only turns to ms when every value is >= 1e11, far past ISO's range)
-        if auto != 1:
-            df["time"], df["subsecond_ns"] = split_time(df["time"], auto)
-    return df, skipped
 
 
 def _read_parquet(path: Path, mapping: dict[str, str], unit: str | None, skip_bad_rows: bool) -> tuple[pd.DataFrame, int]:
@@ -417,6 +467,6 @@ def _read_parquet(path: Path, mapping: dict[str, str], unit: str | None, skip_ba
             if not v.isdigit() or int(v) >= len(names):
                 raise DataFormatError(path, None, f"column {v!r} (for {k}) not in the file; columns: {names}")
             labels[k] = names[int(v)]
-    keys = _keys(labels)
+    keys = _keys(_one_role_each(path, None, labels))
     raw = pd.read_parquet(path, columns=[labels[k] for k in keys]).reset_index(drop=True)
     return _frame_checks(raw, labels, unit, lambda i: (None, f"row {i}: "), path, skip_bad_rows)

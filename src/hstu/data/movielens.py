@@ -92,9 +92,14 @@ def decode_text(path: Path, data: bytes) -> tuple[str, str]:
 
 
 def file_encoding(path: Path, opener=open, chunk: int = 1 << 24) -> str:
-    """The encoding :func:`decode_text` picks, for a file read in chunks (``opener``: ``open`` or
-    ``gzip.open``): UTF-8 if all of it decodes as UTF-8, else ISO-8859-1 (logged, with the offset)."""
-    dec, pos = codecs.getincrementaldecoder(ENCODINGS[0])(), 0
+    """The encoding of a file read in chunks (``opener``: ``open`` or ``gzip.open``), as :func:`decode_text`
+    picks it: UTF-8 if all of it decodes as UTF-8, else ISO-8859-1 (logged, with the offset). A byte-order
+    mark decides first: "utf-16" (FF FE or FE FF; the codec reads the mark and the byte order), or
+    "utf-8-sig" (EF BB BF; the codec drops the mark, which would otherwise start the first field)."""
+    with opener(path, "rb") as fh:
+        bom = fh.read(3)
+    name = "utf-16" if bom[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE) else "utf-8-sig" if bom == codecs.BOM_UTF8 else ENCODINGS[0]
+    dec, pos = codecs.getincrementaldecoder(name)(), 0
     with opener(path, "rb") as fh:
         try:
             while block := fh.read(chunk):
@@ -102,9 +107,11 @@ def file_encoding(path: Path, opener=open, chunk: int = 1 << 24) -> str:
                 pos += len(block)
             dec.decode(b"", final=True)
         except UnicodeDecodeError as exc:
-            log.info("%s: not UTF-8 (byte %d), read as %s", path, pos + exc.start, ENCODINGS[1])
+            log.info("%s: not %s (byte %d), read as %s", path, name, pos + exc.start, ENCODINGS[1])
             return ENCODINGS[1]
-    return ENCODINGS[0]
+    if name != ENCODINGS[0]:
+        log.info("%s: read as %s (byte-order mark)", path, name)
+    return name
 
 
 def _read_text(path: Path, report: ParseReport) -> str:

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError, plural
-from hstu.data.sequences import EventLog
-from hstu.data.times import split_time, to_time
+from hstu.data.sequences import ID_MAX_CHARS, EventLog
+from hstu.data.times import split_time, to_time, unit_of, unit_problem
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def exact_ids(col: pd.Series, text: bool = False) -> tuple[pd.Series, np.ndarray
     bad row instead of a float rounded onto another id or a wrapped integer.
 
     With ``text``, a column in which some present value is not an integer at all (e.g. 'B00004U9V2')
-    is a text column: (object Series of the values as trimmed str, mask of missing / empty ones).
+    is a text column: (object Series of the values as trimmed str, mask of missing / empty ones and
+    of those longer than ID_MAX_CHARS).
     A column of integers only stays int64 exactly as without ``text``."""
     if col.dtype == object:
         try:
@@ -106,19 +107,40 @@ def exact_ids(col: pd.Series, text: bool = False) -> tuple[pd.Series, np.ndarray
                 "fix them if they are typos", col.name, len(odd), int(present.sum()), str(col.iloc[odd[0]])[:40], odd[0] + 1,
             )  # fmt: skip
         strs = col.astype(object).where(col.notna(), "").map(lambda v: str(v).strip())
-        return strs.astype(object), (strs == "").to_numpy()
+        return strs.astype(object), ((strs == "") | (strs.str.len() > ID_MAX_CHARS)).to_numpy()
     bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)
     return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
 
 
-def id_problem(v) -> str:
-    """What is wrong with a bad id value of :func:`exact_ids`, for a message."""
-    return "missing" if pd.isna(v) or not str(v).strip() else f"not an integer in the int64 range: {str(v)[:40]!r}"
+def id_problem(v, text: bool = False) -> str:
+    """What is wrong with a bad id value of :func:`exact_ids` (``text``: of a text-or-integer column), for a message."""
+    if pd.isna(v) or not str(v).strip():
+        return "missing"
+    if text and len(str(v).strip()) > ID_MAX_CHARS:
+        return f"{len(str(v).strip())} characters long (an id has at most {ID_MAX_CHARS}): {str(v).strip()[:40] + '...'!r}"
+    return f"not an integer in the int64 range: {str(v)[:40]!r}"
 
 
 # ----------------------------------------------------------------------------- row parsing
 def _to_int(s: str) -> int:
     return int(s.strip())
+
+
+def records(path: Path, *, sep: str, encoding: str):
+    """(1-based line on which it starts, fields) of each record of a delimited file, as ``csv.reader``
+    splits it: a blank line is an empty record, and a quoted field may hold line breaks (the record then
+    spans several lines; pandas' C parser counts records the same way)."""
+    with open(path, newline="", encoding=encoding, errors="replace") as fh:
+        reader = csv.reader(fh, delimiter=sep)
+        start = 1
+        for row in reader:
+            yield start, row
+            start = reader.line_num + 1
+
+
+def record_line(path: Path, record: int, *, sep: str, encoding: str) -> int | None:
+    """The line on which 0-based record ``record`` (the header included, :func:`records`) starts; None past the end."""
+    return next((line for k, (line, _) in enumerate(records(path, sep=sep, encoding=encoding)) if k == record), None)
 
 
 def parse_lines(
@@ -127,65 +149,80 @@ def parse_lines(
     *,
     header: bool,
     sep: str,
-    time_unit: int,
+    time_unit: int | None,
     skip_bad_rows: bool,
     width: int | None = None,
     encoding: str = "utf-8",
 ) -> tuple[pd.DataFrame, int]:
     """Line-by-line parse naming the first bad line; returns (frame, skipped rows). Without a
     header, a column's ``source`` is its 0-based position and every row holds ``width`` fields
-    (default: as many as ``cols``); with one, as many as the header. No ``time`` column: the frame
-    has none (order-only data)."""
-    out: dict[str, list] = {c.key: [] for c in cols}
-    rest: list[int] = []
-    lines: list[int] = []  # the file line of each kept row
+    (default: as many as ``cols``); with one, as many as the header. ``time_unit``: ticks per second
+    of integer times, None automatic (:func:`~hstu.data.times.unit_of`: a column of seconds and
+    milliseconds is refused). No ``time`` column: the frame has none (order-only data)."""
+    out: dict[str, list] = {c.key: [] for c in cols} | {"subsecond_ns": [], "line": []}  # line: where each kept row starts
     skipped, first = 0, None
     idx: dict[str, int] = {}
     width = width or len(cols)
-    with open(path, newline="", encoding=encoding, errors="replace") as fh:
-        reader = csv.reader(fh, delimiter=sep)
-        for row in reader:
-            line = reader.line_num
-            if header and not idx:
-                idx, width = _header_index(path, row, cols), len(row)
-                continue
-            if not row or all(not f.strip() for f in row):
-                continue
-            try:
-                vals = _parse_row(path, line, row, cols, idx, width, time_unit)
-            except DataFormatError as exc:
-                if not skip_bad_rows:
-                    raise
-                skipped += 1
-                first = first or str(exc)
-                continue
-            lines.append(line)
-            for c, v in zip(cols, vals):
-                if c.key == "time":
-                    v, r = v
-                    rest.append(r)
-                out[c.key].append(v)
-    for c in cols:  # text-or-integer id columns: decided on the whole column (exact_ids)
-        if c.text and out[c.key]:
-            ids, bad = exact_ids(pd.Series(out[c.key], dtype=object), text=True)
-            if bad.any():
-                i = int(np.argmax(bad))
-                exc = DataFormatError(path, lines[i], f"{c.key} ({c.source!r}) is {id_problem(out[c.key][i])}")
-                if not skip_bad_rows:
-                    raise exc
-                skipped, first = skipped + int(bad.sum()), first or str(exc)
-                out = {k: [v for v, b in zip(vs, bad) if not b] for k, vs in out.items()}
-                rest = [v for v, b in zip(rest, bad) if not b] if rest else rest
-                lines = [v for v, b in zip(lines, bad) if not b]
-                ids = ids[~bad]
-            out[c.key] = ids.tolist()
+    for line, row in records(path, sep=sep, encoding=encoding):
+        if header and not idx:
+            idx, width = _header_index(path, row, cols), len(row)
+            continue
+        if not row or all(not f.strip() for f in row):
+            continue
+        try:
+            vals = _parse_row(path, line, row, cols, idx, width, time_unit or 1)
+        except DataFormatError as exc:
+            if not skip_bad_rows:
+                raise
+            skipped += 1
+            first = first or str(exc)
+            continue
+        out["line"].append(line)
+        for c, v in zip(cols, vals):
+            if c.key == "time":
+                v, r = v
+                out["subsecond_ns"].append(r)
+            out[c.key].append(v)
+    out, n, first = _column_checks(path, cols, out, time_unit, skip_bad_rows, first)
+    skipped += n
     if skipped:
         log.warning("%s: skipped %s (first: %s)", path, plural(skipped, "malformed row"), first)
     texts = {c.key for c in cols if c.key == "action" or c.key.startswith("feature:") or (c.text and _any_text(out[c.key]))}
     frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key in texts else np.int64) for c in cols})
     if "time" in out:
-        frame["subsecond_ns"] = pd.Series(rest, dtype=np.int64)
+        frame["subsecond_ns"] = pd.Series(out["subsecond_ns"], dtype=np.int64)
     return frame, skipped
+
+
+def _column_checks(
+    path: Path, cols: list[Column], out: dict[str, list], time_unit: int | None, skip_bad_rows: bool, first: str | None
+) -> tuple[dict[str, list], int, str | None]:
+    """:func:`parse_lines`' decisions on whole columns: text-or-integer ids (:func:`exact_ids`) and the
+    automatic time unit (:func:`~hstu.data.times.unit_of`). Returns (``out`` without the bad rows, their
+    count, the first error); raises it unless ``skip_bad_rows``."""
+    skipped = 0
+    for c in cols:
+        auto_time = c.key == "time" and time_unit is None
+        if not out[c.key] or not (c.text or auto_time):
+            continue
+        vals = out[c.key]
+        if c.text:
+            ids, bad = exact_ids(pd.Series(vals, dtype=object), text=True)
+        else:
+            per_s, bad = unit_of(np.array(vals, np.int64), None, path)
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = id_problem(vals[i], text=True) if c.text else unit_problem(vals[i])
+            exc = DataFormatError(path, out["line"][i], f"{c.key} ({c.source!r}) is {what}")
+            if not skip_bad_rows:
+                raise exc
+            skipped, first = skipped + int(bad.sum()), first or str(exc)
+            out = {k: [v for v, b in zip(vs, bad) if not b] for k, vs in out.items()}
+        if c.text:
+            out[c.key] = ids[~bad].tolist()
+        elif per_s != 1:
+            out["time"], out["subsecond_ns"] = (x.tolist() for x in split_time(np.array(out["time"], np.int64), per_s))
+    return out, skipped, first
 
 
 def _any_text(vals: list) -> bool:
@@ -211,12 +248,10 @@ def width_error(path: Path, line: int, row: list[str], width: int, header: bool)
 
 
 def row_width_error(path: Path, line: int, *, sep: str, width: int, header: bool, encoding: str) -> DataFormatError | None:
-    """:func:`width_error` of file line ``line`` (read again: pandas fills a short row's missing fields with NaN)."""
-    with open(path, newline="", encoding=encoding, errors="replace") as fh:
-        reader = csv.reader(fh, delimiter=sep)
-        for row in reader:
-            if reader.line_num >= line:
-                return width_error(path, line, row, width, header) if row else None
+    """:func:`width_error` of the record starting on file line ``line`` (read again: pandas fills a short row's missing fields with NaN)."""
+    for start, row in records(path, sep=sep, encoding=encoding):
+        if start >= line:
+            return width_error(path, line, row, width, header) if row else None
     return None
 
 

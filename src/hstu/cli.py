@@ -6,6 +6,7 @@ print one line to stderr and exit 2."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ import threading
 from pathlib import Path
 
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions, check_k
-from hstu.interrupts import exit_on_signal, interrupted, terminated
+from hstu.interrupts import Deferred, ignore_after_return, interrupted, terminated
 
 log = logging.getLogger("hstu")
 
@@ -431,17 +432,18 @@ def main(argv: list[str] | None = None) -> int:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
     if argv is None and on_term is not None:  # the program: its output is complete, the interpreter's exit takes ~0.7 s
-        exit_on_signal(rc)
+        ignore_after_return()
     return rc
 
 
 def _run(argv: list[str] | None) -> int:
-    try:  # building the parser imports torch: seconds in which Ctrl-C or SIGTERM may come
+    main_thread = threading.current_thread() is threading.main_thread()
+    with Deferred() if main_thread else contextlib.nullcontext() as later:  # the parser's imports load torch: seconds
         parser = build_parser()
         args, unknown = parser.parse_known_args(argv)
-    except KeyboardInterrupt as exc:
+    if later is not None and later.exc is not None:
         words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
-        return interrupted(argparse.Namespace(command=words[0] if words else ""), exc)
+        return interrupted(argparse.Namespace(command=words[0] if words else ""), later.exc)
     if unknown and not getattr(args, "stub", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     from hstu.backend import BackendUnavailableError

@@ -3,7 +3,6 @@ as after any exception: no half-written output), its own status once it has retu
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -34,17 +33,28 @@ def interrupted(args, exc: KeyboardInterrupt) -> int:
     return 143 if isinstance(exc, Terminated) else 130
 
 
-def exit_on_signal(rc: int) -> None:
-    """Ctrl-C or SIGTERM after the command returned ends the process at once with the command's status: the work
-    is done and written, so it is neither an interruption (130 / 143) nor a traceback from the interpreter's exit."""
-
-    def handler(signum, frame) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(rc)
-
+def ignore_after_return() -> None:
+    """Ctrl-C or SIGTERM after the command returned (its output complete; the interpreter's exit takes ~0.7 s) is
+    ignored, so the process ends with the command's own status, neither 130 / 143 nor a traceback. SIG_IGN, not a
+    Python handler: CPython resets Python handlers to the default at finalization, but keeps an ignored signal."""
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Deferred:
+    """While the parser is built (its imports load torch, numpy: seconds), Ctrl-C and SIGTERM are noted, not raised:
+    an exception inside a C extension's import left torch half-initialised (an abort, a segfault, or a lost
+    SIGTERM). :attr:`exc` is the interruption to report once the imports are done (None: none came)."""
+
+    def __enter__(self) -> Deferred:
+        self.got: list[int] = []
+        self.prev = {s: signal.signal(s, lambda signum, frame: self.got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.prev.items():
+            signal.signal(s, h)
+
+    @property
+    def exc(self) -> KeyboardInterrupt | None:
+        return None if not self.got else Terminated() if self.got[0] == signal.SIGTERM else KeyboardInterrupt()

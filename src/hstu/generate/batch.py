@@ -252,7 +252,7 @@ class PartStore:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a read-only or virtual file system: name the flag, not a bare errno
-            raise OSError(exc.errno, f"--out {out}: cannot create {exc.filename}: {exc.strerror}") from None
+            raise OSError(f"--out {out}: cannot create {exc.filename}: {exc.strerror}") from None
         meta = self.dir / "job.json"
         if meta.exists():
             old = json.loads(meta.read_text(encoding="utf-8"))

@@ -159,11 +159,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"hstu monitor: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 2
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():  # before the line saying it serves: a stop then exits 0
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     h, p = server.start()
     print(f"hstu monitor: http://{h}:{p}/metrics  /alerts  /health  (interval {args.interval:g} s)", flush=True)
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         stop.wait(args.duration if args.duration else None)
     except KeyboardInterrupt:

@@ -365,8 +365,11 @@ def _resume_defaults(args) -> dict:
     args.skip_bad_rows = args.skip_bad_rows or bool(data.get("skip_bad_rows", False))
     for k, v in data.get("options", {}).items():  # the run's loader options where neither a flag nor [data] gives one
         args.data_options.setdefault(k, v)
-    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data_dir_exists(data.get("data_dir")):
-        args.data_dir = data["data_dir"]
+    if not args.data_dir and not os.environ.get("HSTU_DATA_DIR") and data.get("data_dir"):
+        if data_dir_exists(data["data_dir"]):
+            args.data_dir = data["data_dir"]
+        elif args.dataset != "ml-1m":  # ml-1m: found where `hstu train` finds it; another data set: not silently ML-1M's
+            raise FileNotFoundError(f"--resume: the run's {args.dataset} data {data['data_dir']} is not found; pass --data-dir")
     return saved
 
 

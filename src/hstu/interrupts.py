@@ -19,15 +19,18 @@ def terminated(signum, frame) -> None:
 
 def interrupted(args, exc: KeyboardInterrupt) -> int:
     """The one line after Ctrl-C or SIGTERM; a training run that committed an epoch is resumable."""
-    from hstu.runs import has_train_state
-
     out = getattr(args, "out", None)
     if args.command != "train" or not out:
-        hint = ""
-    elif Path(out).is_dir() and has_train_state(Path(out)):
-        hint = "; the run keeps its last committed epoch: continue with --resume"
+        hint = ""  # no import here: an interrupt inside a command's lazy import may have left a module half-loaded
     else:
-        hint = f"; no epoch was committed, nothing is kept in {out}: run the command again"
+        from hstu.runs import has_train_state
+
+        kept = Path(out).is_dir() and has_train_state(Path(out))
+        hint = (
+            "; the run keeps its last committed epoch: continue with --resume"
+            if kept
+            else (f"; no epoch was committed, nothing is kept in {out}: run the command again")
+        )
     where = f"hstu {args.command}" if args.command else "hstu"
     print(f"{where}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130

@@ -83,3 +83,27 @@ def test_a_list_of_files_in_the_data_table(tmp_path, capsys):
     assert got[0] == got[1] and len(got[0]) > 4
     with pytest.raises(ValueError, match=r"\[data\]: data_dir must be str \| list\[str\], got \[\]"):
         load_config_file(_toml(tmp_path, "data_dir = []\n"))
+
+
+def test_a_file_listed_twice_is_refused(tmp_path):
+    """A list naming one file twice (``a.csv`` and ``./a.csv``) read its events twice, silently (a second trial)."""
+    from hstu.data.delimited import log_files
+
+    logs = _log(tmp_path)
+    with pytest.raises(ValueError, match=r"part2.txt: listed twice in the event-log files \(also as .*part2.txt\)"):
+        log_files([str(logs / "part2.txt"), str(logs / "part10.txt"), str(logs / "." / "part2.txt")])
+    assert log_files([str(logs / "part2.txt"), str(logs / "part10.txt")]) == [logs / "part2.txt", logs / "part10.txt"]
+
+
+def test_a_zero_padded_position_without_a_header(tmp_path, capsys):
+    """``time=02`` in a headerless file was "['#02'] not in index" without file or line: 02 is position 2."""
+    rows = [f"{u},{(u * 3 + j) % 20 + 1},{1000 + j}" for u in range(1, 31) for j in range(6)]
+    (tmp_path / "log.csv").write_text("\n".join(rows) + "\n")
+    base = ["train", "--dataset", "csv", "--data-dir", str(tmp_path / "log.csv"), "--format", "header=none", "--quiet"]
+    model = "".join(f"{k} = {v}\n" for k, v in TINY_MODEL.items())
+    (tmp_path / "t.toml").write_text(f"[model]\n{model}[train]\nbatch_size = 8\nnum_negatives = 4\nepochs = 1\n")
+    base += ["--config", str(tmp_path / "t.toml")]
+    assert main([*base, "--columns", "user=00,item=1,time=02", "--out", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    assert main([*base, "--columns", "user=0,item=1,time=2", "--out", str(tmp_path / "b")]) == 0, capsys.readouterr().err
+    facts = [json.loads((tmp_path / r / "idmap.json").read_text())["data_facts"] for r in ("a", "b")]
+    assert facts[0]["events"] == facts[1]["events"] == 180

@@ -159,3 +159,15 @@ def test_recommend_of_a_history_not_prepared_says_to_prepare_it(rec, ratings) ->
         rec.recommend(rec.prepare(h), k=3)
     with pytest.raises(TypeError, match=r"^preps\[0\] must be a Prepared history \(from Recommender\.prepare\), got dict"):
         rec.rank([{"ids": [1]}], k=3)
+
+
+def test_prepare_refuses_a_non_history_and_unknown_policies(rec, ratings):
+    """``prepare({"items": ...})`` failed with "object of type 'builtin_function_or_method' has no len()";
+    ``unknown="bogus"`` / ``order="bogus"`` were accepted silently (a second trial)."""
+    h = _histories(ratings, 1)[0]
+    with pytest.raises(TypeError, match=r"prepare takes a History .*got dict"):
+        rec.prepare({"items": [1], "timestamps": [1]})
+    with pytest.raises(ValueError, match=r"unknown must be 'drop' or 'reject' and order 'sort' or 'reject', got 'bogus' and 'sort'"):
+        rec.prepare(h, unknown="bogus")
+    with pytest.raises(ValueError, match=r"got 'drop' and 'bogus'"):
+        rec.prepare(h, order="bogus")

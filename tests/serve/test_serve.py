@@ -370,7 +370,7 @@ def test_feature_errors_name_the_feature_and_k_null_is_the_default(server) -> No
         GenerateRequest.model_validate_json(json.dumps(body))
     got = [(x["loc"], x["msg"]) for x in public_errors(e.value.errors())]
     assert got == [
-        (("history", 0, "features", "a"), "Input should be a number, a string or null"),
+        (("history", 0, "features", "a"), "Input should be a number or a string (as the feature's kind: numeric or categorical), or null"),
         (("history", 0, "features"), f"name {long!r}: String should have at most 64 characters"),
     ]
     r = post(server.url, "/v1/generate", body)

@@ -149,11 +149,18 @@ def _natural_key(p: Path) -> list:
 
 def log_files(data_dir: str | Path | list | tuple) -> list[Path]:
     """The files of one log, in order: a file; a directory's LOG_EXTS files (natural name order);
-    a glob (same order); a list of these (the order given). FileNotFoundError says what was sought."""
+    a glob (same order); a list of these (the order given). FileNotFoundError says what was sought; ValueError
+    names a file a list reaches twice (its events would count twice)."""
     if isinstance(data_dir, (list, tuple)):
         if not data_dir:
             raise FileNotFoundError("an empty list of event-log files")
-        return [f for d in data_dir for f in log_files(d)]
+        files = [f for d in data_dir for f in log_files(d)]
+        seen: dict[Path, Path] = {}
+        for f in files:
+            if (r := f.resolve()) in seen:
+                raise ValueError(f"{f}: listed twice in the event-log files (also as {seen[r]}); each file is read once")
+            seen[r] = f
+        return files
     p = Path(data_dir)
     if p.is_file():
         return [p]
@@ -376,7 +383,7 @@ def _labels(path: Path, mapping: dict[str, str], names: list[str] | None, width:
         if names is not None and v in names:
             out[k] = v
         elif v.isdigit() and int(v) < width:
-            out[k] = names[int(v)] if names is not None else f"#{v}"
+            out[k] = names[int(v)] if names is not None else f"#{int(v)}"
         elif names is not None:
             raise DataFormatError(path, 1, f"column {v!r} (for {k}) not in the header; columns: {names}")
         else:

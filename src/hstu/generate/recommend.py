@@ -225,7 +225,12 @@ class Recommender:
         return self.model.cfg.max_seq_len
 
     def prepare(self, h: History, unknown: str = "drop", order: str = "sort") -> Prepared:
-        """Validate and map one history. Raises HistoryError naming the field/index."""
+        """Validate and map one history. Raises HistoryError naming the field/index; TypeError for ``h`` not a
+        History, ValueError for ``unknown`` not drop / reject or ``order`` not sort / reject."""
+        if not isinstance(h, History):
+            raise TypeError(f"prepare takes a History (hstu.History(items=[...], timestamps=[...])), got {type(h).__name__}")
+        if unknown not in ("drop", "reject") or order not in ("sort", "reject"):
+            raise ValueError(f"unknown must be 'drop' or 'reject' and order 'sort' or 'reject', got {unknown!r} and {order!r}")
         n = len(h.items)
         if n == 0:
             raise HistoryError("history: empty; at least one event is needed")

@@ -85,7 +85,14 @@ def public_errors(errors: list[dict]) -> list[dict]:
         if len(loc) >= 3 and loc[-3] == "features" and loc[-1] in _FEATURE_MEMBERS:
             if loc[:-1] not in seen:
                 seen.add(loc[:-1])
-                out.append({**e, "loc": loc[:-1], "type": "feature_type", "msg": "Input should be a number, a string or null"})
+                out.append(
+                    {
+                        **e,
+                        "loc": loc[:-1],
+                        "type": "feature_type",
+                        "msg": "Input should be a number or a string (as the feature's kind: numeric or categorical), or null",
+                    }
+                )
             continue
         if len(loc) >= 3 and loc[-3] == "features" and loc[-1] == "[key]":
             out.append({**e, "loc": loc[:-2], "msg": f"name {str(loc[-2])[:80]!r}: {e.get('msg', 'invalid')}"})

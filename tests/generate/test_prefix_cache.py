@@ -64,9 +64,8 @@ def test_returning_users_compute_only_new_rows_and_match_full(model):
 
 @pytest.mark.parametrize("lengths", [[6, 6, 10, 6], [6, 6, 10, 10]])
 def test_hits_of_equal_prefix_move_together(model, lengths):
-    """BucketPool.load_prefixes groups a chunk's hits by cached rows P: rows of equal P that are not
-    consecutive (an index) or are (a slice), beside a P of its own; each user still gets its own
-    rows (the result equals the uncached oracle's)."""
+    """A chunk's hits of equal cached rows P, consecutive or not, beside a P of its own: each user
+    gets its own rows (BucketPool.load_prefixes; the result equals the uncached oracle's)."""
     eng = Engine(model, buckets=(20,), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
     ids, ts = data(B=4, width=20, seed=3)
     users = [f"u{i}" for i in range(4)]
@@ -79,6 +78,58 @@ def test_hits_of_equal_prefix_move_together(model, lengths):
     second = eng.generate(ids, ts, L2, 4, request_time=rt2, user_ids=users)
     assert second.prefix_rows.tolist() == (L1 - 1).tolist()
     check(second, full(model, ids, ts, L2, rt2))
+
+
+def test_returning_user_grows_its_entry_in_place(model):
+    """An entry keeps room for max(4, n // 16) more events (at most the largest edge): a returning
+    user's store writes the new rows into it (the same tensors, the same bytes); past its room a new
+    entry. Every visit equals the uncached oracle."""
+    eng = Engine(model, buckets=(20, 40, 60), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data(B=2, seed=5)
+    users = ["a", "b"]
+
+    def visit(L):
+        L = torch.tensor(L)
+        rt = ts[torch.arange(2), L - 1] + 60
+        res = eng.generate(ids, ts, L, 4, request_time=rt, user_ids=users)
+        check(res, full(model, ids, ts, L, rt))
+        return res, [eng.prefix._table[u] for u in users]
+
+    _, first = visit([10, 57])
+    assert [e.room for e in first] == [14, 60] and eng.prefix.bytes == sum(e.nbytes for e in first)
+    keys = [e.k.data_ptr() for e in first]
+    res, second = visit([12, 60])  # within the room
+    assert res.prefix_rows.tolist() == [9, 56]
+    assert [e.k.data_ptr() for e in second] == keys and [e.length for e in second] == [12, 60]
+    assert eng.prefix.bytes == sum(e.nbytes for e in first)
+    res, third = visit([16, 60])  # a: past its room (14) -> a new entry; b: the same history again
+    assert res.prefix_rows.tolist() == [11, 59] and third[0].k.data_ptr() != keys[0] and third[0].room == 20
+
+
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_one_user_twice_in_a_call_each_row_its_own_prefix(model, max_batch):
+    """Two rows of one user id whose histories share the cached prefix and then differ: both hit the
+    same entry; the first row's store grows it in place, so the second loads the rows found at its
+    lookup (P) only and stores a new entry (in another chunk, max_batch 1, or the same one)."""
+    eng = Engine(model, buckets=(20,), max_batch=max_batch, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data(B=2, width=20, seed=6)
+    ts[1] = ts[0]
+    ids[1, :10] = ids[0, :10]  # the same first 10 events, then other items
+    ids[1, 10:] = ids[0, 10:] % I + 1
+    eng.generate(ids[:1], ts[:1], torch.tensor([10]), 4, request_time=ts[:1, 9] + 60, user_ids=["u"])
+    L = torch.tensor([12, 13])
+    rt = ts[torch.arange(2), L - 1] + 60
+    res = eng.generate(ids, ts, L, 4, request_time=rt, user_ids=["u", "u"])
+    assert res.prefix_rows.tolist() == [9, 9]
+    check(res, full(model, ids, ts, L, rt))
+    e = eng.prefix._table["u"]  # what is stored is one history's events and rows: its next visit equals the oracle
+    n = e.length
+    nid, nts = ids[:1].clone(), ts[:1].clone()
+    nid[0, :n], nts[0, :n] = e.events[:n, 0], e.events[:n, 1]
+    L3, rt3 = torch.tensor([n + 1]), nts[:, n] + 60
+    res = eng.generate(nid, nts, L3, 4, request_time=rt3, user_ids=["u"])
+    assert res.prefix_rows.tolist() == [n - 1]
+    check(res, full(model, nid, nts, L3, rt3))
 
 
 def test_history_that_does_not_extend_the_prefix_is_invalidated(model):

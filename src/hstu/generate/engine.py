@@ -391,12 +391,11 @@ class Engine:
         per_group = max(1, self.max_batch // r.width)
         for E in self.edges:
             rows = [i for i in range(len(r.bucket_of)) if r.bucket_of[i] == E]
-            hits: dict[int, PrefixEntry] = {}
+            hits: dict[int, tuple[PrefixEntry, int]] = {}  # row -> (entry, its rows P at the lookup)
             if rows and r.events is not None:
                 for i in rows:
-                    e = self.prefix.lookup(r.user_ids[i], r.events[i, : r.lengths[i]])
-                    if e is not None:
-                        hits[i] = e
+                    if (e := self.prefix.lookup(r.user_ids[i], r.events[i, : r.lengths[i]])) is not None:
+                        hits[i] = (e, e.rows)
             for g in ([i for i in rows if i not in hits], [i for i in rows if i in hits]):
                 for j in range(0, len(g), per_group):
                     chunk = g[j : j + per_group]
@@ -416,7 +415,7 @@ class Engine:
                 return s
         return cap if W > 1 else self.max_batch
 
-    def _run_group(self, E: int, rows: list[int], r: EngineCall, hits: dict[int, PrefixEntry]) -> None:
+    def _run_group(self, E: int, rows: list[int], r: EngineCall, hits: dict[int, tuple[PrefixEntry, int]]) -> None:
         """Rows ``rows`` of the call (one bucket, at most max_batch // W users): load the bucket's
         static inputs, prefill (or copy cached prefixes and extend), decode, write ``r.out``."""
         dev, W, k, req, out, use_cache = self.device, r.width, r.k, r.req, r.out, r.use_cache
@@ -434,10 +433,10 @@ class Engine:
         self._runner(b, ("setup", Bp, W == 1, steps), lambda e, p: runners.setup_fn(e, p, Bp, W == 1, steps))()
         # ---- encode: prefill, or copy the cached prefix and extend ----
         if hits:
-            P = torch.tensor([hits[i].rows for i in rows], dtype=torch.int64, device=dev)
+            P = torch.tensor([hits[i][1] for i in rows], dtype=torch.int64, device=dev)
             b.start[:Bp].zero_()
             b.start[:Bu] = P
-            b.load_prefixes([hits[i] for i in rows])
+            b.load_prefixes([hits[i][0] for i in rows], [hits[i][1] for i in rows])
             need = int((L - P).max())
             T = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= need and s <= Eb), Eb)
             user = self._runner(b, ("extend", Bp, T), lambda e, p: runners.extend_fn(e, p, Bp, T))()
@@ -445,8 +444,9 @@ class Engine:
         else:
             user = self._runner(b, ("prefill", Bp), lambda e, p: runners.prefill_fn(e, p, Bp))()
         for j, i in enumerate(rows if r.events is not None else ()):  # the prefix cache: rows 0..L-2 of each history
-            if r.lengths[i] >= 2:
-                self.prefix.put(r.user_ids[i], b.prefix_entry(j, r.events[i, : r.lengths[i]]))
+            if r.lengths[i] >= 2:  # a hit's entry grows in place unless a row before this one changed it
+                old = hits[i][0] if i in hits and hits[i][0].rows == hits[i][1] else None
+                self.prefix.put(r.user_ids[i], b.prefix_entry(j, r.events[i, : r.lengths[i]], old, self.edges[-1]))
         # ---- decode ----
         if W > 1:
             user = user.repeat_interleave(W, dim=0)  # (R, d)

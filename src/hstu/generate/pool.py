@@ -199,31 +199,40 @@ class BucketPool:
         ]
         return self.kv_bytes() + sum(t.numel() * t.element_size() for t in io)
 
-    def prefix_entry(self, j: int, events: torch.Tensor) -> PrefixEntry:
+    def prefix_entry(self, j: int, events: torch.Tensor, old: PrefixEntry | None = None, most: int = 0) -> PrefixEntry:
         """Row j's history ``events`` (n, 3 + F) int64 (:func:`hstu.generate.prefix_cache.history_events`)
         and the K/V of its first n - 1 rows in every layer, copied out for the user-prefix cache (the
-        last row is recomputed on a hit: its time bias used this request's time); one stack per K / V."""
-        n = events.shape[0]
-        k = torch.stack([t[j, :, : n - 1] for t in self.hk])  # (Ly, H, n - 1, d_qk)
-        return PrefixEntry(events=events.clone(), k=k, v=torch.stack([t[j, :, : n - 1] for t in self.hv]))
+        last row is recomputed on a hit: its time bias used this request's time).
 
-    def load_prefixes(self, entries: list[PrefixEntry]) -> None:
-        """Prefix-cache hits into the history slots: ``entries[j]``'s rows 0..P_j-1 of every layer into
-        row j. Users with the same P move together, one copy per layer and K / V (from one stack of
-        their entries), so a batch of returning users costs a few ops, not 2 Ly per user."""
-        by_rows: dict[int, list[int]] = {}
-        for j, e in enumerate(entries):
-            by_rows.setdefault(e.rows, []).append(j)
-        for P, js in by_rows.items():
-            run = js == list(range(js[0], js[0] + len(js)))  # consecutive rows: a slice, else an index
-            rows = slice(js[0], js[0] + len(js)) if run else torch.tensor(js, device=self.ids.device)
-            for pools, part in ((self.hk, "k"), (self.hv, "v")):
-                src = torch.stack([getattr(entries[j], part) for j in js], dim=1)  # (Ly, n, H, P, ·)
-                for li, pool in enumerate(pools):
-                    if run:
-                        pool[rows, :, :P].copy_(src[li])
-                    else:
-                        pool[rows, :, :P] = src[li]
+        ``old``: the user's entry this row loaded, unchanged since (its rows 0..P-1 and events 0..P
+        are this history's): where its room holds n events, the rows from P and the events from P + 1
+        are written into it and it is returned (a returning user's store copies its new rows only, no
+        allocation). Otherwise a new entry with room for max(4, n // 16) more events, at most ``most``
+        (the largest bucket's edge). One copy per layer and K / V (a single (Ly, R, ...) pool, one copy
+        per K / V, made Inductor fail on the beam step's writes into its views: torch 2.13)."""
+        n = events.shape[0]
+        e = old if old is not None and old.room >= n else None
+        a, a_ev = (e.rows, e.length) if e is not None else (0, 0)  # the rows / events to write
+        if e is None:
+            room = max(n, min(most, n + max(4, n // 16)))
+            (_, H, _, dk), dv = self.hk[0].shape, self.hv[0].shape[-1]
+            k, v = self.hk[0].new_empty(len(self.hk), H, room - 1, dk), self.hv[0].new_empty(len(self.hv), H, room - 1, dv)
+            e = PrefixEntry(events=events.new_empty(room, events.shape[1]), k=k, v=v, length=n)
+        for li, (tk, tv) in enumerate(zip(self.hk, self.hv)):
+            e.k[li, :, a : n - 1].copy_(tk[j, :, a : n - 1])  # (H, n - 1 - a, d_qk)
+            e.v[li, :, a : n - 1].copy_(tv[j, :, a : n - 1])
+        e.events[a_ev:n].copy_(events[a_ev:])
+        e.length = n
+        return e
+
+    def load_prefixes(self, entries: list[PrefixEntry], rows: list[int]) -> None:
+        """Prefix-cache hits into the history slots: ``entries[j]``'s rows 0..rows[j]-1 of every layer
+        into row j (the rows the lookup found: an entry a row before this one extended keeps them), one
+        copy per user, layer and K / V (no stacked intermediate)."""
+        for j, (e, P) in enumerate(zip(entries, rows)):
+            for li, (tk, tv) in enumerate(zip(self.hk, self.hv)):
+                tk[j, :, :P].copy_(e.k[li, :, :P])
+                tv[j, :, :P].copy_(e.v[li, :, :P])
 
     def load(self, req: dict, ri: torch.Tensor, L: torch.Tensor, rt: torch.Tensor, Bp: int, arange: torch.Tensor) -> None:
         """Copy request rows ``ri`` (Bu,) into the static inputs, then Bp - Bu padding users (length 1,

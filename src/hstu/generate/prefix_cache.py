@@ -31,27 +31,38 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PrefixEntry:
-    """One user's cached prefix.
+    """One user's cached prefix, with room to grow in place.
 
-    events: (L, 3 + F) int64, the L events the rows were computed from, one row each: item id,
-        timestamp, action, category column(s) (:func:`history_events`; zeros where absent).
-    k, v: (Ly, H, L - 1, d_qk) and (Ly, H, L - 1, d_v): rows 0..L-2 of every layer, one tensor each
-        (one copy in and out per user, whatever the depth).
+    events: (N, 3 + F) int64, N >= L: rows 0..L-1 are the L events the K/V rows were computed
+        from, one row each: item id, timestamp, action, category column(s) (:func:`history_events`;
+        zeros where absent).
+    k, v: (Ly, H, N - 1, d_qk) and (Ly, H, N - 1, d_v): rows 0..L-2 of every layer are the cached
+        keys / values, one tensor each (one copy in and out per user, whatever the depth); rows past
+        L - 2 are room for a returning user's next events (the engine writes them there:
+        :meth:`hstu.generate.pool.BucketPool.prefix_entry`; rows 0..L-2 and events 0..L-1 never
+        change once stored).
+    length: L, the live events (0: all N rows of ``events``).
+    nbytes: the tensors' whole size, room included (what the LRU bound counts).
     """
 
     events: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    length: int = 0
     nbytes: int = 0
 
-    @property
-    def length(self) -> int:
-        return int(self.events.shape[0])
+    def __post_init__(self) -> None:
+        self.length = self.length or int(self.events.shape[0])
 
     @property
     def rows(self) -> int:
         """Reusable rows P = L - 1."""
         return self.length - 1
+
+    @property
+    def room(self) -> int:
+        """Most events the entry can hold without a new allocation."""
+        return min(int(self.events.shape[0]), int(self.k.shape[2]) + 1)
 
 
 def history_events(ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor, categories: torch.Tensor) -> torch.Tensor:
@@ -107,7 +118,7 @@ class PrefixCache:
                 self.stats.misses += 1
                 return None
             L = e.length
-            if not (events.shape[0] >= L and e.rows >= 1 and torch.equal(events[:L], e.events)):
+            if not (events.shape[0] >= L and e.rows >= 1 and torch.equal(events[:L], e.events[:L])):
                 self._drop(user)
                 self.stats.invalidations += 1
                 self.stats.misses += 1

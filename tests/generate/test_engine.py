@@ -284,6 +284,20 @@ def test_truncation_keeps_most_recent_events(model):
     assert torch.equal(res.items, ref.items)
 
 
+def test_a_history_wider_than_the_model_window_is_truncated():
+    """A padded width past max_seq_len + k_max + 2 (here 30 for a window of 8 + 2): the width check
+    indexed a range sized by the window ("shape '[1, 30]' is invalid"); now the most recent events
+    are kept as for any over-long history, and equal the same events given at the model's width."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_items=I, max_seq_len=8, max_output_len=2, embedding_dim=16, num_blocks=1, num_heads=1, d_qk=8, d_v=8, dropout=0.0)
+    eng = Engine(build_hstu(cfg).eval(), buckets=(8,), max_batch=2, k_max=2)
+    ids, ts, L, rt = histories([20], width=30, seed=3)
+    res = eng.generate(ids, ts, L, 2, request_time=rt)
+    assert res.truncated.tolist() == [12]
+    ref = eng.generate(ids[:, 12:20], ts[:, 12:20], torch.tensor([8]), 2, request_time=rt)
+    assert torch.equal(res.items, ref.items) and torch.equal(res.scores, ref.scores)
+
+
 def test_default_request_time_is_last_event(engine, model):
     ids, ts, L, _ = histories([5, 30], seed=14)
     last = ts[torch.arange(2), L - 1]

@@ -132,6 +132,43 @@ def test_one_user_twice_in_a_call_each_row_its_own_prefix(model, max_batch):
     check(res, full(model, nid, nts, L3, rt3))
 
 
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_seeded_topk_gives_the_same_items_whatever_the_cache_holds(model, max_batch):
+    """Seeded top-k draws one generator chunk by chunk: a bucket's hits and misses in separate chunks
+    drew it in another order than without a cache (other items, even for a row that missed, and the
+    same call twice differed). Top-k keeps the uncached chunks; a chunk with a miss prefills its hits,
+    which count as misses."""
+    kw = dict(strategy="topk", top_k=20, seed=7)
+    on = Engine(model, buckets=(20,), max_batch=max_batch, k_max=6, prefix_cache_bytes=10**7)
+    off = Engine(model, buckets=(20,), max_batch=max_batch, k_max=6)
+    ids, ts = data(B=2, width=20, seed=8)
+    on.generate(ids[:1], ts[:1], torch.tensor([10]), 5, user_ids=["a"], **kw)
+    L = torch.tensor([11, 15])
+    first = on.generate(ids, ts, L, 5, user_ids=["a", "b"], **kw)  # a hit and a miss
+    again = on.generate(ids, ts, L, 5, user_ids=["a", "b"], **kw)  # two hits
+    want = off.generate(ids, ts, L, 5, **kw)
+    assert torch.equal(first.items, want.items) and torch.equal(again.items, want.items)
+    assert again.prefix_rows.tolist() == [10, 14]
+    assert first.prefix_rows.tolist() == ([9, 0] if max_batch == 1 else [0, 0])  # one chunk of a hit and a miss: prefilled
+    assert on.prefix.stats.hits == (3 if max_batch == 1 else 2) and on.prefix.stats.rows_reused == sum(again.prefix_rows.tolist()) + (
+        9 if max_batch == 1 else 0
+    )
+
+
+def test_tensor_and_numpy_user_ids_are_their_values(model):
+    """A tensor hashes by identity: user_ids=torch.tensor([7]) never found a returning user and filled
+    the cache with entries no key could reach. Tensors, arrays and their scalars key by value."""
+    import numpy as np
+
+    eng = Engine(model, buckets=(20,), max_batch=2, k_max=6, prefix_cache_bytes=10**7)
+    ids, ts = data(B=1, width=20, seed=9)
+    for n, users in ((10, torch.tensor([7])), (11, np.array([7])), (12, [torch.tensor(7)]), (13, [7])):
+        res = eng.generate(ids, ts, torch.tensor([n]), 3, user_ids=users)
+        assert res.prefix_rows.tolist() == [0 if n == 10 else n - 2] and len(eng.prefix) == 1
+    with pytest.raises(TypeError, match=r"user_ids\[0\] is a list"):
+        eng.generate(ids, ts, torch.tensor([10]), 3, user_ids=[[7]])
+
+
 def test_history_that_does_not_extend_the_prefix_is_invalidated(model):
     eng = Engine(model, buckets=(20, 40, 60), max_batch=4, k_max=6, prefix_cache_bytes=10**7)
     ids, ts = data(B=4, seed=1)

@@ -82,11 +82,11 @@ model's fixed width, I items.
 - Kernels: the model's own :class:`hstu.model.kernels.KernelSet` (``model.kernels``, the set
   training and evaluation run), or one named from the device backend's registry ("auto": the
   backend's ``default_kernels``; "triton" on CUDA by name).
-- Prefix cache (``prefix_cache_bytes`` > 0 and ``user_ids`` given): see prefix_cache.py.
-  A hit copies the cached rows 0..P-1 into the pool and computes only rows P..L-1 (the new
-  events and the old last row, whose time bias used the old request time).
+- Prefix cache (``prefix_cache_bytes`` > 0 and ``user_ids`` given): see prefix_cache.py. A hit copies the cached rows
+  0..P-1 into the pool and computes only rows P..L-1 (the new events and the old last row, whose time bias used the old request time).
 - Decoding: greedy; "topk" (seeded sampling among the top_k best at ``temperature``; the same
-  call with the same seed returns the same items; :func:`hstu.generate.sampler.sample_topk`, finite for
+  call with the same seed returns the same items, whatever the prefix cache holds: its chunks stay the uncached
+  ones, :func:`hstu.generate.requests.row_groups`; :func:`hstu.generate.sampler.sample_topk`, finite for
   any temperature > 0); "beam" (width W, ranked by the **sum of
   log-probabilities**, log-softmax over the non-excluded items; every beam has length k, so
   length normalisation would not change the ranking; width 1 equals greedy). With a
@@ -118,7 +118,7 @@ from hstu.generate import decode_loop, runners
 from hstu.generate.hardening import harden
 from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for, log_setup
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
-from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, smallest_edge
+from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, row_groups, smallest_edge
 from hstu.generate.sampler import pick
 from hstu.model import item_index
 from hstu.model.hstu import HSTUModel
@@ -365,7 +365,7 @@ class Engine:
             actions, categories: optional (B, W) int64 history features (0 = none); categories
                 (B, W, 1 + F) for a model with side features (``model.token_shape``, :mod:`hstu.data.features`);
                 item_category: (I+1,) int64 category of each item, fed with generated items ((I+1, 1 + F) so).
-            user_ids: B hashable user keys for the prefix cache (ignored when it is off).
+            user_ids: B hashable user keys for the prefix cache (a tensor's or array's values; ignored when it is off).
             use_cache: False = recompute the grown sequence each step (greedy / topk only).
             bucket: run every row in this bucket (one of ``edges``; each history must fit, after
                 truncation to the largest edge) instead of each row's smallest: a server that
@@ -396,10 +396,10 @@ class Engine:
                 for i in rows:
                     if (e := self.prefix.lookup(r.user_ids[i], r.events[i, : r.lengths[i]])) is not None:
                         hits[i] = (e, e.rows)
-            for g in ([i for i in rows if i not in hits], [i for i in rows if i in hits]):
-                for j in range(0, len(g), per_group):
-                    chunk = g[j : j + per_group]
-                    self._run_group(E, chunk, r, {i: hits[i] for i in chunk if i in hits})
+            for chunk, used in row_groups(rows, hits, per_group, r.strategy == "topk"):
+                for i in (i for i in chunk if i in hits and i not in used):
+                    self.prefix.unhit(hits[i][1])  # found, not used: counted a miss
+                self._run_group(E, chunk, r, used)
 
     def _bucket(self, E: int, use_cache: bool) -> BucketPool:
         if use_cache:

@@ -128,6 +128,13 @@ class PrefixCache:
             self.stats.rows_reused += e.rows
             return e
 
+    def unhit(self, rows: int) -> None:
+        """A hit of ``rows`` cached rows that the engine did not use (seeded top-k's order): counted a miss."""
+        with self._lock:
+            self.stats.hits -= 1
+            self.stats.misses += 1
+            self.stats.rows_reused -= rows
+
     def put(self, user: Hashable, entry: PrefixEntry) -> bool:
         """Store (replace) a user's entry, evicting least-recently-used ones to fit. False if
         the entry alone exceeds ``max_bytes`` (not stored)."""

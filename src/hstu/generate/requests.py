@@ -140,7 +140,36 @@ def prepare_request(
     req = {"ids": ids, "timestamps": timestamps, "lengths": lengths, "actions": actions, "categories": categories}
     req.update(request_time=request_time, exclude=exclude, item_category=item_category)
     events = history_events(ids, timestamps, actions, categories) if eng.prefix is not None and user_ids is not None and use_cache else None
+    user_ids = user_keys(user_ids) if events is not None else user_ids
     return EngineCall(req, bucket_of, L_host, W, out, k, strategy, top_k, temperature, user_ids, use_cache, events)
+
+
+def user_keys(user_ids: Sequence[Hashable]) -> list[Hashable]:
+    """The prefix cache's keys of ``user_ids`` (B entries): a tensor or NumPy array as its Python
+    values, a tensor / NumPy scalar entry as its value (a tensor hashes by identity: a returning
+    user would never be found). TypeError naming the entry for an unhashable one."""
+    if hasattr(user_ids, "tolist"):
+        user_ids = user_ids.tolist()
+    keys = [u.item() if hasattr(u, "item") and getattr(u, "ndim", 1) == 0 else u for u in user_ids]
+    for i, u in enumerate(keys):
+        if not isinstance(u, Hashable):
+            raise TypeError(f"user_ids[{i}] is a {type(u).__name__}: user keys must be hashable (an int or a string)")
+    return keys
+
+
+def row_groups(rows: list[int], hits: dict, per_group: int, in_order: bool) -> list[tuple[list[int], dict]]:
+    """One bucket's ``rows`` as the engine runs them: chunks of at most ``per_group``, each with the
+    prefix-cache ``hits`` it uses (a chunk either extends cached prefixes or prefills). Misses first,
+    then hits; ``in_order`` (seeded top-k, whose one generator is drawn chunk by chunk): the rows'
+    own order in chunks as without a cache, so the same call gives the same items whatever the cache
+    holds; a chunk with a miss then prefills every row (its hits unused)."""
+    if in_order:
+        chunks = [rows[j : j + per_group] for j in range(0, len(rows), per_group)]
+        return [(c, {i: hits[i] for i in c} if all(i in hits for i in c) else {}) for c in chunks]
+    out = []
+    for g in ([i for i in rows if i not in hits], [i for i in rows if i in hits]):
+        out += [(g[j : j + per_group], {i: hits[i] for i in g[j : j + per_group] if i in hits}) for j in range(0, len(g), per_group)]
+    return out
 
 
 def smallest_edge(edges, length: int, *, truncate: bool = False) -> int:
@@ -217,7 +246,8 @@ def validate_request(
     if int(lengths.max()) > Wd:
         bad = int((lengths > Wd).nonzero()[0])
         raise ValueError(f"lengths[{bad}]={int(lengths[bad])} exceeds the padded width {Wd}")
-    live = eng._arange[:Wd].view(1, Wd) < lengths.view(B, 1)
+    ar = eng._arange if Wd <= eng._arange.numel() else torch.arange(Wd, device=lengths.device)  # a width past the model's: truncated later
+    live = ar[:Wd].view(1, Wd) < lengths.view(B, 1)
     bad = live & ((ids < 1) | (ids > c.num_items))
     if bool(bad.any()):
         r, p = (int(v) for v in bad.nonzero()[0])

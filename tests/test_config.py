@@ -76,6 +76,8 @@ def test_invalid_values_name_the_field():
         ("train", "beta2 = 1.0", "[train]: TrainConfig.beta2 must be in [0, 1), got 1.0"),
         ("serve", "buckets = [20, 10]", "[serve]: ServeConfig.buckets must be distinct, ascending"),
         ("serve", 'buckets = ["a"]', "[serve]: buckets must be list[int], got ['a']"),
+        ("serve", "prefix_cache_mb = -1", "[serve]: ServeConfig.prefix_cache_mb must be finite and >= 0, got -1"),
+        ("serve", "max_wait_ms = inf", "[serve]: ServeConfig.max_wait_ms must be finite and >= 0, got inf"),
     ],
 )
 def test_config_file_errors_name_the_file_table_and_field(tmp_path, table, body, message):

@@ -333,15 +333,14 @@ class ServeConfig:
     max_queue: int = 256
     request_timeout_s: float = 10.0
     memory_threshold: float = 0.10
-    # slow-client limits (s): the body within body_timeout_s of its headers, headers within header_timeout_s of connect / last reply
-    body_timeout_s: float = 5.0
-    header_timeout_s: float = 5.0
+    body_timeout_s: float = 5.0  # slow clients (s): the body within this of its headers,
+    header_timeout_s: float = 5.0  # the headers within this of connect / the last reply
     # engine graphs (docs/configuration.md [serve]): "auto" (device graphs, or the run's graph cache, else eager), "eager", "compiled"
     graphs: str = "auto"
-    # approximate candidates (hstu.model.ann): a faiss index_factory string ("" = exact), IVF cells probed, candidates rescored exactly
-    ann: str = ""
+    ann: str = ""  # approximate candidates (hstu.model.ann): a faiss index_factory string ("" = exact), cells probed, rows rescored
     ann_nprobe: int = 16
     ann_candidates: int = 256
+    prefix_cache_mb: float = 0.0  # the engine's user-prefix cache per model process, keyed by a request's user_id (0 = off)
 
     def validate(self) -> None:
         if self.graphs not in ("auto", "eager", "compiled"):
@@ -351,8 +350,9 @@ class ServeConfig:
         for name in ("max_batch", "max_queue", "ann_nprobe", "ann_candidates"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.max_wait_ms >= 0:
-            raise ValueError(f"ServeConfig.max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        for name in ("max_wait_ms", "prefix_cache_mb"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"ServeConfig.{name} must be finite and >= 0, got {getattr(self, name)}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"ServeConfig.request_timeout_s must be > 0, got {self.request_timeout_s}")
         for name in ("body_timeout_s", "header_timeout_s"):

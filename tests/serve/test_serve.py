@@ -113,6 +113,24 @@ def test_generate_concurrent_equals_direct_recommender(server, ratings, ref) -> 
     assert gen == sum(b["k"] for b in bodies)
 
 
+def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref) -> None:
+    """[serve] prefix_cache_mb: a request's user_id keys the engine's user-prefix cache: the user's next
+    request with one more event reuses the cached rows (the engine's counts) and answers as the
+    Recommender called directly (no cache); a request without user_id is neither looked up nor stored."""
+    u = next(u for u in sorted(ratings.user.unique()) if (ratings.user == u).sum() >= 31)
+    app = create_app(ServeConfig(buckets=BUCKETS, prefix_cache_mb=4), rec, popularity=popularity)
+    with LiveServer(app) as s:
+        prefix = app.state.service.model.runner.engine.prefix
+        for n, uid in ((30, "u1"), (31, "u1"), (31, None), (30, 7)):
+            hist = events(ratings, u, n)
+            r = post(s.url, "/v1/generate", {"history": hist, "k": 5, "user_id": uid})
+            assert r.status_code == 200, r.text
+            want = direct(ref, hist, 5)
+            assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
+            np.testing.assert_allclose([i["score"] for i in r.json()["items"]], [i["score"] for i in want], rtol=1e-4, atol=1e-4)
+        assert (prefix.stats.hits, prefix.stats.misses, prefix.stats.rows_reused, len(prefix)) == (1, 2, 29, 2)
+
+
 def test_beam_and_topk_equal_direct(server, ratings, ref) -> None:
     hist = events(ratings, sorted(ratings.user.unique())[3], 18)
     bodies = [
@@ -586,6 +604,8 @@ def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
         ("--limit-concurrency", "0", "must be >= 1, got 0"),
         ("--threads", "0", "must be >= 1, got 0"),
         ("--model-workers", "0", "must be >= 1, got 0"),
+        ("--prefix-cache-mb", "-1", "must be >= 0, got -1"),
+        ("--prefix-cache-mb", "inf", "must be >= 0, got inf"),
         ("--max-batch", "two", "expected an integer, got 'two'"),
     ],
 )

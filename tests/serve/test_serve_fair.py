@@ -152,14 +152,14 @@ def test_wire_round_trip_and_bad_messages() -> None:
     p = _prep(4)
     p2 = Prepared(p.ids, p.timestamps, p.actions, np.arange(8, dtype=np.int64).reshape(4, 2), 77, ["dropped 1 unknown id"], [5, 9])
     jobs = [
-        Job("generate", p2, k=3, decoding=DecodeOptions("beam", beam_width=4), exclude_history=False, allow_untrained=True),
+        Job("generate", p2, k=3, decoding=DecodeOptions("beam", beam_width=4), exclude_history=False, allow_untrained=True, user_id=42),
         Job("score", _prep(2), candidates=np.array([7, 0, 3], dtype=np.int64)),
-        Job("generate", _prep(1), k=2, decoding=DecodeOptions("topk", top_k=7, temperature=0.5, seed=11)),
+        Job("generate", _prep(1), k=2, decoding=DecodeOptions("topk", top_k=7, temperature=0.5, seed=11), user_id="u-7"),
     ]
     edge, got = unpack_jobs(pack_jobs(50, jobs))
     assert edge == 50 and len(got) == 3
     for a, b in zip(jobs, got):
-        fields = ("kind", "k", "decoding", "exclude_history", "allow_untrained")
+        fields = ("kind", "k", "decoding", "exclude_history", "allow_untrained", "user_id")
         assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
         pa, pb = a.prepared, b.prepared
         assert (pa.request_time, pa.warnings, pa.block) == (pb.request_time, pb.warnings, pb.block)

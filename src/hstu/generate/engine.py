@@ -365,7 +365,7 @@ class Engine:
             actions, categories: optional (B, W) int64 history features (0 = none); categories
                 (B, W, 1 + F) for a model with side features (``model.token_shape``, :mod:`hstu.data.features`);
                 item_category: (I+1,) int64 category of each item, fed with generated items ((I+1, 1 + F) so).
-            user_ids: B hashable user keys for the prefix cache (a tensor's or array's values; ignored when it is off).
+            user_ids: B hashable user keys for the prefix cache (a tensor's or array's values; None: that row not cached).
             use_cache: False = recompute the grown sequence each step (greedy / topk only).
             bucket: run every row in this bucket (one of ``edges``; each history must fit, after
                 truncation to the largest edge) instead of each row's smallest: a server that
@@ -393,7 +393,7 @@ class Engine:
             rows = [i for i in range(len(r.bucket_of)) if r.bucket_of[i] == E]
             hits: dict[int, tuple[PrefixEntry, int]] = {}  # row -> (entry, its rows P at the lookup)
             if rows and r.events is not None:
-                for i in rows:
+                for i in (i for i in rows if r.user_ids[i] is not None):  # None: a row not cached
                     if (e := self.prefix.lookup(r.user_ids[i], r.events[i, : r.lengths[i]])) is not None:
                         hits[i] = (e, e.rows)
             for chunk, used in row_groups(rows, hits, per_group, r.strategy == "topk"):
@@ -444,7 +444,7 @@ class Engine:
         else:
             user = self._runner(b, ("prefill", Bp), lambda e, p: runners.prefill_fn(e, p, Bp))()
         for j, i in enumerate(rows if r.events is not None else ()):  # the prefix cache: rows 0..L-2 of each history
-            if r.lengths[i] >= 2:  # a hit's entry grows in place unless a row before this one changed it
+            if r.lengths[i] >= 2 and r.user_ids[i] is not None:  # a hit's entry grows in place unless a row before changed it
                 old = hits[i][0] if i in hits and hits[i][0].rows == hits[i][1] else None
                 self.prefix.put(r.user_ids[i], b.prefix_entry(j, r.events[i, : r.lengths[i]], old, self.edges[-1]))
         # ---- decode ----

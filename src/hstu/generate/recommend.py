@@ -434,6 +434,7 @@ class Recommender:
         allow_untrained: bool | None = None,
         engine: Engine | None = None,
         bucket: int | None = None,
+        user_ids: list | None = None,
         **decode_kwargs,
     ) -> list[Ranked]:
         """Next-k items for each prepared history, through the engine, as dense ids: one
@@ -448,7 +449,8 @@ class Recommender:
                 each top-k request alone, so there a seed gives the same items in any batch).
             exclude_history: None = the data set's default; allow_untrained: see :meth:`allows_untrained`.
             engine: the engine to run (default :attr:`engine`); bucket: one of its edges to pad
-                every history to (static (B, E) inputs; the server's), default each row's smallest.
+                every history to (static (B, E) inputs; the server's), default each row's smallest. user_ids: one key
+                per history for an engine with a user-prefix cache (``prefix_cache_bytes``; None entries are not cached).
         Raises:
             TypeError: ``preps`` not a list of Prepared (a History: call :meth:`prepare` first);
                 ``decoding`` not a DecodeOptions; an unknown decoding keyword.
@@ -476,6 +478,7 @@ class Recommender:
                 categories=b["categories"],
                 item_category=self.item_tokens,
                 bucket=bucket,
+                user_ids=user_ids,
                 **vars(d),  # strategy, top_k, temperature, beam_width, seed (a flat dataclass: no deep copy as asdict)
             )
         return self.ranked(res.items, res.scores, res.actions, k)

@@ -4,7 +4,8 @@
                [--max-wait-ms 5] [--buckets 20,50,100,200] [--max-queue 256] [--request-timeout-s 10]
                [--max-queue-delay-ms 1000] [--memory-threshold 0.10] [--body-timeout-s 5] [--header-timeout-s 5]
                [--unknown-items drop|reject] [--timestamp-order sort|reject]
-               [--cold-start popular|reject] [--data-dir DIR] [--engine auto|never|require] [--config FILE]
+               [--cold-start popular|reject] [--data-dir DIR] [--engine auto|never|require] [--prefix-cache-mb 0]
+               [--config FILE]
 
 Binds loopback by default. ``--port 0`` picks a free port; the line
 ``hstu serve: listening on http://HOST:PORT`` on stdout gives the address once the socket is
@@ -178,6 +179,7 @@ def _settings(args: argparse.Namespace):
         "ann",
         "ann_nprobe",
         "ann_candidates",
+        "prefix_cache_mb",
     ):
         v = getattr(args, name)
         if v is not None:
@@ -322,7 +324,7 @@ def run_server(config, app, sock: socket.socket, banner: str) -> None:
 
 
 def _add_engine_flags(s: argparse.ArgumentParser) -> None:
-    """--engine and --graphs: how batches are generated."""
+    """--engine, --graphs, --ann and --prefix-cache-mb: how batches are generated."""
     s.add_argument(
         "--engine",
         default="auto",
@@ -339,6 +341,12 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
         "a failed compilation runs eager with a warning)",
     )
     add_ann_flags(s)
+    s.add_argument(
+        "--prefix-cache-mb",
+        type=number_in(float, 0),
+        help="each model process's user-prefix cache, MiB (default 0: off): a request's user_id keys its history's cached keys / "
+        "values, so the user's next request computes only its new events (route a user to one process: --model-workers 1)",
+    )
 
 
 def add_subcommands(subparsers) -> None:

@@ -71,6 +71,7 @@ class Job:
     exclude_history: bool | None = None
     candidates: np.ndarray | None = None
     allow_untrained: bool | None = None
+    user_id: int | str | None = None  # generate: the key of the engine's user-prefix cache (None: not cached)
     # batcher bookkeeping
     future: Any = None
     enqueued_at: float = 0.0
@@ -88,6 +89,7 @@ class BatchRunner:
             callers of the time the engine was optional) or "never" (the Recommender's default engine).
         graphs: the engine's graph mode ("auto" | "eager" | "compiled" ...; :class:`hstu.generate.engine.Engine`);
             a graph whose compilation fails runs eager with a warning.
+        prefix_cache_mb: the engine's user-prefix cache (MiB; 0 = off), keyed by each generate job's user_id.
 
     Raises:
         ValueError: bad buckets (not ascending, < 1 or > max_seq_len) or max_batch < 1.
@@ -98,7 +100,13 @@ class BatchRunner:
     """
 
     def __init__(
-        self, recommender: Recommender, buckets: list[int], max_batch: int, use_engine: str = "auto", graphs: str = "auto"
+        self,
+        recommender: Recommender,
+        buckets: list[int],
+        max_batch: int,
+        use_engine: str = "auto",
+        graphs: str = "auto",
+        prefix_cache_mb: float = 0.0,
     ) -> None:
         cfg = recommender.model.cfg
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
@@ -117,6 +125,7 @@ class BatchRunner:
         self.num_items = cfg.num_items
         self._lock = threading.Lock()
         self.graphs = graphs
+        self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
         self.engine = self._make_engine(use_engine)
         if self.engine is not None:  # graphs are compiled in warm-up only: a request never waits for a compilation
             self.engine.compile_new = False
@@ -155,7 +164,7 @@ class BatchRunner:
         """The service's engine (its buckets and max_batch), or None for the Recommender's default."""
         if use_engine == "never":
             return None
-        return self.rec.build_engine(self.buckets, self.max_batch, graphs=self.graphs)
+        return self.rec.build_engine(self.buckets, self.max_batch, graphs=self.graphs, prefix_cache_bytes=self.prefix_cache_bytes)
 
     @property
     def precision(self) -> dict[str, str]:
@@ -253,6 +262,7 @@ class BatchRunner:
             allow_untrained=allow,
             engine=self.engine,
             bucket=bucket if self.engine is not None else None,
+            user_ids=[j.user_id for j in group] if any(j.user_id is not None for j in group) else None,
         )
         return [Ranked(r.items[: j.k], r.scores[: j.k], None if r.actions is None else r.actions[: j.k]) for r, j in zip(ranked, group)]
 

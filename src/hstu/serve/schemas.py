@@ -163,7 +163,9 @@ class GenerateRequest(_Strict):
     greedy limit, never a non-finite score.
     """
 
-    user_id: UserId = Field(default=None, description="echoed back; routing key for a load balancer")
+    user_id: UserId = Field(
+        default=None, description="echoed back; routing key for a load balancer; keys the user-prefix cache (hstu serve --prefix-cache-mb)"
+    )
     history: list[Event] = Field(description="events, ideally oldest first")
     # range checked by the app against the loaded model (hstu.config.check_k: the message `hstu generate -k` gives)
     k: Annotated[int | None, BeforeValidator(lambda v: 5 if v is None else v)] = Field(  # null: the default, as other optional fields

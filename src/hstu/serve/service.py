@@ -139,7 +139,14 @@ class Service:
         if not policy.model_process:
             if cfg.ann:
                 self.rec.attach_ann(cfg.ann, cfg.ann_nprobe, cfg.ann_candidates)
-            runner = BatchRunner(self.rec, list(cfg.buckets), cfg.max_batch, use_engine=policy.use_engine, graphs=cfg.graphs)
+            runner = BatchRunner(
+                self.rec,
+                list(cfg.buckets),
+                cfg.max_batch,
+                use_engine=policy.use_engine,
+                graphs=cfg.graphs,
+                prefix_cache_mb=cfg.prefix_cache_mb,
+            )
             return LocalModel(runner, batch_guard(runner, self.backend, cfg.memory_threshold))
         if run_dir is None:
             raise ValueError("ServePolicy.model_process needs run_dir (the model process loads the run itself)")
@@ -161,6 +168,7 @@ class Service:
             cfg.ann,
             cfg.ann_nprobe,
             cfg.ann_candidates,
+            cfg.prefix_cache_mb,
         )
         return ProcessModel(spec, start=False)
 
@@ -199,7 +207,7 @@ class Service:
             self.model.warm.update(self.model.buckets)
             self.metrics.ready.set(1)
         log.info(
-            "serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s, picks %s",
+            "serving %s (%d items) buckets %s, max batch %d, max wait %g ms, generation via %s, picks %s, user-prefix cache %s",
             policy.device,
             self.rec.model.cfg.num_items,
             self.model.buckets,
@@ -207,6 +215,7 @@ class Service:
             cfg.max_wait_ms,
             self.model.backend_name,
             f"among approximate candidates ({cfg.ann}, nprobe {cfg.ann_nprobe}, {cfg.ann_candidates} per row)" if cfg.ann else "exact",
+            f"{cfg.prefix_cache_mb:g} MiB per model process (keyed by user_id)" if cfg.prefix_cache_mb else "off",
         )
 
     async def stop(self) -> None:
@@ -370,6 +379,7 @@ class Service:
                     decoding=dec,
                     exclude_history=self.exclude_history(req),
                     allow_untrained=req.allow_untrained_items,
+                    user_id=req.user_id,
                 ),
                 time.perf_counter() - t0,
             )

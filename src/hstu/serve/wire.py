@@ -10,7 +10,7 @@ back (C order). The receiver rebuilds them as ``np.frombuffer`` views of one wri
 frame's array bytes, so no per-array object is unpickled. Two messages use it:
 
 - ``b"J"``, a batch (:func:`pack_jobs`): the bucket edge, each job's scalars (kind, k, decoding
-  options, exclusion and untrained-item settings, request time, warnings) and seven arrays per job
+  options, exclusion and untrained-item settings, request time, warnings, user id) and seven arrays per job
   (ids, timestamps, actions, categories, block list, candidates or none, the older history's ids).
 - ``b"A"``, its answer (:func:`pack_answer`): the :class:`~hstu.serve.executor.BatchOutcome`'s
   scalars (seconds, memory, guard trigger, shed message) and per job a generate result
@@ -137,7 +137,7 @@ def pack_jobs(edge: int, jobs: list[Job]) -> bytes:
         arrays += [p.ids, p.timestamps, p.actions, p.categories, np.asarray(p.block, dtype=np.int64), j.candidates, p.older]
         meta.append(
             (j.kind, j.k, (d.strategy, d.top_k, d.temperature, d.beam_width, d.seed), j.exclude_history, j.allow_untrained)
-            + (p.request_time, p.warnings)
+            + (p.request_time, p.warnings, j.user_id)
         )
     return pack(TAG, (edge, meta), arrays)
 
@@ -148,10 +148,10 @@ def unpack_jobs(buf: bytes | bytearray | memoryview) -> tuple[int, list[Job]]:
     if len(arrays) != _PER_JOB * len(meta):
         raise WireError(f"wire: batch of {len(meta)} jobs carries {len(arrays)} arrays, expected {_PER_JOB * len(meta)}")
     jobs = []
-    for i, (kind, k, dec, exclude_history, allow_untrained, request_time, warnings) in enumerate(meta):
+    for i, (kind, k, dec, exclude_history, allow_untrained, request_time, warnings, user_id) in enumerate(meta):
         ids, ts, acts, cats, block, cands, older = arrays[_PER_JOB * i : _PER_JOB * (i + 1)]
         prep = Prepared(ids, ts, acts, cats, request_time, warnings, block.tolist(), older)
-        jobs.append(Job(kind, prep, k, DecodeOptions(*dec), exclude_history, cands, allow_untrained))
+        jobs.append(Job(kind, prep, k, DecodeOptions(*dec), exclude_history, cands, allow_untrained, user_id))
     return edge, jobs
 
 

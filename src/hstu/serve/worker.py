@@ -54,7 +54,8 @@ class WorkerSpec:
     :class:`BatchRunner`. threads: torch intra-op threads in the worker (None: torch's default).
     memory_threshold: the guard's minimum free fraction. workers: model processes (each loads
     the run and runs one batch at a time; more than one only where memory allows a copy each).
-    ann, ann_nprobe, ann_candidates: approximate candidates (``Recommender.attach_ann``; "" = exact).
+    ann, ann_nprobe, ann_candidates: approximate candidates (``Recommender.attach_ann``; "" = exact). prefix_cache_mb: as
+    :class:`BatchRunner`.
     """
 
     run_dir: str
@@ -70,6 +71,7 @@ class WorkerSpec:
     ann: str = ""  # approximate candidates: ServeConfig.ann, ann_nprobe, ann_candidates
     ann_nprobe: int = 16
     ann_candidates: int = 256
+    prefix_cache_mb: float = 0.0  # ServeConfig.prefix_cache_mb
 
 
 # ----- the model process -----
@@ -93,7 +95,9 @@ def _worker_init(spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     except Exception as exc:  # noqa: BLE001 - kept and raised by the first call, in the parent, as itself
         _WORKER["load_error"] = exc  # answered to the first call ("info" at start-up)
         return
-    runner = BatchRunner(rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine, graphs=spec.graphs)
+    runner = BatchRunner(
+        rec, list(spec.buckets), spec.max_batch, use_engine=spec.use_engine, graphs=spec.graphs, prefix_cache_mb=spec.prefix_cache_mb
+    )
     _WORKER.update(runner=runner, guard=batch_guard(runner, backends.select(spec.device), spec.memory_threshold))
     for edge in warm:
         runner.warmup(edge)

@@ -630,6 +630,7 @@ def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, mes
         (["--buckets", "0,20"], "--buckets: edges must be distinct, ascending and >= 1"),
         (["--buckets", ""], "--buckets: edges must be distinct, ascending and >= 1, got ''"),  # was: the defaults, silently
         (["--config", "serve.toml"], "serve.toml [serve]: ServeConfig.max_batch must be >= 1, got 0"),
+        (["--prefix-cache-mb", "8", "--engine", "never"], "--prefix-cache-mb: the cache is the engine's; drop --engine never"),
     ],
 )
 def test_cli_serve_checks_settings_before_loading_the_run(tmp_path, capsys, monkeypatch, args, message) -> None:

@@ -185,8 +185,12 @@ def _settings(args: argparse.Namespace):
         if v is not None:
             setattr(cfg, name, v)  # flags are range-checked by argparse; a --config file's values here
     cfg.validate()
-    if cfg.ann and args.engine == "never":
-        raise ValueError("--ann: approximate candidates are the engine's picks; drop --engine never")
+    for flag, on in (
+        ("--ann: approximate candidates are the engine's picks", cfg.ann),
+        ("--prefix-cache-mb: the cache is the engine's", cfg.prefix_cache_mb),
+    ):
+        if on and args.engine == "never":
+            raise ValueError(f"{flag}; drop --engine never")
     if cfg.ann:  # said here, before any model process starts (there it would fail at every restart)
         from hstu.quant.checkpoint import read_quant_meta
 

@@ -115,8 +115,8 @@ def test_generate_concurrent_equals_direct_recommender(server, ratings, ref) -> 
 
 def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref) -> None:
     """[serve] prefix_cache_mb: a request's user_id keys the engine's user-prefix cache: the user's next
-    request with one more event reuses the cached rows (the engine's counts) and answers as the
-    Recommender called directly (no cache); a request without user_id is neither looked up nor stored."""
+    request with one more event reuses the cached rows (the engine's counts, and /metrics') and answers
+    as the Recommender called directly (no cache); a request without user_id is neither looked up nor stored."""
     u = next(u for u in sorted(ratings.user.unique()) if (ratings.user == u).sum() >= 31)
     app = create_app(ServeConfig(buckets=BUCKETS, prefix_cache_mb=4), rec, popularity=popularity)
     with LiveServer(app) as s:
@@ -129,6 +129,10 @@ def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref) -> None:
             assert [i["item_id"] for i in r.json()["items"]] == [i["item_id"] for i in want]
             np.testing.assert_allclose([i["score"] for i in r.json()["items"]], [i["score"] for i in want], rtol=1e-4, atol=1e-4)
         assert (prefix.stats.hits, prefix.stats.misses, prefix.stats.rows_reused, len(prefix)) == (1, 2, 29, 2)
+        m = metrics(s.url)
+        lookups = "hstu_serve_prefix_cache_lookups_total"
+        assert (m[(lookups, (("result", "hit"),))], m[(lookups, (("result", "miss"),))]) == (1, 2)
+        assert m[("hstu_serve_prefix_cache_rows_reused_total", ())] == 29
 
 
 def test_beam_and_topk_equal_direct(server, ratings, ref) -> None:

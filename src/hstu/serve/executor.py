@@ -40,6 +40,7 @@ class BatchOutcome:
     seconds: model time of the batch (s). memory: (free bytes after the guard's action, total
     bytes) when the guard checked. triggered: free memory was below the threshold.
     shed: the message when memory stayed low and the batch was not run.
+    prefix: the user-prefix cache's (hits, misses, rows reused) in this batch, or None without a cache.
     """
 
     results: list[Any] | None
@@ -47,6 +48,7 @@ class BatchOutcome:
     memory: tuple[int, int] | None = None
     triggered: bool = False
     shed: str | None = None
+    prefix: tuple[int, int, int] | None = None
 
 
 class ModelRestart(RuntimeError):
@@ -118,9 +120,11 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
                 return BatchOutcome(
                     None, 0.0, memory, True, f"free memory {res.free_after} B is below the guard threshold {res.threshold} B; load shed"
                 )
-    t0 = time.perf_counter()
+    t0, before = time.perf_counter(), runner.prefix_counts()
     results = runner.run_batch(edge, jobs, describe=False)
-    return BatchOutcome(results, time.perf_counter() - t0, memory, triggered)
+    after = runner.prefix_counts()
+    prefix = None if after is None else tuple(a - b for a, b in zip(after, before or (0, 0, 0)))
+    return BatchOutcome(results, time.perf_counter() - t0, memory, triggered, prefix=prefix)
 
 
 def batch_guard(runner: BatchRunner, backend, min_free_ratio: float) -> MemoryGuard:

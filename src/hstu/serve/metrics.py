@@ -106,6 +106,10 @@ class ServeMetrics:
         self.memory_free = Gauge("hstu_serve_memory_free_bytes", "Free memory (bytes)", ["memory"], registry=r)
         self.memory_total = Gauge("hstu_serve_memory_total_bytes", "Total memory (bytes)", ["memory"], registry=r)
         self.guard_triggers = Counter("hstu_serve_memory_guard_triggers", "Memory checks below the threshold", registry=r)
+        self.prefix_lookups = Counter(
+            "hstu_serve_prefix_cache_lookups", "User-prefix cache lookups of requests with a user_id, by result", ["result"], registry=r
+        )
+        self.prefix_rows = Counter("hstu_serve_prefix_cache_rows_reused", "History rows taken from the user-prefix cache", registry=r)
         self.model_info = Info("hstu_serve_model", "The served model: precision and item-table storage", registry=r)
         self.ready = Gauge("hstu_serve_ready", "1 once the model is loaded and every bucket is warm", registry=r)
         self.bucket_warm = Gauge("hstu_serve_bucket_warm", "1 once the bucket is warm", ["bucket"], registry=r)

@@ -13,7 +13,7 @@ frame's array bytes, so no per-array object is unpickled. Two messages use it:
   options, exclusion and untrained-item settings, request time, warnings, user id) and seven arrays per job
   (ids, timestamps, actions, categories, block list, candidates or none, the older history's ids).
 - ``b"A"``, its answer (:func:`pack_answer`): the :class:`~hstu.serve.executor.BatchOutcome`'s
-  scalars (seconds, memory, guard trigger, shed message) and per job a generate result
+  scalars (seconds, memory, guard trigger, shed message, prefix-cache counts) and per job a generate result
   (:class:`~hstu.generate.recommend.Ranked`: dense item ids, scores, action ids, concatenated over
   the batch into three arrays), a score result ((C,) float64) or an error; or one error for the
   whole call.
@@ -232,6 +232,7 @@ def pack_answer(answer: BatchOutcome | BaseException) -> bytes:
         acts = [r.actions for r in ranked if r.actions is not None]
         arrays[2] = np.concatenate(acts).astype(np.int64, copy=False) if acts else None
     head = {"results": results, "seconds": answer.seconds, "memory": answer.memory, "triggered": answer.triggered, "shed": answer.shed}
+    head["prefix"] = answer.prefix
     return pack(ANSWER, head, arrays)
 
 
@@ -260,7 +261,8 @@ def unpack_answer(buf: bytes | bytearray | memoryview) -> BatchOutcome | Excepti
             else:
                 results.append(error_from(r[1]))
     memory = tuple(head["memory"]) if head["memory"] is not None else None
-    return BatchOutcome(results, head["seconds"], memory, head["triggered"], head["shed"])
+    prefix = tuple(head["prefix"]) if head.get("prefix") is not None else None
+    return BatchOutcome(results, head["seconds"], memory, head["triggered"], head["shed"], prefix)
 
 
 __all__ = [

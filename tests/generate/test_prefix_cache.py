@@ -9,7 +9,7 @@ import torch
 from hstu.config import ModelConfig
 from hstu.generate.decode import exclusion_mask, generate
 from hstu.generate.engine import Engine
-from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
+from hstu.generate.prefix_cache import PrefixCache, PrefixEntry, entry_bytes
 from hstu.model import build_hstu
 
 I = 300
@@ -97,6 +97,7 @@ def test_returning_user_grows_its_entry_in_place(model):
 
     _, first = visit([10, 57])
     assert [e.room for e in first] == [14, 60] and eng.prefix.bytes == sum(e.nbytes for e in first)
+    assert [e.nbytes for e in first] == [entry_bytes(model.cfg, 14), entry_bytes(model.cfg, 60)]  # the sizing formula
     keys = [e.k.data_ptr() for e in first]
     res, second = visit([12, 60])  # within the room
     assert res.prefix_rows.tolist() == [9, 56]

@@ -24,6 +24,7 @@ import pydantic
 import pytest
 
 from hstu.config import ServeConfig
+from hstu.generate.prefix_cache import entry_bytes
 from hstu.generate.recommend import History, Recommender
 from hstu.model.checkpoint import read_json
 from hstu.serve.app import ServePolicy, create_app
@@ -113,13 +114,16 @@ def test_generate_concurrent_equals_direct_recommender(server, ratings, ref) -> 
     assert gen == sum(b["k"] for b in bodies)
 
 
-def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref) -> None:
+def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref, caplog) -> None:
     """[serve] prefix_cache_mb: a request's user_id keys the engine's user-prefix cache: the user's next
     request with one more event reuses the cached rows (the engine's counts, and /metrics') and answers
     as the Recommender called directly (no cache); a request without user_id is neither looked up nor stored."""
     u = next(u for u in sorted(ratings.user.unique()) if (ratings.user == u).sum() >= 31)
     app = create_app(ServeConfig(buckets=BUCKETS, prefix_cache_mb=4), rec, popularity=popularity)
+    caplog.set_level("INFO", logger="hstu.serve.service")
     with LiveServer(app) as s:
+        per = entry_bytes(rec.model.cfg, 50)
+        assert f"user-prefix cache 4 MiB in the model thread, keyed by user_id (~{4 * 2**20 // per} users of 50 events" in caplog.text
         prefix = app.state.service.model.runner.engine.prefix
         for n, uid in ((30, "u1"), (31, "u1"), (31, None), (30, 7)):
             hist = events(ratings, u, n)
@@ -133,6 +137,8 @@ def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref) -> None:
         lookups = "hstu_serve_prefix_cache_lookups_total"
         assert (m[(lookups, (("result", "hit"),))], m[(lookups, (("result", "miss"),))]) == (1, 2)
         assert m[("hstu_serve_prefix_cache_rows_reused_total", ())] == 29
+    with LiveServer(create_app(ServeConfig(buckets=BUCKETS, prefix_cache_mb=per / 2**21), rec)):  # half an entry
+        assert "holds no user of 50 events" in caplog.text
 
 
 def test_beam_and_topk_equal_direct(server, ratings, ref) -> None:

@@ -65,6 +65,15 @@ class PrefixEntry:
         return min(int(self.events.shape[0]), int(self.k.shape[2]) + 1)
 
 
+def entry_bytes(cfg, events: int, itemsize: int = 4) -> int:
+    """Bytes of one entry holding ``events`` events of a model of ``cfg`` (a ModelConfig), without
+    room: K and V of events - 1 rows in every layer and head (``itemsize`` bytes a value: 4 for
+    float32) and the (events, 3 + F) int64 event block; :meth:`PrefixCache.put` counts the same of
+    a real entry, whose room adds up to max(4, events // 16) events. For sizing ``prefix_cache_bytes``."""
+    columns = 4 + len(cfg.features or {})  # item, time, action, category, the side features
+    return cfg.num_blocks * cfg.num_heads * (events - 1) * (cfg.d_qk + cfg.d_v) * itemsize + events * columns * 8
+
+
 def history_events(ids: torch.Tensor, timestamps: torch.Tensor, actions: torch.Tensor, categories: torch.Tensor) -> torch.Tensor:
     """A batch's events as the prefix cache keys them: (B, W) int64 ids, timestamps and actions and
     (B, W) or (B, W, 1 + F) int64 categories -> (B, W, 3 + F) int64, one op for the batch, so that a

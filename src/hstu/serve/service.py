@@ -24,6 +24,7 @@ import numpy as np
 from hstu import backend as backends
 from hstu.backend.cpu import host_memory_info
 from hstu.config import ServeConfig, check_k
+from hstu.generate.prefix_cache import entry_bytes
 from hstu.generate.recommend import History, HistoryError, Prepared, Recommender
 from hstu.serve.batcher import MicroBatcher, Rejected
 from hstu.serve.executor import Executor, LocalModel, batch_guard
@@ -215,8 +216,32 @@ class Service:
             cfg.max_wait_ms,
             self.model.backend_name,
             f"among approximate candidates ({cfg.ann}, nprobe {cfg.ann_nprobe}, {cfg.ann_candidates} per row)" if cfg.ann else "exact",
-            f"{cfg.prefix_cache_mb:g} MiB per model process (keyed by user_id)" if cfg.prefix_cache_mb else "off",
+            self._prefix_line(),
         )
+
+    def _prefix_line(self) -> str:
+        """The start-up line's user-prefix cache: its bound, where it lives and about how many users of the
+        largest bucket's length it holds; a warning when it holds none, or when several model processes
+        each cache the users they happened to serve."""
+        cfg, policy = self.cfg, self.policy
+        if not cfg.prefix_cache_mb:
+            return "off"
+        per = entry_bytes(self.rec.model.cfg, self.max_bucket)
+        users = int(cfg.prefix_cache_mb * 2**20 // per)
+        where = f"each of {policy.model_workers} model processes" if policy.model_process else "the model thread"
+        if users < 1:
+            log.warning(
+                "--prefix-cache-mb %g holds no user of %d events (%.0f KiB each): every lookup will miss",
+                cfg.prefix_cache_mb,
+                self.max_bucket,
+                per / 1024,
+            )
+        if policy.model_process and policy.model_workers > 1:
+            log.warning(
+                "--prefix-cache-mb with %d model processes: each caches the users it served; a returning user hits only where its last request ran",
+                policy.model_workers,
+            )
+        return f"{cfg.prefix_cache_mb:g} MiB in {where}, keyed by user_id (~{users} users of {self.max_bucket} events, {per / 1024:.0f} KiB each)"
 
     async def stop(self) -> None:
         """Let the warm-up end (up to the request timeout), then drain: queued requests finish,

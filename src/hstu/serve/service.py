@@ -238,10 +238,12 @@ class Service:
             )
         if policy.model_process and policy.model_workers > 1:
             log.warning(
-                "--prefix-cache-mb with %d model processes: each caches the users it served; a returning user hits only where its last request ran",
+                "--prefix-cache-mb with %d model processes: each caches the users it served; a returning user hits only "
+                "where its last request ran",
                 policy.model_workers,
             )
-        return f"{cfg.prefix_cache_mb:g} MiB in {where}, keyed by user_id (~{users} users of {self.max_bucket} events, {per / 1024:.0f} KiB each)"
+        size = f"~{users} users of {self.max_bucket} events, {per / 1024:.0f} KiB each"
+        return f"{cfg.prefix_cache_mb:g} MiB in {where}, keyed by user_id ({size})"
 
     async def stop(self) -> None:
         """Let the warm-up end (up to the request timeout), then drain: queued requests finish,

@@ -137,6 +137,8 @@ def test_prefix_cache_keyed_by_user_id(rec, popularity, ratings, ref, caplog) ->
         lookups = "hstu_serve_prefix_cache_lookups_total"
         assert (m[(lookups, (("result", "hit"),))], m[(lookups, (("result", "miss"),))]) == (1, 2)
         assert m[("hstu_serve_prefix_cache_rows_reused_total", ())] == 29
+        assert m[("hstu_serve_prefix_cache_evictions_total", ())] == 0 and m[("hstu_serve_prefix_cache_entries", ())] == 2
+        assert m[("hstu_serve_prefix_cache_bytes", ())] == prefix.bytes > 0
     with LiveServer(create_app(ServeConfig(buckets=BUCKETS, prefix_cache_mb=per / 2**21), rec)):  # half an entry
         assert "holds no user of 50 events" in caplog.text
 

@@ -35,7 +35,9 @@ def _outcome(scores=np.float32) -> BatchOutcome:
         None,
         Ranked(np.array([9, 8], np.int64), np.array([1.5, 1.25], scores), np.array([0, 3], np.int64)),  # after the others
     ]
-    return BatchOutcome(results, seconds=0.0123, memory=(123_456_789_012, 987_654_321_098), triggered=True, shed=None, prefix=(3, 5, 597))
+    return BatchOutcome(
+        results, seconds=0.0123, memory=(123_456_789_012, 987_654_321_098), triggered=True, shed=None, prefix=(3, 5, 597, 1, 123_456, 7)
+    )
 
 
 @pytest.mark.parametrize("scores", [np.float32, np.float64, np.float16])
@@ -44,7 +46,7 @@ def test_answer_round_trips_every_field_dtype_and_error(scores) -> None:
     got = unpack_answer(pack_answer(want))
     assert isinstance(got, BatchOutcome)
     assert (got.seconds, got.memory, got.triggered, got.shed) == (0.0123, (123_456_789_012, 987_654_321_098), True, None)
-    assert got.prefix == (3, 5, 597)
+    assert got.prefix == (3, 5, 597, 1, 123_456, 7)
     assert len(got.results) == len(want.results)
     for i in (0, 1, 2, 10):
         a, b = want.results[i], got.results[i]

@@ -469,10 +469,8 @@ class MicroBatcher:
             self.metrics.set_memory(self.metrics.memory_kinds[0], *out.memory)
         if out.triggered:
             self.metrics.guard_triggers.inc()
-        if out.prefix is not None:  # (hits, misses, rows reused) of the engine's user-prefix cache
-            self.metrics.prefix_lookups.labels(result="hit").inc(out.prefix[0])
-            self.metrics.prefix_lookups.labels(result="miss").inc(out.prefix[1])
-            self.metrics.prefix_rows.inc(out.prefix[2])
+        if out.prefix is not None:  # the engine's user-prefix cache (BatchOutcome.prefix)
+            self.metrics.record_prefix(*out.prefix)
         if out.shed is not None:
             for _ in batch:
                 self.metrics.reject("memory")

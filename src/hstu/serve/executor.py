@@ -40,7 +40,8 @@ class BatchOutcome:
     seconds: model time of the batch (s). memory: (free bytes after the guard's action, total
     bytes) when the guard checked. triggered: free memory was below the threshold.
     shed: the message when memory stayed low and the batch was not run.
-    prefix: the user-prefix cache's (hits, misses, rows reused) in this batch, or None without a cache.
+    prefix: the user-prefix cache's (hits, misses, rows reused, evictions) in this batch and (bytes, entries)
+        after it, or None without a cache.
     """
 
     results: list[Any] | None
@@ -48,7 +49,7 @@ class BatchOutcome:
     memory: tuple[int, int] | None = None
     triggered: bool = False
     shed: str | None = None
-    prefix: tuple[int, int, int] | None = None
+    prefix: tuple[int, ...] | None = None
 
 
 class ModelRestart(RuntimeError):
@@ -123,7 +124,7 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
     t0, before = time.perf_counter(), runner.prefix_counts()
     results = runner.run_batch(edge, jobs, describe=False)
     after = runner.prefix_counts()
-    prefix = None if after is None else tuple(a - b for a, b in zip(after, before or (0, 0, 0)))
+    prefix = None if after is None else tuple(a - b for a, b in zip(after[:4], before or (0,) * 4)) + after[4:]
     return BatchOutcome(results, time.perf_counter() - t0, memory, triggered, prefix=prefix)
 
 

@@ -110,6 +110,13 @@ class ServeMetrics:
             "hstu_serve_prefix_cache_lookups", "User-prefix cache lookups of requests with a user_id, by result", ["result"], registry=r
         )
         self.prefix_rows = Counter("hstu_serve_prefix_cache_rows_reused", "History rows taken from the user-prefix cache", registry=r)
+        self.prefix_evictions = Counter(
+            "hstu_serve_prefix_cache_evictions", "Entries the bound pushed out of the user-prefix cache", registry=r
+        )
+        self.prefix_bytes = Gauge(
+            "hstu_serve_prefix_cache_bytes", "User-prefix cache bytes after the latest batch (its process's)", registry=r
+        )
+        self.prefix_entries = Gauge("hstu_serve_prefix_cache_entries", "User-prefix cache users after the latest batch", registry=r)
         self.model_info = Info("hstu_serve_model", "The served model: precision and item-table storage", registry=r)
         self.ready = Gauge("hstu_serve_ready", "1 once the model is loaded and every bucket is warm", registry=r)
         self.bucket_warm = Gauge("hstu_serve_bucket_warm", "1 once the bucket is warm", ["bucket"], registry=r)
@@ -141,6 +148,15 @@ class ServeMetrics:
         for reason in REASONS:
             self.rejected.labels(reason=reason)
         self.memory_kinds = memory_kinds
+
+    def record_prefix(self, hits: int, misses: int, rows: int, evictions: int, nbytes: int, entries: int) -> None:
+        """One batch's user-prefix cache figures (:attr:`hstu.serve.executor.BatchOutcome.prefix`)."""
+        self.prefix_lookups.labels(result="hit").inc(hits)
+        self.prefix_lookups.labels(result="miss").inc(misses)
+        self.prefix_rows.inc(rows)
+        self.prefix_evictions.inc(evictions)
+        self.prefix_bytes.set(nbytes)
+        self.prefix_entries.set(entries)
 
     def set_memory(self, kind: str, free_bytes: int, total_bytes: int) -> None:
         self.memory_free.labels(memory=kind).set(free_bytes)

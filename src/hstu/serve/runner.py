@@ -166,10 +166,11 @@ class BatchRunner:
             return None
         return self.rec.build_engine(self.buckets, self.max_batch, graphs=self.graphs, prefix_cache_bytes=self.prefix_cache_bytes)
 
-    def prefix_counts(self) -> tuple[int, int, int] | None:
-        """The engine's user-prefix cache counts so far (hits, misses, rows reused), or None without one."""
+    def prefix_counts(self) -> tuple[int, ...] | None:
+        """The engine's user-prefix cache: counts so far (hits, misses, rows reused, evictions), then its
+        bytes and entries now; None without one."""
         p = self.engine.prefix if self.engine is not None else None
-        return None if p is None else (p.stats.hits, p.stats.misses, p.stats.rows_reused)
+        return None if p is None else (p.stats.hits, p.stats.misses, p.stats.rows_reused, p.stats.evictions, p.bytes, len(p))
 
     @property
     def precision(self) -> dict[str, str]:

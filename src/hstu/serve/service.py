@@ -228,7 +228,8 @@ class Service:
             return "off"
         per = entry_bytes(self.rec.model.cfg, self.max_bucket)
         users = int(cfg.prefix_cache_mb * 2**20 // per)
-        where = f"each of {policy.model_workers} model processes" if policy.model_process else "the model thread"
+        n = policy.model_workers
+        where = ("the model process" if n == 1 else f"each of {n} model processes") if policy.model_process else "the model thread"
         if users < 1:
             log.warning(
                 "--prefix-cache-mb %g holds no user of %d events (%.0f KiB each): every lookup will miss",

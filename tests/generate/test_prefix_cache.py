@@ -63,7 +63,7 @@ def test_returning_users_compute_only_new_rows_and_match_full(model):
 
 
 @pytest.mark.parametrize("lengths", [[6, 6, 10, 6], [6, 6, 10, 10]])
-def test_hits_of_equal_prefix_move_together(model, lengths):
+def test_hits_of_equal_prefix_each_load_their_own_rows(model, lengths):
     """A chunk's hits of equal cached rows P, consecutive or not, beside a P of its own: each user
     gets its own rows (BucketPool.load_prefixes; the result equals the uncached oracle's)."""
     eng = Engine(model, buckets=(20,), max_batch=4, k_max=6, prefix_cache_bytes=10**7)

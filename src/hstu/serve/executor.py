@@ -124,7 +124,7 @@ def execute(runner: BatchRunner, guard: MemoryGuard | None, edge: int, jobs: lis
     t0, before = time.perf_counter(), runner.prefix_counts()
     results = runner.run_batch(edge, jobs, describe=False)
     after = runner.prefix_counts()
-    prefix = None if after is None else tuple(a - b for a, b in zip(after[:4], before or (0,) * 4)) + after[4:]
+    prefix = None if after is None else tuple(a - b for a, b in zip(after[:4], before)) + after[4:]  # counts: this batch's
     return BatchOutcome(results, time.perf_counter() - t0, memory, triggered, prefix=prefix)
 
 

@@ -222,7 +222,7 @@ class Service:
     def _prefix_line(self) -> str:
         """The start-up line's user-prefix cache: its bound, where it lives and about how many users of the
         largest bucket's length it holds; a warning when it holds none, or when several model processes
-        each cache the users they happened to serve."""
+        each cache the users they served (routed by :mod:`hstu.serve.affinity` only while several are idle)."""
         cfg, policy = self.cfg, self.policy
         if not cfg.prefix_cache_mb:
             return "off"
@@ -239,8 +239,8 @@ class Service:
             )
         if policy.model_process and policy.model_workers > 1:
             log.warning(
-                "--prefix-cache-mb with %d model processes: each caches the users it served; a returning user hits only "
-                "where its last request ran",
+                "--prefix-cache-mb with %d model processes: each caches the users it served; a batch goes to the idle one "
+                "that last ran most of its users, but under load to the first that frees (a user may then miss, or be cached twice)",
                 policy.model_workers,
             )
         size = f"~{users} users of {self.max_bucket} events, {per / 1024:.0f} KiB each"

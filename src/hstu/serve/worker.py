@@ -37,6 +37,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from hstu.serve.admission import BucketCost
+from hstu.serve.affinity import UserAffinity
 from hstu.serve.executor import BatchOutcome, LocalModel, ModelRestart, batch_guard, execute, warm_and_measure
 from hstu.generate.requests import smallest_edge
 from hstu.serve.pipe import PipeEnd
@@ -339,6 +340,7 @@ class ProcessModel:
         self.channels: list[_Channel] = []
         self.up: set[int] = set()  # loaded and not restarting
         self._free: asyncio.Queue | None = None  # indices of idle live processes, made in the running loop
+        self.affinity = UserAffinity() if spec.prefix_cache_mb > 0 and spec.workers > 1 else None  # per-process caches
         self._tasks: set[asyncio.Task] = set()
         if start:
             self.start_now()
@@ -413,9 +415,18 @@ class ProcessModel:
     async def run(self, edge: int, jobs: list[Job], retry: bool = True) -> BatchOutcome:
         """Run a batch on an idle model process (waits for one). When the process has died, it
         is replaced in the background and the batch is retried once on another live process;
-        with none live, raises ModelRestart (503)."""
+        with none live, raises ModelRestart (503). With per-process prefix caches, of several idle
+        processes the one that last ran most of the batch's users (:mod:`hstu.serve.affinity`)."""
         free = self._free_queue()
         i = await free.get()
+        if self.affinity is not None:  # the other idle ones go back, in their order
+            idle = [i]
+            while not free.empty():
+                idle.append(free.get_nowait())
+            i = self.affinity.choose(idle, (j.user_id for j in jobs))
+            for p in idle:
+                if p != i:
+                    free.put_nowait(p)
         message = pack_jobs(edge, jobs)  # arrays in one buffer, no pickled Job (the asyncio future stays here)
         died = False
         try:

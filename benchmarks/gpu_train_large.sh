@@ -3,17 +3,17 @@
 # available, train the large configurations there in one prepared script").
 #
 #   bash benchmarks/gpu_train_large.sh OUT_DIR              # on the GPU machine, from the repository root
-#   DEVICE=cpu EPOCHS=1 MAX_USERS=100 VARIANTS="base qk" bash benchmarks/gpu_train_large.sh /tmp/gtl   # a dry run
+#   DEVICE=cpu EPOCHS=1 MAX_USERS=100 VARIANTS="base noqk" bash benchmarks/gpu_train_large.sh /tmp/gtl   # a dry run
 #
 # Each variant is one benchmarks/reproduce_ml1m.py --models hstu-large --protocols clean process (the default
 # recipe, early stopping on validation NDCG@10 with patience 10, at most $EPOCHS epochs), all started at once on
 # $DEVICE; their runs share OUT_DIR/runs (each variant's flags name its own directory), their results go to
 # OUT_DIR/<variant>/ml1m_hstu-large.json, their logs to OUT_DIR/<variant>.log.
-#   base     the default recipe and the large preset's block (FuXi-beta's), seed 42 (CPU figure:
-#            benchmarks/results/ml1m_hstu-large-beta.json)
+#   base     the default recipe and the large preset's block (FuXi-alpha's multi-channel block), seed 42 (CPU figure:
+#            benchmarks/results/ml1m_hstu-large-mc.json)
 #   seed43, seed44   the same with another seed (seed-to-seed spread of the default)
-#   qk       [model] query_key_map = true (FuXi-alpha's multi-channel block with its semantic Q K^T channel, the large
-#            preset's block before 2026-12-06; CPU figure: benchmarks/results/ml1m_hstu-large-mc.json)
+#   noqk     [model] query_key_map = false (FuXi-beta's block: the channels without the semantic Q K^T one, the large
+#            preset's block 2026-12-06..07; CPU figures: benchmarks/results/ml1m_hstu-large-beta*.json)
 #   full     [train] softmax = full (every item a negative)
 #   ffn200   [model] ffn_hidden = 200 (FuXi-alpha's second FFN stage)
 #   neg512   512 uniform negatives per position (the reference's 128)
@@ -27,7 +27,7 @@ OUT=${1:-}
 [ -n "$OUT" ] || { echo "usage: gpu_train_large.sh OUT_DIR (see the header for the variables)" >&2; exit 2; }
 DEVICE=${DEVICE:-cuda}
 EPOCHS=${EPOCHS:-101}
-VARIANTS=${VARIANTS:-base seed43 seed44 qk full}
+VARIANTS=${VARIANTS:-base seed43 seed44 noqk full}
 DATA_DIR=${DATA_DIR:-.gpu_data/ml-1m}
 SECONDS_LIMIT=${SECONDS_LIMIT:-}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -35,13 +35,13 @@ flags_of() {
   case $1 in
     base) echo "" ;;
     seed*) echo "--seed ${1#seed}" ;;
-    qk) echo "--query-key-map" ;;
+    noqk) echo "--no-query-key-map" ;;
     full) echo "--softmax full" ;;
     ffn*) echo "--ffn-hidden ${1#ffn}" ;;
     neg*) echo "--num-negatives ${1#neg}" ;;
     d[0-9]*) echo "--width ${1#d}" ;;
     blocks*) echo "--blocks ${1#blocks}" ;;
-    *) echo "unknown variant $1 (base, seedN, qk, full, ffnN, negN, dN, blocksN)" >&2; return 2 ;;
+    *) echo "unknown variant $1 (base, seedN, noqk, full, ffnN, negN, dN, blocksN)" >&2; return 2 ;;
   esac
 }
 has_result() {  # has_result VARIANT: its result file holds a clean-protocol entry (none: the run made no checkpoint)

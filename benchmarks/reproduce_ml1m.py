@@ -153,7 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--query-key-map",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="[model] query_key_map (default: the preset's, off for hstu-large: FuXi-beta's block); off: FuXi-beta's "
+        help="[model] query_key_map (default: the preset's, on); off: FuXi-beta's "
         "attention without the query-key map (with the multi-channel block, its position and time channels alone; with "
         "--no-multi-channel, A = SiLU(rab) / n); a model without it has -noqk in its run directory",
     )

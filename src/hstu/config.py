@@ -162,9 +162,9 @@ class ModelConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads; issue 20: FuXi-alpha's / -beta's block.
+    # Zhai et al. 2024, ML-1M: HSTU 2 blocks, 1 head, d = 50; HSTU-large 8 blocks, 2 heads; issue 20: FuXi-alpha's block.
     "small": dict(num_blocks=2, num_heads=1, embedding_dim=50, d_qk=50, d_v=50, max_seq_len=200, multi_channel=True),
-    "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200, multi_channel=True, query_key_map=False),
+    "large": dict(num_blocks=8, num_heads=2, embedding_dim=50, d_qk=25, d_v=25, max_seq_len=200, multi_channel=True),
     # ML-20M recipe size, used by the quantization benchmark as the "production-size" model.
     "prod": dict(num_blocks=4, num_heads=4, embedding_dim=256, d_qk=64, d_v=64, max_seq_len=200),
 }
@@ -467,8 +467,8 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
-    """The preset's values, ``overrides`` over them; its ``multi_channel`` (and with it large's ``query_key_map = false``, FuXi-beta)
-    is dropped where ``overrides`` choose what it cannot go with (SASRec, no relative bias, the HSTU block). ValueError names a field."""
+    """The preset's values, ``overrides`` over them; its ``multi_channel`` is dropped where ``overrides`` choose what it
+    cannot go with (SASRec, no relative bias, the HSTU block). ValueError names a field."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {sorted(PRESETS)}")
     merged = {**PRESETS[name], **overrides}
@@ -476,8 +476,6 @@ def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
     fits = m["architecture"] == "hstu" and (m["use_position_bias"] or m["use_time_bias"])
     if "multi_channel" not in overrides and not fits:
         merged.pop("multi_channel", None)
-    if "query_key_map" not in overrides and not merged.get("multi_channel", False):
-        merged.pop("query_key_map", None)
     return _from_dict(ModelConfig, merged, f"preset {name}")
 
 

@@ -266,8 +266,7 @@ def _model_cfg(args, say: bool = True):
         where = f"{args.config} [model]" + (f" with --arch {args.arch}" if arch else "")
         raise (ValueError(f"{where}: {exc}") if fields else exc) from None
     if say and PRESETS[preset].get("multi_channel") and not mcfg.multi_channel and "multi_channel" not in fields:
-        qk = ", query_key_map on" if PRESETS[preset].get("query_key_map") is False and mcfg.query_key_map else ""
-        log.info("--preset %s: multi_channel off%s (the multi-channel block needs hstu and a relative bias)", preset, qk)
+        log.info("--preset %s: multi_channel off (the multi-channel block needs hstu and a relative bias)", preset)
     return mcfg, tcfg
 
 

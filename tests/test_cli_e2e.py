@@ -139,7 +139,7 @@ def test_generate_k_names_the_models_range_as_http_does(run_dir):
         ("--top-k", "top_k", "0", "must be in 1..100000, got 0", "100000"),
         ("--temperature", "temperature", "0", "must be in (0, 100], got 0", "100"),
         ("--temperature", "temperature", "-1", "must be in (0, 100], got -1", "0.001"),
-        ("--temperature", "temperature", "nan", "must be in (0, 100], got nan", "1"),
+        ("--temperature", "temperature", "nan", "must be a finite number in (0, 100], got nan", "1"),
         ("--beam-width", "beam_width", "0", "must be in 1..16, got 0", "1"),
         ("--beam-width", "beam_width", "17", "must be in 1..16, got 17", "16"),
         ("--seed", "seed", "-1", "must be in 0..4294967295, got -1", "4294967295"),

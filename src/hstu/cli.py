@@ -55,8 +55,8 @@ def number_in(kind: type = int, lo: float | None = None, hi: float | None = None
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         below, above = lo is not None and (v <= lo if lo_open else v < lo), hi is not None and (v >= hi if hi_open else v > hi)
-        if not math.isfinite(v) or below or above:
-            raise argparse.ArgumentTypeError(f"must be {rng}, got {text}")
+        if not math.isfinite(v) or below or above:  # inf / nan: "a finite number", as the config files say
+            raise argparse.ArgumentTypeError(f"must be {'' if math.isfinite(v) else 'a finite number '}{rng}, got {text}")
         return v
 
     return parse

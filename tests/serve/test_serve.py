@@ -607,7 +607,7 @@ def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
         ("--port", "-1", "must be in 0..65535, got -1"),
         ("--max-batch", "0", "must be >= 1, got 0"),
         ("--max-wait-ms", "-1", "must be >= 0, got -1"),
-        ("--max-wait-ms", "nan", "must be >= 0, got nan"),
+        ("--max-wait-ms", "nan", "must be a finite number >= 0, got nan"),
         ("--max-queue", "0", "must be >= 1, got 0"),
         ("--request-timeout-s", "0", "must be > 0, got 0"),
         ("--max-queue-delay-ms", "-5", "must be > 0, got -5"),
@@ -617,7 +617,7 @@ def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
         ("--threads", "0", "must be >= 1, got 0"),
         ("--model-workers", "0", "must be >= 1, got 0"),
         ("--prefix-cache-mb", "-1", "must be >= 0, got -1"),
-        ("--prefix-cache-mb", "inf", "must be >= 0, got inf"),
+        ("--prefix-cache-mb", "inf", "must be a finite number >= 0, got inf"),
         ("--max-batch", "two", "expected an integer, got 'two'"),
     ],
 )

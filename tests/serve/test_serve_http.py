@@ -382,7 +382,7 @@ def test_cli_serve_applies_body_and_header_timeouts(run_dir, tmp_path) -> None: 
     "args, toml, message",
     [
         (["--body-timeout-s", "0"], None, "argument --body-timeout-s: must be > 0, got 0"),
-        (["--header-timeout-s", "inf"], None, "argument --header-timeout-s: must be > 0, got inf"),
+        (["--header-timeout-s", "inf"], None, "argument --header-timeout-s: must be a finite number > 0, got inf"),
         ([], "header_timeout_s = 0", "serve.toml [serve]: ServeConfig.header_timeout_s must be a finite number of seconds > 0, got 0"),
         ([], 'body_timeout_s = "5"', "serve.toml [serve]: body_timeout_s must be float, got '5'"),
     ],

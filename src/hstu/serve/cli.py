@@ -349,7 +349,8 @@ def _add_engine_flags(s: argparse.ArgumentParser) -> None:
         "--prefix-cache-mb",
         type=number_in(float, 0),
         help="each model process's user-prefix cache, MiB (default 0: off): a request's user_id keys its history's cached keys / "
-        "values, so the user's next request computes only its new events (route a user to one process: --model-workers 1)",
+        "values, so the user's next request computes only its new events (with --model-workers > 1 each process has its own; "
+        "a batch goes to the idle one that last ran most of its users)",
     )
 
 

@@ -232,7 +232,7 @@ class Service:
         where = ("the model process" if n == 1 else f"each of {n} model processes") if policy.model_process else "the model thread"
         if users < 1:
             log.warning(
-                "--prefix-cache-mb %g holds no user of %d events (%.0f KiB each): every lookup will miss",
+                "--prefix-cache-mb %g holds no user of %d events (%.0f KiB each): users with histories that long always miss",
                 cfg.prefix_cache_mb,
                 self.max_bucket,
                 per / 1024,

@@ -246,14 +246,14 @@ def test_a_compiled_engine_records_the_layout_it_builds(built, tmp_path):
     GraphCache.add_layout(tmp_path, [E], 2)
     GraphCache.add_layout(tmp_path, [E], 2)  # recorded once
     m = tiny_model()
-    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 4)) is None
+    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 4), compiler=ExportedProgram()) is None
     cache = GraphCache.beside(tmp_path, m, "cpu", layout=((E,), 4), compiler=ExportedProgram())
     eng = Engine(m, graphs="compile", compile_backend="aot_eager", graph_cache=cache, **{**KW, "max_batch": 4, "batch_sizes": (1, 4)})
     ids, ts, L, feats, ic = inputs(1, seed=3)
     eng.generate(ids, ts, L, 3, item_category=ic, **feats)
     assert {r["mode"] for r in eng.graph_report()} == {"built"}
     assert GraphCache.layouts(tmp_path) == [{"buckets": [E], "max_batch": 2}, {"buckets": [E], "max_batch": 4}]
-    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 4)) is not None
+    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 4), compiler=ExportedProgram()) is not None
     (tmp_path / gc.DIRNAME / gc.LAYOUT).write_text('{"buckets": [20], "max_batch": 2}')  # a file from before
     assert GraphCache.layouts(tmp_path) == [{"buckets": [E], "max_batch": 2}]
 
@@ -317,9 +317,9 @@ def test_auto_skips_a_cache_without_graphs_at_the_models_precision(built, tmp_pa
 
     shutil.copytree(built[0], tmp_path / gc.DIRNAME)
     q, f = apply_precision(tiny_model(), "int8"), tiny_model()
-    assert GraphCache.beside(tmp_path, q, "cpu", holding=True) is None
-    assert GraphCache.beside(tmp_path, q, "cpu") is not None
-    assert GraphCache.beside(tmp_path, f, "cpu", holding=True) is not None
+    assert GraphCache.beside(tmp_path, q, "cpu", holding=True, compiler=ExportedProgram()) is None
+    assert GraphCache.beside(tmp_path, q, "cpu", compiler=ExportedProgram()) is not None
+    assert GraphCache.beside(tmp_path, f, "cpu", holding=True, compiler=ExportedProgram()) is not None
 
 
 def test_auto_skips_a_cache_built_for_another_layout(built, tmp_path):
@@ -330,7 +330,33 @@ def test_auto_skips_a_cache_built_for_another_layout(built, tmp_path):
     shutil.copytree(built[0], tmp_path / gc.DIRNAME)
     GraphCache.add_layout(tmp_path, [E], 2)
     m = tiny_model()
-    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 2)) is not None
+    assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=((E,), 2), compiler=ExportedProgram()) is not None
     for other in (((E,), 4), ((4, E), 2)):
-        assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=other) is None
-        assert GraphCache.beside(tmp_path, m, "cpu", layout=other) is not None
+        assert GraphCache.beside(tmp_path, m, "cpu", holding=True, layout=other, compiler=ExportedProgram()) is None
+        assert GraphCache.beside(tmp_path, m, "cpu", layout=other, compiler=ExportedProgram()) is not None
+
+
+def test_auto_skips_a_stale_cache_with_one_warning(built, tmp_path, monkeypatch, caplog):
+    """A fresh-user finding: a server on a run whose cache was exported by an older hstu (another code_sha256) warned
+    once per graph, 60 lines in each model process, that it ran that graph eager. Under graphs "auto" a cache none of
+    whose entries was built for this process (code, torch, weights) is not used: one warning naming the field and the
+    export command; a cache with one current entry is still used, and "compiled" still gets a stale one to rebuild."""
+    shutil.copytree(built[0], tmp_path / gc.DIRNAME)
+    m, other = tiny_model(), tiny_model()
+    with torch.no_grad():
+        other.item_emb.weight.mul_(1.5)
+    with caplog.at_level(logging.WARNING):
+        assert GraphCache.beside(tmp_path, m, "cpu", holding=True, compiler=ExportedProgram()) is not None
+    assert not caplog.records
+    cases = ((m, "torch_version", "9.9.9", "torch"), (m, "code_sha256", "0" * 64, "code_sha256"), (other, None, None, "weights_sha256"))
+    for model, patch, now, field in cases:
+        with monkeypatch.context() as mp:
+            if patch:
+                mp.setattr(gc, patch, lambda now=now: now)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                assert GraphCache.beside(tmp_path, model, "cpu", holding=True, compiler=ExportedProgram()) is None
+                assert GraphCache.beside(tmp_path, model, "cpu", compiler=ExportedProgram()) is not None  # "compiled": rebuilds
+            assert len(caplog.records) == 1 and f"is stale: built for {field} " in caplog.text, caplog.text
+            assert now is None or f", this is {now[:16]}: running eager" in caplog.text
+            assert f"`hstu export --run {tmp_path} --graphs` rebuilds it" in caplog.text

@@ -290,8 +290,8 @@ class GraphCache:
         """The cache of ``run_dir`` if one was built there (``RUN/graphs/manifest.json``), else None; with
         ``holding``, None also when it holds no graph at the model's precision or, given the engine's ``layout``
         (buckets, max batch), when :meth:`layouts` records others only (graphs "auto": run eager at once instead of
-        a warning per graph: a graph's name covers its pools' shapes, so no graph of another layout loads). The cache
-        records ``layout`` with each graph it stores."""
+        a warning per graph: a graph's name covers its pools' shapes, so no graph of another layout loads), and when
+        no entry was built for this process (:meth:`stale`: one warning). The cache records ``layout`` with each graph it stores."""
         if run_dir is None or not (Path(run_dir) / DIRNAME / MANIFEST).is_file():
             return None
         if holding and _short(model_precision(model)) not in cls.precisions(run_dir):  # before hashing the weights
@@ -299,7 +299,29 @@ class GraphCache:
         lays = cls.layouts(run_dir) if holding and layout is not None else []
         if lays and cls.layout_of(*layout) not in lays:
             return None
-        return cls(Path(run_dir) / DIRNAME, model, device, layout=layout, **kw)
+        cache = cls(Path(run_dir) / DIRNAME, model, device, layout=layout, **kw)
+        if holding and (why := cache.stale()):
+            flags = f" --buckets {','.join(map(str, layout[0]))} --max-batch {layout[1]}" if layout is not None else ""
+            flags += "" if (p := _short(model_precision(model))) == "fp32" else f" --precision {p}"
+            log.warning("%s: running eager; `hstu export --run %s --graphs%s` rebuilds it", why, run_dir, flags)
+            return None
+        return cache
+
+    def stale(self) -> str | None:
+        """Why no entry can load here, when none was built for this process (other hstu code, torch, weights, device
+        or compiler: every field of ``env`` equal), e.g. "...: built for code_sha256 9028673f..., this is 89e604d5...";
+        None when one was, or when the manifest is unreadable (the first store starts it anew)."""
+        try:
+            entries = list(self.entries().values())
+        except GraphCacheError:
+            return None
+        if any(all(e.get(f) == v for f, v in self.env.items()) for e in entries):
+            return None
+        for e in entries:  # the first field that differs, as check() names it
+            for f, v in self.env.items():
+                if e.get(f) != v and f != "precision":
+                    return f"graph cache {self.dir} is stale: built for {f} {str(e.get(f))[:16]}, this is {str(v)[:16]}"
+        return f"graph cache {self.dir} holds no graph for this model" if entries else f"graph cache {self.dir} is empty"
 
     @staticmethod
     def create(run_dir) -> Path:

@@ -33,8 +33,12 @@ weights format (:mod:`hstu.quant.checkpoint`) reads and writes files too.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +98,7 @@ MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifes
 # 120M items are > 1 GB of JSON and 4-13 GB of Python lists once read); tests monkeypatch it small
 INLINE_ITEM_ROWS = 1_000_000
 __all__ = [
+    "training_lock",
     "CONFIG",
     "HISTORY",
     "IDMAP",
@@ -288,6 +293,31 @@ def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, co
             f"{command + ': ' if command else ''}the data's {len(log_.item_raw_ids) - 1} item ids are not the run's {len(saved) - 1} "
             f"({path}); use the data the run was trained on (--data-dir / $HSTU_DATA_DIR)"
         )
+
+
+@contextmanager
+def training_lock(run: Path) -> Iterator[None]:
+    """Hold run directory ``run`` for one training (``hstu train``): an exclusive ``flock`` on the directory itself, made
+    here when missing and removed again if still empty at the end (a failed start leaves nothing). Two trainings into
+    one directory would interleave their files (one's config.json, the other's weights). Raises FileExistsError naming
+    ``run`` when another process holds it."""
+    run = Path(run)
+    if run.exists() and not run.is_dir():  # a file: the training's own checks name it
+        yield
+        return
+    made = not run.exists()
+    run.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FileExistsError(f"--out {run} is being trained by another process; wait for it, or choose another --out") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+        if made and run.is_dir() and not any(run.iterdir()):
+            run.rmdir()
 
 
 def remove_run_files(run: Path, everything: bool = False) -> None:

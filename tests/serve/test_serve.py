@@ -378,7 +378,7 @@ def test_wrong_item_id_is_one_error_at_the_field(server) -> None:
         body = {"history": [{"item_id": 1, "timestamp": 1}, {"item_id": bad, "timestamp": 2}], "exclude": [bad]}
         with pytest.raises(pydantic.ValidationError) as e:
             GenerateRequest.model_validate_json(json.dumps(body))
-        msg = f"must be an int64 integer, a string of at most 256 characters, got {kind}"
+        msg = f"must be an int64 integer or a string of at most 256 characters, got {kind}"
         assert [(x["loc"], x["msg"]) for x in public_errors(e.value.errors())] == [(("history", 1, "item_id"), msg), (("exclude", 0), msg)]
         r = post(server.url, "/v1/generate", body)
         assert r.status_code == 422 and r.json()["error"]["field"] == "history[1].item_id"

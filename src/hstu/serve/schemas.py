@@ -49,7 +49,7 @@ def _item_id(v: Any, error: str = "id_type", null: str = "") -> int | str:
     }.get(type(v), type(v).__name__)
     raise PydanticCustomError(
         error,
-        "must be an int64 integer, a string of at most {n} characters" + null + ", got {kind}",
+        "must be an int64 integer" + ("," if null else " or") + " a string of at most {n} characters" + null + ", got {kind}",
         {"kind": kind, "n": USER_ID_MAX_CHARS},
     )
 

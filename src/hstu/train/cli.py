@@ -127,7 +127,19 @@ def _add_feature_flags(t) -> None:
 
 def cmd_train(args) -> int:
     """``hstu train`` and ``hstu train --distributed`` / ``python -m hstu.train`` (torchrun): one recipe,
-    :func:`hstu.train.loop.fit`, with the distributed strategy under --distributed; rank 0 prints metrics.json."""
+    :func:`hstu.train.loop.fit`, with the distributed strategy under --distributed; rank 0 prints metrics.json.
+    --out is held for the whole command (:func:`hstu.runs.training_lock`; rank 0 under torchrun)."""
+    from contextlib import nullcontext
+
+    from hstu.runs import training_lock
+
+    if not str(args.out).strip():
+        raise ValueError("--out is empty: name the run directory")
+    with training_lock(Path(args.out)) if not torchrun_rank(args) else nullcontext():
+        return _train(args)
+
+
+def _train(args) -> int:
     _check_out_dir(args)
     _check_resume_flags(args)
     _config_data(args)

@@ -37,7 +37,6 @@ import fcntl
 import json
 import logging
 import os
-from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -296,13 +295,11 @@ def check_resume_items(run: Path, log_: EventLog, *, ids: dict | None = None, co
 
 
 @contextmanager
-def training_lock(run: Path) -> Iterator[None]:
-    """Hold run directory ``run`` for one training (``hstu train``): an exclusive ``flock`` on the directory itself, made
-    here when missing and removed again if still empty at the end (a failed start leaves nothing). Two trainings into
-    one directory would interleave their files (one's config.json, the other's weights). Raises FileExistsError naming
-    ``run`` when another process holds it."""
+def training_lock(run: Path):  # -> Iterator[None]
+    """Hold run directory ``run`` for one training (two would interleave their files): an exclusive ``flock`` on it, made
+    here when missing and removed if still empty at the end; FileExistsError naming ``run`` while another holds it."""
     run = Path(run)
-    if run.exists() and not run.is_dir():  # a file: the training's own checks name it
+    if run.exists() and not run.is_dir():
         yield
         return
     made = not run.exists()

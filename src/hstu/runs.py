@@ -97,7 +97,6 @@ MANIFEST_KEY = "hstu_train_state"  # last.safetensors metadata: the JSON manifes
 # 120M items are > 1 GB of JSON and 4-13 GB of Python lists once read); tests monkeypatch it small
 INLINE_ITEM_ROWS = 1_000_000
 __all__ = [
-    "training_lock",
     "CONFIG",
     "HISTORY",
     "IDMAP",
@@ -132,6 +131,7 @@ __all__ = [
     "save_best_weights",
     "save_quantized_run",
     "save_train_state",
+    "training_lock",
     "write_config",
     "write_idmap",
     "write_idmap_dict",

@@ -190,4 +190,5 @@ def test_a_dropped_preset_multi_channel_is_logged(tmp_path, caplog) -> None:
         msgs = [r.getMessage() for r in caplog.records if "multi-channel" in r.getMessage()]
         assert len(msgs) == int(logged), (preset, arch, msgs)
         if logged:
-            assert f"--preset {preset or 'small'}: multi_channel off (the multi-channel block" in msgs[0]
+            said = preset or "small (the default)"
+            assert f"--preset {said}: multi_channel off (the multi-channel block" in msgs[0]

@@ -278,7 +278,8 @@ def _model_cfg(args, say: bool = True):
         where = f"{args.config} [model]" + (f" with --arch {args.arch}" if arch else "")
         raise (ValueError(f"{where}: {exc}") if fields else exc) from None
     if say and PRESETS[preset].get("multi_channel") and not mcfg.multi_channel and "multi_channel" not in fields:
-        log.info("--preset %s: multi_channel off (the multi-channel block needs hstu and a relative bias)", preset)
+        given = "" if args.preset else " (the default)"
+        log.info("--preset %s%s: multi_channel off (the multi-channel block needs hstu and a relative bias)", preset, given)
     return mcfg, tcfg
 
 

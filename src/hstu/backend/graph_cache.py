@@ -321,7 +321,7 @@ class GraphCache:
             for f, v in self.env.items():
                 if e.get(f) != v and f != "precision":
                     return f"graph cache {self.dir} is stale: built for {f} {str(e.get(f))[:16]}, this is {str(v)[:16]}"
-        return f"graph cache {self.dir} holds no graph for this model" if entries else f"graph cache {self.dir} is empty"
+        return f"graph cache {self.dir} holds no graph for this model"
 
     @staticmethod
     def create(run_dir) -> Path:

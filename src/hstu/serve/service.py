@@ -237,11 +237,11 @@ class Service:
                 self.max_bucket,
                 per / 1024,
             )
-        if policy.model_process and policy.model_workers > 1:
+        if policy.model_process and n > 1:
             log.warning(
                 "--prefix-cache-mb with %d model processes: each caches the users it served; a batch goes to the idle one "
                 "that last ran most of its users, but under load to the first that frees (a user may then miss, or be cached twice)",
-                policy.model_workers,
+                n,
             )
         size = f"~{users} users of {self.max_bucket} events, {per / 1024:.0f} KiB each"
         return f"{cfg.prefix_cache_mb:g} MiB in {where}, keyed by user_id ({size})"

@@ -227,3 +227,35 @@ def test_resume_names_a_contradicting_model_field_in_toml_spelling(tmp_path, cap
     capsys.readouterr()
     assert main([*flags, "--config", str(tmp_path / "off.toml"), "--epochs", "2", "--out", str(run), "--resume"]) == 2
     assert "[model] sets multi_channel = false (the run: true): drop them" in capsys.readouterr().err
+
+
+def test_cli_train_refuses_an_out_whose_config_json_is_not_a_runs(tmp_path, monkeypatch, capsys):
+    """Training writes config.json / idmap.json: another tool's file of that name in --out is not overwritten (nor
+    deleted by a failed start); an hstu run's leftover config.json (a start ended before its first epoch) is fine."""
+    _log(tmp_path)
+    model = "\n".join(f"{k} = {v}" for k, v in CFG.items())
+    (tmp_path / "t.toml").write_text(f"[model]\n{model}\n[train]\nbatch_size = 8\nnum_negatives = 4\n")
+    monkeypatch.chdir(tmp_path)
+    flags = [
+        "train",
+        "--dataset",
+        "csv",
+        "--data-dir",
+        "log.csv",
+        "--columns",
+        "user=u,item=i,time=t",
+        "--config",
+        "t.toml",
+        "--epochs",
+        "1",
+    ]
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "config.json").write_text('{"eslint": true}\n')
+    assert main([*flags, "--out", "proj", "--quiet"]) == 2
+    assert "holds config.json that no hstu run wrote" in capsys.readouterr().err
+    assert (tmp_path / "proj" / "config.json").read_text() == '{"eslint": true}\n'
+    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["config.json"]
+    assert main([*flags, "--out", "run", "--quiet"]) == 0
+    for f in ("model.safetensors", "last.safetensors", "last.json", "history.json", "metrics.csv", "metrics.json"):
+        (tmp_path / "run" / f).unlink(missing_ok=True)  # what a start that ended before its first epoch leaves
+    assert main([*flags, "--out", "run", "--quiet"]) == 0

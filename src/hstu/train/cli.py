@@ -292,7 +292,10 @@ def _check_out_dir(args) -> None:
     if is_quantized(out):  # hstu quantize's output: nothing to resume; its INT8 weights would shadow a new model
         raise FileExistsError(f"--out {out} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train")
     found = [f for f in RUN_FILES if (out / f).exists()]
-    if not found or args.resume:
+    if args.resume:
+        return
+    if not found:
+        _check_foreign_files(out)
         return
     if not args.overwrite:
         raise FileExistsError(
@@ -300,6 +303,27 @@ def _check_out_dir(args) -> None:
             "--overwrite to replace it, or choose another --out"
         )
     log.warning("--overwrite: the run in %s (%s) is replaced once the data and device are ready", out, ", ".join(found))
+
+
+def _check_foreign_files(out: Path) -> None:
+    """FileExistsError when ``out`` holds a config.json / idmap.json / items.npz that no hstu run wrote (a training
+    writes those names: another tool's file there would be overwritten, then deleted if the start fails). An hstu
+    run's (its config.json has the model, train and data tables: a start that ended before its first epoch) is fine."""
+    from hstu.runs import CONFIG, IDMAP, ITEMS
+
+    present = [f for f in (CONFIG, IDMAP, ITEMS) if (out / f).exists()]
+    if not present:
+        return
+    try:
+        cfg = json.loads((out / CONFIG).read_text(encoding="utf-8"))
+        ours = isinstance(cfg, dict) and {"model", "train", "data"} <= cfg.keys()
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise FileExistsError(
+            f"--out {out} holds {', '.join(present)} that no hstu run wrote (training writes files of those names): "
+            "choose another --out, or move them"
+        )
 
 
 def _check_resume_flags(args) -> None:

@@ -259,3 +259,38 @@ def test_cli_train_refuses_an_out_whose_config_json_is_not_a_runs(tmp_path, monk
     for f in ("model.safetensors", "last.safetensors", "last.json", "history.json", "metrics.csv", "metrics.json"):
         (tmp_path / "run" / f).unlink(missing_ok=True)  # what a start that ended before its first epoch leaves
     assert main([*flags, "--out", "run", "--quiet"]) == 0
+
+
+def test_resuming_a_run_that_stopped_early_trains_no_more_epochs(tmp_path, monkeypatch):
+    """Early stopping is part of the run: ``--resume`` of a run that stopped early (a rerun of the same command)
+    used to train one more epoch at least (three more in the trial), changing a finished model."""
+    real = loop.LocalStrategy.evaluate
+    monkeypatch.setattr(loop.LocalStrategy, "evaluate", lambda *a: {**real(*a), "NDCG@10": 0.1})  # never better after epoch 1
+    spec, run = _log(tmp_path), tmp_path / "run"
+    tcfg = lambda: TrainConfig(epochs=10, batch_size=8, num_negatives=4, early_stopping_patience=1)  # noqa: E731
+    m = loop.fit(run, ModelConfig(**CFG), tcfg(), spec, progress=False)
+    assert m["status"] == "early stopping at epoch 2 (best 1)"
+    weights = (run / "last.safetensors").read_bytes()
+    m2 = loop.fit(run, ModelConfig(**CFG), tcfg(), spec, progress=False, resume=True)
+    assert m2["status"] == m["status"] and [e["epoch"] for e in read_history(run)] == [1, 2]
+    assert (run / "last.safetensors").read_bytes() == weights
+    patient = TrainConfig(epochs=3, batch_size=8, num_negatives=4, early_stopping_patience=3)  # a larger patience goes on
+    assert loop.fit(run, ModelConfig(**CFG), patient, spec, progress=False, resume=True)["status"] == "completed"
+    assert [e["epoch"] for e in read_history(run)] == [1, 2, 3]
+
+
+def test_cli_resume_refuses_fewer_epochs_than_committed(tmp_path, monkeypatch, capsys, caplog):
+    _log(tmp_path)
+    model = "\n".join(f"{k} = {v}" for k, v in CFG.items())
+    (tmp_path / "t.toml").write_text(f"[model]\n{model}\n[train]\nbatch_size = 8\nnum_negatives = 4\n")
+    monkeypatch.chdir(tmp_path)
+    flags = ["train", "--dataset", "csv", "--data-dir", "log.csv", "--columns", "user=u,item=i,time=t", "--config", "t.toml"]
+    assert main([*flags, "--epochs", "2", "--out", "run", "--quiet"]) == 0
+    config = (tmp_path / "run" / "config.json").read_bytes()
+    assert main(["train", "--out", "run", "--resume", "--epochs", "1", "--quiet"]) == 2
+    assert "has committed 2 epochs and --epochs 1 is fewer" in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.json").read_bytes() == config  # the run's epochs stay 2
+    with caplog.at_level("INFO", logger="hstu"):
+        assert main(["train", "--out", "run", "--resume", "--quiet"]) == 0
+    assert "has trained its 2 epochs, nothing to train" in caplog.text
+    assert [e["epoch"] for e in read_history(tmp_path / "run")] == [1, 2]

@@ -161,6 +161,8 @@ def _train(args) -> int:
             setattr(tcfg, name, getattr(args, name))
     if not args.distributed:  # under --distributed the flags choose FBGEMM's optimizer (_distributed_strategy)
         _local_table_flags(args, tcfg, saved.get("train"))
+    if args.resume:
+        _check_resume_epochs(Path(args.out), tcfg.epochs)
     repeat_window = saved.get("model", {}).get("repeat_window", mcfg.repeat_window)
     check_recipe(tcfg, repeat_window, args.distributed, saved.get("train"), Path(args.out) / "config.json")  # before the data is read
     spec = DataSpec(
@@ -190,6 +192,23 @@ def _train(args) -> int:
     if not torchrun_rank(args):
         print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _check_resume_epochs(run: Path, epochs: int) -> None:
+    """ValueError when --resume asks for fewer epochs than ``run`` has committed (history.json; they cannot be
+    undone); with exactly that many, the log says there is nothing to train (the run is evaluated and reported again)."""
+    from hstu.runs import HISTORY, read_history
+
+    done = len(read_history(run)) if (run / HISTORY).exists() else 0
+    if epochs < done:
+        raise ValueError(
+            f"--resume: {run} has committed {done} epochs and --epochs {epochs} is fewer (epochs cannot be undone): "
+            f"give --epochs above {done} to train on, or evaluate the run with hstu eval --run {run}"
+        )
+    if epochs == done:
+        log.info(
+            "--resume: %s has trained its %d epochs, nothing to train (--epochs above %d trains on); evaluating it again", run, done, done
+        )
 
 
 def torchrun_rank(args) -> int:

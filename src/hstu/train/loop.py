@@ -432,19 +432,19 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
     strategy.barrier()
     started, status = clock(), "completed"
     try:
-        while state["epoch"] < tcfg.epochs:
+        stops = lambda: not paper and state["bad_epochs"] >= tcfg.early_stopping_patience  # noqa: E731
+        while state["epoch"] < tcfg.epochs and not stops():  # a resumed run that had stopped early trains no more
             entry = _epoch(strategy, run, model, log_, split, tcfg, opt, gen, state, history, paper, opts)
             if board is not None:
                 board.epoch(entry)
-            if not paper and state["bad_epochs"] >= tcfg.early_stopping_patience:
-                status = f"early stopping at epoch {entry['epoch']} (best {state['best_epoch']})"
-                log.info(status)
-                break
-            if state["epoch"] < tcfg.epochs and _time_is_up(strategy, started, opts["max_minutes"]):
+            if state["epoch"] < tcfg.epochs and not stops() and _time_is_up(strategy, started, opts["max_minutes"]):
                 status = f"stopped by --max-minutes {opts['max_minutes']:g} after epoch {state['epoch']} of {tcfg.epochs} "
                 status += f"({(clock() - started) / 60:.1f} min); continue with --resume"
                 log.warning(status)
                 break
+        if stops():
+            status = f"early stopping at epoch {state['epoch']} (best {state['best_epoch']})"
+            log.info(status)
     except BaseException:
         if strategy.is_main and not resume and state["epoch"] == 0:  # nothing committed: no half-written run stays
             remove_run_files(run, everything=True)

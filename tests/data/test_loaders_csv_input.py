@@ -209,3 +209,14 @@ def test_files_with_a_byte_order_mark_are_decoded_by_it(tmp_path: Path, encoding
     assert log_.facts["encodings"] == {"log.csv": "utf-8-sig" if encoding == "utf-8" else "utf-16"}
     p.write_bytes(BOMS[encoding] + (text + "3,1,2,x,3,extra\n").encode(encoding))
     assert _events(load_csv(p, columns=COLS + ",action=a", skip_bad_rows=True)) == _events(log_)  # the line-by-line pass
+
+
+def test_a_header_only_file_is_named(tmp_path: Path):
+    """A file with its header and no row: the error names the file (it named only the data set); several files: all."""
+    empty = _write(tmp_path / "empty.csv", "u,i,t\n")
+    with pytest.raises(ValueError, match=rf"csv: no events in {empty} after parsing \(skipped 0 malformed rows\)"):
+        load_csv(empty, columns=COLS)
+    (tmp_path / "d").mkdir()
+    a, b = _write(tmp_path / "d" / "a.csv", "u,i,t\n"), _write(tmp_path / "d" / "b.csv", "u,i,t\n")
+    with pytest.raises(ValueError, match=rf"no events in its 2 files \({a}, {b}\)"):
+        load_csv(tmp_path / "d", columns=COLS)

@@ -309,12 +309,15 @@ def load_csv(
     unit = time_unit or unit_from_map
     if unit is not None and unit not in TIME_UNITS:
         raise ValueError(f"csv: time_unit must be one of {list(TIME_UNITS)}, got {unit!r}")
-    frames, skipped, encodings = _read_files(log_files(data_dir), mapping, unit, fmt, skip_bad_rows, list(num_features))
+    files = log_files(data_dir)
+    frames, skipped, encodings = _read_files(files, mapping, unit, fmt, skip_bad_rows, list(num_features))
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     order_only = "time" not in mapping
     if order_only:
         df["time"] = np.zeros(len(df), np.int64)  # the file order is the order (a stable sort keeps it)
-    out = to_event_log(df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped, feature_buckets=num_features)
+    out = to_event_log(
+        df, name=name, action_names=None, exclude_history=exclude_history, skipped=skipped, source=files, feature_buckets=num_features
+    )
     if len(frames) > 1:
         out.facts["files"] = len(frames)
     if any(e != "utf-8" for e in encodings.values()):

@@ -75,7 +75,7 @@ def load_taobao(data_dir: str | Path, skip_bad_rows: bool = False, *, exclude_hi
     path = resolve_path(data_dir, ("UserBehavior.csv", "UserBehavior_head.csv"), "the Taobao UserBehavior CSV")
     cols = [Column("user", 0), Column("item", 1), Column("category", 2), Column("action", 3, TAOBAO_ACTIONS), Column("time", 4)]
     df, skipped = read_columns(path, cols, header=False, skip_bad_rows=skip_bad_rows)
-    return to_event_log(df, name="taobao", action_names=list(TAOBAO_ACTIONS), exclude_history=exclude_history, skipped=skipped)
+    return to_event_log(df, name="taobao", action_names=list(TAOBAO_ACTIONS), exclude_history=exclude_history, skipped=skipped, source=path)
 
 
 def _retailrocket_categories(directory: Path) -> dict[int, int] | None:
@@ -130,7 +130,9 @@ def load_retailrocket(
         missing = int((df["category"] < 0).sum())
         if missing:
             log.info("retailrocket: %d events on items without a categoryid property (category: none)", missing)
-    out = to_event_log(df, name="retailrocket", action_names=list(RETAILROCKET_ACTIONS), exclude_history=exclude_history, skipped=skipped)
+    out = to_event_log(
+        df, name="retailrocket", action_names=list(RETAILROCKET_ACTIONS), exclude_history=exclude_history, skipped=skipped, source=path
+    )
     if cats is not None:
         _drop_unknown_category(out)
     return out

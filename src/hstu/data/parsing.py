@@ -330,13 +330,18 @@ def read_columns(
 
 
 def to_event_log(
-    df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int, **items
+    df: pd.DataFrame, *, name: str, action_names: list[str] | None, exclude_history: bool | None, skipped: int, source=None, **items
 ) -> EventLog:
     """A loader frame (columns = mapping keys, ``feature:NAME`` side features) -> EventLog; ``items``:
-    ``titles`` / ``item_genres`` / ``feature_buckets`` (:meth:`EventLog.from_frame`)."""
+    ``titles`` / ``item_genres`` / ``feature_buckets`` (:meth:`EventLog.from_frame`); ``source``: the file or
+    files read (a Path or a list of them), named by the error when no event is left."""
     frame = df.rename(columns=OUT_NAMES)
     if frame.empty:
-        raise ValueError(f"{name}: no events left after parsing (skipped {plural(skipped, 'malformed row')})")
+        files = [source] if isinstance(source, (str, Path)) else list(source or [])
+        where = (
+            " left" if not files else f" in {files[0]}" if len(files) == 1 else f" in its {len(files)} files ({', '.join(map(str, files))})"
+        )
+        raise ValueError(f"{name}: no events{where} after parsing (skipped {plural(skipped, 'malformed row')})")
     return EventLog.from_frame(
         frame,
         name=name,

@@ -171,7 +171,9 @@ def load_amazon(
     if path.name.lower().endswith(".csv"):
         cols, fmt = {"user": "0", "item": "1", "time": "3"}, Format(",", False)
         df, skipped = read_delimited(path, cols, None, fmt, skip_bad_rows, file_encoding(path))
-        out = to_event_log(df, name="amazon", action_names=None, exclude_history=excl, skipped=skipped, titles=titles, item_genres=genres)
+        out = to_event_log(
+            df, name="amazon", action_names=None, exclude_history=excl, skipped=skipped, source=path, titles=titles, item_genres=genres
+        )
         out.facts["format"] = "ratings csv"
         return out
     df, skipped = read_reviews(path, skip_bad_rows)

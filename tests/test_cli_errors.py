@@ -154,3 +154,24 @@ def test_resume_of_a_run_whose_csv_data_moved_names_its_path(tmp_path, capsys) -
     assert main(["train", "--resume", "--out", str(run), "--epochs", "2", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"hstu train: error: --resume: the run's csv data {(tmp_path / 'log.csv').resolve()} is not found; pass --data-dir", err
+
+
+def test_an_interrupt_says_what_a_rerun_goes_on_from(capsys) -> None:
+    """Ctrl-C on `generate --all-users` or `export --graphs` said only "interrupted"; both keep their work (finished
+    parts, built graphs) and the same command goes on from it: the line says so. Other commands: the plain line."""
+    import argparse
+
+    from hstu.interrupts import Terminated, interrupted
+
+    ns = argparse.Namespace
+    cases = [
+        (ns(command="generate", all_users=True, out="recs.jsonl"), KeyboardInterrupt(), 130, "finished parts stay in recs.jsonl.parts/"),
+        (ns(command="export", graphs=True, run="r", out=None), Terminated(), 143, "the graphs built so far stay in r/graphs"),
+        (ns(command="generate", all_users=False, out=None), KeyboardInterrupt(), 130, None),
+        (ns(command="export", graphs=False, run="r", out="o"), KeyboardInterrupt(), 130, None),
+    ]
+    for args, exc, code, hint in cases:
+        assert interrupted(args, exc) == code
+        err = capsys.readouterr().err.strip()
+        word = "terminated" if code == 143 else "interrupted"
+        assert err == f"hstu {args.command}: {word}" if hint is None else err.startswith(f"hstu {args.command}: {word}; {hint}"), err

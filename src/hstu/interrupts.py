@@ -18,10 +18,15 @@ def terminated(signum, frame) -> None:
 
 
 def interrupted(args, exc: KeyboardInterrupt) -> int:
-    """The one line after Ctrl-C or SIGTERM; a training run that committed an epoch is resumable."""
+    """The one line after Ctrl-C or SIGTERM; what a rerun goes on from: a training run's last committed epoch,
+    ``generate --all-users``' finished parts, ``export --graphs``' built graphs."""
     out = getattr(args, "out", None)
-    if args.command != "train" or not out:
-        hint = ""  # no import here: an interrupt inside a command's lazy import may have left a module half-loaded
+    if args.command == "generate" and getattr(args, "all_users", False) and out:  # no import here: an interrupt inside a
+        hint = f"; finished parts stay in {out}.parts/: the same command goes on from them"  # lazy import may have left a
+    elif args.command == "export" and getattr(args, "graphs", False) and getattr(args, "run", None):  # module half-loaded
+        hint = f"; the graphs built so far stay in {Path(args.run) / 'graphs'}: the same command builds the rest"
+    elif args.command != "train" or not out:
+        hint = ""
     else:
         from hstu.runs import has_train_state
 

@@ -633,6 +633,9 @@ def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, mes
     assert f"hstu serve: error: argument {flag}: {message}" in capsys.readouterr().err
 
 
+_MEMORY_MB = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -643,6 +646,11 @@ def test_cli_serve_rejects_out_of_range_flags(tmp_path, capsys, flag, value, mes
         (["--buckets", ""], "--buckets: edges must be distinct, ascending and >= 1, got ''"),  # was: the defaults, silently
         (["--config", "serve.toml"], "serve.toml [serve]: ServeConfig.max_batch must be >= 1, got 0"),
         (["--prefix-cache-mb", "8", "--engine", "never"], "--prefix-cache-mb: the cache is the engine's; drop --engine never"),
+        (["--prefix-cache-mb", "1e12"], "--prefix-cache-mb 1e+12 is more than this machine's"),  # was accepted: never evicts
+        (
+            ["--prefix-cache-mb", str(0.6 * _MEMORY_MB), "--model-workers", "2"],
+            f"--prefix-cache-mb {0.6 * _MEMORY_MB:g} x 2 model processes is more than this machine's",
+        ),
     ],
 )
 def test_cli_serve_checks_settings_before_loading_the_run(tmp_path, capsys, monkeypatch, args, message) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import socket
 from pathlib import Path
@@ -153,6 +154,20 @@ def bind(host: str, port: int) -> socket.socket:
 MIN_BODY_BYTES = 1024  # ServePolicy.max_body_bytes' floor
 
 
+def _check_prefix_cache_memory(mb: float, processes: int) -> None:
+    """ValueError when the user-prefix caches' bound (``mb`` MiB in each of ``processes`` model processes) exceeds
+    this machine's physical memory: the caches would grow until the kernel kills a process, never evicting."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf (not POSIX): nothing to compare with
+        return
+    if mb * 2**20 * processes > total:
+        per = f" x {processes} model processes" if processes > 1 else ""
+        raise ValueError(
+            f"--prefix-cache-mb {mb:g}{per} is more than this machine's {total / 2**30:.1f} GiB of memory; give a bound it can hold"
+        )
+
+
 def _settings(args: argparse.Namespace):
     """(ServeConfig, ServePolicy, explicit bucket edges or None, the flag or field that gave them) from the flags over
     a ``--config`` file's [serve] table; ValueError naming the flag or field when one is out of range."""
@@ -191,6 +206,7 @@ def _settings(args: argparse.Namespace):
     ):
         if on and args.engine == "never":
             raise ValueError(f"{flag}; drop --engine never")
+    _check_prefix_cache_memory(cfg.prefix_cache_mb, args.model_workers or 1)
     if cfg.ann:  # said here, before any model process starts (there it would fail at every restart)
         from hstu.quant.checkpoint import read_quant_meta
 

@@ -416,6 +416,14 @@ FEATURES = {  # module -> (its commands, the extra that brings its dependencies)
 }
 
 
+EXTRA_OF = {  # an optional package's import name -> the extra that installs it (pyproject.toml)
+    **dict.fromkeys(("fastapi", "uvicorn", "pydantic", "httpx", "fastapi_offline", "orjson", "msgspec"), "serve"),
+    **dict.fromkeys(("psutil", "prometheus_client", "yaml", "packaging"), "ops"),
+    **dict.fromkeys(("onnx", "onnxruntime", "onnxscript"), "export"),
+    **{"aiohttp": "bench", "matplotlib": "plot", "ray": "ray", "pyarrow": "ray", "tensorboard": "tensorboard", "faiss": "ann"},
+}
+
+
 def _missing_extra(command: str, extra: str, missing: str | None):
     def handler(args) -> int:
         print(f"hstu {command}: needs the optional package {missing!r}: pip install 'hstu[{extra}]'", file=sys.stderr)
@@ -464,6 +472,13 @@ def _run(argv: list[str] | None) -> int:
     except (OSError, ValueError, KeyError, TypeError, BackendUnavailableError) as exc:  # one line naming the file or field
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"{where}: error: {msg}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional package a command reached lazily (e.g. export --graphs: the server's)
+        top = (exc.name or "").split(".")[0]
+        if not top or top == "hstu":
+            raise
+        extra = f": pip install 'hstu[{EXTRA_OF[top]}]'" if top in EXTRA_OF else ""
+        print(f"{where}: error: needs the optional package {top!r}{extra}", file=sys.stderr)
         return 2
     except (FloatingPointError, MemoryError) as exc:  # a diverged training (train.loop._epoch), a model too big: a failure
         print(f"{where}: error: {exc}", file=sys.stderr)

@@ -202,6 +202,11 @@ def test_overwrite_replaces_only_an_earlier_export(run_dir, tmp_path, capsys):
     out = tmp_path / "x"
     assert main([*args, "--out", str(out)]) == 0 and main([*args, "--out", str(out)]) == 0  # an earlier export: replaced
     assert (out / "export.json").is_file()
+    (out / "my_notes.md").write_text("keep me")  # a trial's notes and a Triton config beside an export: once deleted
+    (out / "triton").mkdir()
+    assert main([*args, "--out", str(out)]) == 2
+    assert "also my_notes.md, triton, which no export wrote" in _one_error_line(capsys)
+    assert (out / "my_notes.md").read_text() == "keep me" and (out / "triton").is_dir()
 
 
 @pytest.mark.parametrize(
@@ -329,3 +334,18 @@ def test_sigterm_mid_export_leaves_nothing(run_dir, tmp_path, capsys, monkeypatc
         signal.signal(signal.SIGTERM, previous)
     assert not stray and capsys.readouterr().err.strip().splitlines()[-1] == "hstu export: terminated"
     assert _leftovers(tmp_path, "z") == []
+
+
+def test_export_needs_no_serve_extra_and_a_missing_package_is_one_line(run_dir, tmp_path):
+    """`hstu export --format pt2` imported hstu.serve (for its --buckets parser), so without the [serve] extra it
+    died in a traceback (ModuleNotFoundError: fastapi); `--graphs` does need the server: one line naming the extra."""
+    import subprocess
+
+    code = "import sys; sys.modules['fastapi'] = None; from hstu.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = [sys.executable, "-c", code, "export", "--run", str(run_dir)]
+    p = subprocess.run([*args, "--format", "pt2", "--buckets", "20", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert p.returncode == 0 and (tmp_path / "x" / "export.json").is_file(), p.stderr
+    p = subprocess.run([*args, "--graphs", "--buckets", "20"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "hstu export: error: needs the optional package 'fastapi': pip install 'hstu[serve]'"
+    ), p.stderr

@@ -28,7 +28,8 @@ from hstu.generate.prefix_cache import entry_bytes
 from hstu.generate.recommend import History, Recommender
 from hstu.model.checkpoint import read_json
 from hstu.serve.app import ServePolicy, create_app
-from hstu.serve.cli import bind, fit_buckets, parse_buckets
+from hstu.generate.requests import fit_buckets, parse_buckets
+from hstu.serve.cli import bind
 from hstu.serve.popularity import popularity_for_run
 
 from conftest import ML1M, REPO, USERS  # noqa: F401 - the tiny run's data and size (its fixtures are conftest's)

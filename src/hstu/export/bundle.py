@@ -65,8 +65,24 @@ def _check_request(fmt: str, run: Path, out: Path, overwrite: bool, batch: int |
             raise FileExistsError(
                 f"--out {out}: holds files but no {MANIFEST}, so it is not an earlier export; --overwrite replaces only those"
             )
+        if others := sorted(set(p.name for p in out.iterdir()) - _export_files(out)):
+            raise FileExistsError(
+                f"--out {out}: an earlier export, but also {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}, which "
+                "no export wrote; --overwrite replaces only an export's own files: move those, or choose another --out"
+            )
     if batch is not None and batch < 1:
         raise ValueError(f"--batch must be >= 1, got {batch}")
+
+
+def _export_files(out: Path) -> set[str]:
+    """The names an export in ``out`` wrote: its manifest, the programs it lists, items.npy and the id map; only the
+    manifest when that is unreadable (then every other file counts as another's)."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        programs = {str(b["file"]) for b in manifest["buckets"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {MANIFEST}
+    return {MANIFEST, "items.npy", IDMAP, ITEMS, *programs}
 
 
 def _buckets(buckets, max_seq_len: int) -> list[int]:

@@ -33,7 +33,7 @@ def cmd_export_graphs(args) -> int:
     from hstu.backend.graph_cache import GraphCache
     from hstu.config import ServeConfig
     from hstu.generate.recommend import Recommender
-    from hstu.serve.cli import fit_buckets, parse_buckets
+    from hstu.generate.requests import fit_buckets, parse_buckets
     from hstu.serve.runner import BatchRunner
 
     rec = Recommender.from_run(args.run, args.device, args.precision)
@@ -59,7 +59,7 @@ def cmd_export(args) -> int:
     """Run :func:`hstu.export.export_run` for the parsed flags; print a summary line per bucket
     (``--graphs``: :func:`cmd_export_graphs`)."""
     from hstu.export.bundle import ExportError, export_run
-    from hstu.serve.cli import parse_buckets
+    from hstu.generate.requests import parse_buckets
 
     if args.graphs:
         other = (("--format", args.format), ("--out", args.out), ("--batch", args.batch), ("--overwrite", args.overwrite))

@@ -72,6 +72,29 @@ def check_engine_sizes(cfg, buckets, max_batch: int, k_max: int) -> tuple[int, .
     return edges
 
 
+def parse_buckets(text: str) -> list[int]:
+    """ "20,50,100" -> [20, 50, 100]; ValueError naming --buckets on anything else."""
+    try:
+        edges = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--buckets: expected comma-separated integers such as 20,50,100,200, got {text!r}") from None
+    if not edges or any(e < 1 for e in edges) or edges != sorted(set(edges)):
+        raise ValueError(f"--buckets: edges must be distinct, ascending and >= 1, got {text!r}")
+    return edges
+
+
+def fit_buckets(edges: list[int] | None, max_seq_len: int, name: str = "--buckets") -> list[int]:
+    """Explicit edges must fit the model (ValueError naming ``name``, their flag or config field, otherwise); the
+    defaults are clipped to ``max_seq_len`` and closed by it, so that every history up to the model's length has a bucket."""
+    if edges is not None:
+        if edges[-1] > max_seq_len:
+            raise ValueError(f"{name}: edge {edges[-1]} exceeds the model's max_seq_len={max_seq_len}")
+        return edges
+    from hstu.generate.recommend import default_buckets  # the Recommender's own edges: one definition
+
+    return list(default_buckets(max_seq_len))
+
+
 def prepare_request(
     eng: Engine,
     ids,

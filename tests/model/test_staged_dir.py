@@ -88,3 +88,22 @@ def test_the_last_file_moves_last(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "rename", lambda s, d: (order.append(os.path.basename(d)), real(s, d)))
     _write(out, last="a.bin")
     assert order == ["sub", "a.bin"]  # by name a.bin would go first
+
+
+def test_a_killed_writers_temp_directories_go_with_the_next_write(tmp_path):
+    """A writer killed outright (SIGKILL, an abort: a trial's export under Ctrl-C once died in a C++ terminate) leaves
+    its .NAME.tmp-PID-* beside --out; the next write into that --out removes it, but never a live writer's."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    out = tmp_path / "x"
+    orphans = [tmp_path / f".x.tmp-{dead}-abc", tmp_path / f".x.old-{dead}-abc"]
+    live = tmp_path / f".x.tmp-{os.getpid()}-zzz"
+    foreign = [tmp_path / ".y.tmp-1-abc", tmp_path / ".x.tmp-notapid"]
+    for d in (*orphans, live, *foreign):
+        d.mkdir()
+    with staged_dir(out) as tmp:
+        (tmp / "a").write_text("1")
+    assert not any(d.exists() for d in orphans)
+    assert live.is_dir() and all(d.is_dir() for d in foreign) and (out / "a").read_text() == "1"

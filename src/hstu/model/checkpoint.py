@@ -10,6 +10,7 @@ into place; JSON run files are checked field by field as they are read (hstu.mod
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import math
@@ -81,7 +82,8 @@ def staged_dir(out: str | Path, *, last: str | None = None) -> Iterator[Path]:
     and whatever was moved are removed and ``out`` is left as it was. ``out`` as :func:`dir_target`."""
     out = dir_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _remove_orphans(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would become the directory's mode
     old = None
     try:
@@ -91,7 +93,7 @@ def staged_dir(out: str | Path, *, last: str | None = None) -> Iterator[Path]:
             tmp.rmdir()
             return
         if out.is_dir():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-{tmp.name[-8:]}")
             out.rename(old)
         tmp.rename(out)
     except BaseException:
@@ -99,6 +101,25 @@ def staged_dir(out: str | Path, *, last: str | None = None) -> Iterator[Path]:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_orphans(out: Path) -> None:
+    """Remove the ``.NAME.tmp-PID-*`` / ``.NAME.old-PID-*`` directories beside ``out`` whose process PID is gone: a
+    process killed outright (SIGKILL, an abort) could not clean them; a live one's (a concurrent writer) are kept."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.[to][ml][pd]-*-*"):
+        pid = p.name[len(out.name) + 6 :].split("-", 1)[0]
+        if pid.isdigit() and p.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fill(tmp: Path, out: Path, last: str | None) -> None:

@@ -404,6 +404,15 @@ def test_corrupt_run_files_name_the_file(tiny_run, tmp_path):
     (broken / "config.json").write_text("{\n  'model': 1")
     with pytest.raises(ValueError, match="config.json: not valid JSON"):
         load_run(broken)
+    q2 = tmp_path / "q2"  # a trial's truncated quant.json: every command said only "Expecting property name ... (char 700)"
+    save_quantized_run(apply_precision(copy.deepcopy(fm), "int8"), tiny_run, q2)
+    meta = q2 / "quant.json"
+    meta.write_bytes(meta.read_bytes()[:50])
+    with pytest.raises(ValueError, match=r"quant.json: not valid JSON \("):
+        load_run(q2)
+    meta.unlink()  # without quant.json the run reads as float: its missing weights now say why
+    with pytest.raises(FileNotFoundError, match=r"model.safetensors: weights not found \(model.quant.safetensors is there but not quant"):
+        load_run(q2)
 
 
 def test_float_run_converted_on_load(tiny_run):

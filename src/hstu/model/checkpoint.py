@@ -263,7 +263,11 @@ def load_weights(path: Path, module: torch.nn.Module, device: torch.device | str
     the module one at a time, first, so the peak is the model plus one of them rather than the
     model twice (a 120M x 32 fp16 table: 7.7 GB, not 15); the rest is one ``load_state_dict``."""
     if not Path(path).exists():
-        raise FileNotFoundError(f"{path}: weights not found")
+        quant = Path(path).with_name("model.quant.safetensors")  # hstu.quant.checkpoint.WEIGHTS (no import: it imports this)
+        why = (
+            f" ({quant.name} is there but not quant.json: an incomplete quantized copy; run hstu quantize again)" if quant.exists() else ""
+        )
+        raise FileNotFoundError(f"{path}: weights not found{why}")
     own = module.state_dict()  # views of the parameters and buffers
     try:
         with safe_open(str(path), "pt", device=str(device)) as fh:

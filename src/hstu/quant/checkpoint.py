@@ -23,7 +23,6 @@ safetensors metadata disagrees with quant.json, or whose tensors have the wrong 
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import shutil
@@ -173,9 +172,14 @@ def save_quantized_run(
 
 
 def read_quant_meta(run_dir: str | Path) -> dict[str, Any] | None:
-    """quant.json of a run, or None for a float run."""
+    """quant.json of a run, or None for a float run. ValueError naming the file: not valid JSON (e.g. truncated), not an object."""
     p = Path(run_dir) / META
-    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+    if not p.exists():
+        return None
+    meta = read_json(p)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{p}: expected a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def _check(run: Path, meta: dict, scheme: str | None) -> None:

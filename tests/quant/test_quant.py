@@ -452,6 +452,13 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
         rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--out", str(taken), "--data-dir", str(tmp_path / "none")])
         assert rc == 2 and why in capsys.readouterr().err
     assert not (tiny_run / "q8").exists()
+    other = tmp_path / "other"  # calibration data whose items are not the run's: refused as eval refuses it (was silent)
+    other.mkdir()
+    src = Path(json.loads((tiny_run / "config.json").read_text())["data"]["data_dir"])
+    (other / "movies.dat").write_bytes((src / "movies.dat").read_bytes())
+    (other / "ratings.dat").write_bytes(b"".join((src / "ratings.dat").read_bytes().splitlines(keepends=True)[:3000]))
+    rc = main(["quantize", "--run", str(tiny_run), "--scheme", "int8", "--report-only", "--data-dir", str(other)])
+    assert rc == 2 and "--data-dir: the data's" in (err := capsys.readouterr().err) and "item ids are not the run's" in err
 
 
 # ----- --precision on the inference paths ------------------------------------------------------

@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,13 @@ def cmd_quantize(args) -> int:
     if not args.no_calibrate:
         from hstu.data.prepare import DataSpec, prepare_data
         from hstu.data.sequences import make_split
+        from hstu.runs import check_resume_items
 
         spec = DataSpec(**cfg["data"])
         if args.data_dir:
             spec.data_dir = args.data_dir
         log_, _ = prepare_data(spec)
+        check_resume_items(Path(args.run), log_, command="--data-dir" if args.data_dir else "")  # calibrate on the run's items
         split = make_split(log_, spec.protocol)
         batch = calibration_batch(log_, split, float_model.cfg.max_seq_len, num_users=args.calib_users, seed=args.seed)
         report = layer_report(float_model, qmodel, batch)

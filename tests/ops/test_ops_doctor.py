@@ -4,6 +4,7 @@ install trees, and a real run on this host (a CPU host in CI, reported as such).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -102,6 +103,8 @@ def test_ascend_new_layout_all_pass():
     c = by_name(doctor.run_checks(e, TABLE))
     assert (c["torch_npu"].status, c["cann"].status, c["npu_driver"].status) == ("pass", "pass", "pass")
     assert c["cann"].source and c["npu_driver"].source
+    s = c["npu_driver"].summary  # the comparison reads whole, the firmware after it (a trial: "firmware ... not found >= ...")
+    assert re.fullmatch(r"NPU driver \S+ \(from .+\) >= \S+ required by CANN 8\.5\.0 \(firmware (\S+|version not found)\)", s), s
 
 
 def test_torch_npu_must_match_torch_exactly():
@@ -274,3 +277,12 @@ def test_a_missing_compat_file_names_the_flag(tmp_path, capsys):
 
     assert main(["doctor", "--compat", str(tmp_path / "nope.toml"), "--no-import-probes"]) == 2
     assert capsys.readouterr().err.strip() == f"hstu doctor: --compat {tmp_path / 'nope.toml'}: No such file or directory"
+
+
+def test_a_missing_ascend_root_is_refused(tmp_path, capsys):
+    """`hstu doctor --ascend-root /nonexistent` said "SKIP cann: not an Ascend host" and exited 0: a mistyped root
+    went unnoticed."""
+    from hstu.cli import main
+
+    assert main(["doctor", "--ascend-root", str(tmp_path / "nope"), "--no-import-probes"]) == 2
+    assert f"--ascend-root {tmp_path / 'nope'}: no such directory" in capsys.readouterr().err

@@ -213,33 +213,33 @@ def check_npu_driver(env: Environment, table: CompatTable) -> Check:
                 fix="install the Ascend HDK driver and firmware (Ascend-hdk-*-npu-driver_*.run --full), then reboot",
             )
         return Check("npu_driver", "skip", "no Ascend NPU driver found (not an Ascend host)")
-    fw = f", firmware {a.firmware_version}" if a.firmware_version else ", firmware version not found"
-    summary = f"NPU driver {drv} (from {src}){fw}"
+    fw = f" (firmware {a.firmware_version})" if a.firmware_version else " (firmware version not found)"
+    summary = f"NPU driver {drv} (from {src})"  # the firmware goes after the comparison: "driver X >= Y required ... (firmware Z)"
     if not a.cann_version:
         return Check(
             "npu_driver",
             "warn",
-            summary + "; no CANN found to pair it with",
+            summary + fw + "; no CANN found to pair it with",
             fix="install CANN, then: source /usr/local/Ascend/ascend-toolkit/set_env.sh",
         )
     row = table.cann_driver_row(a.cann_version)
     if row is None:
-        return Check("npu_driver", "warn", summary + f"; CANN {a.cann_version} has no driver row in the table")
+        return Check("npu_driver", "warn", summary + fw + f"; CANN {a.cann_version} has no driver row in the table")
     try:
         ok = ascend_version_key(ascend_release(drv)) >= ascend_version_key(row["min_hdk"])
     except ValueError:
-        return Check("npu_driver", "warn", summary + f"; cannot compare version {drv!r}")
+        return Check("npu_driver", "warn", summary + fw + f"; cannot compare version {drv!r}")
     if ok:
         return Check(
             "npu_driver",
             "pass",
-            summary + f" >= {row['min_hdk']} required by CANN {a.cann_version}",
+            summary + f" >= {row['min_hdk']} required by CANN {a.cann_version}" + fw,
             source=row["source"],
         )
     return Check(
         "npu_driver",
         "fail",
-        summary + f" is older than Ascend HDK {row['min_hdk']} required by CANN {a.cann_version}",
+        summary + f" is older than Ascend HDK {row['min_hdk']} required by CANN {a.cann_version}" + fw,
         detail="an old driver under a new CANN fails at aclInit / device setup (ACL_ERROR_RT_DEV_SETUP_ERROR 507033)",
         fix=f"upgrade driver+firmware to Ascend HDK {row['min_hdk']} or newer (firmware first, then driver, then reboot); "
         "check: npu-smi info",

@@ -87,8 +87,14 @@ class Environment:
 
 
 def collect_environment(ascend_roots: tuple[Path, ...] | None = None, *, import_probes: bool = True) -> Environment:
-    """Probe this host. Slow parts (subprocess imports) only run where the package is installed."""
+    """Probe this host. Slow parts (subprocess imports) only run where the package is installed.
+    FileNotFoundError naming ``--ascend-root`` for a given root that is not a directory (a mistyped root read as
+    "not an Ascend host")."""
     from importlib import metadata
+
+    for root in ascend_roots or ():
+        if not Path(root).is_dir():
+            raise FileNotFoundError(f"--ascend-root {root}: no such directory")
 
     env = Environment(
         python_version=platform.python_version(),

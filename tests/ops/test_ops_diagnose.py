@@ -250,3 +250,15 @@ def test_cli_text_json_and_exit_codes(capsys):
     clean = LOGS.parent / "smi" / "npu_smi_usages_910b.txt"
     assert main(["diagnose", str(clean), "--cann-version", "8.0.RC3"]) == 0
     assert main(["diagnose", "/definitely/not/here"]) == 2
+
+
+def test_a_bad_cann_version_is_refused_before_any_log_is_read(capsys):
+    """`diagnose --cann-version banana plog.log` printed "CANN banana" and diagnosed (exit 1): the version was
+    checked only where a matched cause depends on it."""
+    from hstu.cli import main as hstu_main
+
+    assert hstu_main(["diagnose", str(LOGS / "dmesg.txt"), "--cann-version", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert "--cann-version: not an Ascend version (expected like 8.0.RC3 or 24.1.0): 'banana'" in err
+    with pytest.raises(ValueError, match="--cann-version"):
+        dg.diagnose_lines(iter(()), KB, cann_version="8")

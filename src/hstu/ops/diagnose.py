@@ -323,7 +323,13 @@ def decode_cann_code(code: str, kb: KnowledgeBase, cann_version: str | None = No
 
 
 def diagnose_lines(lines: Iterable[tuple[str, int, str]], kb: KnowledgeBase | None = None, cann_version: str | None = None) -> Report:
-    """Match ``(path, line_no, text)`` triples against the knowledge base; see the module docstring."""
+    """Match ``(path, line_no, text)`` triples against the knowledge base; see the module docstring. ValueError for a
+    ``cann_version`` that is not an Ascend version (said before any log is read, not only when a cause depends on it)."""
+    if cann_version is not None:
+        try:
+            ascend_version_key(ascend_release(cann_version))
+        except ValueError as exc:
+            raise ValueError(f"--cann-version: {exc}") from None
     kb = kb or load_knowledge_base()
     findings: dict[str, Finding] = {}
     unknown: dict[str, Unknown] = {}

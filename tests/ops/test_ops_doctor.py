@@ -186,9 +186,13 @@ def test_triton_pin_from_torch_metadata():
     assert c.status == "fail" and c.fix == 'pip install "triton==3.1.0"'
     assert by_name(doctor.run_checks(env(torch=t), TABLE))["triton"].status == "fail"
     assert by_name(doctor.run_checks(env(), TABLE))["triton"].status == "skip"
-    # no pin (CPU wheel) but a stray triton: compared with the table's pin for that torch minor
-    c = by_name(doctor.run_checks(env(triton_dist="triton", triton_version="2.3.1"), TABLE))["triton"]
+    # a CUDA torch without the pin in its metadata (e.g. a conda build) and a stray triton: compared with the table's pin
+    cuda = TorchInfo(version="2.4.0", cuda="12.1")
+    c = by_name(doctor.run_checks(env(torch=cuda, triton_dist="triton", triton_version="2.3.1"), TABLE))["triton"]
     assert c.status == "warn" and "3.0.0" in c.fix
+    # a CPU build: Triton is not used, so no downgrade is suggested (a trial: "torch 2.13 wheels pin triton 3.7.1")
+    c = by_name(doctor.run_checks(env(triton_dist="triton", triton_version="2.3.1"), TABLE))["triton"]
+    assert c.status == "pass" and c.fix is None and "this CPU build of torch does not use it" in c.summary
 
 
 def test_python_outside_torch_range_fails():

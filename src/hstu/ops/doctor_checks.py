@@ -335,6 +335,14 @@ def check_triton(env: Environment, table: CompatTable) -> Check:
     if not env.triton_version:
         return Check("triton", "skip", f"torch {t.version} does not require Triton here and none is installed")
     row = table.triton_for(t.version or "")
+    if row and not t.cuda:  # a CPU build: Inductor generates C++, Triton is not used (the pin is the CUDA wheels')
+        return Check(
+            "triton",
+            "pass",
+            f"{env.triton_dist} {env.triton_version} installed; this CPU build of torch does not use it "
+            f"(torch {row['torch']}'s CUDA wheels pin triton {row['triton']})",
+            source=row["source"],
+        )
     if row and major_minor(row["triton"]) != major_minor(env.triton_version):
         return Check(
             "triton",

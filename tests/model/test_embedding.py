@@ -338,6 +338,9 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 3 and f"in {n} shard(s)" in cap.out and f"({n - 24:,} more shards; --json lists them all)" in cap.out
     assert f"(shards 0-{n - 1})" in cap.err
     assert len(cap.out.splitlines()) < 40 and len(cap.err) < 400
+    assert "Try --dtype fp16/bf16, more --host-mem" in cap.err
+    big = ["plan-memory", "--items", "3000000", "--dim", "128", "--device-mem", "1MiB", "--host-mem", "64MiB", "--dtype", "fp16"]
+    assert cli_main(big) == 3 and "Try more --host-mem" in capsys.readouterr().err  # fp16 already: not suggested again
     rc = cli_main(["plan-memory", "--items", "200000", "--dim", "64", "--device-mem", "1GiB", "--host-mem", "1GiB", "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert rc == 0 and plan["fits"] and sum(s["rows"] for s in plan["shards"]) == 200_001 + 1024

@@ -136,7 +136,8 @@ def plan_memory_command(args: argparse.Namespace) -> int:
         print(
             "hstu plan-memory: refused: "
             + "; ".join(plan.problems)
-            + f". Try --dtype fp16/bf16, more --host-mem, --placement host for some shards, or more devices "
+            + f". Try {'--dtype fp16/bf16, ' if args.dtype == 'fp32' else ''}more --host-mem, --placement host for some shards, "
+            "or more devices "
             f"(table is {format_bytes(plan.table_bytes)}).",
             file=sys.stderr,
         )

@@ -4,14 +4,17 @@ retries and giving up. Time is a fake clock, so nothing here waits."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from hstu.ops.cli import main
 from hstu.ops.diagnose import load_knowledge_base
-from hstu.ops.watchdog import LogFollower, RecoveryPlan, Watchdog
+from hstu.ops.watchdog import LogFollower, RecoveryPlan, Watchdog, run_shell
 
 SLOG = Path(__file__).parent / "fixtures" / "ops" / "logs" / "slog"
 MARKERS = load_knowledge_base().reset_markers
@@ -75,12 +78,46 @@ def test_follower_new_lines_partial_rotation_truncation(tmp_path):
     assert sorted(fol.poll()) == [(str(f), "fresh")]
     f.write_text("x\n")  # truncated and rewritten
     assert fol.poll() == [(str(f), "x")]
+    f.write_text("")  # copytruncate `: > a.log`, then a line longer than the old content, before the next poll
+    append(f, "longer\n")
+    assert fol.poll() == [(str(f), "longer")]  # not "nger" from the old offset 2
+    f.write_text("second\n")  # rewritten to the same length (7 bytes): no growth
+    assert fol.poll() == [(str(f), "second")]
+    os.utime(f, (1, 1))  # only the times change: nothing is read again
+    assert fol.poll() == []
     (d / "sub").mkdir()
     (d / "sub" / "b.log").write_text("new file\n")
     assert fol.poll() == [(str(d / "sub" / "b.log"), "new file")]
-    assert LogFollower(d, from_start=True).poll()[0] == (str(f), "x")
+    assert LogFollower(d, from_start=True).poll()[0] == (str(f), "second")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LogFollower(tmp_path / "absent")
+
+
+def test_follower_copytruncate_copy_is_not_read_again(tmp_path):
+    d = tmp_path / "logs"
+    d.mkdir()
+    f = d / "a.log"
+    f.write_text("2024-05-10 old reset marker\n")
+    fol = LogFollower(d)
+    append(f, "2024-05-10 seen\n2024-05-10 unse")
+    assert fol.poll() == [(str(f), "2024-05-10 seen")]
+    append(f, "en\n")  # written after the poll, before logrotate copies the file
+    shutil.copyfile(f, d / "a.log.1")  # logrotate copytruncate: copy, then truncate in place
+    f.write_text("")
+    append(f, "2024-05-10 after rotation\n")
+    # the copy goes on from a.log's position (its old lines are not read again), a.log from its new start
+    assert fol.poll() == [(str(f), "2024-05-10 after rotation"), (str(d / "a.log.1"), "2024-05-10 unseen")]
+    assert fol.poll() == []
+    copy = d / "a.log.2"  # a copy still being written: it waits until it reaches the copied position
+    copy.write_bytes(f.read_bytes()[:10])
+    assert fol.poll() == []
+    copy.write_bytes(f.read_bytes() + b"2024-05-10 new in copy\n")
+    assert fol.poll() == [(str(copy), "2024-05-10 new in copy")]
+    other = d / "b.log"  # a new file that only starts like a followed one is read from its start
+    other.write_text("2024-05-10 a")
+    assert fol.poll() == []
+    append(other, "nother file\n")
+    assert fol.poll() == [(str(other), "2024-05-10 another file")]
 
 
 def test_recovery_sequence_and_own_markers_ignored(tmp_path):
@@ -173,6 +210,53 @@ def test_unhealthy_is_retried_after_cooldown_then_gives_up(tmp_path):
     assert wd.step() is None and len(wd.history) == 2  # gave up: a person has to look
 
 
+def test_failed_or_timed_out_reset_is_a_failed_recovery(tmp_path):
+    (tmp_path / "healthy").touch()
+    log = tmp_path / "dev.log"
+    log.write_text("")
+    clock = FakeClock(0.0)
+    wd = Watchdog(log, plan(tmp_path, reset_cmd=f"echo reset >> {tmp_path / 'trace'}; exit 3"), MARKERS, clock=clock, sleep=clock.sleep)
+    append(log, RESET_LINE)
+    res = wd.step()
+    assert trace(tmp_path) == ["stop", "reset"]  # no wait, no health check, no start on top of a failed reset
+    assert [s.status for s in res.steps] == ["rc=0", "rc=3"] and clock.t == 0.0
+    assert not res.ok and res.failure == "reset command failed (exit 3)" and res.healthy is None and not res.service_started
+    assert wd.failures == 1 and not wd.gave_up
+    clock.t = 300.0
+    res2 = wd.step()  # retried after the cool-down, no new marker needed; the second failure gives up (max_attempts=2)
+    assert res2.trigger == "retry: the previous recovery failed: reset command failed (exit 3) (1 in a row)"
+    assert wd.gave_up and wd.failures == 2 and trace(tmp_path) == ["stop", "reset"] * 2
+
+    clock.t = 0.0
+    wd = Watchdog(
+        log,
+        plan(tmp_path, reset_cmd=f"echo reset >> {tmp_path / 'trace'}; sleep 5", step_timeout_s=0.3),
+        MARKERS,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    append(log, RESET_LINE)
+    res = wd.step()
+    assert [(s.name, s.returncode, s.status) for s in res.steps] == [("stop", 0, "rc=0"), ("reset", None, "timed out")]
+    assert res.failure == "reset command timed out" and wd.failures == 1 and trace(tmp_path)[-1] == "reset"
+
+
+def test_run_shell_timeout_kills_what_the_command_started(tmp_path):
+    pidfile = tmp_path / "pid"
+    t0 = time.monotonic()
+    rc, out = run_shell(f"sleep 30 & echo $! > {pidfile}; wait", 0.3)
+    assert rc is None and out.startswith("timed out after 0.3 s") and time.monotonic() - t0 < 5
+    proc = Path("/proc") / pidfile.read_text().strip()
+    deadline = time.monotonic() + 5
+    while proc.exists() and " Z " not in (proc / "stat").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not proc.exists() or " Z " in (proc / "stat").read_text()  # the background sleep went with the shell
+    assert run_shell("echo hi; exit 4", 5) == (4, "hi\n")
+    t0 = time.monotonic()
+    assert run_shell("sleep 3 > /dev/null 2>&1 &", 2)[0] == 0  # a command that starts a service in the background
+    assert time.monotonic() - t0 < 1.5
+
+
 def test_retry_succeeds_when_device_comes_back(tmp_path):
     log = tmp_path / "dev.log"
     log.write_text("")
@@ -190,10 +274,34 @@ def test_retry_succeeds_when_device_comes_back(tmp_path):
 def test_plan_validation():
     with pytest.raises(ValueError, match="must not be empty"):
         RecoveryPlan(reset_cmd="  ")
-    with pytest.raises(ValueError, match="cool-down must be > 0"):
+    with pytest.raises(ValueError, match="^--cooldown must be > 0 seconds, got 0$"):
         RecoveryPlan(reset_cmd="x", cooldown_s=0)
-    with pytest.raises(ValueError, match="health_retries"):
+    with pytest.raises(ValueError, match="^--step-timeout must be > 0 seconds, got 0$"):
+        RecoveryPlan(reset_cmd="x", step_timeout_s=0)
+    with pytest.raises(ValueError, match="^--health-retries must be >= 1, got 0$"):
         RecoveryPlan(reset_cmd="x", health_retries=0)
+    with pytest.raises(ValueError, match="^--max-attempts must be >= 1, got -2$"):
+        RecoveryPlan(reset_cmd="x", max_attempts=-2)
+    with pytest.raises(ValueError, match="^--wait must be >= 0 seconds, got -1$"):
+        RecoveryPlan(reset_cmd="x", wait_s=-1)
+
+
+@pytest.mark.parametrize(
+    "flag,value,error",
+    [
+        ("--step-timeout", "0", "--step-timeout must be > 0 seconds, got 0"),
+        ("--step-timeout", "0s", "--step-timeout must be > 0 seconds, got 0"),
+        ("--cooldown", "0", "--cooldown must be > 0 seconds, got 0"),
+        ("--poll", "0ms", "--poll must be > 0 seconds, got 0"),
+        ("--health-retries", "0", "--health-retries must be >= 1, got 0"),
+        ("--max-attempts", "0", "--max-attempts must be >= 1, got 0"),
+    ],
+)
+def test_cli_refuses_bad_values_naming_the_flag(tmp_path, capsys, flag, value, error):
+    t = tmp_path / "trace"
+    assert main(["watchdog", "--log-dir", str(tmp_path), "--on-reset", f"echo reset >> {t}", flag, value, "--once"]) == 2
+    assert capsys.readouterr().err.strip() == f"hstu watchdog: {error}"
+    assert not t.exists()
 
 
 def test_cli_once_on_slog_fixture(tmp_path, capsys):
@@ -227,6 +335,44 @@ def test_cli_once_on_slog_fixture(tmp_path, capsys):
     capsys.readouterr()
     assert main(["watchdog", "--log-dir", str(logs), "--on-reset", "x", "--marker", "(", "--once"]) == 2
     assert capsys.readouterr().err.strip().startswith("hstu watchdog: --marker '(': not a regular expression: ")  # named the flag
+
+
+def test_cli_once_failed_or_timed_out_reset_does_not_start(tmp_path, capsys):
+    logs = tmp_path / "wd" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "a.log").write_text(RESET_LINE)
+    t = tmp_path / "trace"
+    args = ["watchdog", "--log-dir", str(logs), "--start-cmd", f"echo start >> {t}", "--from-start", "--once", "--wait", "0s"]
+    assert main(args + ["--on-reset", "false"]) == 1
+    out = capsys.readouterr().out
+    assert "reset        rc=1 " in out and "healthy=None service_started=False" in out
+    assert "recovery failed: reset command failed (exit 1); service not started" in out
+    assert main(args + ["--on-reset", "sleep 5", "--step-timeout", "0.3s"]) == 1
+    out = capsys.readouterr().out
+    assert "reset        timed out " in out and "rc=None" not in out
+    assert "recovery failed: reset command timed out; service not started" in out
+    assert not t.exists()  # the service was never started
+
+
+def test_cli_exits_1_at_once_after_giving_up_and_0_on_interrupt(tmp_path, capsys, monkeypatch):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "a.log").write_text(RESET_LINE)
+    args = ["watchdog", "--log-dir", str(logs), "--health-cmd", "false", "--wait", "0s", "--health-interval", "0s"]
+    args += ["--from-start", "--poll", "10ms"]
+    rc = []
+    th = threading.Thread(target=lambda: rc.append(main(args + ["--on-reset", "true", "--max-attempts", "1"])), daemon=True)
+    th.start()
+    th.join(20)
+    assert not th.is_alive() and rc == [1]  # it stops watching instead of logging on, so a service manager sees it
+    err = capsys.readouterr().err
+    assert "hstu watchdog: gave up after 1 failed recoveries in a row (health check still failing after 3 attempt(s))" in err
+
+    def interrupted(self, stop=None, poll_s=1.0):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Watchdog, "run", interrupted)
+    assert main(args + ["--on-reset", "true"]) == 0  # Ctrl-C: exit 0, as documented
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@
 ``func=handler`` with ``handler(args) -> int`` (the exit code). ``python -m hstu.ops.cli ...`` runs
 the same commands on their own.
 
-Exit codes: 0 success; 1 doctor found a failing check / diagnose found errors; 2 bad usage or input.
+Exit codes: 0 success; 1 doctor found a failing check / diagnose found errors / the watchdog gave up (or its
+``--once`` recovery failed); 2 bad usage or input.
 """
 
 from __future__ import annotations
@@ -176,6 +177,20 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- watchdog
 
 
+def _watchdog_once(wd) -> int:
+    """``--once``: one look at the logs; 0 nothing to do or recovered, 1 the recovery failed."""
+    res = wd.step()
+    if res is None:
+        print("no reset marker found")
+        return 0
+    for s in res.steps:
+        print(f"{s.name:<12} {s.status} {s.seconds:.1f}s  {s.command}")
+    print(f"healthy={res.healthy} service_started={res.service_started}")
+    if not res.ok:
+        print(f"recovery failed: {res.failure}; service not started")
+    return 0 if res.ok else 1
+
+
 def cmd_watchdog(args: argparse.Namespace) -> int:
     import re
 
@@ -184,6 +199,8 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
 
     _ensure_logging(getattr(args, "verbose", False))
     try:
+        if not args.poll > 0:  # 0 would poll the logs in a busy loop
+            raise ValueError(f"--poll must be > 0 seconds, got {args.poll:g}")
         markers = [] if args.no_default_markers else list(load_knowledge_base().reset_markers)
         for m in args.marker or []:
             try:
@@ -207,14 +224,7 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
         print(f"hstu watchdog: {exc}", file=sys.stderr)
         return 2
     if args.once:
-        res = wd.step()
-        if res is None:
-            print("no reset marker found")
-            return 0
-        for s in res.steps:
-            print(f"{s.name:<12} rc={s.returncode} {s.seconds:.1f}s  {s.command}")
-        print(f"healthy={res.healthy} service_started={res.service_started}")
-        return 0 if res.healthy is not False else 1
+        return _watchdog_once(wd)
     stop = threading.Event()
 
     def on_term(*_) -> None:  # a recovery in progress is finished first: a half-done reset is worse than a late exit
@@ -227,7 +237,14 @@ def cmd_watchdog(args: argparse.Namespace) -> int:
         wd.run(stop, poll_s=args.poll)
     except KeyboardInterrupt:
         pass
-    return 1 if wd.gave_up else 0
+    if wd.gave_up:  # run() returned at once: a service manager sees the failure (Restart=, OnFailure=)
+        print(
+            f"hstu watchdog: gave up after {wd.failures} failed recoveries in a row ({wd.last_failure}); "
+            "the service is left stopped, a person has to look: exit 1",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 # ---------------------------------------------------------------------------------------- wiring
@@ -307,12 +324,14 @@ def _watchdog_arguments(p: argparse.ArgumentParser) -> None:
         ("--wait", 30.0, "wait after the reset (default 30s)"),
         ("--cooldown", 300.0, "minimum time between recoveries (default 5m)"),
         ("--health-interval", 10.0, "between health checks (default 10s)"),
-        ("--step-timeout", 600.0, "timeout of each command (default 10m)"),
-        ("--poll", 1.0, "log polling interval (default 1s)"),
+        ("--step-timeout", 600.0, "timeout of each command, > 0 (default 10m); a reset that times out is a failed recovery"),
+        ("--poll", 1.0, "log polling interval, > 0 (default 1s)"),
     ):
         p.add_argument(flag, type=_duration, default=default, metavar="DUR", help=what)
     p.add_argument("--health-retries", type=int, default=3, metavar="N", help="health-check attempts (default 3)")
-    p.add_argument("--max-attempts", type=int, default=3, metavar="N", help="give up after N unhealthy recoveries in a row (default 3)")
+    p.add_argument(
+        "--max-attempts", type=int, default=3, metavar="N", help="give up (exit 1) after N failed recoveries in a row (default 3)"
+    )
     p.add_argument("--marker", action="append", metavar="REGEX", help="extra reset-marker regex (repeatable)")
     p.add_argument("--no-default-markers", action="store_true", help="use only --marker patterns")
     p.add_argument("--from-start", action="store_true", help="also scan lines already in the logs (default: only new lines)")

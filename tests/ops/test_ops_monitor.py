@@ -186,6 +186,11 @@ def test_cli_export_rules_and_bad_listen(tmp_path, capsys):
 def test_cli_serves_for_a_bounded_duration(capsys):
     assert main(["monitor", "--listen", "127.0.0.1:0", "--interval", "200ms", "--duration", "500ms"]) == 0
     assert "/metrics" in capsys.readouterr().out
+    for zero in ("0", "0s"):  # a trial: ran forever ("0" read as no --duration)
+        assert main(["monitor", "--listen", "127.0.0.1:0", "--duration", zero]) == 2
+        assert "--duration must be > 0" in capsys.readouterr().err
+    assert main(["monitor", "--once", "--no-rules", "--rules", "x.yaml"]) == 2  # was accepted: which one wins?
+    assert "--no-rules and --rules together" in capsys.readouterr().err
 
 
 def test_host_cpu_sample_right_after_start_measures_a_window(monkeypatch):

@@ -131,6 +131,12 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     from hstu.ops import alerts, monitor
 
     _ensure_logging(getattr(args, "verbose", False))
+    if args.duration is not None and not args.duration > 0:  # 0 ran forever (it read as "no --duration")
+        print(f"hstu monitor: --duration must be > 0 (omit it to run until Ctrl-C / SIGTERM), got {args.duration:g}", file=sys.stderr)
+        return 2
+    if args.no_rules and args.rules:
+        print("hstu monitor: --no-rules and --rules together: give one", file=sys.stderr)
+        return 2
     try:
         rules = [] if args.no_rules else alerts.load_rules(args.rules)
     except (OSError, ValueError) as exc:
@@ -166,7 +172,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     h, p = server.start()
     print(f"hstu monitor: http://{h}:{p}/metrics  /alerts  /health  (interval {args.interval:g} s)", flush=True)
     try:
-        stop.wait(args.duration if args.duration else None)
+        stop.wait(args.duration)
     except KeyboardInterrupt:
         pass
     finally:

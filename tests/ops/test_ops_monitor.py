@@ -217,3 +217,21 @@ def test_host_cpu_sample_right_after_start_measures_a_window(monkeypatch):
     src._last -= 10 * HostSource.MIN_CPU_WINDOW_S  # the next sample comes after the window
     src.collect()
     assert calls[2] is None
+
+
+def test_rules_that_could_never_fire_are_refused(tmp_path, capsys, caplog):
+    """A trial: a misspelled metric and a ratio compared with 90 (a percent slip) were accepted and could never
+    fire; a rule on the server's queue depth cannot fire inside the monitor (it does in Prometheus): said once."""
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("rules:\n  - {name: Typo, when: 'hstu_host_memry_utilization_ratio > 90%'}\n")
+    assert main(["monitor", "--rules", str(typo), "--once"]) == 2
+    assert "rule Typo: unknown metric hstu_host_memry_utilization_ratio (hstu monitor exports: " in capsys.readouterr().err
+    slip = tmp_path / "slip.yaml"
+    slip.write_text("rules:\n  - {name: Slip, when: 'hstu_host_memory_utilization_ratio > 90'}\n")
+    assert main(["monitor", "--rules", str(slip), "--once"]) == 2
+    assert "hstu_host_memory_utilization_ratio is a 0..1 ratio, compared with 90: write 90% or 0.9" in capsys.readouterr().err
+    serve = tmp_path / "serve.yaml"
+    serve.write_text("rules:\n  - {name: Queue, when: 'hstu_serve_queue_depth > 200'}\n")
+    with caplog.at_level("WARNING"):
+        assert main(["monitor", "--rules", str(serve), "--once"]) == 0
+    assert "rule Queue reads hstu_serve_queue_depth, which hstu serve exports, not hstu monitor" in caplog.text

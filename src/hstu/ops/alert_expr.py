@@ -258,6 +258,8 @@ class _Parser:
             threshold = parse_quantity(num)
         except ValueError as exc:
             raise ExprError(str(exc)) from exc
+        if metric.endswith("_ratio") and abs(threshold) > 1:  # a percent written as a plain number: never (or always) true
+            raise ExprError(f"{metric} is a 0..1 ratio, compared with {num}: write {num}% or {threshold / 100:g}")
         return Condition(metric, tuple(matchers), op, threshold)
 
 

@@ -125,6 +125,26 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- monitor
 
 
+def _rules_this_monitor_reads(rules, packaged: bool) -> None:
+    """ValueError naming the rule for a metric that neither `hstu monitor` (hstu.ops.metrics.METRICS) nor `hstu serve`
+    (``hstu_serve_*``) exports (a misspelling: the rule could never fire); a warning for one of the server's, which
+    such a rule reads where both are scraped (Prometheus: ``--export-rules``), never inside the monitor (info for the
+    ``packaged`` default rules)."""
+    from hstu.ops.metrics import METRICS
+
+    for r in rules:
+        names = sorted(r.expr.metrics() - METRICS.keys())
+        if bad := [n for n in names if not n.startswith("hstu_serve_")]:
+            raise ValueError(f"rule {r.name}: unknown metric {bad[0]} (hstu monitor exports: {', '.join(sorted(METRICS))})")
+        if names:
+            (log.info if packaged else log.warning)(
+                "rule %s reads %s, which hstu serve exports, not hstu monitor: it fires in Prometheus "
+                "(hstu monitor --export-rules), never here",
+                r.name,
+                ", ".join(names),
+            )
+
+
 def cmd_monitor(args: argparse.Namespace) -> int:
     from prometheus_client import generate_latest
 
@@ -150,6 +170,11 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             Path(args.export_rules).write_text(text, encoding="utf-8")
             print(f"wrote {len(rules)} alerting rule(s) to {args.export_rules}; check with: promtool check rules {args.export_rules}")
         return 0
+    try:
+        _rules_this_monitor_reads(rules, packaged=not args.rules)
+    except ValueError as exc:
+        print(f"hstu monitor: {exc}", file=sys.stderr)
+        return 2
     engine = alerts.AlertEngine(rules) if rules else None
     mon = monitor.Monitor(engine=engine, interval_s=args.interval)
     if args.once:

@@ -439,6 +439,10 @@ def test_cli_quantize(tiny_run, tmp_path, capsys):
     assert rc == 2 and "already quantized" in capsys.readouterr().err
     rc = main(["quantize", "--run", str(tiny_run), "--scheme", "bf16", "--kernel", "fbgemm", "--out", str(tmp_path / "b16")])
     assert rc == 2 and "--kernel apply to --scheme int8 only, not bf16" in capsys.readouterr().err  # was silently ignored
+    assert main(["quantize", "--run", str(tiny_run), "--scheme", "fp16", "--no-calibrate", "--out", str(tmp_path / "f16")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]  # said "0 INT8 layers, kept float: ..." for a 16-bit scheme
+    kept = json.loads((tmp_path / "f16" / "quant.json").read_text())["keep_float"]
+    assert "INT8" not in line and ("the model fp16" + (f" but {', '.join(kept)} (float32)" if kept else "")) in line, line
     # a taken --out is refused before the run's data is read (it loaded the whole data set first);
     # the data directory is pointed at nothing, so reaching the data would fail differently
     (tmp_path / "afile").write_text("x")

@@ -75,11 +75,19 @@ def cmd_quantize(args) -> int:
             b = meta["bytes"]
             ratio = f" ({b['file'] / b['float_file']:.3f}x the float file)" if b.get("float_file") else ""
             print(
-                f"wrote {args.out}: scheme {meta['scheme']}, embeddings {meta['embeddings']}, "
-                f"{len(meta['quantized'])} INT8 layers, kept float: {', '.join(meta['keep_float']) or 'none'}; "
+                f"wrote {args.out}: scheme {meta['scheme']}, embeddings {meta['embeddings']}, {_layers_line(meta)}; "
                 f"{b['file']} bytes{ratio}"
             )
     return 0
+
+
+def _layers_line(meta: dict) -> str:
+    """The summary's layers: INT8's quantized and float-kept Linears; a 16-bit scheme's model in that dtype but the
+    float32 layers it keeps (the next-action head)."""
+    if meta["scheme"] != "int8":
+        kept = ", ".join(meta["keep_float"])
+        return f"the model {meta['scheme']}" + (f" but {kept} (float32)" if kept else "")
+    return f"{len(meta['quantized'])} INT8 layers, kept float: {', '.join(meta['keep_float']) or 'none'}"
 
 
 def add_subcommands(subparsers) -> None:

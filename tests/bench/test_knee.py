@@ -116,3 +116,28 @@ def test_beam_requests_are_labelled_apart():
     for key in ("200+beam", "20+beam", "200", "20"):
         ph.add("200", 0.01, key)
     assert list(ph.summary()["p99_ms_by_bucket"]) == ["20", "20+beam", "200", "200+beam"]
+
+
+def test_bench_reports_the_offered_rate_that_passed_not_a_short_steps_achieved_count(monkeypatch):
+    """hstu bench --serve --quick reported 73.0 QPS: the achieved rate (a Poisson count over 2 s) of the 62.5 offered
+    step. The figure is the highest offered rate that passed; the achieved count of that step is kept beside it."""
+    from hstu.bench.table import HTTP_QPS_ROW, markdown
+
+    offered = []
+
+    async def lucky_phase(client, bodies, phase, rng, max_in_flight, server=None):  # 17 % more arrivals than offered
+        offered.append(phase.offered)
+        phase.sent = int(phase.offered * phase.seconds * 1.17)
+        for _ in range(phase.sent):
+            phase.add("200", 0.2 if phase.offered > 30.0 else 0.01)
+        return phase
+
+    monkeypatch.setattr(load, "run_phase", lucky_phase)
+    got = asyncio.run(load._max_qps("http://127.0.0.1:9", [b"{}"], [10.0, 20.0, 40.0], 2.0, 0, float("inf")))
+    best = max(o for o in offered[1:] if o <= 30.0)  # offered[0]: the warm-up phase
+    assert 30.0 / 1.05 <= best <= 30.0 and got["max_qps"] == got["offered_qps"] == best
+    assert got["achieved_qps"] == round(int(best * 2.0 * 1.17) / 2.0, 1) > best
+    cell = {"precision": "fp32", "serve": got}
+    md = markdown([{"environment": {"device": "cpu", "device_name": "X"}, "cells": [cell]}])
+    row = next(ln for ln in md.splitlines() if ln.startswith(f"| {HTTP_QPS_ROW} |"))
+    assert row.split("|")[2].strip() == f"{best:.1f}"

@@ -131,6 +131,22 @@ def precision_unavailable(be, precision: str) -> str | None:
     return None
 
 
+def model_unavailable(run: Path, precision: str) -> str | None:
+    """Why the run's model cannot run at ``precision`` (the cell is then not run), or None: low-precision
+    inference (:func:`hstu.quant.apply_precision`) converts HSTU models only, so a SASRec run is fp32 only."""
+    from hstu.model.checkpoint import read_json
+
+    arch = read_json(Path(run) / "config.json")["model"].get("architecture", "hstu")
+    if precision == "fp32" or arch == "hstu":
+        return None
+    return f"a {arch} model runs at fp32 only (low-precision inference converts HSTU models)"
+
+
+def unavailable(src: Source, be, precision: str) -> str | None:
+    """Why the column ``precision`` is not measured: :func:`model_unavailable`, else :func:`precision_unavailable`."""
+    return model_unavailable(src.run, precision) or precision_unavailable(be, precision)
+
+
 def model_bytes(model) -> int:
     """Bytes of the model's tensors as stored at its precision (:func:`hstu.quant.tensor_bytes` of
     the quantized state for a converted model, of the state dict for a float one)."""
@@ -185,14 +201,14 @@ def _quality(src: Source, rec) -> dict | str:
 
 
 def measure_precision(src: Source, precision: str, st: Settings, be) -> dict:
-    """One column: ``{"precision", "unavailable": reason}`` when it cannot run here, else the
+    """One column: ``{"precision", "unavailable": reason}`` when it cannot run here (:func:`unavailable`), else the
     generation figures (:func:`latency_stats` keys, ``times_ms``, ``sweep``), ``model_bytes``,
     ``memory`` (``host_rss_peak_bytes``, ``device_peak_bytes`` or None on the host) and ``quality``
     (HR@10 / NDCG@10 on the test split, or the reason there is none). Never raises for a precision
     that cannot be loaded (the loader's message becomes the reason)."""
     from hstu.generate.recommend import Recommender
 
-    reason = precision_unavailable(be, precision)
+    reason = unavailable(src, be, precision)
     if reason is not None:
         return {"precision": precision, "unavailable": reason}
     gc.collect()
@@ -227,9 +243,10 @@ def measure_isolated(src: Source, precision: str, st: Settings, be, threads: int
     torch's default; the backend selected from ``st.device``), so that its memory figures are this
     precision's alone: ``host_rss_base_bytes`` is that process's RSS with torch, the run's data and
     this module loaded, before the model; ``host_rss_peak_bytes`` its peak while the cell ran. A
-    precision without a fast kernel on ``be`` is reported from here, without a process. An error in
+    precision without a fast kernel on ``be``, or one the model does not support (:func:`unavailable`),
+    is reported from here, without a process. An error in
     the child is raised here as it was raised there."""
-    reason = precision_unavailable(be, precision)
+    reason = unavailable(src, be, precision)
     if reason is not None:
         return {"precision": precision, "unavailable": reason}
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -1,7 +1,7 @@
 """``hstu bench``: the reference port's benchmark table for a run on this machine, in one command.
 
     hstu bench --run RUN [--device auto|cpu|cuda|npu] [--precisions fp32,fp16,bf16,int8] [--batch 16]
-               [--lengths 50,100,200] [--serve] [--out DIR] [--compare FILE.json ...] [--quick]
+               [--lengths 50,100,200] [--serve] [--out DIR [--overwrite]] [--compare FILE.json ...] [--quick]
     hstu bench --preset small|large|prod ...      (random weights: no run, no quality)
     hstu bench --compare A.json --compare B.json  (print saved results side by side)
 
@@ -9,11 +9,15 @@ For each precision: next-k generation P50 / P99 latency per call at --batch (his
 longest --lengths value that fits the model), QPS (users / s), peak memory (device, else host RSS),
 model bytes, test HR@10 / NDCG@10; the length sweep at --sweep-batch (P50 per length, growth from
 the shortest to the longest); with --serve the HTTP figures of ``hstu serve`` at that precision
-(highest QPS with P99 <= 100 ms, P50 / P99 there). A precision without a fast kernel here is a
-column that says why. Prints a Markdown table with the reference port's published columns; --out
-writes bench.json (every figure, raw call times, the environment), bench.md and PNG plots.
+(the highest offered rate whose step kept P99 <= 100 ms, P50 / P99 there). A precision without a fast
+kernel here, or one the model does not run at (a SASRec run is fp32 only; a quantized run only its
+scheme), is an n/a column with a footnote saying why, named in --precisions or not. Prints a Markdown
+table with the reference port's published columns; --out writes bench.json (every figure, raw call
+times, the environment), bench.md and PNG plots: built in a hidden directory beside --out and moved
+there when complete (an error or Ctrl-C leaves --out as it was). --out must be new or empty, or hold
+an earlier bench's output with --overwrite (replaced whole); it is checked before anything is measured.
 
-Exit codes: 0 done; 2 bad flag, run or result file (one line naming it).
+Exit codes: 0 done; 2 bad flag, run, result file or --out (one line naming it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import tempfile
 from pathlib import Path
 
 from hstu.bench.cells import PRECISIONS, Settings
+
+OUT_FILES = ("bench.json", "bench.md", "latency_per_length.png", "latency_cdf.png")  # what --out holds; bench.json last
 
 QUICK = {"repeats": 5, "warmup": 1, "steps": [5.0, 10.0, 20.0, 40.0], "step_s": 2.0, "serve_budget_s": 30.0}
 FULL = {
@@ -85,7 +91,12 @@ def add_subcommands(subparsers) -> None:
         "--serve", action="store_true", help="also the HTTP figures of hstu serve per precision (needs the serve and bench extras)"
     )
     p.add_argument("--no-quality", action="store_true", help="skip HR@10 / NDCG@10 on the test split")
-    p.add_argument("--out", help="directory for bench.json, bench.md and the PNG plots")
+    p.add_argument("--out", help="directory for bench.json, bench.md and the PNG plots (must not exist or be empty, unless --overwrite)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier bench in --out (it holds bench.json) once the new one is complete; never other files",
+    )
     p.add_argument(
         "--compare", action="append", default=[], metavar="FILE.json", help="another bench.json to put beside these (repeatable)"
     )
@@ -98,14 +109,36 @@ def cmd_bench(args) -> int:
     from hstu.bench.table import load_result, markdown
 
     others = [load_result(f) for f in args.compare]  # before any measuring: a bad file fails fast
-    if args.run is None and args.preset is None:
-        if not others:
-            raise ValueError("give --run RUN_DIR or --preset NAME (or --compare FILE.json to print saved results)")
-        _emit(others, args.out, markdown)
-        return 0
-    res = _measure(args)
-    _emit([res, *others], args.out, markdown)
+    if args.run is None and args.preset is None and not others:
+        raise ValueError("give --run RUN_DIR or --preset NAME (or --compare FILE.json to print saved results)")
+    _check_out(args.out, args.overwrite)  # so is a bad --out
+    results = others if args.run is None and args.preset is None else [_measure(args), *others]
+    _emit(results, args.out, args.overwrite, markdown)
     return 0
+
+
+def _check_out(out: str | None, overwrite: bool) -> None:
+    """Refuse an --out that would lose something, before anything is measured: FileExistsError (exit 2, one line
+    naming it) for a file, a directory holding an earlier bench (bench.json and only :data:`OUT_FILES`) without
+    ``overwrite``, or one holding anything else (never replaced); ValueError for ``overwrite`` without ``out``."""
+    from hstu.model.checkpoint import dir_target
+
+    if out is None:
+        if overwrite:
+            raise ValueError("--overwrite: needs --out (the directory whose earlier bench it replaces)")
+        return
+    d = dir_target(out)  # FileExistsError: a link to nothing
+    if d.exists() and not d.is_dir():
+        raise FileExistsError(f"--out {out}: exists and is not a directory")
+    names = sorted(q.name for q in d.iterdir()) if d.is_dir() else []
+    other = [n for n in names if n not in OUT_FILES]
+    if names and (other or "bench.json" not in names):
+        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "") if other else "no bench.json"
+        raise FileExistsError(f"--out {out}: holds files that are not an earlier hstu bench's output ({shown}); choose another directory")
+    if names and not overwrite:
+        raise FileExistsError(
+            f"--out {out}: holds an earlier bench (bench.json); pass --overwrite to replace it, or choose another directory"
+        )
 
 
 def _settings(args, mode: dict) -> Settings:
@@ -213,26 +246,24 @@ def _serve_cell(src, cell: dict, st: Settings, mode: dict) -> dict:
         return {"unavailable": str(exc), "max_qps": None}
 
 
-def _emit(results: list[dict], out: str | None, markdown) -> None:
+def _emit(results: list[dict], out: str | None, overwrite: bool, markdown) -> None:
     """Print the table; with ``out``, write bench.json (this run's result, or the merged files),
-    bench.md and the plots there (each file written whole, then renamed)."""
+    bench.md and the plots there, all or nothing (:func:`hstu.model.checkpoint.staged_dir`: an old
+    bench in ``out`` is replaced whole, only once the new one is complete)."""
     from hstu.bench.plots import write_plots
+    from hstu.model.checkpoint import staged_dir, write_text
 
     text = markdown(results)
     if out is not None:
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
+        _check_out(out, overwrite)  # again: files may have appeared in --out while this measured
         payload = results[0] if results[0].get("source_file") is None else {"hstu_bench": 1, "merged": results}
-        _write(d / "bench.json", json.dumps(payload, indent=2) + "\n")
-        _write(d / "bench.md", text)
-        files, why = write_plots(results, d)
+        with staged_dir(out, last="bench.json") as tmp:
+            write_text(tmp / "bench.md", text)
+            files, why = write_plots(results, tmp)
+            write_text(tmp / "bench.json", json.dumps(payload, indent=2) + "\n")
+        d = Path(out)
         print(
-            f"wrote {d / 'bench.json'}, {d / 'bench.md'}" + "".join(f", {f}" for f in files) + (f" ({why})" if why else ""), file=sys.stderr
+            f"wrote {d / 'bench.json'}, {d / 'bench.md'}" + "".join(f", {d / f.name}" for f in files) + (f" ({why})" if why else ""),
+            file=sys.stderr,
         )
     print(text, end="")
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

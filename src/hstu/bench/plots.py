@@ -23,7 +23,8 @@ def write_plots(results: list[dict], out: Path) -> tuple[list[Path], str | None]
     files = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, c in cols:
-        pts = sorted((int(L), v["p50_ms"]) for L, v in c["sweep"]["lengths"].items())
+        lengths = (c.get("sweep") or {}).get("lengths") or {}
+        pts = sorted((int(L), v["p50_ms"]) for L, v in lengths.items() if v.get("p50_ms") is not None)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set(xlabel="history length (events)", ylabel="P50 latency per call (ms)", title="next-k latency per history length")
     ax.grid(alpha=0.3)

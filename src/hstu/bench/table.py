@@ -9,6 +9,7 @@ are quoted, not measured here.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -20,6 +21,7 @@ REFERENCE = {  # column -> row -> figure, as published by the reference port
     "910B INT8 (reference port)": {"p50": 39.1, "p99": 86.3, "qps": 498, "memory_gb": 12.3},
 }
 DASH = "—"
+HTTP_QPS_ROW = "HTTP QPS offered at P99 ≤ 100 ms"  # the highest offered rate (requests/s) that kept P99 <= 100 ms, only 200s
 
 
 def load_result(path: str | Path) -> dict:
@@ -37,10 +39,64 @@ def load_result(path: str | Path) -> dict:
     cells = obj.get("cells")
     if not isinstance(cells, list) or not all(isinstance(c, dict) and isinstance(c.get("precision"), str) for c in cells):
         raise ValueError(f"{p}: field 'cells' must be a list of objects with a 'precision'")
-    if not isinstance(obj.get("environment"), dict):
+    if len({c["precision"] for c in cells}) != len(cells):
+        raise ValueError(f"{p}: field 'cells' names a precision twice ({', '.join(c['precision'] for c in cells)})")
+    env = obj.get("environment")
+    if not isinstance(env, dict):
         raise ValueError(f"{p}: field 'environment' must be an object")
+    if env.get("load_average") is not None and not isinstance(env["load_average"], list):
+        raise ValueError(f"{p}: field 'environment.load_average' must be a list or null, got {env['load_average']!r}")
+    for i, cell in enumerate(cells):
+        _check_cell(p, f"cells[{i}]", cell)
     obj["source_file"] = str(p)
     return obj
+
+
+FIGURES = ("p50_ms", "p99_ms", "mean_ms", "min_ms", "max_ms", "qps", "calls", "history", "batch", "model_bytes")
+SERVE_FIGURES = ("max_qps", "offered_qps", "achieved_qps", "p50_ms", "p99_ms")
+
+
+def _check_number(p: Path, field: str, v, signed: bool = False) -> None:
+    """ValueError naming the file and field unless ``v`` is null or a finite number (>= 0 unless ``signed``)."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (signed or v >= 0)):
+        return
+    raise ValueError(f"{p}: field '{field}' must be a finite number{'' if signed else ' >= 0'} or null, got {v!r}")
+
+
+def _check_object(p: Path, field: str, v) -> dict:
+    if v is not None and not isinstance(v, dict):
+        raise ValueError(f"{p}: field '{field}' must be an object or null, got {v!r}")
+    return v or {}
+
+
+def _check_cell(p: Path, at: str, cell: dict) -> None:
+    """Every figure the table, the plots and --compare read from one cell: ValueError naming the file and the field."""
+    for k in FIGURES:
+        _check_number(p, f"{at}.{k}", cell.get(k))
+    times = cell.get("times_ms")
+    if times is not None and not isinstance(times, list):
+        raise ValueError(f"{p}: field '{at}.times_ms' must be a list of numbers, got {times!r}")
+    for j, t in enumerate(times or []):
+        _check_number(p, f"{at}.times_ms[{j}]", t)
+    for k, v in _check_object(p, f"{at}.memory", cell.get("memory")).items():
+        _check_number(p, f"{at}.memory.{k}", v)
+    if isinstance(cell.get("quality"), dict):
+        for k in ("HR@10", "NDCG@10"):
+            _check_number(p, f"{at}.quality.{k}", cell["quality"].get(k))
+            if cell["quality"].get(k) is None:
+                raise ValueError(f"{p}: field '{at}.quality.{k}' is missing")
+    sweep = _check_object(p, f"{at}.sweep", cell.get("sweep"))
+    _check_number(p, f"{at}.sweep.batch", sweep.get("batch"))
+    _check_number(p, f"{at}.sweep.growth_percent", sweep.get("growth_percent"), signed=True)
+    for part in ("lengths", "unavailable"):
+        for L, v in _check_object(p, f"{at}.sweep.{part}", sweep.get(part)).items():
+            if not L.isdigit():
+                raise ValueError(f"{p}: field '{at}.sweep.{part}' must be keyed by history lengths, got {L!r}")
+            if part == "lengths":
+                for k in FIGURES:
+                    _check_number(p, f"{at}.sweep.lengths.{L}.{k}", _check_object(p, f"{at}.sweep.lengths.{L}", v).get(k))
+    for k in SERVE_FIGURES:
+        _check_number(p, f"{at}.serve.{k}", _check_object(p, f"{at}.serve", cell.get("serve")).get(k))
 
 
 def short_device(env: dict) -> str:
@@ -52,13 +108,19 @@ def short_device(env: dict) -> str:
 
 def columns(results: list[dict]) -> list[tuple[str, dict]]:
     """(label, cell) for every cell of every result, this run first; a label seen before gets the
-    result's file name (or its position) appended."""
+    result's file name appended (its path when another result's file has that name; its position when the same
+    file is given twice): every label is distinct."""
     out, seen = [], set()
+    names = [Path(r["source_file"]).name for r in results if r.get("source_file")]
     for i, res in enumerate(results):
+        path = res.get("source_file")
+        tag = path and (Path(path).name if names.count(Path(path).name) == 1 else path)  # dir1/bench.json, dir2/bench.json
         for cell in res["cells"]:
-            label = f"{short_device(res['environment'])} {cell['precision'].upper()}"
-            if label in seen:
-                label += f" ({Path(res['source_file']).name if res.get('source_file') else f'result {i + 1}'})"
+            base = f"{short_device(res['environment'])} {cell['precision'].upper()}"
+            # two machines with the same device name: the file's name (its path where names repeat), else its position
+            for label in (base, *([f"{base} ({tag})"] if tag else []), f"{base} (result {i + 1})"):
+                if label not in seen:
+                    break
             seen.add(label)
             out.append((label, cell))
     return out
@@ -86,7 +148,7 @@ def _rows(cols: list[tuple[str, dict]]) -> list[tuple[str, list[str], str | None
     """(row label, one text per measured column, reference-row key or None)."""
     sweeps = [c.get("sweep") or {} for _, c in cols]
     lengths = sorted({int(L) for s in sweeps for part in ("lengths", "unavailable") for L in s.get(part) or {}})
-    sweep_b = sorted({c["sweep"]["batch"] for _, c in cols if c.get("sweep")})
+    sweep_b = sorted({s["batch"] for s in sweeps if s.get("batch") is not None})
     rows = [
         ("P50 latency (ms)", [_fmt(c.get("p50_ms"), ".2f") for _, c in cols], "p50"),
         ("P99 latency (ms)", [_fmt(c.get("p99_ms"), ".2f") for _, c in cols], "p99"),
@@ -102,7 +164,7 @@ def _rows(cols: list[tuple[str, dict]]) -> list[tuple[str, list[str], str | None
     growth = [_fmt((c.get("sweep") or {}).get("growth_percent"), "+.0f") for _, c in cols]
     rows.append(("latency growth, shortest → longest", [g if g == DASH else f"{g} %" for g in growth], "growth"))
     if any(c.get("serve") for _, c in cols):
-        rows.append(("HTTP QPS at P99 ≤ 100 ms", [_fmt((c.get("serve") or {}).get("max_qps"), ".1f") for _, c in cols], None))
+        rows.append((HTTP_QPS_ROW, [_serve_qps(c) for _, c in cols], None))
         rows.append(("HTTP P50 / P99 there (ms)", [_serve_lat(c) for _, c in cols], None))
     return rows
 
@@ -112,14 +174,21 @@ def _sweep_p50(cell: dict, L: int) -> str:
     if str(L) in (sweep.get("unavailable") or {}):
         return "n/a (> max_seq_len)"
     got = (sweep.get("lengths") or {}).get(str(L))
-    return DASH if got is None else f"{got['p50_ms']:.2f}"
+    return DASH if got is None else _fmt(got.get("p50_ms"), ".2f")
+
+
+def _serve_qps(cell: dict) -> str:
+    """The highest offered rate that passed; a result written before ``offered_qps`` existed holds the achieved rate there."""
+    s = cell.get("serve") or {}
+    got = _fmt(s.get("max_qps"), ".1f")
+    return got if got == DASH or "offered_qps" in s else f"{got} (achieved)"
 
 
 def _serve_lat(cell: dict) -> str:
     s = cell.get("serve") or {}
     if s.get("p50_ms") is None:
         return DASH
-    return f"{s['p50_ms']:.1f} / {s['p99_ms']:.1f}"
+    return f"{_fmt(s['p50_ms'], '.1f')} / {_fmt(s.get('p99_ms'), '.1f')}"
 
 
 def _ref(column: str, key: str | None) -> str:

@@ -313,6 +313,17 @@ def test_lengths_beyond_the_model_are_one_line(run_dir, capsys):
     assert len(err) == 1 and f"--lengths {max_len + 1}: every value exceeds the model's max_seq_len {max_len}" in err[0], err
 
 
+def test_a_broken_quant_json_is_the_runs_error(run_dir, tmp_path, capsys):
+    """A trial: a truncated quant.json gave exit 0 and a table of n/a columns; bench's help says exit 2 for a bad run."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "quant.json").write_text('{"format": 1, "scheme"')
+    assert main(["bench", "--run", str(run), "--precisions", "int8", "--quick", "--no-quality"]) == 2
+    assert f"{run / 'quant.json'}: not valid JSON" in capsys.readouterr().err
+
+
 def test_no_source_is_one_line(capsys):
     assert main(["bench"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -83,6 +83,9 @@ def open_run(run: Path, data_dir: str | None = None) -> Source:
     from hstu.runs import read_run
 
     cfg, _ = read_run(run)
+    from hstu.quant.checkpoint import read_quant_meta
+
+    read_quant_meta(run)  # a quantized run's quant.json: a broken one is the run's error (exit 2), not an n/a column
     if "data" not in cfg:
         return Source(run, f"run {run}", None, ["the run records no data set: random histories, no quality"])
     log_, split, _ = _run_data(cfg, data_dir)

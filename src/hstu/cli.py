@@ -202,6 +202,10 @@ def _run_data(cfg: dict, data_dir: str | None = None, protocol: str | None = Non
         from hstu.runs import check_resume_items
 
         check_resume_items(Path(run[0]), log_, ids=run[1], command="--data-dir" if getattr(args, "data_dir", None) else "")
+        was, now = (run[1] or {}).get("data_facts", {}), {"events": log_.num_events, "users": log_.num_users}
+        if now.keys() <= was.keys() and any(was[k] != v for k, v in now.items()):  # same items, other events (appended logs)
+            msg = "the data holds %d events of %d users; the run was trained on %d of %d (idmap.json data_facts): the figures differ"
+            log.warning(msg, *now.values(), *map(was.get, now))
     return log_, split, spec
 
 

@@ -61,8 +61,8 @@ def test_a_diverged_epoch_stops_the_run_and_writes_nothing_of_it(tmp_path, monke
 def test_fit_does_not_replace_a_run_unless_asked(tmp_path):
     spec, run = _log(tmp_path), tmp_path / "run"
     _fit(run, spec)
-    with pytest.raises(FileExistsError, match="already holds a run"):
-        _fit(run, spec)
+    with pytest.raises(FileExistsError, match=r"already holds a run; resume=True \(--resume\) continues it, overwrite=True"):
+        _fit(run, spec)  # the Python API's keywords, not only the CLI's flag (a trial)
     _fit(run, spec, overwrite=True)
 
 

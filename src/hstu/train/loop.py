@@ -362,7 +362,7 @@ def fit(
     if is_quantized(run):  # hstu quantize's output: no train state; its INT8 weights would shadow new ones
         raise FileExistsError(f"--out {run} holds a quantized copy of a run (quant.json, from hstu quantize), not a run to train")
     if has_train_state(run) and not resume and not overwrite:
-        raise FileExistsError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+        raise FileExistsError(f"{run} already holds a run; resume=True (--resume) continues it, overwrite=True replaces it")
     strategy = strategy or LocalStrategy()
     strategy.start(device, tcfg)
     opts = {"progress": progress, "on_step": on_step, "max_minutes": max_minutes, "tensorboard": tensorboard}

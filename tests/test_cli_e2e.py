@@ -406,3 +406,8 @@ def test_a_loader_flag_against_a_run_without_that_option_names_the_default():
         run_loader_options({"options": {}}, given, Path("r/config.json"))
     assert run_loader_options({"options": {}}, Namespace(columns=None, format="header=yes"), Path("c")) == {}  # the default, spelt out
     assert run_loader_options({}, given, Path("c")) == {"format": "sep=;"}  # a run that recorded no options: the flags
+    # the default separator restated (a trial: `--format sep=comma` on a .csv run was refused): the one the loader takes
+    for path, same, other in (("log.csv", "sep=comma", "sep=tab"), ("log.tsv", "sep=tab", "sep=comma")):
+        assert run_loader_options({"data_dir": path, "options": {}}, Namespace(columns=None, format=same), Path("c")) == {}
+        with pytest.raises(ValueError, match=f"--format is '{other}' here but none"):
+            run_loader_options({"data_dir": path, "options": {}}, Namespace(columns=None, format=other), Path("c"))

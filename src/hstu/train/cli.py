@@ -473,7 +473,7 @@ def run_loader_options(data: dict, args, config_path: Path) -> dict:
     if saved is None:
         return given
     for name, value in given.items():
-        if not _same_option(name, value, saved.get(name)):
+        if not _same_option(name, value, saved.get(name), data.get("data_dir")):
             was = repr(saved[name]) if name in saved else "none (the loader's default)"
             raise ValueError(
                 f"--{name} is {value!r} here but {was} in the run ({config_path} data.options.{name}); "
@@ -482,12 +482,18 @@ def run_loader_options(data: dict, args, config_path: Path) -> dict:
     return dict(saved)
 
 
-def _same_option(name: str, a, b) -> bool:
-    """Whether two values of loader option ``name`` read the data the same way (None: not given)."""
-    from hstu.data.delimited import parse_columns, parse_format
+def _same_option(name: str, a, b, data_dir=None) -> bool:
+    """Whether two values of loader option ``name`` read the data the same way (None: not given); a format's separator
+    left to the loader is the one it takes for each of the run's files (``data_dir``: tab for .tsv, else comma)."""
+    from hstu.data.delimited import log_files, parse_columns, parse_format
 
     if name == "format":
-        return parse_format(a) == parse_format(b)
+        fa, fb = parse_format(a), parse_format(b)
+        try:
+            paths = log_files(data_dir) if data_dir else [Path("log.csv")]
+        except (OSError, ValueError):  # the run's data moved: its name alone
+            paths = [Path(str(data_dir))]
+        return fa.header == fb.header and all(fa.sep_for(p) == fb.sep_for(p) for p in paths)
     if name == "columns" and a is not None and b is not None:
         return parse_columns(a) == parse_columns(b)
     return a == b

@@ -294,3 +294,29 @@ def test_cli_resume_refuses_fewer_epochs_than_committed(tmp_path, monkeypatch, c
         assert main(["train", "--out", "run", "--resume", "--quiet"]) == 0
     assert "has trained its 2 epochs, nothing to train" in caplog.text
     assert [e["epoch"] for e in read_history(tmp_path / "run")] == [1, 2]
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_commits_an_epoch(tmp_path, monkeypatch):
+    """A trial: Ctrl-C in the first epoch of `train --overwrite` deleted the old run ("nothing is kept"). Its files
+    now wait in RUN/.replaced/ until the new run commits an epoch, and come back if it does not."""
+    spec, run = _log(tmp_path), tmp_path / "run"
+    _fit(run, spec)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    real = loop.train_one_epoch
+
+    def interrupted(*a, **k):
+        assert (run / ".replaced" / "model.safetensors").is_file() and not (run / "model.safetensors").exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train_one_epoch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(run, spec, overwrite=True)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # the old run, whole; no .replaced left
+    (run / ".replaced").mkdir()  # a start killed outright: the old run aside, that start's config.json beside it
+    for name in before:
+        (run / name).rename(run / ".replaced" / name)
+    (run / "config.json").write_text("{}")
+    monkeypatch.setattr(loop, "train_one_epoch", real)
+    _fit(run, spec, overwrite=True)
+    assert not (run / ".replaced").exists() and json.loads((run / "config.json").read_text())["model"]
+    assert [e["epoch"] for e in read_history(run)] == [1]

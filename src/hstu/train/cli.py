@@ -304,7 +304,7 @@ def _model_cfg(args, say: bool = True):
 
 def _check_out_dir(args) -> None:
     """FileExistsError when --out holds a quantized copy, or a run without --resume or --overwrite; with --overwrite,
-    ``fit`` deletes the old run's files once data and device are good (a failed start loses nothing)."""
+    ``fit`` replaces the old run once the new one commits an epoch (:mod:`hstu.train.replace`: a failed start loses nothing)."""
     from hstu.runs import RUN_FILES, is_quantized
 
     out = Path(args.out)
@@ -321,7 +321,7 @@ def _check_out_dir(args) -> None:
             f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
             "--overwrite to replace it, or choose another --out"
         )
-    log.warning("--overwrite: the run in %s (%s) is replaced once the data and device are ready", out, ", ".join(found))
+    log.warning("--overwrite: the run in %s (%s) is replaced once the new one commits an epoch", out, ", ".join(found))
 
 
 def _check_foreign_files(out: Path) -> None:

@@ -13,9 +13,8 @@ line per epoch (:mod:`hstu.train.logs`); metrics.csv with each epoch's commit (:
 ``resume`` continues from RUN_DIR/last.*; ``max_minutes`` stops after the epoch in which that much wall time
 has passed (committed, resumable; metrics.json ``status`` says so).
 
-Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs; BackendUnavailableError
-for a missing device; FileExistsError when RUN_DIR holds a run and neither ``resume`` nor ``overwrite`` is set.
-"""
+Raises: FileNotFoundError / DataFormatError from the loaders; ValueError for bad configs; BackendUnavailableError for a
+missing device; FileExistsError when RUN_DIR holds a run and neither ``resume`` nor ``overwrite`` (:mod:`.replace`) is set."""
 
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ from hstu.runs import (  # noqa: F401
     load_best_weights,
     load_train_state,
     read_config,
-    remove_run_files,
+    remove_run_files,  # noqa: F401 (hstu.train.loop.remove_run_files, as before)
     repair_run_files,
     save_best_weights,
     save_train_state,
@@ -73,6 +72,7 @@ from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
 from hstu.train.recipe import check_recipe, decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
+from hstu.train.replace import drop, put_back, set_aside
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -418,10 +418,9 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
     paper = spec.protocol == "paper"
     history = _resume(strategy, run, model, opt, gen, state, paper) if resume and has_train_state(run) else []
     board = TensorBoardCurves(opts["tensorboard"], state["epoch"] + 1) if opts["tensorboard"] and strategy.is_main else None
+    aside = set_aside(run) if strategy.is_main and not resume else None  # --overwrite: the old run kept until an epoch commits
     if strategy.is_main:
         run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
-        if not resume:  # a fresh run in place of an old one (--overwrite): the old files go only now that data and device are good
-            remove_run_files(run)
         write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
         write_idmap(run, log_, split)
         log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
@@ -435,6 +434,7 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         stops = lambda: not paper and state["bad_epochs"] >= tcfg.early_stopping_patience  # noqa: E731
         while state["epoch"] < tcfg.epochs and not stops():  # a resumed run that had stopped early trains no more
             entry = _epoch(strategy, run, model, log_, split, tcfg, opt, gen, state, history, paper, opts)
+            aside = drop(aside)
             if board is not None:
                 board.epoch(entry)
             if state["epoch"] < tcfg.epochs and not stops() and _time_is_up(strategy, started, opts["max_minutes"]):
@@ -446,8 +446,8 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
             status = f"early stopping at epoch {state['epoch']} (best {state['best_epoch']})"
             log.info(status)
     except BaseException:
-        if strategy.is_main and not resume and state["epoch"] == 0:  # nothing committed: no half-written run stays
-            remove_run_files(run, everything=True)
+        if strategy.is_main and not resume and state["epoch"] == 0:  # nothing committed: no half-written run, an old one back
+            put_back(run, aside)
         raise
     finally:
         if board is not None:

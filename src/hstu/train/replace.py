@@ -1,0 +1,49 @@
+"""A fresh training in place of an old run (``hstu train --overwrite``, ``fit(overwrite=True)``) without losing the
+old run to a start that fails: its files are set aside in ``RUN/.replaced/`` until the new run commits its first
+epoch (then deleted), and put back if the new run fails or is interrupted before that (Ctrl-C in the first epoch
+used to delete the old model). A process killed outright leaves ``.replaced/`` holding the old run; the next fresh
+start into ``RUN`` takes it as the run set aside (the files beside it are that killed start's, never committed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from hstu.runs import CONFIG, IDMAP, ITEMS, RUN_FILES, remove_run_files
+
+ASIDE = ".replaced"
+
+
+def set_aside(run: Path) -> Path | None:
+    """Move the run files in ``run`` (the old run's) into ``run/.replaced/``; return that directory, or None when
+    there was nothing to keep."""
+    run, aside = Path(run), Path(run) / ASIDE
+    if aside.is_dir():  # a start killed before its first commit: the old run is in there, these files are that start's
+        remove_run_files(run, everything=True)  # run itself stays: .replaced/ is in it
+        return aside
+    files = [f for f in (*RUN_FILES, CONFIG, IDMAP, ITEMS) if (run / f).exists()]
+    if not files:
+        return None
+    aside.mkdir()
+    for f in files:
+        os.replace(run / f, aside / f)
+    return aside
+
+
+def put_back(run: Path, aside: Path | None) -> None:
+    """After a start that committed no epoch: remove its files (and ``run`` if that leaves it empty), and move the
+    old run's back from ``aside``."""
+    remove_run_files(Path(run), everything=True)
+    if aside is None:
+        return
+    for f in aside.iterdir():
+        os.replace(f, Path(run) / f.name)
+    aside.rmdir()
+
+
+def drop(aside: Path | None) -> None:
+    """The new run committed an epoch: the old run's files go. Returns None (the caller's ``aside``)."""
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)

@@ -156,22 +156,33 @@ def test_resume_of_a_run_whose_csv_data_moved_names_its_path(tmp_path, capsys) -
     assert err == f"hstu train: error: --resume: the run's csv data {(tmp_path / 'log.csv').resolve()} is not found; pass --data-dir", err
 
 
-def test_an_interrupt_says_what_a_rerun_goes_on_from(capsys) -> None:
+def test_an_interrupt_says_what_a_rerun_goes_on_from(capsys, tmp_path) -> None:
     """Ctrl-C on `generate --all-users` or `export --graphs` said only "interrupted"; both keep their work (finished
-    parts, built graphs) and the same command goes on from it: the line says so. Other commands: the plain line."""
+    parts, built graphs) and the same command goes on from it: the line says so. Other commands: the plain line.
+    `--all-users` said its parts stay also when no chunk had finished and OUT.parts/ was removed: it says so only
+    where OUT.parts/ holds a finished chunk (not job.json alone, nor a part still being written)."""
     import argparse
 
     from hstu.interrupts import Terminated, interrupted
 
     ns = argparse.Namespace
-    cases = [
-        (ns(command="generate", all_users=True, out="recs.jsonl"), KeyboardInterrupt(), 130, "finished parts stay in recs.jsonl.parts/"),
-        (ns(command="export", graphs=True, run="r", out=None), Terminated(), 143, "the graphs built so far stay in r/graphs"),
-        (ns(command="generate", all_users=False, out=None), KeyboardInterrupt(), 130, None),
-        (ns(command="export", graphs=False, run="r", out="o"), KeyboardInterrupt(), 130, None),
-    ]
-    for args, exc, code, hint in cases:
+    out, parts = tmp_path / "recs.jsonl", tmp_path / "recs.jsonl.parts"
+    gen = ns(command="generate", all_users=True, out=str(out))
+    kept = f"finished parts stay in {out}.parts/: the same command goes on from them"
+    lost = "no chunk was finished, nothing is kept: run the command again"
+
+    def line(args, exc, code: int) -> str:
         assert interrupted(args, exc) == code
-        err = capsys.readouterr().err.strip()
-        word = "terminated" if code == 143 else "interrupted"
-        assert err == f"hstu {args.command}: {word}" if hint is None else err.startswith(f"hstu {args.command}: {word}; {hint}"), err
+        return capsys.readouterr().err.strip()
+
+    assert line(gen, KeyboardInterrupt(), 130) == f"hstu generate: interrupted; {lost}"  # no OUT.parts/
+    parts.mkdir()
+    (parts / "job.json").write_text("{}")
+    (parts / "chunk-000000.jsonl.tmp").write_text("")
+    assert line(gen, Terminated(), 143) == f"hstu generate: terminated; {lost}"
+    (parts / "chunk-000001.jsonl").write_text("{}\n")
+    assert line(gen, KeyboardInterrupt(), 130) == f"hstu generate: interrupted; {kept}"
+    graphs = ns(command="export", graphs=True, run="r", out=None)
+    assert line(graphs, Terminated(), 143).startswith("hstu export: terminated; the graphs built so far stay in r/graphs")
+    assert line(ns(command="generate", all_users=False, out=None), KeyboardInterrupt(), 130) == "hstu generate: interrupted"
+    assert line(ns(command="export", graphs=False, run="r", out="o"), KeyboardInterrupt(), 130) == "hstu export: interrupted"

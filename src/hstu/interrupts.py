@@ -22,8 +22,12 @@ def interrupted(args, exc: KeyboardInterrupt) -> int:
     ``generate --all-users``' finished parts, ``export --graphs``' built graphs."""
     out = getattr(args, "out", None)
     if args.command == "generate" and getattr(args, "all_users", False) and out:  # no import here: an interrupt inside a
-        hint = f"; finished parts stay in {out}.parts/: the same command goes on from them"  # lazy import may have left a
-    elif args.command == "export" and getattr(args, "graphs", False) and getattr(args, "run", None):  # module half-loaded
+        hint = (  # lazy import may have left a module half-loaded
+            f"; finished parts stay in {out}.parts/: the same command goes on from them"
+            if has_finished_part(out)
+            else "; no chunk was finished, nothing is kept: run the command again"
+        )
+    elif args.command == "export" and getattr(args, "graphs", False) and getattr(args, "run", None):
         hint = f"; the graphs built so far stay in {Path(args.run) / 'graphs'}: the same command builds the rest"
     elif args.command != "train" or not out:
         hint = ""
@@ -39,6 +43,16 @@ def interrupted(args, exc: KeyboardInterrupt) -> int:
     where = f"hstu {args.command}" if args.command else "hstu"
     print(f"{where}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130
+
+
+def has_finished_part(out: str | Path) -> bool:
+    """Whether ``OUT.parts/`` of ``generate --all-users --out OUT`` holds a finished chunk (``chunk-*.jsonl`` /
+    ``.parquet``, not a ``.tmp`` being written): pathlib only, as :mod:`hstu.generate.batch_parts` names them."""
+    parts = Path(f"{out}.parts")
+    try:
+        return any(p.suffix in (".jsonl", ".parquet") for p in parts.glob("chunk-*")) if parts.is_dir() else False
+    except OSError:  # unreadable: nothing to promise
+        return False
 
 
 def ignore_after_return() -> None:

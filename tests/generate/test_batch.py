@@ -24,7 +24,7 @@ import torch
 
 from hstu.cli import main
 from hstu.config import DecodeOptions
-from hstu.generate import batch
+from hstu.generate import batch, batch_parts
 from hstu.generate.recommend import History
 
 K = 5
@@ -267,3 +267,133 @@ def test_all_users_refuses_compiled_graphs_before_any_work(tmp_path, capsys):
     out = tmp_path / "x.jsonl"
     assert main(["generate", "--run", str(tmp_path), "--all-users", "--out", str(out), "--graphs", "compiled"]) == 2
     assert "--graphs compiled: the batch job (--all-users) runs eager" in capsys.readouterr().err and not out.exists()
+
+
+def _log(run_dir):
+    from hstu.cli import _run_data
+    from hstu.model.checkpoint import read_json
+
+    return _run_data(read_json(run_dir / "config.json"))[0]
+
+
+def _stopped_job(run_dir, out: Path, users, chunk_users: int, stop_at: int):
+    """A job stopped (an exception in on_chunk) after ``stop_at`` finished chunks; its log_, spec and parts directory."""
+    log_ = _log(run_dir)
+    spec = batch.BatchSpec(str(run_dir), K, DecodeOptions("greedy"), batch_users=16)
+    seen: list[int] = []
+
+    def stop(i, n):
+        seen.append(i)
+        if len(seen) == stop_at:
+            raise Stop
+
+    with pytest.raises(Stop):
+        batch.run_batch(spec, out, log_, users, chunk_users=chunk_users, workers=1, on_chunk=stop)
+    return log_, spec, out.with_name(out.name + ".parts")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_cut_off_part_is_computed_again(run_dir, ratings, tmp_path, caplog, fmt):
+    """A rerun trusted its parts unchecked: with a part cut off (a crash before the parts were fsynced, a full disk,
+    a hand edit) it said '814 users, 4015 rows' and wrote a cut-off JSON line into OUT. Each part is checked (it
+    parses and holds its users x k rows; Parquet: its footer); a bad one is named in one warning and computed again."""
+    users = [int(u) for u in np.sort(ratings.user.unique())[:12]]
+    whole = tmp_path / f"whole.{fmt}"
+    assert batch.run_batch(
+        batch.BatchSpec(str(run_dir), K, DecodeOptions("greedy"), batch_users=16), whole, _log(run_dir), users, chunk_users=3
+    )
+    out = tmp_path / f"recs.{fmt}"
+    log_, spec, parts = _stopped_job(run_dir, out, users, 3, stop_at=3)
+    done = sorted(parts.glob(f"chunk-*.{fmt}"))
+    assert len(done) == 3
+    cut = {done[0]: done[0].stat().st_size - 10}  # mid-line / mid-footer
+    if fmt == "jsonl":  # whole lines, one row short
+        cut[done[1]] = len(done[1].read_bytes().rsplit(b"\n", 2)[0]) + 1
+    for p, size in cut.items():
+        with open(p, "r+b") as f:
+            f.truncate(size)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hstu.generate.batch_parts"):
+        res = batch.run_batch(spec, out, log_, users, chunk_users=3)
+    assert res["users"] == 12 and res["rows"] == 12 * K and res["computed"] == 1 + len(cut)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == len(cut) and all(str(p) in w for p, w in zip(cut, warned)), warned
+    why = ["its last line is cut off", f"{K * 3 - 1} rows, its chunk has {K * 3}"] if fmt == "jsonl" else ["not a whole Parquet file"]
+    assert all(w in m for w, m in zip(why, warned)), warned
+    assert not parts.exists()
+    if fmt == "jsonl":  # one process, same chunks: the same bytes
+        assert out.read_bytes() == whole.read_bytes()
+    else:
+        pd.testing.assert_frame_equal(_read(out), _read(whole), check_exact=True)
+
+
+def test_a_part_cut_before_assembly_is_named_and_no_out_written(run_dir, ratings, tmp_path):
+    """The concatenation checks each part as it reads it: one cut after the rerun checked it (here: while the job ran)
+    fails the job naming it, OUT is not written, and the part is removed so that the same command computes it again."""
+    users = [int(u) for u in np.sort(ratings.user.unique())[:6]]
+    out = tmp_path / "recs.jsonl"
+    log_, spec, parts = _stopped_job(run_dir, out, users, 2, stop_at=1)
+    first = next(parts.glob("chunk-*.jsonl"))
+
+    def cut_first(i, n):
+        with open(first, "r+b") as f:
+            f.truncate(first.stat().st_size - 3)
+
+    with pytest.raises(ValueError, match=rf"{first}: its last line is cut off; removed: the same command computes"):
+        batch.run_batch(spec, out, log_, users, chunk_users=2, on_chunk=cut_first)
+    assert not out.exists() and not first.exists() and len(list(parts.glob("chunk-*.jsonl"))) == 2
+    res = batch.run_batch(spec, out, log_, users, chunk_users=2)
+    assert res["computed"] == 1 and res["rows"] == 6 * K and len(out.read_bytes().splitlines()) == 6 * K
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd through /proc")
+def test_parts_and_out_are_written_durably(run_dir, ratings, tmp_path, monkeypatch):
+    """Parts were written temp + rename without fsync: after a power cut a part could be renamed into place with its
+    data lost. Each file (job.json, every part, OUT) is fsynced before its rename, and its directory after."""
+    import os
+
+    events: list[tuple] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def spy_replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    users = [int(u) for u in np.sort(ratings.user.unique())[:4]]
+    out = tmp_path / "recs.parquet"
+    batch.run_batch(batch.BatchSpec(str(run_dir), K, DecodeOptions("greedy"), batch_users=16), out, _log(run_dir), users, chunk_users=2)
+    parts = out.with_name(out.name + ".parts")
+    renames = [e for e in events if e[0] == "replace"]
+    assert [Path(d).name for _, _, d in renames] == ["job.json", "chunk-000000.parquet", "chunk-000001.parquet", "recs.parquet"]
+    for _, src, dst in renames:
+        at = events.index(("replace", src, dst))
+        assert ("fsync", src) in events[:at], (src, events)  # the data, before the rename
+        assert events[at + 1] == ("fsync", str(Path(dst).parent)), (dst, events)  # the rename itself
+    assert not parts.exists() and len(_read(out)) == 4 * K
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b'{"user_id": 1, "rank": 1, "item_id": 2, "score": 0.5}\n', None),
+        (b'{"user_id": 1, "rank": 1, "item_id": 2, "score": 0.5}\n{"user_id": 1, "rank": 2, "item_id": 3, "score"\n', "line 2 is not"),
+        (
+            b'{"user_id": 1, "rank": 1, "item_id": 2, "score": 0.5}\n{"user_id": 1, "rank": 2}\n',
+            "line 2 is not a JSON object of the columns",
+        ),
+        (b"[1, 1, 2, 0.5]\n", "line 1 is not"),
+        (b'{"user_id": 1, "rank": 1, "item_id": 2, "score": 0.5}', "its last line is cut off"),
+        (b"", "0 rows, its chunk has 1"),
+    ],
+)
+def test_part_problem_of_a_json_lines_part(tmp_path, content, why):
+    p = tmp_path / "chunk-000000.jsonl"
+    p.write_bytes(content)
+    got = batch_parts.part_problem(p, "jsonl", list(batch.BASE_COLUMNS), 1)
+    assert got is None if why is None else why in got, got

@@ -37,10 +37,11 @@ vs one process at 50; the CPU kernels' summation order is not fixed across proce
 splits). The ranks and items do not move unless two items' scores tie within that ulp.
 
 Resumable by chunks: users are cut into chunks of ``chunk_users``; each chunk is written to
-``OUT.parts/chunk-000123.<fmt>`` atomically (temp + rename), beside ``job.json`` (what the job
-is: run fingerprint, k, decoding, users). A rerun of the same job skips finished chunks (another
-job's parts are refused, naming the field); at the end the parts are concatenated in chunk order
-into ``OUT`` (temp + rename) and removed. ``OUT`` never exists half-written.
+``OUT.parts/chunk-000123.<fmt>`` atomically and durably (temp, fsync, rename), beside ``job.json`` (what the job
+is: run fingerprint, k, decoding, users). A rerun of the same job skips finished chunks once checked (it parses and
+holds its users x k rows; a bad part is logged and computed again; another job's parts are refused, naming the
+field); at the end the parts are checked again as they are concatenated in chunk order into ``OUT`` (temp + rename)
+and removed. ``OUT`` never exists half-written. The parts: :mod:`hstu.generate.batch_parts`.
 
 Workers: ``workers`` = 1 runs in this process (torch threads as set, unless ``threads``); W > 1
 runs W spawned processes (``concurrent.futures.ProcessPoolExecutor``), each loading the run once,
@@ -55,7 +56,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -65,6 +65,7 @@ import numpy as np
 
 from hstu.config import DecodeOptions
 from hstu.data.sequences import as_id, is_text
+from hstu.generate.batch_parts import PartStore, arrow_schema
 from hstu.generate.recommend import History, HistoryError, Recommender
 
 log = logging.getLogger(__name__)
@@ -239,115 +240,6 @@ def _columns(columns: list[tuple[str, str]], users: list[int], items: list[list[
     return out
 
 
-# ----- parts and the output file -----
-class PartStore:
-    """``OUT.parts/``: the finished chunks of one job (``job.json``), written atomically, and the
-    assembly of ``OUT`` (OUT's missing directories are created). Raises ValueError when the directory holds
-    another job's parts."""
-
-    def __init__(self, out: str | Path, fmt: str, columns: list[tuple[str, str]], job: dict) -> None:
-        self.out, self.fmt, self.columns = Path(out), fmt, columns
-        self.dir = self.out.with_name(self.out.name + ".parts")
-        self.made = [p for p in self.dir.absolute().parents if not p.exists()]  # removed again by discard_if_empty
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # a read-only or virtual file system: name the flag, not a bare errno
-            raise OSError(f"--out {out}: cannot create {exc.filename}: {exc.strerror}") from None
-        meta = self.dir / "job.json"
-        if meta.exists():
-            old = json.loads(meta.read_text(encoding="utf-8"))
-            diff = sorted(k for k in set(old) | set(job) if old.get(k) != job.get(k))
-            if diff:
-                raise ValueError(
-                    f"{self.dir} holds the parts of another job ({', '.join(diff)} differ); "
-                    "rerun with the same flags to resume, or remove the directory"
-                )
-        else:
-            _atomic_write(meta, lambda p: p.write_text(json.dumps(job, indent=1), encoding="utf-8"))
-        for stale in self.dir.glob("*.tmp"):  # a killed write
-            stale.unlink()
-
-    def discard_if_empty(self) -> None:
-        """Remove the parts directory when it holds no finished chunk (a job that failed at once), and the
-        directories made for it."""
-        if not any(self.dir.glob(f"chunk-*.{self.fmt}")):
-            shutil.rmtree(self.dir, ignore_errors=True)
-            for p in self.made:  # deepest first
-                try:
-                    p.rmdir()
-                except OSError:
-                    break
-
-    def path(self, i: int) -> Path:
-        return self.dir / f"chunk-{i:06d}.{self.fmt}"
-
-    def done(self, i: int) -> bool:
-        return self.path(i).exists()
-
-    def write(self, i: int, cols: dict[str, list]) -> None:
-        _atomic_write(self.path(i), lambda p: _write_table(p, self.fmt, self.columns, cols))
-
-    def assemble(self, n_chunks: int) -> int:
-        """Concatenate chunks 0..n-1 into OUT (temp + rename), remove the parts; rows written."""
-        parts = [self.path(i) for i in range(n_chunks)]
-        missing = [p.name for p in parts if not p.exists()]
-        if missing:
-            raise FileNotFoundError(f"{self.dir}: missing part(s) {missing[:5]}")
-        rows = _atomic_write(self.out, lambda p: _concat(p, self.fmt, self.columns, parts))
-        shutil.rmtree(self.dir)
-        return rows
-
-
-def _atomic_write(path: Path, write: Callable[[Path], object]):
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        res = write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return res
-
-
-def arrow_schema(columns: list[tuple[str, str]]):
-    """The ``pyarrow.Schema`` of :func:`output_columns`' (name, type name) pairs."""
-    import pyarrow as pa
-
-    return pa.schema([(n, getattr(pa, t)()) for n, t in columns])
-
-
-def _write_table(path: Path, fmt: str, columns, cols: dict[str, list]) -> None:
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.table(cols, schema=arrow_schema(columns)), path)
-        return
-    names = [n for n, _ in columns]
-    with open(path, "w", encoding="utf-8") as f:
-        for row in zip(*(cols[n] for n in names)):
-            f.write(json.dumps(dict(zip(names, row)), ensure_ascii=False) + "\n")
-
-
-def _concat(path: Path, fmt: str, columns, parts: list[Path]) -> int:
-    rows = 0
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        with pq.ParquetWriter(path, arrow_schema(columns)) as w:
-            for p in parts:
-                t = pq.read_table(p)
-                w.write_table(t)
-                rows += t.num_rows
-        return rows
-    with open(path, "wb") as f:
-        for p in parts:
-            with open(p, "rb") as src:
-                data = src.read()
-            rows += data.count(b"\n")
-            f.write(data)
-    return rows
-
-
 # ----- the job -----
 def job_identity(spec: BatchSpec, users: list[int], chunk_users: int, fmt: str) -> dict:
     """What must match for a rerun to reuse parts: the run's files (size, mtime), the spec, the
@@ -411,36 +303,30 @@ def run_batch(
         raise ValueError(f"--engine: unknown {engine!r}; valid: local, ray")
     columns = output_columns(read_idmap(spec.run))  # a large catalogue's ids from items.npz (their kind: int or text)
     store = PartStore(out, fmt, columns, job_identity(spec, users, chunk_users, fmt))
-    n = (len(users) + chunk_users - 1) // chunk_users
-    todo = [i for i in range(n) if not store.done(i)]
-    done_users = len(users) - sum(len(users[i * chunk_users : (i + 1) * chunk_users]) for i in todo)
-
-    def chunks():
-        for i in todo:
-            us = users[i * chunk_users : (i + 1) * chunk_users]
-            yield i, us, [history_of(log_, u) for u in us]
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(users), initial=done_users, unit="user", disable=None if progress is None else not progress)
-    if engine == "ray":
-        from hstu.generate.batch_ray import run_chunks
-
-        results = run_chunks(spec, chunks(), workers, address=ray_address, gpus=ray_gpus, threads=threads)
-    else:
-        results = _run_local(spec, chunks(), workers, threads)
+    groups = [users[s : s + chunk_users] for s in range(0, len(users), chunk_users)]  # each chunk's users
+    n = len(groups)
     try:
-        with bar:
+        todo = [i for i, us in enumerate(groups) if not store.done(i, len(us) * spec.k)]  # a bad part is computed again
+        chunks = ((i, groups[i], [history_of(log_, u) for u in groups[i]]) for i in todo)
+        from tqdm.auto import tqdm
+
+        done = len(users) - sum(len(groups[i]) for i in todo)
+        with tqdm(total=len(users), initial=done, unit="user", disable=None if progress is None else not progress) as bar:
+            if engine == "ray":
+                from hstu.generate.batch_ray import run_chunks
+
+                results = run_chunks(spec, chunks, workers, address=ray_address, gpus=ray_gpus, threads=threads)
+            else:
+                results = _run_local(spec, chunks, workers, threads)
             for i, cols in results:
                 store.write(i, cols)
-                m = len(users[i * chunk_users : (i + 1) * chunk_users])
-                bar.update(m)
+                bar.update(len(groups[i]))
                 if on_chunk is not None:
-                    on_chunk(i, m)
+                    on_chunk(i, len(groups[i]))
     except BaseException:
         store.discard_if_empty()  # nothing to resume: leave no OUT.parts behind
         raise
-    rows = store.assemble(n)
+    rows = store.assemble([len(us) * spec.k for us in groups])
     log.info("batch: %d users, %d rows in %d chunks (%d computed now) -> %s", len(users), rows, n, len(todo), out)
     return {"users": len(users), "rows": rows, "chunks": n, "computed": len(todo), "out": str(out)}
 
@@ -487,4 +373,14 @@ def _run_local(spec: BatchSpec, chunks: Iterator, workers: int, threads: int | N
                 f.cancel()
 
 
-__all__ = ["BatchSpec", "ChunkGenerator", "HistoryError", "history_of", "output_columns", "read_users_file", "run_batch"]
+__all__ = [
+    "BatchSpec",
+    "ChunkGenerator",
+    "HistoryError",
+    "PartStore",
+    "arrow_schema",
+    "history_of",
+    "output_columns",
+    "read_users_file",
+    "run_batch",
+]

@@ -19,11 +19,15 @@ of paths (the order given). Rows are concatenated in that order and then sorted 
 exact time, ties in that order (:meth:`~hstu.data.sequences.EventLog.from_frame`): the same log
 as one file holding the rows in that order.
 
-User and item ids are integers (exact int64) when every one of a column is an integer, else text
-(trimmed, case kept, at most 256 characters; :mod:`hstu.data.sequences`); categories are integers. Time is integer
-Unix time (``time_unit``, default s, or ms when every value is >= 1e11: a column with values on both sides of 1e11
-is an error naming the first value in the minority's unit) or ISO 8601 (UTC unless it carries an offset), see
-:mod:`hstu.data.times`. A text file is UTF-8 when all of it decodes so, else latin-1 (ISO-8859-1, as the
+User and item ids are integers (exact int64) when every one of a column is an int64 integer written canonically
+(``42``, ``-7``, ``0``; not ``042``, ``+42``, ``-0``, ``42.0``, ``4.2e1``), else text (each as written: ``042`` stays
+``042``; trimmed, case kept, at most 256 characters; :mod:`hstu.data.sequences`); a Parquet integer column is integer
+ids. Categories are integers (``12.0`` is 12). Time is integer Unix time (``time_unit``, default s, or ms when most
+values are >= 1e11: a column with values on both sides of 1e11 is an error naming the first value in the minority's
+unit; in this automatic unit a time after 2262-04-11 is an error suggesting ``time_unit=us`` / ``ns``) or ISO 8601
+(UTC unless it carries an offset); a time before 1970-01-01 is a bad row, see :mod:`hstu.data.times`. A quote that
+is never closed is an error naming the line it opens on, also with ``skip_bad_rows`` (:mod:`hstu.data.records`).
+A text file is UTF-8 when all of it decodes so, else latin-1 (ISO-8859-1, as the
 MovieLens loader decides), unless a byte-order mark says UTF-16 or UTF-8 (``facts["encodings"]`` names the files
 in another encoding than plain UTF-8). Header names are trimmed; each column has one role (a key of the mapping
 or a side feature). Errors name the file and the 1-based line a row starts on (a quoted field may span lines;
@@ -45,9 +49,10 @@ import pandas as pd
 from hstu.data.errors import DataFormatError, plural
 from hstu.data.features import numeric_column, parse_feature_options
 from hstu.data.movielens import file_encoding
-from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, record_line, row_width_error, to_event_log
+from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, row_width_error, to_event_log
+from hstu.data.records import check_quotes, record_line
 from hstu.data.sequences import FEATURE_PREFIX, EventLog
-from hstu.data.times import TIME_UNITS, exact_times, unit_problem
+from hstu.data.times import TIME_UNITS, exact_times, range_problem, unit_problem
 
 log = logging.getLogger(__name__)
 
@@ -234,25 +239,28 @@ def _frame_checks(
 
 def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path: Path, out: dict, problems: list) -> None:
     """The time column's part of :func:`_frame_checks`: ``out["time"]``, ``out["subsecond_ns"]`` and its problems
-    (unparsed times; with the automatic unit, integers on the other side of 1e11 than most, :func:`unit_problem`)."""
-    secs, out["subsecond_ns"], bad, mixed = exact_times(col, unit, path)
+    (unparsed times; with the automatic unit, integers on the other side of 1e11 than most, :func:`unit_problem`;
+    times before 1970 or, in the automatic unit, after 2262: :func:`range_problem`)."""
+    t = exact_times(col, unit, path)
+    out["subsecond_ns"] = t.rest
     what = f"time ({mapping['time']!r}) is "
     problems.append(
         (
-            bad,
+            t.bad,
             lambda i: (
                 what
                 + (
                     "missing"
                     if pd.isna(col.iloc[i])
-                    else "neither integer Unix time (int64) nor an ISO 8601 date-time of years 1677..2262 (one format per column): "
+                    else "neither integer Unix time (int64) nor an ISO 8601 date-time of years 1970..2262 (one format per column): "
                     + repr(str(col.iloc[i])[:40])
                 )
             ),
         )
     )
-    problems.append((mixed, lambda i: what + unit_problem(int(pd.to_numeric(col.iloc[i])))))
-    out["time"] = secs
+    problems.append((t.mixed, lambda i: what + unit_problem(int(pd.to_numeric(col.iloc[i])))))
+    problems.append((t.out, lambda i: what + range_problem(str(col.iloc[i]).strip(), int(t.secs.iloc[i]), t.per_s)))
+    out["time"] = t.secs
 
 
 def load_csv(
@@ -277,8 +285,9 @@ def load_csv(
             (string, as ``--columns`` gives it, or a dict), names or 0-based positions;
             ``action=@file``: the file name is the action.
         format: ``sep=…,header=yes|none`` (:func:`parse_format`); ``sep`` overrides its separator.
-        time_unit: unit of integer times (s | ms | us | ns); default s, or ms when every
-            value is >= 1e11 (values on both sides: an error). Date-time strings are parsed as ISO 8601 (UTC if no offset).
+        time_unit: unit of integer times (s | ms | us | ns); default s, or ms when most
+            values are >= 1e11 (values on both sides: an error; a time after 2262 then: an error suggesting us / ns).
+            Date-time strings are parsed as ISO 8601 (UTC if no offset).
         exclude_history: the data set's candidate-exclusion default (default False).
         features, numeric_features: side-feature columns (names or positions; categorical, and
             numeric name -> quantile buckets), :func:`hstu.data.features.parse_feature_options`;
@@ -289,10 +298,11 @@ def load_csv(
     Raises:
         ValueError: no or bad ``columns`` / ``format``, unknown options. FileNotFoundError.
         DataFormatError: a mapped column missing from the header (line 1) or past a row's last
-        field, one column with two roles, a numeric feature column without a number (the file);
-        unless ``skip_bad_rows`` (file:line; Parquet: row index): a row with too few or many fields,
-        a non-integer category, a missing or over-long user/item id, an empty action, an unparsable
-        time, an integer time in the other unit than most of the column (automatic unit).
+        field, one column with two roles, a numeric feature column without a number (the file), a quote
+        never closed (the line it opens on, also with ``skip_bad_rows``); unless ``skip_bad_rows`` (file:line;
+        Parquet: row index): a row with too few or many fields, a non-integer category, a missing or over-long
+        user/item id, an empty action, an unparsable time, a time before 1970, an integer time in the other unit
+        than most of the column or after 2262 (automatic unit).
     """
     if options:
         raise ValueError(
@@ -421,6 +431,7 @@ def read_delimited(
     except pd.errors.EmptyDataError:
         raise DataFormatError(path, None, "empty file") from None
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError) as exc:
+        check_quotes(path, sep=sep, encoding=encoding)  # pandas reads a small file whole: an unclosed quote, named where it opens
         raise DataFormatError(path, 1, f"cannot read the {'header' if fmt.header else 'first row'}: {exc}") from None
     names = [str(c).strip() for c in head.columns] if fmt.header else None
     labels = _labels(path, mapping, names, head.shape[1])
@@ -429,12 +440,12 @@ def read_delimited(
     try:
         # blank lines kept as all-NaN rows, so frame index i is record i + header (records: parsing.records)
         # no usecols: with it pandas silently accepts rows with extra fields (shifted columns)
-        texts = {labels[k]: str for k in labels if k == "action" or k.startswith(FEATURE_PREFIX)}  # numeric features: coerced later
-        raw = pd.read_csv(path, dtype=texts or None, **read)[[labels[k] for k in keys]]
-        for k in ("user", "item", "category"):  # an id column pandas did not read as int64 (one id past int64 makes
-            c = labels.get(k)  # it float64, rounding every id above 2^53): again as text, parsed exactly
-            if c is not None and not pd.api.types.is_signed_integer_dtype(raw[c]):
-                raw[c] = pd.read_csv(path, usecols=[c], dtype=str, **read)[c]
+        # ids as written ("042" is a text id, not 42: parsing.exact_ids); numeric features: coerced later
+        texts = {labels[k]: str for k in labels if k in ("action", "user", "item") or k.startswith(FEATURE_PREFIX)}
+        raw = pd.read_csv(path, dtype=texts, **read)[[labels[k] for k in keys]]
+        c = labels.get("category")  # a category column pandas did not read as int64 (one id past int64 makes it
+        if c is not None and not pd.api.types.is_signed_integer_dtype(raw[c]):  # float64, rounding every id above 2^53):
+            raw[c] = pd.read_csv(path, usecols=[c], dtype=str, **read)[c]  # again as text, parsed exactly
     except (ValueError, pd.errors.ParserError, UnicodeDecodeError):
         raw = None
     if raw is not None:

@@ -10,7 +10,6 @@ sub-second remainder (:mod:`hstu.data.times`) so that events sort on the exact t
 
 from __future__ import annotations
 
-import csv
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,10 @@ import numpy as np
 import pandas as pd
 
 from hstu.data.errors import DataFormatError, plural
-from hstu.data.sequences import ID_MAX_CHARS, EventLog
-from hstu.data.times import split_time, to_time, unit_of, unit_problem
+from hstu.data.movielens import file_encoding
+from hstu.data.records import records
+from hstu.data.sequences import CANONICAL_INT, ID_MAX_CHARS, EventLog
+from hstu.data.times import TimeRangeError, after_2262, range_problem, split_time, to_time, unit_of, unit_problem
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,15 @@ def exact_int(v) -> int | None:
 def exact_ids(col: pd.Series, text: bool = False) -> tuple[pd.Series, np.ndarray]:
     """(ids, bad-row mask) of an id column, exactly: an int64 column (or strings that pandas reads
     as int64) as it is, anything else value by value (:func:`exact_int`), so an id past int64 is a
-    bad row instead of a float rounded onto another id or a wrapped integer.
+    bad row instead of a float rounded onto another id or a wrapped integer (categories).
 
-    With ``text``, a column in which some present value is not an integer at all (e.g. 'B00004U9V2')
-    is a text column: (object Series of the values as trimmed str, mask of missing / empty ones and
-    of those longer than ID_MAX_CHARS).
-    A column of integers only stays int64 exactly as without ``text``."""
+    With ``text`` (user and item ids): integer ids when every present value is an int64 integer as
+    written (text: canonical decimal, :data:`~hstu.data.sequences.CANONICAL_INT`, so "042", "+8",
+    "1e3" and "12.0" are not; an integer or float column: whole values in range), else a text column
+    (:func:`_text_or_int_ids`): "042" and "42" stay two ids, and an id past int64 is kept as written.
+    Bad rows: missing / empty values (and text ids longer than ID_MAX_CHARS)."""
+    if text:
+        return _text_or_int_ids(col)
     if col.dtype == object:
         try:
             num = pd.to_numeric(col)
@@ -98,18 +102,38 @@ def exact_ids(col: pd.Series, text: bool = False) -> tuple[pd.Series, np.ndarray
     if pd.api.types.is_signed_integer_dtype(col):
         return col.astype(np.int64), np.zeros(len(col), bool)
     vals = [exact_int(v) for v in col.tolist()]
-    present = col.notna().to_numpy()
-    if text and any(v is None and p for v, p in zip(vals, present)):
-        odd = [i for i, (v, p) in enumerate(zip(vals, present)) if v is None and p]
-        if len(odd) * 2 < int(present.sum()):  # mostly integers: a typo would turn every id of the column into a text id
-            log.warning(
-                "id column %r: %d of %d values are not integers (first %r, data row %d): the column is read as text ids; "
-                "fix them if they are typos", col.name, len(odd), int(present.sum()), str(col.iloc[odd[0]])[:40], odd[0] + 1,
-            )  # fmt: skip
-        strs = col.astype(object).where(col.notna(), "").map(lambda v: str(v).strip())
-        return strs.astype(object), ((strs == "") | (strs.str.len() > ID_MAX_CHARS)).to_numpy()
     bad = np.array([v is None or not -(2**63) <= v < 2**63 for v in vals], bool)
     return pd.Series([0 if b else v for v, b in zip(vals, bad)], index=col.index, dtype=np.int64), bad
+
+
+def _text_or_int_ids(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
+    """:func:`exact_ids` of a user or item id column (``text``)."""
+    if pd.api.types.is_signed_integer_dtype(col):
+        return col.astype(np.int64), np.zeros(len(col), bool)
+    if isinstance(col.dtype, pd.StringDtype):
+        strs = col.fillna("").str.strip()
+    else:
+        strs = col.astype(object).where(col.notna(), "").map(str).str.strip()
+    missing = (strs == "").to_numpy()
+    if col.dtype == object or isinstance(col.dtype, pd.StringDtype):  # as written: canonical integers only
+        ints = np.array(strs.str.fullmatch(CANONICAL_INT.pattern).to_numpy(dtype=bool, na_value=False))
+        long = np.flatnonzero(ints & (strs.str.len() >= 19).to_numpy())  # past int64 from 19 digits on
+        ints[long] = [-(2**63) <= int(strs.iloc[i]) < 2**63 for i in long]
+        nums = strs.where(ints, "0")
+    else:  # numbers (a Parquet uint64 or float column): whole values in the int64 range
+        vals = [exact_int(v) for v in col.tolist()]
+        ints = np.array([v is not None and -(2**63) <= v < 2**63 for v in vals], bool)
+        nums = pd.Series([v if ok else 0 for v, ok in zip(vals, ints)], index=col.index, dtype=object)
+    odd = np.flatnonzero(~ints & ~missing)
+    if not len(odd):  # via Arrow: 5x faster than astype(np.int64) on strings
+        return pd.Series(nums.astype("int64[pyarrow]").to_numpy(np.int64), index=col.index), missing
+    n = int((~missing).sum())
+    if len(odd) * 2 < n:  # mostly integers: a typo would turn every id of the column into a text id
+        log.warning(
+            "id column %r: %d of %d values are not integers written canonically (first %r, data row %d): the column is read "
+            "as text ids, each as written; fix them if they are typos", col.name, len(odd), n, strs.iloc[odd[0]][:40], odd[0] + 1,
+        )  # fmt: skip
+    return strs.astype(object), missing | (strs.str.len() > ID_MAX_CHARS).to_numpy()
 
 
 def id_problem(v, text: bool = False) -> str:
@@ -124,23 +148,6 @@ def id_problem(v, text: bool = False) -> str:
 # ----------------------------------------------------------------------------- row parsing
 def _to_int(s: str) -> int:
     return int(s.strip())
-
-
-def records(path: Path, *, sep: str, encoding: str):
-    """(1-based line on which it starts, fields) of each record of a delimited file, as ``csv.reader``
-    splits it: a blank line is an empty record, and a quoted field may hold line breaks (the record then
-    spans several lines; pandas' C parser counts records the same way)."""
-    with open(path, newline="", encoding=encoding, errors="replace") as fh:
-        reader = csv.reader(fh, delimiter=sep)
-        start = 1
-        for row in reader:
-            yield start, row
-            start = reader.line_num + 1
-
-
-def record_line(path: Path, record: int, *, sep: str, encoding: str) -> int | None:
-    """The line on which 0-based record ``record`` (the header included, :func:`records`) starts; None past the end."""
-    return next((line for k, (line, _) in enumerate(records(path, sep=sep, encoding=encoding)) if k == record), None)
 
 
 def parse_lines(
@@ -160,7 +167,7 @@ def parse_lines(
     of integer times, None automatic (:func:`~hstu.data.times.unit_of`: a column of seconds and
     milliseconds is refused). No ``time`` column: the frame has none (order-only data)."""
     out: dict[str, list] = {c.key: [] for c in cols} | {"subsecond_ns": [], "line": []}  # line: where each kept row starts
-    skipped, first = 0, None
+    skipped, lost, first = 0, 0, None  # lost: the physical lines of the skipped records (a quoted field may span lines)
     idx: dict[str, int] = {}
     width = width or len(cols)
     for line, row in records(path, sep=sep, encoding=encoding):
@@ -170,11 +177,11 @@ def parse_lines(
         if not row or all(not f.strip() for f in row):
             continue
         try:
-            vals = _parse_row(path, line, row, cols, idx, width, time_unit or 1)
+            vals = _parse_row(path, line, row, cols, idx, width, time_unit)
         except DataFormatError as exc:
             if not skip_bad_rows:
                 raise
-            skipped += 1
+            skipped, lost = skipped + 1, lost + record_lines(row)
             first = first or str(exc)
             continue
         out["line"].append(line)
@@ -184,9 +191,10 @@ def parse_lines(
                 out["subsecond_ns"].append(r)
             out[c.key].append(v)
     out, n, first = _column_checks(path, cols, out, time_unit, skip_bad_rows, first)
-    skipped += n
+    skipped, lost = skipped + n, lost + n
     if skipped:
-        log.warning("%s: skipped %s (first: %s)", path, plural(skipped, "malformed row"), first)
+        spans = f" on {plural(lost, 'line')}" if lost > skipped else ""
+        log.warning("%s: skipped %s%s (first: %s)", path, plural(skipped, "malformed row"), spans, first)
     texts = {c.key for c in cols if c.key == "action" or c.key.startswith("feature:") or (c.text and _any_text(out[c.key]))}
     frame = pd.DataFrame({c.key: pd.Series(out[c.key], dtype=object if c.key in texts else np.int64) for c in cols})
     if "time" in out:
@@ -198,8 +206,8 @@ def _column_checks(
     path: Path, cols: list[Column], out: dict[str, list], time_unit: int | None, skip_bad_rows: bool, first: str | None
 ) -> tuple[dict[str, list], int, str | None]:
     """:func:`parse_lines`' decisions on whole columns: text-or-integer ids (:func:`exact_ids`) and the
-    automatic time unit (:func:`~hstu.data.times.unit_of`). Returns (``out`` without the bad rows, their
-    count, the first error); raises it unless ``skip_bad_rows``."""
+    automatic time unit (:func:`~hstu.data.times.unit_of`; a time after 2262 in it: :func:`~hstu.data.times.range_problem`).
+    Returns (``out`` without the bad rows, their count, the first error); raises it unless ``skip_bad_rows``."""
     skipped = 0
     for c in cols:
         auto_time = c.key == "time" and time_unit is None
@@ -209,10 +217,15 @@ def _column_checks(
         if c.text:
             ids, bad = exact_ids(pd.Series(vals, dtype=object), text=True)
         else:
-            per_s, bad = unit_of(np.array(vals, np.int64), None, path)
+            per_s, mixed = unit_of(np.array(vals, np.int64), None, path)
+            secs, rest = split_time(np.array(vals, np.int64), per_s)
+            bad = mixed | after_2262(secs, rest)
         if bad.any():
             i = int(np.argmax(bad))
-            what = id_problem(vals[i], text=True) if c.text else unit_problem(vals[i])
+            if c.text:
+                what = id_problem(vals[i], text=True)
+            else:
+                what = unit_problem(vals[i]) if mixed[i] else range_problem(str(vals[i]), int(secs[i]), per_s)
             exc = DataFormatError(path, out["line"][i], f"{c.key} ({c.source!r}) is {what}")
             if not skip_bad_rows:
                 raise exc
@@ -239,12 +252,20 @@ def _header_index(path: Path, row: list[str], cols: list[Column]) -> dict[str, i
     return idx
 
 
+def record_lines(row: list[str]) -> int:
+    """How many physical lines a record of :func:`~hstu.data.records.records` spans (1 + the line breaks in its quoted fields)."""
+    return 1 + sum(f.count("\n") + f.count("\r") - f.count("\r\n") for f in row)
+
+
 def width_error(path: Path, line: int, row: list[str], width: int, header: bool) -> DataFormatError | None:
-    """The error of a row with another number of fields than ``width`` (the header's, with one), else None."""
+    """The error of a row with another number of fields than ``width`` (the header's, with one), else None;
+    a record over several lines (a quoted field with line breaks: a stray quote pairs with a later one) says which."""
     if len(row) == width:
         return None
     what = f"{width} fields" + (" (as the header)" if header else "")
-    return DataFormatError(path, line, f"expected {what}, got {len(row)}: {','.join(row)[:80]!r}")
+    n = record_lines(row)
+    span = f" (a quoted field makes lines {line}..{line + n - 1} one record: a stray quote?)" if n > 1 else ""
+    return DataFormatError(path, line, f"expected {what}, got {len(row)}{span}: {','.join(row)[:80]!r}")
 
 
 def row_width_error(path: Path, line: int, *, sep: str, width: int, header: bool, encoding: str) -> DataFormatError | None:
@@ -255,7 +276,8 @@ def row_width_error(path: Path, line: int, *, sep: str, width: int, header: bool
     return None
 
 
-def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: dict[str, int], width: int, time_unit: int) -> list:
+def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: dict[str, int], width: int, time_unit: int | None) -> list:
+    """One record's values (``time_unit`` None: automatic, decided on the whole column: :func:`_column_checks`)."""
     if (bad := width_error(path, line, row, width, bool(idx))) is not None:
         raise bad
     vals = []
@@ -278,7 +300,9 @@ def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: d
             vals.append(v)
             continue
         try:
-            vals.append(to_time(raw, time_unit) if c.key == "time" else _to_int(raw))
+            vals.append(to_time(raw, time_unit or 1) if c.key == "time" else _to_int(raw))
+        except TimeRangeError as exc:
+            raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is {exc}") from None
         except (ValueError, OverflowError):
             kind = "a time (integer or ISO 8601)" if c.key == "time" else "an integer"
             raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is not {kind}: {raw[:40]!r}") from None
@@ -310,23 +334,27 @@ def _parse_fast(path: Path, cols: list[Column], *, header: bool, sep: str) -> pd
 
 
 def _first_row_width(path: Path, sep: str) -> int:
-    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
-        for row in csv.reader(fh, delimiter=sep):
-            if row and any(f.strip() for f in row):
-                return len(row)
+    for _, row in records(path, sep=sep, encoding="utf-8"):
+        if row and any(f.strip() for f in row):
+            return len(row)
     return 0
 
 
 def read_columns(
     path: Path, cols: list[Column], *, header: bool, sep: str = ",", time_unit: int = 1, skip_bad_rows: bool = False
 ) -> tuple[pd.DataFrame, int]:
-    """(frame with columns = keys of ``cols``, skipped rows). Times are converted with ``time_unit``."""
+    """(frame with columns = keys of ``cols``, skipped rows). Times are converted with ``time_unit``; one before
+    1970 is a bad row (:func:`~hstu.data.times.range_problem`). The line-by-line pass
+    reads the file in its encoding (:func:`~hstu.data.movielens.file_encoding`: a byte-order mark is no part of
+    the first field; pandas' fast pass drops it itself)."""
     df = _parse_fast(path, cols, header=header, sep=sep)
     if df is not None:
         df["time"], df["subsecond_ns"] = split_time(df["time"], time_unit)
-        return df, 0
-    log.info("%s: the fast parser failed; checking line by line", path)
-    return parse_lines(path, cols, header=header, sep=sep, time_unit=time_unit, skip_bad_rows=skip_bad_rows)
+        if not (df["time"] < 0).any():
+            return df, 0
+    log.info("%s: the fast parser failed or found a bad time; checking line by line", path)
+    enc = file_encoding(path)
+    return parse_lines(path, cols, header=header, sep=sep, time_unit=time_unit, skip_bad_rows=skip_bad_rows, encoding=enc)
 
 
 def to_event_log(

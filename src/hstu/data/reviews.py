@@ -15,8 +15,9 @@ Formats
                 they happened. A user on several lines (SASRec's ``user item`` per line) is one
                 sequence, in line order. No times: order-only data (:mod:`hstu.data.delimited`).
 
-Ids are text (trimmed, case kept) unless every id of the column is an integer
-(:func:`hstu.data.parsing.exact_ids`). ``EventLog.values`` holds the Amazon rating (1..5).
+Ids are text (trimmed, case kept) unless every id of the column is an int64 integer written canonically
+(no leading zero or '+': an ASIN "0205616461" stays text; :func:`hstu.data.parsing.exact_ids`). A review
+time before 1970 (a negative unixReviewTime) is a malformed line. ``EventLog.values`` holds the Amazon rating (1..5).
 Both default to ``exclude_history`` on (catalogue data: a user reviews an item once).
 Errors: a malformed line raises :class:`~hstu.data.errors.DataFormatError` naming file and line,
 unless ``skip_bad_rows`` (then it is dropped, counted and logged).
@@ -37,7 +38,8 @@ from hstu.data.delimited import Format, read_delimited
 from hstu.data.errors import DataFormatError, plural
 from hstu.data.movielens import file_encoding
 from hstu.data.parsing import exact_ids, resolve_path, to_event_log
-from hstu.data.sequences import EventLog
+from hstu.data.sequences import ID_MAX_CHARS, EventLog
+from hstu.data.times import range_problem
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ def _review(path: Path, lineno: int, rec: dict) -> tuple[str, str, int, int]:
     except (ValueError, TypeError):
         what = f"overall {rec['overall']!r} / unixReviewTime {rec['unixReviewTime']!r}"
         raise DataFormatError(path, lineno, f"{what}: not a whole rating / an integer Unix time") from None
+    if t < 0:
+        raise DataFormatError(path, lineno, f"unixReviewTime is {range_problem(str(rec['unixReviewTime']), t)}")
     return user, item, int(rating), t
 
 
@@ -224,11 +228,11 @@ def load_sequences(data_dir: str | Path, skip_bad_rows: bool = False, *, exclude
 
 
 def _token_ids(path: Path, what: str, tokens: list[str]) -> pd.Series:
-    """Tokens as ids (:func:`exact_ids`: int64 when all are integers, else text). Tokens are never
-    empty, so the only bad one is an integer past int64 in an integer column (DataFormatError)."""
+    """Tokens as ids (:func:`exact_ids`: int64 when all are int64 integers written canonically, else text). Tokens
+    are never empty, so the only bad one is a text id longer than ID_MAX_CHARS (DataFormatError)."""
     ids, bad = exact_ids(pd.Series(tokens, dtype=object), text=True)
     if bad.any():
-        raise DataFormatError(path, None, f"{what} {tokens[int(np.argmax(bad))][:40]!r} is an integer past the int64 range")
+        raise DataFormatError(path, None, f"{what} {tokens[int(np.argmax(bad))][:40]!r}... is longer than {ID_MAX_CHARS} characters")
     return ids
 
 

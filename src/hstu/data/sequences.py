@@ -13,7 +13,9 @@ Layout (TorchRec-style values + offsets), for U users and E events in total:
 Example: users [7, 9], offsets [0, 2, 5] → user 7 has events 0-1, user 9 has events 2-4.
 Events are stably sorted by their exact time (before flooring to s), so equal times keep file order.
 
-Original ids (users and items, each on its own) are integers (int64) or texts. A text id is the
+Original ids (users and items, each on its own) are integers (int64) or texts: a data file's column
+is integer ids when every value is an int64 integer written canonically (:data:`CANONICAL_INT`), else
+text ids. A text id is the
 string with surrounding whitespace removed, case kept ("SKU-001" and "sku-001" are two items); an
 empty id is refused. A text id map holds "" at row 0 (the padding entry), an integer one 0.
 Lookups (:func:`as_ids`, :class:`IdIndex`) take either form: an int given to a text map is its
@@ -53,6 +55,9 @@ def same_item_ids(a, b) -> bool:
 
 
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")  # an integer id given as text: ASCII digits and a sign, nothing else
+# an integer id as a data file writes it: the integer's own decimal text (str(int(s)) == s: no '+', no leading
+# zero, no '-0'); a column with any other value holds text ids ("042" stays "042"), hstu.data.parsing.exact_ids
+CANONICAL_INT = re.compile(r"0|-?[1-9][0-9]*")
 
 
 def as_id(x, text: bool, where: str):

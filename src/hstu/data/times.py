@@ -1,6 +1,13 @@
 """Event times: integer Unix time in a unit (s | ms | us | ns) or ISO 8601 date-times, to the
 model's whole seconds, keeping the exact order.
 
+Times start at 1970-01-01T00:00:00Z: the loaders refuse an earlier one (a negative Unix time, which
+``hstu generate`` and the HTTP API refuse) as a bad row naming the file, line and field (dropped and
+counted under ``skip_bad_rows``). ISO 8601 times end at 2262-04-11T23:47:16.854775807Z (int64 ns), and so
+do integer times in the automatic unit (:func:`after_2262`): microseconds or nanoseconds (~1.7e15 / 1.7e18
+today) read as milliseconds would land after it, so such a row is refused with a message to set
+``time_unit=us`` or ``ns``. An explicit ``time_unit`` reads any int64 value at or after 0.
+
 Events are sorted on the exact time as given, and only then converted to seconds (floor): each
 loader frame carries ``time`` (int64 Unix s) and ``subsecond_ns`` (int64, the rest in ns,
 0..1e9-1), which :meth:`hstu.data.sequences.EventLog.from_frame` sorts on after ``time``. Sorting
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -20,6 +28,43 @@ log = logging.getLogger(__name__)
 MS_THRESHOLD = 100_000_000_000  # 1e11: as seconds that is year 5138, as ms it is 1973
 TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 NS_PER_S = 1_000_000_000
+UNIT_NAMES = {1: "seconds", 1_000: "milliseconds", 1_000_000: "microseconds", 1_000_000_000: "nanoseconds"}
+MAX_SECONDS, MAX_SUBSECOND_NS = divmod(2**63 - 1, NS_PER_S)  # 2262-04-11T23:47:16.854775807Z: the latest time
+
+
+class TimeRangeError(ValueError):
+    """A time that parses but lies before 1970-01-01 (:func:`range_problem` says why)."""
+
+
+class Times(NamedTuple):
+    """A time column as :func:`exact_times` reads it: whole Unix seconds and the sub-second rest in ns,
+    masks of the unparsed rows, of the integers in the other unit than most (:func:`unit_of`) and of the
+    times out of range (before 1970; with the automatic unit, after 2262: :func:`range_problem`), and the
+    ticks per second of its integers."""
+
+    secs: pd.Series
+    rest: pd.Series
+    bad: np.ndarray
+    mixed: np.ndarray
+    out: np.ndarray
+    per_s: int
+
+
+def after_2262(secs, rest):
+    """Whether times (whole Unix seconds, sub-second ns: ints or arrays) are after 2262-04-11T23:47:16.854775807Z
+    (the end of int64 nanoseconds): a bool or a mask."""
+    return (secs > MAX_SECONDS) | ((secs == MAX_SECONDS) & (rest > MAX_SUBSECOND_NS))
+
+
+def range_problem(raw, secs: int, per_s: int | None = None) -> str:
+    """Why time ``raw`` (as written) at ``secs`` Unix seconds is out of range, for a message after "is ": before
+    1970-01-01, or else after 2262 as ``per_s`` ticks per second, the automatic unit (:func:`after_2262`)."""
+    if secs < 0:
+        return f"{raw!r}, before 1970-01-01 (a negative Unix time: a run's times start at 1970-01-01, as generate and serve require)"
+    return (
+        f"{raw!r}, which as {UNIT_NAMES.get(per_s or 1, 'seconds')} (the automatic unit) is after 2262-04-11: "
+        "microseconds or nanoseconds? set time_unit=us or time_unit=ns in --columns"
+    )
 
 
 def split_time(t, unit: int):
@@ -33,8 +78,15 @@ def split_time(t, unit: int):
 
 def to_time(s: str, unit: int) -> tuple[int, int]:
     """A time field -> (Unix seconds, floor; the sub-second rest in ns), see :func:`split_time`.
-    ValueError: neither an integer (or whole number) in the int64 range nor an ISO 8601 date-time."""
-    s = s.strip()
+    ValueError: neither an integer (or whole number) in the int64 range nor an ISO 8601 date-time;
+    TimeRangeError: before 1970-01-01."""
+    secs, rest = _to_time(s.strip(), unit)
+    if secs < 0:
+        raise TimeRangeError(range_problem(s.strip(), secs))
+    return secs, rest
+
+
+def _to_time(s: str, unit: int) -> tuple[int, int]:
     try:
         v = int(s)
     except ValueError:
@@ -55,12 +107,12 @@ def to_time(s: str, unit: int) -> tuple[int, int]:
     return split_time(v, unit)
 
 
-def exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series, pd.Series, np.ndarray, np.ndarray]:
-    """(Unix seconds, sub-second rest in ns, bad-row mask, mixed-unit mask) of a time column: integer
-    Unix time in ``unit`` (auto, :func:`unit_of`: s, or ms when the values are >= 1e11; the mixed-unit
-    mask marks the integers on the other side of 1e11), a datetime column, or ISO 8601 strings.
-    Both parts come from the exact value (:func:`split_time`), so ms / ns / fractional ISO times
-    keep their order; bad rows (unparsed, or outside int64 ns: years 1677..2262) hold 0."""
+def exact_times(col: pd.Series, unit: str | None, path: Path) -> Times:
+    """A time column (:class:`Times`): integer Unix time in ``unit`` (auto, :func:`unit_of`: s, or ms when
+    the values are >= 1e11; the mixed-unit mask marks the integers on the other side of 1e11), a datetime
+    column, or ISO 8601 strings. Both parts come from the exact value (:func:`split_time`), so ms / ns /
+    fractional ISO times keep their order; bad rows (unparsed, or outside int64 ns: years 1677..2262) hold
+    0; ``out`` marks the parsed times before 1970 and, in the automatic unit, after 2262 (:func:`range_problem`)."""
     epoch = pd.Timestamp(0, tz="UTC")
     if pd.api.types.is_datetime64_any_dtype(col) or not _mostly_numbers(col):
         t = (
@@ -73,7 +125,8 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series
         bad = (t.isna() | (t < lo) | (t > hi)).to_numpy()  # "-100" parses as the year -100
         ns = (t.where(~bad, epoch) - epoch) // pd.Timedelta(1, "ns")  # int64 ns: NaT rows set to 0 first (NaN would make it float)
         secs, rest = split_time(ns.astype(np.int64), NS_PER_S)
-        return secs, rest, bad, np.zeros(len(col), bool)
+        none = np.zeros(len(col), bool)
+        return Times(secs, rest, bad, none, (secs < 0).to_numpy() & ~bad, NS_PER_S)
     num = pd.to_numeric(col, errors="coerce")  # integer Unix time (int64: |t| < 2^63)
     bad = (num.isna() | (num != np.floor(num)) | (num.abs() >= 2.0**63)).to_numpy()
     ticks = num.where(~bad, 0).astype(np.int64)
@@ -81,7 +134,8 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> tuple[pd.Series
     mixed = np.zeros(len(col), bool)
     mixed[~bad] = odd
     secs, rest = split_time(ticks, per_s)
-    return secs, rest, bad, mixed
+    out = (secs < 0) | (after_2262(secs, rest) if unit is None else False)
+    return Times(secs, rest, bad, mixed, np.asarray(out) & ~bad & ~mixed, per_s)
 
 
 def _mostly_numbers(col: pd.Series) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import signal
 import socket
 from pathlib import Path
@@ -135,10 +134,9 @@ MIN_BODY_BYTES = 1024  # ServePolicy.max_body_bytes' floor
 def _check_prefix_cache_memory(mb: float, processes: int) -> None:
     """ValueError when the user-prefix caches' bound (``mb`` MiB in each of ``processes`` model processes) exceeds
     this machine's physical memory: the caches would grow until the kernel kills a process, never evicting."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no sysconf (not POSIX): nothing to compare with
-        return
+    from hstu.backend.cpu import host_memory_info
+
+    total = host_memory_info().total_bytes
     if mb * 2**20 * processes > total:
         per = f" x {processes} model processes" if processes > 1 else ""
         raise ValueError(

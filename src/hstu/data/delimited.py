@@ -13,7 +13,8 @@ File format (``--format``): ``sep=…`` (a character, or ``tab`` / ``comma`` / `
 ``pipe`` / ``space``; default ``\t`` for .tsv, else ``,``) and ``header=yes|none``, as
 comma-separated ``key=value`` pairs (e.g. ``sep=;,header=none``).
 
-Several files as one log: ``data_dir`` a directory (every .csv / .tsv / .txt / .parquet / .pq in it, in
+A delimited file may be compressed: ``.csv.gz`` / ``.bz2`` / ``.xz`` (:func:`hstu.data.records.opener`).
+Several files as one log: ``data_dir`` a directory (every .csv / .tsv / .txt / .parquet / .pq in it, compressed or not, in
 natural name order: part2 before part10), a glob (``logs/2024-*.csv``, the same order) or a list
 of paths (the order given). Rows are concatenated in that order and then sorted per user on the
 exact time, ties in that order (:meth:`~hstu.data.sequences.EventLog.from_frame`): the same log
@@ -50,13 +51,14 @@ from hstu.data.errors import DataFormatError, plural
 from hstu.data.features import numeric_column, parse_feature_options
 from hstu.data.movielens import file_encoding
 from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, row_width_error, to_event_log
-from hstu.data.records import check_quotes, record_line
+from hstu.data.records import COMPRESSIONS, check_quotes, opener, record_line, text_suffix
 from hstu.data.sequences import FEATURE_PREFIX, EventLog
 from hstu.data.times import TIME_UNITS, exact_times, range_problem, unit_problem
 
 log = logging.getLogger(__name__)
 
-LOG_EXTS = (".csv", ".tsv", ".txt", ".parquet", ".pq")
+TEXT_EXTS = (".csv", ".tsv", ".txt")
+LOG_EXTS = (*TEXT_EXTS, *(e + c for e in TEXT_EXTS for c in COMPRESSIONS), ".parquet", ".pq")  # a directory's log files
 SEPARATORS = {"tab": "\t", "\\t": "\t", "comma": ",", "semicolon": ";", "pipe": "|", "space": " "}
 FILE_ACTION = "@file"  # action=@file: the action of a file's events is the file's name (views.csv -> "views")
 HEADER_VALUES = {"yes": True, "true": True, "first": True, "none": False, "no": False, "false": False}
@@ -71,7 +73,7 @@ class Format:
     header: bool = True
 
     def sep_for(self, path: Path) -> str:
-        return self.sep if self.sep is not None else ("\t" if path.suffix.lower() == ".tsv" else ",")
+        return self.sep if self.sep is not None else ("\t" if text_suffix(path) == ".tsv" else ",")
 
 
 def parse_format(spec: str | dict | None) -> Format:
@@ -170,9 +172,13 @@ def log_files(data_dir: str | Path | list | tuple) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        found = sorted((q for q in p.iterdir() if q.is_file() and q.name.lower().endswith(LOG_EXTS)), key=_natural_key)
+        files = [q for q in p.iterdir() if q.is_file() and not q.name.startswith(".")]
+        found = sorted((q for q in files if q.name.lower().endswith(LOG_EXTS)), key=_natural_key)
+        looked = "/".join(TEXT_EXTS) + f" (also {'/'.join(COMPRESSIONS)} compressed)/.parquet/.pq"
         if not found:
-            raise FileNotFoundError(f"{p}: no event-log file in it (looked for {'/'.join(LOG_EXTS)}); pass the file path instead")
+            raise FileNotFoundError(f"{p}: no event-log file in it (looked for {looked}); pass the file path instead")
+        if other := sorted(q.name for q in files if q not in found):  # a part in another format must not vanish unsaid
+            log.warning("%s: %d file(s) not read as event-log parts (only %s): %s", p, len(other), looked, ", ".join(other[:5]))
         return found
     if glob.has_magic(str(data_dir)):
         found = sorted((Path(q) for q in glob.glob(str(data_dir)) if Path(q).is_file()), key=_natural_key)
@@ -351,7 +357,7 @@ def _read_files(
         if path.suffix.lower() in (".parquet", ".pq"):
             df, n = _read_parquet(path, cols, unit, skip_bad_rows)
         else:
-            encodings[path.name] = file_encoding(path)
+            encodings[path.name] = file_encoding(path, opener(path))
             df, n = read_delimited(path, cols, unit, fmt, skip_bad_rows, encodings[path.name])
         if by_file:
             df["action"] = path.name.split(".")[0]

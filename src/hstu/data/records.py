@@ -4,14 +4,38 @@ A quoted field may hold line breaks, so a record can span several lines. A quote
 would make the rest of the file one field: :func:`records` refuses it with a
 :class:`~hstu.data.errors.DataFormatError` naming the line the quote opens on (also under
 ``skip_bad_rows``: skipping that "row" would silently drop every line after it).
+
+A text file may be compressed (``.gz``, ``.bz2``, ``.xz``: :func:`opener`, by its name, as pandas infers it);
+:func:`text_suffix` is then the suffix before the compression's (``.tsv`` of ``log.tsv.gz``).
 """
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
+import lzma
 from pathlib import Path
 
 from hstu.data.errors import DataFormatError
+
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # suffix -> open(path, mode, ...) of the stdlib
+UNREAD_COMPRESSIONS = (".zip", ".zst", ".zstd", ".tar", ".tgz", ".7z", ".lz4")
+
+
+def opener(path: Path):
+    """The open function of a text file by its name: gzip / bz2 / lzma for ``.gz`` / ``.bz2`` / ``.xz``, else ``open``.
+    ValueError for another archive or compression (``.zip``, ``.zst``, ...), naming the file."""
+    suffix = path.suffix.lower()
+    if suffix in UNREAD_COMPRESSIONS:
+        raise ValueError(f"{path}: {suffix} files are not read; decompress it, or compress it as .gz, .bz2 or .xz")
+    return COMPRESSIONS.get(suffix, open)
+
+
+def text_suffix(path: Path) -> str:
+    """The lower-case suffix of a text file's format: ``.tsv`` for ``a.tsv`` and ``a.tsv.gz``."""
+    suffixes = [x.lower() for x in path.suffixes]
+    return suffixes[-2] if len(suffixes) >= 2 and suffixes[-1] in COMPRESSIONS else path.suffix.lower()
 
 
 class _Lines:
@@ -72,7 +96,7 @@ def records(path: Path, *, sep: str, encoding: str):
     splits it: a blank line is an empty record, and a quoted field may hold line breaks (the record then
     spans several lines; pandas' C parser counts records the same way). DataFormatError: a quote that is
     never closed (or not within csv's field size limit), naming the line it opens on."""
-    with open(path, newline="", encoding=encoding, errors="replace") as fh:
+    with opener(path)(path, "rt", newline="", encoding=encoding, errors="replace") as fh:
         lines = _Lines(fh)
         reader = csv.reader(lines, delimiter=sep)
         start = 1

@@ -106,8 +106,15 @@ def test_history_file_and_train_flag_errors_name_the_input(run_dir, tmp_path):
     cases = [
         (tmp_path, f"{tmp_path}: is a directory, not a history file"),
         (tmp_path / "bin.json", "not UTF-8 text"),
-        (tmp_path / "big.json", "event [0].timestamp must be in 0..9223372036854775807, got 99999999999999999999999"),
-        (tmp_path / "neg.json", "event [0].timestamp must be in 0..9223372036854775807, got -4"),
+        (
+            tmp_path / "big.json",
+            "event [0].timestamp must be Unix seconds in 0..9223372036 (up to 2262-04-11), got 99999999999999999999999",
+        ),
+        (tmp_path / "neg.json", "event [0].timestamp must be Unix seconds in 0..9223372036 (up to 2262-04-11), got -4"),
+        (
+            tmp_path / "ms.json",
+            "event [0].timestamp must be Unix seconds in 0..9223372036 (up to 2262-04-11); milliseconds? divide by 1000, got 1700000000000",
+        ),
         (tmp_path / "typo.json", "event [1] has unknown field(s) ['actoin']; valid: item_id, timestamp, action"),
         (tmp_path / "act.json", "event [0].action must be a string or null, got 3"),
     ]
@@ -116,6 +123,7 @@ def test_history_file_and_train_flag_errors_name_the_input(run_dir, tmp_path):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe")
     (tmp_path / "big.json").write_text('[{"item_id": 1, "timestamp": 99999999999999999999999}]')
     (tmp_path / "neg.json").write_text('[{"item_id": 1, "timestamp": -4}]')
+    (tmp_path / "ms.json").write_text('[{"item_id": 1, "timestamp": 1700000000000}]')
     for path, message in cases:
         p = hstu("generate", "--run", run_dir, "--history", path, check=False)
         assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr

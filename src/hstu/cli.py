@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions, check_k
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TIME_S_MAX, TOP_K_MAX, DecodeOptions, check_k
 from hstu.interrupts import Deferred, ignore_after_return, interrupted, terminated
 
 log = logging.getLogger("hstu")
@@ -369,7 +369,9 @@ def _add_generate(sub) -> None:
         "(default: $HSTU_DATA_DIR, else the directory recorded in the run)",
     )
     add_loader_flags(q, run=True)
-    q.add_argument("--request-time", type=number_in(int, 0, INT64_MAX), help="Unix seconds (default: the last event's time)")
+    q.add_argument(
+        "--request-time", type=number_in(int, 0, TIME_S_MAX), help="Unix seconds, up to 2262-04-11 (default: the last event's time)"
+    )
     q.add_argument("--exclude-history", action=argparse.BooleanOptionalAction, help=EXCLUDE_HISTORY_HELP)
     q.add_argument(
         "--unknown-items", default="drop", choices=["drop", "reject"], help="unknown history items: drop, warned (default), or reject"

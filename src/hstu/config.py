@@ -27,7 +27,10 @@ ATTENTION_KERNELS = ("auto", "reference", "triton", "npu")  # [model] attention:
 ITEM_TABLES = ("dense", "hashed")  # [model] item_table: nn.Embedding | model.embedding.ShardedEmbedding
 TABLE_PLACEMENTS = ("device", "host")  # where a hashed table's shard lives (model/embedding.py)
 TABLE_DTYPES = ("fp32", "fp16", "bf16")  # a hashed table's row storage dtype
-INT64_MAX = 2**63 - 1  # item ids and timestamps of a history event (CLI files and HTTP alike)
+INT64_MAX = 2**63 - 1  # item ids of a history event (CLI files and HTTP alike)
+# a request's times (event timestamps, request_time): Unix seconds up to 2262-04-11, where the data loaders' times end
+# (int64 ns); a millisecond time (~1.7e12 today) is past it and refused, never read as seconds 55,000 years ahead
+TIME_S_MAX = INT64_MAX // 10**9
 MAX_WIDTH, MAX_BLOCKS = 65_536, 1024  # max_seq_len + max_output_len (position table, attention width N); num_blocks
 
 _BLOCK = {"query_key_map": True, "ffn_hidden": 0, "multi_channel": False}  # HSTU block options and their defaults

@@ -269,6 +269,19 @@ def test_all_users_refuses_compiled_graphs_before_any_work(tmp_path, capsys):
     assert "--graphs compiled: the batch job (--all-users) runs eager" in capsys.readouterr().err and not out.exists()
 
 
+def test_existing_output_kept_unless_overwrite(run_dir, ratings, tmp_path, capsys):
+    """A second `--all-users` into the same --out replaced the finished file without a word (a trial's data loss):
+    refused before any work, the file unchanged; --overwrite replaces it."""
+    out = tmp_path / "recs.jsonl"
+    out.write_text("earlier output\n")
+    f = _users_file(tmp_path / "u.txt", np.sort(ratings.user.unique())[:3])
+    assert _gen(run_dir, out, "--users-file", str(f)) == 2
+    assert "exists (an earlier output?); give --overwrite" in capsys.readouterr().err
+    assert out.read_text() == "earlier output\n" and not Path(str(out) + ".parts").exists()
+    assert _gen(run_dir, out, "--users-file", str(f), "--overwrite") == 0
+    assert len(_read(out)) == 3 * K
+
+
 def _log(run_dir):
     from hstu.cli import _run_data
     from hstu.model.checkpoint import read_json

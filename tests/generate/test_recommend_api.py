@@ -58,19 +58,34 @@ def test_threads_sharing_one_recommender_get_the_single_threaded_items(run_dir, 
     assert not wrong, f"{len(wrong)} of {len(got)} calls differ from the single-threaded items, e.g. {list(wrong.items())[:2]}"
 
 
+R = "must be Unix seconds in 0..9223372036 (up to 2262-04-11)"
+MS = "; milliseconds? divide by 1000"
+
+
 @pytest.mark.parametrize(
     "timestamps, request_time, message",
     [
         ([1.9], None, "history[0].timestamp must be an integer, got 1.9"),
         ([True], None, "history[0].timestamp must be an integer, got True"),
         (["978300760"], None, "history[0].timestamp must be an integer, got '978300760'"),
-        ([-1], None, "history[0].timestamp must be in 0..9223372036854775807, got -1"),
-        ([2**63], None, "history[0].timestamp must be in 0..9223372036854775807, got 9223372036854775808"),
+        ([-1], None, f"history[0].timestamp {R}, got -1"),
+        ([2**63], None, f"history[0].timestamp {R}, got 9223372036854775808"),
+        # milliseconds were read as seconds (year 55,900): generated with nonsense time buckets, no word said
+        (
+            [978300760, 978300761000],
+            None,
+            f"history[1].timestamp {R}{MS}, got 978300761000",
+        ),
+        (
+            [978300760],
+            1700000000000,
+            f"history.request_time {R}{MS}, got 1700000000000",
+        ),
         ([978300760, 1.5], None, "history[1].timestamp must be an integer, got 1.5"),
         (np.array([5.0]), None, "history[0].timestamp must be an integer, got"),
         ([978300760], 1.5, "history.request_time must be an integer, got 1.5"),
         ([978300760], True, "history.request_time must be an integer, got True"),
-        ([978300760], -3, "history.request_time must be in 0..9223372036854775807, got -3"),
+        ([978300760], -3, f"history.request_time {R}, got -3"),
     ],
 )
 def test_prepare_refuses_what_the_cli_history_file_refuses(rec, ratings, timestamps, request_time, message) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TIME_S_MAX, TOP_K_MAX
 from hstu.data.sequences import ID_MAX_CHARS
 from hstu.serve import fast_body, schemas
 
@@ -51,7 +51,7 @@ def test_typical_bodies_take_the_fast_path():
         {"history": hist, "k": 5},
         {"user_id": "u1", "history": hist[:3], "k": 3, "exclude": [1, "x"], "decoding": {"strategy": "beam", "beam_width": 16}},
         {"history": [{"item_id": "a", "timestamp": 0, "action": "buy", "features": {"price": 3, "brand": "b", "x": None}}]},
-        {"history": hist[:5], "decoding": {"strategy": "topk", "top_k": 7, "temperature": 5, "seed": SEED_MAX}, "request_time": INT64_MAX},
+        {"history": hist[:5], "decoding": {"strategy": "topk", "top_k": 7, "temperature": 5, "seed": SEED_MAX}, "request_time": TIME_S_MAX},
     ]
     for b in bodies:
         assert _check(schemas.GenerateRequest, json.dumps(b).encode())
@@ -93,6 +93,8 @@ BAD = [
     f'{{"history": [], "decoding": {{"seed": {SEED_MAX + 1}}}}}',
     '{"history": [], "decoding": {"seed": -1}}',
     '{"history": [], "request_time": -1}',
+    f'{{"history": [], "request_time": {TIME_S_MAX + 1}}}',
+    '{"history": [{"item_id": 1, "timestamp": 1700000000000}]}',  # milliseconds: refused, never read as seconds
     '{"history": [], "exclude": ' + json.dumps(list(range(100_001))) + "}",
     '{"history": [{"item_id": "\\ud800", "timestamp": 1}]}',  # a lone surrogate
     '{"k": 5}',

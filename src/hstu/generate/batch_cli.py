@@ -22,6 +22,7 @@ BATCH_FLAGS = {
     "--engine": "engine",
     "--ray-address": "ray_address",
     "--ray-gpus-per-worker": "ray_gpus_per_worker",
+    "--overwrite": "overwrite",
 }
 
 
@@ -34,6 +35,12 @@ def add_arguments(q) -> None:
     g = q.add_argument_group("batch inference (--all-users)")
     g.add_argument("--all-users", action="store_true", help="next-k for every user of the run's data set (or --users-file), to --out")
     g.add_argument("--out", help="output file: .parquet (needs pyarrow) or .jsonl; one row per (user, rank)")
+    g.add_argument(
+        "--overwrite",
+        action="store_const",
+        const=True,
+        help="replace an existing --out file (without it a finished output is never written over; OUT.parts/ resumes either way)",
+    )
     g.add_argument("--users-file", help="only these users: one original user id per line, in this order")
     g.add_argument("--chunk-users", type=number_in(int, 1), help=f"users per resumable part in OUT.parts/ (default {CHUNK_USERS})")
     g.add_argument("--workers", type=number_in(int, 1), help="processes (local) or actors (ray), each loading the run once (default 1)")
@@ -81,6 +88,8 @@ def cmd_all_users(args, load_log: Callable[[dict], object]) -> int:
     output_format(args.out)
     if Path(args.out).is_dir():
         raise ValueError(f"--out {args.out}: is a directory")
+    if Path(args.out).exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out}: exists (an earlier output?); give --overwrite to replace it, or another --out")
     cfg = read_json(Path(args.run) / "config.json")
     check_k(args.k, int(cfg["model"]["max_output_len"]), "-k")
     spec = BatchSpec(

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hstu.config import INT64_MAX
+from hstu.config import INT64_MAX, TIME_S_MAX
+
+TIME_FIELDS = ("timestamp", "request_time")  # an event's time and a request's: Unix seconds, 0..TIME_S_MAX
 
 
 class HistoryError(ValueError):
@@ -73,22 +75,33 @@ class Ranked:
 def check_event_int(where: str, name: str, value, minimum: int = 0) -> None:
     """Refuse an event's integer field: HistoryError ``"{where}.{name} must be an integer, got 1.7"``
     unless ``value`` is an int or a NumPy integer (a bool is not), ``"... must be in {minimum}..INT64_MAX,
-    got -1"`` outside that range. The messages of ``hstu generate --history`` (``where`` "FILE: event
-    [i]") and :meth:`Recommender.prepare` (``where`` "history[i]"); the HTTP schema holds the same ranges."""
+    got -1"`` outside that range; a time (``name`` "timestamp" or "request_time") in 0..TIME_S_MAX (Unix
+    seconds up to 2262-04-11: a millisecond time is named as such). The messages of ``hstu generate --history``
+    (``where`` "FILE: event [i]") and :meth:`Recommender.prepare` (``where`` "history[i]"); the HTTP schema
+    holds the same ranges."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise HistoryError(f"{where}.{name} must be an integer, got {value!r}")
-    if not minimum <= value <= INT64_MAX:
+    if name in TIME_FIELDS:
+        if not minimum <= value <= TIME_S_MAX:
+            hint = f" (up to 2262-04-11){_ms_hint(value)}"
+            raise HistoryError(f"{where}.{name} must be Unix seconds in {minimum}..{TIME_S_MAX}{hint}, got {value}")
+    elif not minimum <= value <= INT64_MAX:
         raise HistoryError(f"{where}.{name} must be in {minimum}..{INT64_MAX}, got {value}")
+
+
+def _ms_hint(value: int) -> str:
+    """The likely unit of a time past TIME_S_MAX (milliseconds today are ~1.7e12)."""
+    return "; milliseconds? divide by 1000" if TIME_S_MAX < value < TIME_S_MAX * 1000 else ""
 
 
 def event_times(timestamps) -> np.ndarray:
     """(n,) int64 Unix seconds of a :class:`History`'s ``timestamps`` (a list of ints, or an integer
-    array), each in 0..INT64_MAX; else HistoryError naming the first bad one (:func:`check_event_int`,
+    array), each in 0..TIME_S_MAX; else HistoryError naming the first bad one (:func:`check_event_int`,
     ``history[i].timestamp``). A list of Python ints in range is checked in one pass in C."""
     if (isinstance(timestamps, np.ndarray) and timestamps.dtype.kind in "iu") or set(map(type, timestamps)) <= {int}:
         try:
             ts = np.asarray(timestamps, dtype=np.int64)  # a uint64 past INT64_MAX wraps negative: refused below
-            if not len(ts) or ts.min() >= 0:
+            if not len(ts) or (ts.min() >= 0 and ts.max() <= TIME_S_MAX):
                 return ts
         except OverflowError:  # a Python int past int64
             pass

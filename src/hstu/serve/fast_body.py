@@ -21,12 +21,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TIME_S_MAX, TOP_K_MAX, DecodeOptions
 from hstu.data.sequences import ID_MAX_CHARS
 
 _Int64 = Annotated[int, msgspec.Meta(ge=-INT64_MAX - 1, le=INT64_MAX)]
 _Id = _Int64 | Annotated[str, msgspec.Meta(max_length=ID_MAX_CHARS)]  # schemas.ItemId / UserId (JSON int and str are disjoint)
-_Time = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+_Time = Annotated[int, msgspec.Meta(ge=0, le=TIME_S_MAX)]  # Unix seconds (hstu.config.TIME_S_MAX)
 _Name = Annotated[str, msgspec.Meta(max_length=64)]
 _Features = Annotated[dict[_Name, float | str | None], msgspec.Meta(max_length=64)]
 _Unknown = Literal["drop", "reject"]

@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidat
 from pydantic_core import PydanticCustomError
 
 from hstu.data.sequences import ID_MAX_CHARS
-from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TOP_K_MAX, DecodeOptions
+from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TIME_S_MAX, TOP_K_MAX, DecodeOptions
 
 
 class _Strict(BaseModel):
@@ -113,7 +113,7 @@ class Event(_Strict):
     """One history event: original item id, Unix seconds, optional action name (e.g. "buy")."""
 
     item_id: ItemId = Field(description="original item id as in the training data: an integer, or a text (trimmed, case kept)")
-    timestamp: int = Field(ge=0, le=INT64_MAX, description="Unix seconds")
+    timestamp: int = Field(ge=0, le=TIME_S_MAX, description="Unix seconds (up to 2262-04-11: milliseconds are refused)")
     action: str | None = Field(
         default=None, max_length=64, description="action name from the run's idmap (unknown names count as none, with a warning)"
     )
@@ -176,7 +176,7 @@ class GenerateRequest(_Strict):
     allow_untrained_items: bool | None = Field(
         default=None, description="may return items without training events (default: only for a run trained with cold_item_dropout > 0)"
     )
-    request_time: int | None = Field(default=None, ge=0, le=INT64_MAX, description="Unix seconds; default: the last event's time")
+    request_time: int | None = Field(default=None, ge=0, le=TIME_S_MAX, description="Unix seconds; default: the last event's time")
     decoding: Decoding | None = None
     unknown_items: UnknownPolicy | None = Field(default=None, description="drop (with a warning) or reject unknown item ids")
     timestamp_order: OrderPolicy | None = Field(default=None, description="sort (stable) or reject out-of-order histories")
@@ -189,7 +189,7 @@ class ScoreRequest(_Strict):
     user_id: UserId = None
     history: list[Event] = Field(description="at least one event (no cold-start scoring)")
     candidates: list[ItemId] = Field(min_length=1, description="original item ids to score")
-    request_time: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    request_time: int | None = Field(default=None, ge=0, le=TIME_S_MAX)
     unknown_items: UnknownPolicy | None = None
     timestamp_order: OrderPolicy | None = None
 

@@ -280,7 +280,7 @@ def test_csv_ids_are_parsed_exactly(tmp_path: Path):
 
 def test_parquet_malformed_rows_name_the_row(tmp_path: Path):
     pd.DataFrame({"u": [1, 1, 2], "i": ["5", None, "6"], "t": [1, 2, 3]}).to_parquet(tmp_path / "x.parquet")
-    with pytest.raises(DataFormatError, match=r"x.parquet: row 1: item \('i'\) is missing"):
+    with pytest.raises(DataFormatError, match=r"x.parquet: row 1 \(0-based\): item \('i'\) is missing"):
         load_csv(tmp_path / "x.parquet", columns="user=u,item=i,time=t")
     log_ = load_csv(tmp_path / "x.parquet", columns="user=u,item=i,time=t", skip_bad_rows=True)
     assert log_.skipped_rows == 1 and log_.item_raw_ids[log_.items].tolist() == [5, 6]

@@ -123,7 +123,9 @@ def test_mixed_units_in_the_line_by_line_pass_and_parquet(tmp_path: Path):
     assert _events(kept) == [(1, 10, 1_700_000_000, None), (1, 11, 1_700_000_060, None)] and kept.skipped_rows == 2
     pq = tmp_path / "log.parquet"
     pd.DataFrame([(1, 10, 1_700_000_000), (1, 11, 1_700_000_060_000)], columns=["u", "i", "t"]).to_parquet(pq)
-    with pytest.raises(DataFormatError, match=r"log.parquet: row 1: time \('t'\) is 1700000060000, which looks like milliseconds"):
+    with pytest.raises(
+        DataFormatError, match=r"log.parquet: row 1 \(0-based\): time \('t'\) is 1700000060000, which looks like milliseconds"
+    ):
         load_csv(pq, columns=COLS)
     cols = [Column("user", "u", text=True), Column("item", "i", text=True), Column("time", "t")]
     with pytest.raises(DataFormatError, match=r"log.csv:4: time \('t'\) is 1700000120, which looks like seconds"):

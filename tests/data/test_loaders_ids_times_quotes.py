@@ -191,7 +191,7 @@ def test_the_last_time_in_the_automatic_unit_is_2262_04_11(tmp_path: Path):
     with pytest.raises(DataFormatError, match=r"past.csv:3: .*after 2262-04-11"):
         load_csv(q, columns=COLS)
     pd.DataFrame({"u": [1, 1], "i": [1, 2], "t": [ms + 1, 1700000000000]}).to_parquet(tmp_path / "x.parquet")
-    with pytest.raises(DataFormatError, match=r"x.parquet: row 0: time \('t'\) is .*after 2262-04-11"):
+    with pytest.raises(DataFormatError, match=r"x.parquet: row 0 \(0-based\): time \('t'\) is .*after 2262-04-11"):
         load_csv(tmp_path / "x.parquet", columns=COLS)
 
 
@@ -212,7 +212,7 @@ def test_a_time_before_1970_is_a_bad_row(tmp_path: Path, slow: bool, t: str):
 def test_parquet_times_before_1970_are_bad_rows(tmp_path: Path):
     for name, t in (("int", [5, -1]), ("dt", pd.to_datetime(["2024-01-01", "1965-03-01"], utc=True))):
         pd.DataFrame({"u": [1, 1], "i": [1, 2], "t": t}).to_parquet(tmp_path / f"{name}.parquet")
-        with pytest.raises(DataFormatError, match=rf"{name}.parquet: row 1: time \('t'\) is .*before 1970-01-01"):
+        with pytest.raises(DataFormatError, match=rf"{name}.parquet: row 1 \(0-based\): time \('t'\) is .*before 1970-01-01"):
             load_csv(tmp_path / f"{name}.parquet", columns=COLS)
         assert load_csv(tmp_path / f"{name}.parquet", columns=COLS, skip_bad_rows=True).skipped_rows == 1
 

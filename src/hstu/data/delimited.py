@@ -496,4 +496,4 @@ def _read_parquet(path: Path, mapping: dict[str, str], unit: str | None, skip_ba
             labels[k] = names[int(v)]
     keys = _keys(_one_role_each(path, None, labels))
     raw = pd.read_parquet(path, columns=[labels[k] for k in keys]).reset_index(drop=True)
-    return _frame_checks(raw, labels, unit, lambda i: (None, f"row {i}: "), path, skip_bad_rows)
+    return _frame_checks(raw, labels, unit, lambda i: (None, f"row {i} (0-based): "), path, skip_bad_rows)  # as pandas / pyarrow count

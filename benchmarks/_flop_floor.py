@@ -8,7 +8,8 @@
 - next-5 for one history of 200 events, P50 in ms. Floor: <= 1 ms. Beside it the same call's own FLOP
   floor: its FLOPs counted the same way as one GEMM shaped (200, d) @ (d, N), timed in the same
   alternation: what this machine's arithmetic alone needs for the call (on a 2-core AMD EPYC VM
-  at one thread ~0.9 ms, so the 1 ms floor leaves ~0.1 ms for everything else there).
+  at one thread 0.46-0.48 ms, `generate_quick_s64_compiled.json`, so the 1 ms floor leaves ~0.5 ms there for
+  everything that is not arithmetic: the request's checks, the loads, the picks, the graph calls' own cost).
 """
 
 from __future__ import annotations

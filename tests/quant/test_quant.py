@@ -223,6 +223,25 @@ def calib(tiny_run):
     return calibration_batch(log_, make_split(log_, spec.protocol), 50, num_users=64, seed=0)
 
 
+def test_calibration_says_when_it_has_fewer_users_than_asked(tiny_run, caplog):
+    """--calib-users above the users with a validation target calibrated on fewer without a word."""
+    from hstu.data.prepare import DataSpec, prepare_data
+    from hstu.data.sequences import make_split
+    from hstu.model.checkpoint import read_json
+
+    spec = DataSpec(**read_json(tiny_run / "config.json")["data"])
+    log_, _ = prepare_data(spec)
+    split = make_split(log_, spec.protocol)
+    have = int((split.targets("valid") >= 0).sum())
+    with caplog.at_level("WARNING", logger="hstu.quant.calibrate"):
+        b = calibration_batch(log_, split, 50, num_users=have + 1, seed=0)
+    assert b.ids.shape[0] == have and f"{have + 1} users asked, the data has {have}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hstu.quant.calibrate"):
+        calibration_batch(log_, split, 50, num_users=have, seed=0)
+    assert "users asked" not in caplog.text
+
+
 def _float(run):
     return load_run(run, "cpu")[0]
 

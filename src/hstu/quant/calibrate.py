@@ -13,6 +13,8 @@ Symbols: B users in the batch, W padded width, K / N a Linear's input / output f
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import nn
@@ -20,6 +22,8 @@ from torch import nn
 from hstu.data.batching import SequenceBatch, eval_batch
 from hstu.data.sequences import EventLog, Split
 from hstu.quant.int8 import Int8Linear, quantizable_linears
+
+log = logging.getLogger(__name__)
 
 
 def calibration_batch(log_: EventLog, split: Split, max_seq_len: int, *, num_users: int = 256, seed: int = 0) -> SequenceBatch:
@@ -32,6 +36,8 @@ def calibration_batch(log_: EventLog, split: Split, max_seq_len: int, *, num_use
     users = np.nonzero(targets >= 0)[0]
     if users.size == 0:
         raise ValueError("calibration: no user has a validation target")
+    if num_users > users.size:  # said, not silently fewer (a trial's finding)
+        log.warning("calibration: %d users asked, the data has %d with a validation target: calibrating on those", num_users, users.size)
     rng = np.random.default_rng(seed)
     users = np.sort(rng.choice(users, size=min(num_users, users.size), replace=False))
     return eval_batch(log_, targets, users, max_seq_len)

@@ -593,6 +593,40 @@ def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
     assert rc == 0
 
 
+def test_sigterm_to_the_process_group_drains_in_flight_requests(run_dir, ratings) -> None:
+    """A trial's finding: SIGTERM to the server's whole process group (systemd's KillMode=control-group, `timeout`,
+    `kill -TERM -PGID`) killed the model process too: the request in flight got 503 model_restart, and a new model
+    process loaded during shutdown. The model process now leaves SIGTERM to the server, which drains, then stops it."""
+    import threading
+
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--buckets", "20,50", "--threads", "1"]
+    cmd += ["--max-wait-ms", "1500"]  # the request waits in its batch while the signal arrives
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    got: dict = {}
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split("listening on ")[1].split()[0]
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/readyz", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        hist = events(ratings, sorted(ratings.user.unique())[0], 15)
+        t = threading.Thread(target=lambda: got.update(r=post(url, "/v1/generate", {"history": hist, "k": 3})))
+        t.start()
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its model process alike
+        t.join(60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    err = proc.stderr.read()
+    assert got["r"].status_code == 200 and len(got["r"].json()["items"]) == 3, got["r"].text
+    assert rc == 0 and "died" not in err, err[-2000:]
+
+
 def test_cli_rejects_buckets_beyond_the_model(run_dir, capsys) -> None:
     from hstu.cli import main
 

@@ -159,7 +159,10 @@ def _worker_main(conn, spec: WorkerSpec, warm: tuple[int, ...]) -> None:
     serving process is gone): a packed batch with a packed answer (its outcome or its error,
     :func:`hstu.serve.wire.pack_answer`), a pickled ``(op, args)`` with ``("ok", value)`` or
     ``("err", exception)``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains, then stops us
+    # Ctrl-C, and SIGTERM to the process group (systemd's KillMode=control-group, `timeout`), reach us with the server:
+    # it drains, then stops us ("stop", the pipe's end, SIGKILL after close()'s timeout; exit_with_parent if it dies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # a spawned process starts with no logging set up (its warnings were bare stderr lines): the server's format, warnings up
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [model process] %(name)s: %(message)s")
     exit_with_parent()

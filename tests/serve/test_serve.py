@@ -571,9 +571,11 @@ def test_a_serve_config_says_which_tables_it_does_not_use(tmp_path, caplog) -> N
 
 
 def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
-    """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM."""
+    """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM; --access-log lines go to
+    stderr with the other log lines (they went to stdout, which holds only the "listening" line)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--buckets", "10,20,50", "--threads", "1"]
+    cmd.append("--access-log")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
         line = proc.stdout.readline()
@@ -591,6 +593,7 @@ def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     assert rc == 0
+    assert proc.stdout.read() == "" and '"POST /v1/generate HTTP/1.1" 200' in proc.stderr.read()
 
 
 def test_sigterm_to_the_process_group_drains_in_flight_requests(run_dir, ratings) -> None:

@@ -262,6 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app,
         log_level=logging.getLevelName(logging.getLogger().level).lower(),
         access_log=args.access_log,
+        log_config=_uvicorn_logging(),
         timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1,
         limit_concurrency=args.limit_concurrency,
         http=http_protocol(cfg.header_timeout_s, app.state.header_timeout_answer),
@@ -275,6 +276,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _uvicorn_logging() -> dict:
+    """uvicorn's logging config with its access lines on stderr like every other log line (its default is stdout,
+    whose first line is the "listening" line scripts read)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return cfg
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -16,7 +16,7 @@ from hstu.model import item_index as ii
 from hstu.model.embedding import ShardedEmbedding
 from hstu.model.hstu import build_hstu
 from hstu.model.item_index import FloatIndex, HalfIndex, RowsIndex, ShardIndex, item_scores, stream_ranks, stream_topk, top_rows
-from hstu.train.metrics import target_ranks
+from hstu.train.metrics import UNREACHABLE_RANK, target_ranks
 
 V, D, B = 9000, 6, 5
 
@@ -92,11 +92,11 @@ def test_stream_ranks_equal_target_ranks(name):
     index = _indexes(tab)[name]
     exclude = torch.rand(B, V, generator=torch.Generator().manual_seed(6)) < 0.3
     targets = torch.tensor([1, 2047, 2048, 8999, 4000])  # both sides of a block edge, the last row
-    exclude[4, 4000] = True  # an excluded target (-inf): ranked behind every item, as target_ranks does
+    exclude[4, 4000] = True  # an excluded target (-inf): never recommended (a miss at every K), as target_ranks says
     want = target_ranks(_full(index, user, exclude), targets)
     got = stream_ranks(index, user, 0.5, targets, exclude_pairs=exclude.nonzero(as_tuple=True), rows=2048)
     assert torch.equal(got, want)
-    assert got[4] == V
+    assert got[4] == UNREACHABLE_RANK
 
 
 def test_stream_topk_refuses_k_beyond_the_table():

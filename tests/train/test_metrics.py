@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hstu.train.metrics import auc, long_tail_coverage, ranking_metrics, shannon_entropy, target_ranks
+from hstu.train.metrics import UNREACHABLE_RANK, auc, long_tail_coverage, ranking_metrics, shannon_entropy, target_ranks
 
 
 def test_ranks_with_ties_are_pessimistic():
@@ -17,6 +17,18 @@ def test_ranks_with_ties_are_pessimistic():
     # row 1: all tied -> the target is ranked last among the 4 scorable items
     assert target_ranks(scores, torch.tensor([2, 1])).tolist() == [3, 4]
     assert target_ranks(scores, torch.tensor([1, 4])).tolist() == [1, 4]
+
+
+def test_an_excluded_target_is_a_miss_at_every_k():
+    """A trial's finding: a target excluded from the ranking (a repeated history item under exclude_history, -inf)
+    was ranked behind every item, so HR@50 was 1.0 on a 20-item catalogue whose every target was excluded."""
+    inf = float("-inf")
+    scores = torch.tensor([[inf, 0.9, inf, 0.5], [inf, 0.2, 0.7, inf]])  # row 0 excludes item 2, row 1 item 3
+    ranks = target_ranks(scores, torch.tensor([2, 2]))
+    assert ranks.tolist() == [UNREACHABLE_RANK, 1]
+    m = ranking_metrics(ranks.numpy(), ks=(1, 50, 200))
+    assert m["HR@1"] == m["HR@50"] == m["HR@200"] == 0.5 and m["NDCG@200"] == 0.5
+    assert m["MRR"] == pytest.approx(0.5, abs=1e-15)
 
 
 def test_ranking_metrics_hand_values():

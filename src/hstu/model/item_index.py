@@ -419,7 +419,9 @@ def stream_ranks(
     ranks = torch.zeros(user.shape[0], dtype=torch.int64, device=user.device)
     for j in range(len(spans)):
         ranks += (block(j) >= t).sum(dim=1)
-    return ranks.clamp_(max=index.num_rows - len(index.dead) + 1)  # a -inf target: behind the V items, not the overflow rows
+    from hstu.train.metrics import UNREACHABLE_RANK  # an excluded (-inf) target: never recommended, as target_ranks
+
+    return ranks.masked_fill_(t.view(-1) == float("-inf"), UNREACHABLE_RANK)
 
 
 def build_item_index(model) -> ItemIndex:

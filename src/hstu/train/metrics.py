@@ -6,6 +6,9 @@ Ties are broken against the target: rank = 1 + #{items with score >= target scor
 the target}, so a model that scores everything equally ranks the target last, never first.
 
 HR@K = 1[rank <= K];  NDCG@K = 1[rank <= K] / log2(rank + 1);  MRR = 1 / rank (untruncated).
+A target the ranking excludes (a history item under ``exclude_history``, scored -inf) can never be
+recommended: its rank is :data:`UNREACHABLE_RANK`, a miss at every K with an MRR term of ~2e-19
+(it was ranked behind every item, a hit at any K past the catalogue's size: HR@50 = 1 on 20 items).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 DEFAULT_KS = (1, 10, 50, 200)
+UNREACHABLE_RANK = 2**62  # the rank of an excluded target: past every K, 1 / rank ~ 0 (int64, as the other ranks)
 
 
 def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -23,12 +27,13 @@ def target_ranks(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     Args:
         scores: (B, I) float, excluded items at -inf.
-        targets: (B,) int64 column of each target (its score must be finite).
+        targets: (B,) int64 column of each target.
     Returns:
-        (B,) int64 ranks in 1..I.
+        (B,) int64 ranks in 1..I; :data:`UNREACHABLE_RANK` where the target is excluded (-inf).
     """
     t = scores.gather(1, targets.view(-1, 1))  # (B, 1)
-    return (scores >= t).sum(dim=1)  # the target itself plus every other item scoring >= it
+    ranks = (scores >= t).sum(dim=1)  # the target itself plus every other item scoring >= it
+    return ranks.masked_fill_(t.view(-1) == float("-inf"), UNREACHABLE_RANK)
 
 
 def ranking_metrics(ranks: np.ndarray, ks=DEFAULT_KS) -> dict[str, float]:

@@ -474,3 +474,23 @@ def test_requests_while_warming_get_503_at_once(rec) -> None:  # noqa: F811
         while httpx.get(s.url + "/readyz").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert post(s.url, "/v1/generate", BODY).status_code == 200
+
+
+def test_every_labelled_series_exists_at_zero_from_the_start() -> None:
+    """A trial's finding: a fresh server's /metrics had only `# TYPE` lines for the batch durations and the prefix-cache
+    lookups, so rate() and alert rules saw no series until the first batch / lookup."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hstu.serve.metrics import ServeMetrics
+
+    m = ServeMetrics([20, 50])
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(generate_latest(m.registry).decode())
+        for s in f.samples
+    }
+    for b in ("20", "50"):
+        assert samples[("hstu_serve_batch_duration_seconds_count", (("bucket", b),))] == 0.0
+    for result in ("hit", "miss"):
+        assert samples[("hstu_serve_prefix_cache_lookups_total", (("result", result),))] == 0.0

@@ -233,6 +233,9 @@ def _add_probes(app: FastAPI, svc: Service) -> None:
         body, ctype = svc.metrics.exposition()
         return Response(body, media_type=ctype)
 
+    for path, probe in (("/healthz", healthz), ("/readyz", readyz), ("/metrics", metrics)):  # HEAD too, as balancers probe (was 405)
+        app.add_api_route(path, probe, methods=["HEAD"], include_in_schema=False)
+
 
 def _arrival(request: Request) -> float:
     """When the request arrived (``time.perf_counter()``, set by the edge middleware)."""

@@ -138,6 +138,7 @@ class ServeMetrics:
             self.queue_depth.labels(bucket=str(b)).set(0)
             self.bucket_warm.labels(bucket=str(b)).set(0)
             self.batch_size.labels(bucket=str(b))
+            self.batch_duration.labels(bucket=str(b))  # every labelled series at 0 from the start (rate() needs a first sample)
             self.queue_wait.labels(bucket=str(b))
             for kind in ("generate", "score"):
                 self.cost_scale.labels(bucket=str(b), kind=kind).set(1.0)
@@ -147,6 +148,8 @@ class ServeMetrics:
             self.request_duration.labels(endpoint="/v1/score", bucket=str(b))
         for reason in REASONS:
             self.rejected.labels(reason=reason)
+        for result in ("hit", "miss"):
+            self.prefix_lookups.labels(result=result)
         self.memory_kinds = memory_kinds
 
     def record_prefix(self, hits: int, misses: int, rows: int, evictions: int, nbytes: int, entries: int) -> None:

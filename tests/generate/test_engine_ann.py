@@ -143,7 +143,7 @@ def test_unusable_factories_are_refused_in_one_line_before_any_work(monkeypatch,
     for factory, message in (
         ("PQ4", "cannot filter items"),
         ("PCA8,IVF4,Flat", "cannot filter items"),
-        ("IVF4096,Flat", "cannot train it on 300 item rows"),
+        ("IVF4096,Flat", "cannot train it on 300 item rows: 4096 IVF cells need at least 4096 rows"),
         ("Bogus", "--ann Bogus: faiss cannot parse it"),
     ):
         with pytest.raises(ValueError, match=message) as info:

@@ -80,6 +80,8 @@ def test_integer_ids_stay_int64_and_lookups_take_either_form():
     for bad in ("1_097", "\u0661\u0660\u0669\u0667", "\uff11\uff10\uff19\uff17", "7.0", "0x10"):  # what int() would also read
         with pytest.raises(ValueError, match="not an integer id"):
             as_ids([bad], text=False)
+    with pytest.raises(ValueError, match=r"id\[0\]: integer id '99999999999999999999999' is outside int64"):  # not "not an integer"
+        as_ids(["99999999999999999999999"], text=False)
 
 
 def test_idmap_holds_text_ids_as_json_strings():

@@ -48,6 +48,9 @@ def test_probes_docs_and_metric_names(server) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ready"
     assert r.json()["buckets"] == {"10": True, "20": True, "50": True}
     assert r.json()["precision"] == "fp32" and r.json()["embeddings"] == "fp32"  # the run is float
+    for path in ("/healthz", "/readyz", "/metrics"):  # HEAD as load balancers probe (it was a 405)
+        with httpx.Client() as c:  # one keep-alive connection: a HEAD answered with a body would break the next request
+            assert c.head(server.url + path).status_code == 200 and c.get(server.url + "/healthz").json() == {"status": "ok"}
     assert "swagger" in httpx.get(server.url + "/docs").text.lower()
     spec = httpx.get(server.url + "/openapi.json").json()
     paths, comps = spec["paths"], spec["components"]["schemas"]

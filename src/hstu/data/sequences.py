@@ -75,11 +75,13 @@ def as_id(x, text: bool, where: str):
         if isinstance(x, str) and not _ASCII_INT.fullmatch(x.strip()):
             raise ValueError  # int() would also read "1_097" and non-ASCII digits ("\uff11", Arabic-Indic) as integers
         v = int(x.strip()) if isinstance(x, str) else x
-        if not isinstance(v, (int, np.integer)) or not -(2**63) <= int(v) < 2**63:
+        if not isinstance(v, (int, np.integer)):
             raise ValueError
-        return int(v)
     except ValueError:
         raise ValueError(f"{where}: not an integer id: {x!r} (this run's ids are integers)") from None
+    if not -(2**63) <= int(v) < 2**63:  # an integer, but none of this run's (int64) ids can be it
+        raise ValueError(f"{where}: integer id {x!r} is outside int64 (this run's ids are int64 integers)")
+    return int(v)
 
 
 def as_ids(values, text: bool, where: str = "id") -> np.ndarray:

@@ -93,7 +93,9 @@ class AnnIndex:
             try:
                 self.index.train(_sample(rows, pick, dim))
             except RuntimeError as exc:  # e.g. IVF4096 over 3,706 items: fewer training points than cells
-                raise ValueError(f"--ann {factory}: cannot train it on {n} item rows ({_last_line(exc)})") from None
+                cells = getattr(faiss.try_extract_index_ivf(self.index), "nlist", None) if hasattr(faiss, "try_extract_index_ivf") else None
+                hint = f": {cells} IVF cells need at least {cells} rows (~39 per cell trains well); take fewer cells" if cells else ""
+                raise ValueError(f"--ann {factory}: cannot train it on {n} item rows{hint} ({_last_line(exc)})") from None
         for a in range(1, num_rows, ADD_BLOCK):
             b = min(num_rows, a + ADD_BLOCK)
             self.index.add(np.ascontiguousarray(rows(a, b).detach().to(torch.float32).cpu().numpy()))

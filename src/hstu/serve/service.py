@@ -313,7 +313,9 @@ class Service:
             except HistoryError as bad_id:
                 raise _invalid(bad_id) from None
             if none_known:
-                return None, [f"dropped {len(history)} event(s) with unknown item ids; no history left"]
+                gone = [e.item_id for e in history[:5]]  # named, as Recommender.prepare's drop warning names them
+                more = f" and {len(history) - 5} more" if len(history) > 5 else ""
+                return None, [f"dropped {len(history)} event(s) with unknown item ids: {', '.join(map(repr, gone))}{more}; no history left"]
             raise _invalid(exc) from None
         warnings = list(p.warnings)
         n = len(p.ids)

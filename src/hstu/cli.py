@@ -326,7 +326,9 @@ def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a run (full ranking)")
     e.add_argument("--run", required=True)
     e.add_argument("--split", default="test", choices=["valid", "test"])
-    e.add_argument("--protocol", choices=["clean", "paper"])
+    e.add_argument(
+        "--protocol", choices=["clean", "paper"], help="split protocol (default: the run's); under paper valid and test are the last event"
+    )
     e.add_argument("--data-dir", help="the run's data set, if it moved (default: $HSTU_DATA_DIR, else the run's recorded directory)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     e.add_argument("--threads", type=number_in(int, 1), help="torch intra-op threads (default: torch's)")

@@ -424,12 +424,24 @@ def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = 
         raise ValueError(f"{where}: unknown field(s) {sorted(set(table) - valid)} for [data]; valid: {sorted(valid)}")
     rest = {k: v for k, v in table.items() if k not in DATA_OPTIONS}
     opts = {k: table[k] for k in DATA_OPTIONS if k in table}
+    _check_data_options(opts, where)
     if opts:
         if not isinstance(rest.get("options", {}), dict):
             raise ValueError(f"{where}: options must be a table, got {rest['options']!r}")
         rest["options"] = {**rest.get("options", {}), **opts}
     rest.update({k: _beside(base, rest[k]) for k in ("data_dir", "items") if base is not None and k in rest})  # paths, or a list
     return _from_dict(DataSpec, rest, where)
+
+
+def _check_data_options(opts: dict[str, Any], where: str) -> None:
+    """The loader options a config file sets, checked as it is read (the loaders' own errors named no file or table)."""
+    from hstu.data.features import parse_feature_options
+    from hstu.data.times import TIME_UNITS
+
+    if "features" in opts or "numeric_features" in opts:
+        parse_feature_options(opts.get("features"), opts.get("numeric_features"), where)
+    if opts.get("time_unit") is not None and opts["time_unit"] not in TIME_UNITS:
+        raise ValueError(f"{where} time_unit must be one of {list(TIME_UNITS)}, got {opts['time_unit']!r}")
 
 
 def _beside(base: Path, v: Any) -> Any:  # a config file's path (or a list's), relative to its directory

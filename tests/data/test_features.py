@@ -71,8 +71,11 @@ def test_edges_from_training_events_only(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hstu.data.prepare"):  # a config's num_items gives way to the data's, said aloud
         assert model_config_for(log_, ModelConfig(num_items=7), False).num_items == log_.num_items != 7
         assert model_config_for(log_, ModelConfig(num_items=log_.num_items), False).num_items == log_.num_items
+        n = model_config_for(log_, ModelConfig(num_actions=7, num_categories=log_.num_categories), True).num_actions
+        assert n == (log_.num_actions if log_.num_actions > 1 else 0) != 7  # a trial's: replaced without a word
     assert [r.getMessage().split(": ")[1] for r in caplog.records] == [
-        f"{log_.num_items} items in the data; [model] num_items = 7 is replaced by it"
+        f"{log_.num_items} items in the data; [model] num_items = 7 is replaced by it",
+        f"the data gives num_actions = {n}; [model] num_actions = 7 is replaced by it",
     ]
     fm = FeatureMaps(log_.feature_maps)
     assert fm.encode("price", [None, 10.0, 1e9], "history[{i}].features").tolist() == [0, 1, 3]

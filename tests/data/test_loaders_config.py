@@ -45,6 +45,11 @@ def test_data_table_parses_into_a_dataspec(tmp_path):
         load_config_file(_toml(tmp_path, 'max_users = "ten"\n'))
     with pytest.raises(ValueError, match=r"\[data\]: DataSpec.protocol must be one of"):
         load_config_file(_toml(tmp_path, 'protocol = "weekly"\n'))
+    # the loader options are checked as the file is read, naming it (a trial's: the loaders' errors named no file)
+    with pytest.raises(ValueError, match=r"run.toml \[data\] numeric_features.price: the number of buckets must be an integer"):
+        load_config_file(_toml(tmp_path, "numeric_features = {price = 0}\n"))
+    with pytest.raises(ValueError, match=r"run.toml \[data\] time_unit must be one of \['s', 'ms', 'us', 'ns'\], got 'min'"):
+        load_config_file(_toml(tmp_path, 'time_unit = "min"\n'))
 
 
 def test_order_only_run_from_the_data_table(tmp_path, capsys):

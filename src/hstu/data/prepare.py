@@ -171,7 +171,9 @@ def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> Mo
         log.info("%s: order-only data (no time column): the time bias is off (use_time_bias = false)", log_.name)
         cfg.use_time_bias = False
     if use_features:
-        cfg.num_actions = log_.num_actions if log_.num_actions > 1 else 0
-        cfg.num_categories = log_.num_categories
+        for name, n in (("num_actions", log_.num_actions if log_.num_actions > 1 else 0), ("num_categories", log_.num_categories)):
+            if getattr(cfg, name) and getattr(cfg, name) != n:  # as num_items: the data decides, said aloud
+                log.warning("%s: the data gives %s = %d; [model] %s = %d is replaced by it", log_.name, name, n, name, getattr(cfg, name))
+            setattr(cfg, name, n)
         cfg.features = feature_sizes(log_.feature_maps)
     return cfg

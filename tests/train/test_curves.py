@@ -229,3 +229,30 @@ def test_another_arch_is_refused_with_resume(tmp_path, capsys):
     assert main(["train", "--resume", "--arch", "sasrec", "--out", str(run)]) == 2
     err = capsys.readouterr().err
     assert 'the flags give architecture = "sasrec" (the run: "hstu"); drop --arch sasrec' in err, err
+
+
+def test_a_resume_killed_before_its_report_leaves_the_old_report_marked_stale(tmp_path):
+    """A trial's finding: a resume interrupted in its final evaluation left metrics.json saying "completed" for epoch 1
+    beside 3 committed epochs (and model.safetensors holding a newer best), and `hstu report` showed it. Each epoch a
+    resume commits marks the old report stale until the resume writes its own."""
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
+    run = tmp_path / "run"
+    assert main(["train", *flags, "--out", str(run), "--quiet"]) == 0
+    before = json.loads((run / "metrics.json").read_text())
+    assert before["status"] == "completed" and before["epochs"] == 1
+    env = {**os.environ, KILL_AT_ENV: "metrics.json.tmp:3", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    p = subprocess.run(  # epochs 2 and 3 mark it (writes 1, 2); killed before the report's own write (3)
+        [sys.executable, "-m", "hstu", "train", *flags, "--resume", "--epochs", "3", "--out", str(run), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    stale = json.loads((run / "metrics.json").read_text())
+    assert stale["status"] == "stale: epochs up to 3 committed since this report of epoch 1; hstu train --resume reports them"
+    assert {k: v for k, v in stale.items() if k != "status"} == {k: v for k, v in before.items() if k != "status"}
+    assert main(["train", *flags, "--resume", "--epochs", "3", "--out", str(run), "--quiet"]) == 0
+    done = json.loads((run / "metrics.json").read_text())
+    assert done["status"] == "completed" and done["epochs"] == 3

@@ -92,3 +92,26 @@ def test_hstu_train_records_the_resolved_recipe_and_an_old_run_resumes_with_its_
     assert (train["negatives_chunk"], train["length_pool"], train["packing"], train["epochs"]) == (16, 50, "off", 2)
     assert (rec["negatives"], rec["negatives_chunk"], rec["length_pool"], rec["packing"]) == ("chunked", 16, 50, "off")
     assert "recipe: negatives chunked (4 shared by runs of 16 positions), batching length-bucketed (pools of 50 batches)," in r.stderr
+
+
+def test_a_resume_records_its_recipe_changes_and_a_finished_run_keeps_its_own(tmp_path) -> None:
+    """A trial's finding: `--resume --num-negatives 16 --seed 5` of a finished run trained nothing yet rewrote
+    config.json's train table and metrics.json's recipe (weights trained with 4 negatives at seed 42 said 16 and 5),
+    and a resume that trained on with another seed kept no trace of the first epochs' one."""
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 2})
+    out = tmp_path / "run"
+    _train(flags, out)
+    cfg, metrics = (json.loads((out / f).read_text()) for f in ("config.json", "metrics.json"))
+    weights = (out / "model.safetensors").read_bytes()
+    r = _train([*flags, "--resume", "--epochs", "2", "--num-negatives", "16", "--seed", "5"], out)
+    assert "nothing to train" in r.stderr and (out / "model.safetensors").read_bytes() == weights
+    assert json.loads((out / "config.json").read_text())["train"] == cfg["train"]
+    assert json.loads((out / "metrics.json").read_text())["recipe"] == metrics["recipe"]
+    r = _train([*flags, "--resume", "--epochs", "3", "--seed", "5"], out)
+    change = [{"from_epoch": 3, "changed": {"seed": [42, 5]}}]
+    assert "--resume: from epoch 3 the recipe changes: seed 42 -> 5" in r.stderr
+    cfg3 = json.loads((out / "config.json").read_text())
+    assert cfg3["recipe_changes"] == change and cfg3["train"]["seed"] == 5
+    assert json.loads((out / "metrics.json").read_text())["recipe_changes"] == change
+    _train([*flags, "--resume", "--epochs", "3", "--seed", "5"], out)  # finished again: its record stays as it is
+    assert json.loads((out / "config.json").read_text()) == cfg3

@@ -139,3 +139,22 @@ def calibrate_action_head(model, log_: EventLog, split: Split, *, batch_size: in
         out["valid_after"]["macro_F1"],
     )
     return out
+
+
+def action_head_calibration(run, best, log_: EventLog, split: Split, best_epoch: int, paper: bool, device) -> tuple[dict | None, bool]:
+    """(calibrate_action_head's record or None, whether kept from ``run``'s metrics.json): a resumed run whose best epoch
+    (``best_epoch``) did not change holds the calibrated head already (its file is kept; calibrating again would record
+    T = 1). None without a next-action head or actions, and under --protocol paper (its validation targets are the test's)."""
+    from pathlib import Path
+
+    from hstu.model.checkpoint import read_json
+
+    if getattr(best, "action_head", None) is None or not log_.num_actions:
+        return None, False
+    if paper:
+        log.info("next-action head not calibrated: under --protocol paper the validation targets are the test's")
+        return None, False
+    prev = read_json(Path(run) / "metrics.json") if (Path(run) / "metrics.json").exists() else {}
+    if prev.get("best_epoch") == best_epoch and "action_head_calibration" in prev:
+        return prev["action_head_calibration"], True
+    return calibrate_action_head(best, log_, split, device=device), False

@@ -67,12 +67,21 @@ from hstu.runs import (  # noqa: F401
 )
 from hstu.runs import load_float_run as load_run  # noqa: F401 (the old hstu.train.loop.load_run)
 from hstu.runs import make_idmap as idmap  # noqa: F401 (the old hstu.train.loop.idmap)
-from hstu.train.calibrate import REPEAT_SCALES, calibrate_action_head, calibrate_repeat_scale  # noqa: F401 (re-exported)
+from hstu.train.calibrate import REPEAT_SCALES, action_head_calibration, calibrate_action_head, calibrate_repeat_scale  # noqa: F401
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
-from hstu.train.recipe import check_recipe, decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
-from hstu.train.replace import drop, put_back, set_aside
+from hstu.train.recipe import (
+    check_recipe,
+    decay_on_plateau,
+    model_text,
+    recipe,
+    recipe_text,
+    recipe_warnings,
+    resumed_recipe,
+    warmed_up,
+)
+from hstu.train.replace import drop, mark_report_stale, put_back, set_aside
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -270,20 +279,6 @@ def _resume(strategy: LocalStrategy, run: Path, model: HSTUModel, opt, gen: torc
     return list(info["history"])
 
 
-def _action_head_calibration(strategy: LocalStrategy, run: Path, best, log_, split, state, paper: bool) -> tuple[dict | None, bool]:
-    """(calibrate_action_head's record or None, whether kept from metrics.json): a resumed run whose best epoch did
-    not change holds the calibrated head already (_resume keeps its file; calibrating again would record T = 1)."""
-    if getattr(best, "action_head", None) is None or not log_.num_actions:
-        return None, False
-    if paper:
-        log.info("next-action head not calibrated: under --protocol paper the validation targets are the test's")
-        return None, False
-    prev = read_json(run / "metrics.json") if (run / "metrics.json").exists() else {}
-    if prev.get("best_epoch") == state["best_epoch"] and "action_head_calibration" in prev:
-        return prev["action_head_calibration"], True
-    return calibrate_action_head(best, log_, split, device=strategy.device), False
-
-
 def _report(
     strategy: LocalStrategy, run: Path, model: HSTUModel, log_, split, tcfg: TrainConfig, spec: DataSpec, state, history, status: str
 ) -> dict:
@@ -296,7 +291,7 @@ def _report(
     calibration = valid = None
     if best.repeat is not None and not paper:
         calibration, valid = calibrate_repeat_scale(best, log_, split, evaluate_fn=lambda m, w: strategy.evaluate(m, log_, split, w, tcfg))
-    head, kept = _action_head_calibration(strategy, run, best, log_, split, state, paper)
+    head, kept = action_head_calibration(run, best, log_, split, state["best_epoch"], paper, strategy.device)
     if head is not None and not kept:
         valid = None  # the validation metrics again, with the calibrated head
     if calibration is not None or (head is not None and not kept):
@@ -314,6 +309,7 @@ def _report(
         "machine": strategy.machine(),
         "recipe": recipe(tcfg, strategy.extra.get("distributed"), model.cfg.num_items),
         **strategy.extra,
+        **{k: v for k, v in read_config(run).items() if k == "recipe_changes"},  # a resume that changed it: from which epoch
     }
     if calibration is not None:
         metrics["repeat_scale"] = calibration
@@ -417,11 +413,12 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
     state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
     paper = spec.protocol == "paper"
     history = _resume(strategy, run, model, opt, gen, state, paper) if resume and has_train_state(run) else []
+    tcfg, changes = resumed_recipe(read_config(run), tcfg, state, paper) if resume else (tcfg, [])  # a finished run keeps its own
     board = TensorBoardCurves(opts["tensorboard"], state["epoch"] + 1) if opts["tensorboard"] and strategy.is_main else None
     aside = set_aside(run) if strategy.is_main and not resume else None  # --overwrite: the old run kept until an epoch commits
     if strategy.is_main:
         run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
-        write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra))
+        write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra, **({"recipe_changes": changes} if changes else {})))
         write_idmap(run, log_, split)
         log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
         log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
@@ -435,6 +432,8 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         while state["epoch"] < tcfg.epochs and not stops():  # a resumed run that had stopped early trains no more
             entry = _epoch(strategy, run, model, log_, split, tcfg, opt, gen, state, history, paper, opts)
             aside = drop(aside)
+            if resume and strategy.is_main:  # metrics.json reports an earlier epoch until this training reports
+                mark_report_stale(run, state["epoch"])
             if board is not None:
                 board.epoch(entry)
             if state["epoch"] < tcfg.epochs and not stops() and _time_is_up(strategy, started, opts["max_minutes"]):

@@ -210,3 +210,30 @@ def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None
             f"--resume: [train] batch_size is {tcfg.batch_size} here, {was} in the run ({where} train.batch_size), whose learning-rate "
             "warm-up counts steps of its batches: drop --batch-size / [train] batch_size"
         )
+
+
+RESUME_FREE = ("epochs", "num_threads", "early_stopping_patience")  # what a resume may change without a record
+
+
+def resumed_recipe(saved: dict, tcfg, state: dict, paper: bool) -> tuple:
+    """The recipe a ``--resume`` goes on with, and config.json's ``recipe_changes`` (a list, the run's own ones first).
+
+    ``saved``: the run's config.json; ``state``: its committed epoch (``epoch``, ``bad_epochs``). A run with nothing left
+    to train keeps its saved recipe (this command's flags would have rewritten config.json and metrics.json's recipe
+    for weights they never trained: a trial's finding). A resume that trains with other values than the run's (a flag
+    overriding a train setting) warns and appends ``{"from_epoch": E, "changed": {field: [run's, now]}}``: config.json's
+    ``train`` table then holds the values from epoch E on. Returns (TrainConfig, list)."""
+    from dataclasses import asdict
+
+    from hstu.config import train_config_from_dict
+
+    was, changes = train_config_from_dict(saved["train"], saved=True), list(saved.get("recipe_changes", []))
+    if state["epoch"] >= tcfg.epochs or (not paper and state["bad_epochs"] >= tcfg.early_stopping_patience):
+        return was, changes
+    old, new = asdict(was), asdict(tcfg)
+    changed = {k: [old[k], v] for k, v in new.items() if k not in RESUME_FREE and old.get(k) != v}
+    if changed and state["epoch"]:  # epochs were trained with the run's values
+        text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        log.warning("--resume: from epoch %d the recipe changes: %s (recorded in config.json recipe_changes)", state["epoch"] + 1, text)
+        changes.append({"from_epoch": state["epoch"] + 1, "changed": changed})
+    return tcfg, changes

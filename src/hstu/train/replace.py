@@ -47,3 +47,19 @@ def drop(aside: Path | None) -> None:
     """The new run committed an epoch: the old run's files go. Returns None (the caller's ``aside``)."""
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def mark_report_stale(run: Path, epoch: int) -> None:
+    """metrics.json of a resumed run once a new epoch (``epoch``) has committed: its figures are an earlier epoch's
+    (and model.safetensors may already hold a newer best), so its ``status`` says so until this training reports
+    (a resume interrupted during its final evaluation left a "completed" report of epoch 1 beside 3 committed epochs)."""
+    from hstu.model.checkpoint import read_json, write_json
+    from hstu.runs import METRICS
+
+    path = Path(run) / METRICS
+    if path.exists():
+        m = read_json(path)
+        m["status"] = (
+            f"stale: epochs up to {epoch} committed since this report of epoch {m.get('epochs')}; hstu train --resume reports them"
+        )
+        write_json(path, m)

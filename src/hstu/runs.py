@@ -358,7 +358,7 @@ def save_train_state(
     write_curves(run, history)  # metrics.csv: the same history as a table (hstu.model.curves)
 
 
-def _read_manifest(run: Path) -> dict:
+def read_manifest(run: Path) -> dict:
     """The last commit's manifest: last.safetensors' metadata, or for a run written before the
     manifest existed last.json with history.json cut at its epoch (it may hold one epoch more)."""
     path = run / LAST_WEIGHTS
@@ -385,7 +385,7 @@ def load_train_state(run: Path, model: torch.nn.Module, opt: torch.optim.Optimiz
     if not path.exists():
         raise FileNotFoundError(f"{path}: not found; the run has no training state to resume")
     tensors = read_safetensors(path)
-    info = _read_manifest(run)
+    info = read_manifest(run)
     load_state(path, model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     state: dict[int, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():

@@ -180,6 +180,19 @@ def test_resume_after_history_json_lost_the_last_epoch(base, tmp_path):
     _check_like_reference(run, ref)
 
 
+@pytest.mark.parametrize("name", ["history.json", "last.json"])
+def test_resume_repairs_a_cut_off_history_or_last_json(base, tmp_path, name):
+    """A trial's finding: half of history.json stopped `--resume` ("not valid JSON") while half of last.json was
+    repaired: both are copies of the commit in last.safetensors, so both are rewritten from it (as cli.md says)."""
+    ref = base[1]
+    run = _copy(ref, tmp_path)
+    text = (run / name).read_text()
+    (run / name).write_text(text[: len(text) // 2])
+    (run / "metrics.json").unlink()
+    assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0
+    _check_like_reference(run, ref)
+
+
 # each rename of an epoch's commit, in the order they happen: epoch 1's (nothing committed yet;
 # committed, but not its best weights) and epoch 2's (no better valid NDCG@10 here: no best weights)
 KILL_POINTS = ["last.safetensors.tmp:1", "model.safetensors.tmp:1", "last.safetensors.tmp:2", "last.json.tmp:2", "history.json.tmp:2"]

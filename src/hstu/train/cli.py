@@ -195,11 +195,11 @@ def _train(args) -> int:
 
 
 def _check_resume_epochs(run: Path, epochs: int) -> None:
-    """ValueError when --resume asks for fewer epochs than ``run`` has committed (history.json; they cannot be
+    """ValueError when --resume asks for fewer epochs than ``run`` has committed (its last commit; they cannot be
     undone); with exactly that many, the log says there is nothing to train (the run is evaluated and reported again)."""
-    from hstu.runs import HISTORY, read_history
+    from hstu.runs import has_train_state, read_manifest
 
-    done = len(read_history(run)) if (run / HISTORY).exists() else 0
+    done = read_manifest(run)["epoch"] if has_train_state(run) else 0  # the commit, not its copy history.json (repaired from it)
     if epochs < done:
         raise ValueError(
             f"--resume: {run} has committed {done} epochs and --epochs {epochs} is fewer (epochs cannot be undone): "

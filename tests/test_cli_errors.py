@@ -156,7 +156,7 @@ def test_resume_of_a_run_whose_csv_data_moved_names_its_path(tmp_path, capsys) -
     assert err == f"hstu train: error: --resume: the run's csv data {(tmp_path / 'log.csv').resolve()} is not found; pass --data-dir", err
 
 
-def test_an_interrupt_says_what_a_rerun_goes_on_from(capsys, tmp_path) -> None:
+def test_an_interrupt_says_what_a_rerun_goes_on_from(capsys, tmp_path, monkeypatch) -> None:
     """Ctrl-C on `generate --all-users` or `export --graphs` said only "interrupted"; both keep their work (finished
     parts, built graphs) and the same command goes on from it: the line says so. Other commands: the plain line.
     `--all-users` said its parts stay also when no chunk had finished and OUT.parts/ was removed: it says so only
@@ -186,3 +186,8 @@ def test_an_interrupt_says_what_a_rerun_goes_on_from(capsys, tmp_path) -> None:
     assert line(graphs, Terminated(), 143).startswith("hstu export: terminated; the graphs built so far stay in r/graphs")
     assert line(ns(command="generate", all_users=False, out=None), KeyboardInterrupt(), 130) == "hstu generate: interrupted"
     assert line(ns(command="export", graphs=False, run="r", out="o"), KeyboardInterrupt(), 130) == "hstu export: interrupted"
+    ranks = ns(command="train", distributed=True, out=str(tmp_path / "none"))  # torchrun: Ctrl-C reaches every rank
+    monkeypatch.setenv("RANK", "1")
+    assert line(ranks, KeyboardInterrupt(), 130) == ""  # the other ranks say nothing
+    monkeypatch.setenv("RANK", "0")
+    assert line(ranks, KeyboardInterrupt(), 130).startswith("hstu train: interrupted; no epoch was committed")

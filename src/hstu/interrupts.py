@@ -3,6 +3,7 @@ as after any exception: no half-written output), its own status once it has retu
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -41,7 +42,8 @@ def interrupted(args, exc: KeyboardInterrupt) -> int:
             else (f"; no epoch was committed, nothing is kept in {out}: run the command again")
         )
     where = f"hstu {args.command}" if args.command else "hstu"
-    print(f"{where}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
+    if not getattr(args, "distributed", False) or os.environ.get("RANK", "0") == "0":  # torchrun: one line, rank 0's
+        print(f"{where}: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}{hint}", file=sys.stderr)
     return 143 if isinstance(exc, Terminated) else 130
 
 

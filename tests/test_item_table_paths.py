@@ -199,3 +199,15 @@ def test_approximate_candidates_from_a_flat_index_change_no_answer(runs, capsys)
 
     assert main(["generate", "--run", str(hashed), "--all-users", "--out", str(hashed / "x.jsonl"), "--ann", "Flat"]) == 2
     assert "--ann: the batch job (--all-users) picks exactly" in capsys.readouterr().err and not (hashed / "x.jsonl").exists()
+
+
+def test_export_refuses_a_hashed_table_in_one_line(runs, capsys, tmp_path):
+    """A trial's finding: `hstu export --format pt2|onnx` of a hashed run failed after a page of torch.export trace."""
+    from hstu.cli import main
+
+    hashed, _ = runs
+    for fmt in ("pt2", "onnx"):
+        assert main(["export", "--run", str(hashed), "--format", fmt, "--out", str(tmp_path / fmt)]) == 2
+        err = capsys.readouterr().err
+        assert "has a hashed item table (item_table = 'hashed'): not exportable as ONNX / pt2" in err and err.count("\n") == 1
+        assert not (tmp_path / fmt).exists()

@@ -186,3 +186,15 @@ def test_prepare_refuses_a_non_history_and_unknown_policies(rec, ratings):
         rec.prepare(h, unknown="bogus")
     with pytest.raises(ValueError, match=r"got 'drop' and 'bogus'"):
         rec.prepare(h, order="bogus")
+
+
+@pytest.mark.parametrize("option", ["exclude_history", "allow_untrained"])
+def test_yes_no_options_take_booleans_only(rec, ratings, option) -> None:
+    """A trial's finding: exclude_history="no" (or "false") was truthy and excluded the history; allow_untrained="no"
+    let untrained items through. A bool (NumPy's too) or None only, else a TypeError naming the option."""
+    g = ratings[ratings.user == ratings.user.iloc[0]]
+    p = rec.prepare(History(items=g.item.tolist(), timestamps=g.ts.tolist()))
+    for bad in ("no", "false", 0, 1.0):
+        with pytest.raises(TypeError, match=rf"{option} must be True, False or None, got {bad!r}"):
+            rec.recommend([p], 3, **{option: bad})
+    assert rec.recommend([p], 3, **{option: np.bool_(False)}) == rec.recommend([p], 3, **{option: False})

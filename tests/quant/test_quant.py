@@ -574,3 +574,22 @@ def test_quantize_cli_offers_every_kernel():
     sub = next(a for a in build_parser()._subparsers._group_actions if a.choices and "quantize" in a.choices)
     kernel = next(a for a in sub.choices["quantize"]._actions if a.dest == "kernel")
     assert tuple(kernel.choices) == KERNELS
+
+
+@pytest.mark.parametrize("embeddings", ["fp32", "fp16"])
+def test_a_hashed_tables_shards_are_stored_as_the_recorded_embeddings(embeddings):
+    """A trial's finding: --embeddings fp32 on a bf16 hashed run recorded "fp32" in quant.json and left the shards bf16."""
+    from hstu.config import ModelConfig
+    from hstu.model import build_hstu
+    from hstu.quant.int8 import quantize_model_int8
+
+    cfg = ModelConfig(num_items=40, max_seq_len=8, embedding_dim=8, d_qk=8, d_v=8, num_blocks=1, num_heads=1)
+    cfg.item_table, cfg.item_table_shards, cfg.item_table_dtype = "hashed", 2, "bf16"
+    torch.manual_seed(0)
+    m = build_hstu(cfg).eval()
+    before = [s.detach().float().clone() for s in m.item_emb.shards]
+    q = quantize_model_int8(m, embeddings=embeddings)
+    want = {"fp32": torch.float32, "fp16": torch.float16}[embeddings]
+    assert q.quant_meta["embeddings"] == embeddings and all(s.dtype == want for s in q.item_emb.shards)
+    if embeddings == "fp32":  # bf16 -> fp32 is exact
+        assert all(torch.equal(a, s) for a, s in zip(before, q.item_emb.shards))

@@ -191,6 +191,11 @@ def export_run(
             "`hstu export --graphs` caches INT8 graphs for hstu serve); "
             + ("export the float run, or --precision fp16 / bf16" if precision else "export the float run it was quantized from")
         )
+    if model.cfg.item_table == "hashed":  # torch.export stopped on its shard routing's data-dependent shapes, a page of trace
+        raise ValueError(
+            f"{run} has a hashed item table (item_table = 'hashed'): not exportable as ONNX / pt2 (its shard routing has "
+            "data-dependent shapes); generate and serve it with hstu generate / hstu serve"
+        )
     edges = _buckets(buckets, model.cfg.max_seq_len)
     cat = ids.get("item_category")
     enc = UserEncoder(model, None if cat is None else torch.as_tensor(cat, dtype=torch.int64))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from numbers import Integral
 
+import numpy as np
+
 from hstu.config import DecodeOptions, check_k
 from hstu.generate.histories import History, Prepared
 
@@ -53,3 +55,13 @@ def decode_options(decoding, fields: dict) -> DecodeOptions:
             f"keywords (strategy='beam', beam_width=4); got {decoding!r}"
         )
     return decoding.options()  # a new DecodeOptions: validated again (fields may have been set since)
+
+
+def flag_arg(value, name: str) -> bool | None:
+    """A yes / no option of the API (``exclude_history``, ``allow_untrained``): None (the run's default) or a bool.
+    TypeError naming ``name`` otherwise (a string such as "no" was truthy: it excluded the history; HTTP refuses it too)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name} must be True, False or None, got {value!r}")

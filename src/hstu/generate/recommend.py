@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from hstu import backend
 from hstu.backend.graph_cache import GraphCache
 from hstu.config import DecodeOptions
-from hstu.generate.api_checks import check_preps, decode_options, k_arg
+from hstu.generate.api_checks import check_preps, decode_options, flag_arg, k_arg
 from hstu.generate.engine import DEFAULT_BUCKETS, Engine
 from hstu.generate.event_tokens import event_tokens
 from hstu.generate.hardening import harden
@@ -293,7 +293,8 @@ class Recommender:
     def allows_untrained(self, allow_untrained: bool | None) -> bool:
         """Whether items without training events may be generated: ``allow_untrained``, or by
         default only for a run trained with cold_item_dropout > 0."""
-        return self.allow_untrained_default if allow_untrained is None else bool(allow_untrained)
+        allow_untrained = flag_arg(allow_untrained, "allow_untrained")
+        return self.allow_untrained_default if allow_untrained is None else allow_untrained
 
     def check_room(
         self, prep: Prepared, need: int, *, exclude_history: bool | None, allow_untrained: bool | None, field: str = "exclude"
@@ -326,7 +327,8 @@ class Recommender:
             )
 
     def _excl_hist(self, exclude_history: bool | None) -> bool:
-        return self.exclude_history_default if exclude_history is None else bool(exclude_history)
+        exclude_history = flag_arg(exclude_history, "exclude_history")
+        return self.exclude_history_default if exclude_history is None else exclude_history
 
     def exclusion(
         self, b: dict[str, torch.Tensor], preps: list[Prepared], exclude_history: bool | None, allow_untrained: bool | None, sparse=False

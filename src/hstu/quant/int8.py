@@ -338,9 +338,8 @@ def quantize_model_int8(
             )
         elif embeddings != "fp32":
             emb.weight.data = emb.weight.data.to(_FLOAT[embeddings])
-    elif isinstance(emb, ShardedEmbedding):
-        if embeddings != "fp32":
-            emb.cast_storage(_FLOAT[embeddings])  # every shard in the item-table dtype, placement kept
+    elif isinstance(emb, ShardedEmbedding):  # every shard in the item-table dtype, placement kept; "fp32" widens a 16-bit
+        emb.cast_storage(_FLOAT[embeddings])  # table exactly (it was left as it was and recorded as fp32)
     elif embeddings != "fp32":
         log.warning(
             "item_emb is a %s, not nn.Embedding: its own storage dtypes are kept (embeddings=%s ignored)", type(emb).__name__, embeddings

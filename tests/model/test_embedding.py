@@ -303,7 +303,7 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert rc == 0 and "fits: yes" in out
     rows = [int(line.split()[1].replace(",", "")) for line in out.splitlines() if line.strip()[:1].isdigit() and "fp16" in line]
-    assert rows == shard_row_counts(200_001 + 1024, 3)
+    assert rows == shard_row_counts(200_001 + 1, 3)  # one overflow row, as a run's table is built
     rc = cli_main(
         [
             "plan-memory",
@@ -334,7 +334,7 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
         ["plan-memory", "--items", "3000000", "--dim", "128", "--max-shard-bytes", "1MiB", "--device-mem", "1MiB", "--host-mem", "64MiB"]
     )
     cap = capsys.readouterr()
-    n = -(-(3_000_001 + 1024) * 128 * 4 // 2**20)  # 1466 shards of <= 1 MiB; 24 lines shown
+    n = -(-(3_000_001 + 1) * 128 * 4 // 2**20)  # 1465 shards of <= 1 MiB; 24 lines shown
     assert rc == 3 and f"in {n} shard(s)" in cap.out and f"({n - 24:,} more shards; --json lists them all)" in cap.out
     assert f"(shards 0-{n - 1})" in cap.err
     assert len(cap.out.splitlines()) < 40 and len(cap.err) < 400
@@ -343,7 +343,25 @@ def test_plan_memory_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(big) == 3 and "Try more --host-mem" in capsys.readouterr().err  # fp16 already: not suggested again
     rc = cli_main(["plan-memory", "--items", "200000", "--dim", "64", "--device-mem", "1GiB", "--host-mem", "1GiB", "--json"])
     plan = json.loads(capsys.readouterr().out)
-    assert rc == 0 and plan["fits"] and sum(s["rows"] for s in plan["shards"]) == 200_001 + 1024
+    assert rc == 0 and plan["fits"] and sum(s["rows"] for s in plan["shards"]) == 200_001 + 1
+    # found by a trial: a plan of ~244M default shards ran for minutes; fp16 under AdamW was approved, hstu train refuses it
+    assert cli_main(["plan-memory", "--items", str(10**12), "--dim", "65536"]) == 2
+    assert "is more than 65,536 shards" in capsys.readouterr().err
+    assert cli_main(["plan-memory", "--items", "100", "--dim", "50", "--dtype", "fp16", "--optimizer", "adamw"]) == 2
+    assert "--dtype fp16 under --optimizer adamw cannot be trained" in capsys.readouterr().err
+
+
+def test_plan_memory_prints_the_plan_a_runs_table_is_checked_with(capsys: pytest.CaptureFixture[str]) -> None:
+    """cli.md: "the memory plan (as `hstu plan-memory` prints it) is checked before the table is allocated"; the CLI's
+    defaults (1024 overflow rows, 10 % reserve) differed from a run's table (1 row, 5 %): other rows per shard."""
+    from hstu.model.embedding import ShardedEmbedding
+
+    places = ["device", "host", "device"]
+    table = ShardedEmbedding(3013, 8, num_shards=3, placement=places, num_overflow_rows=1)  # as build_item_table builds it
+    assert cli_main(["plan-memory", "--items", "3012", "--dim", "8", "--shards", "3", "--placement", ",".join(places), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [s["rows"] for s in plan["shards"]] == [s.rows for s in table.plan.shards] == table.shard_rows
+    assert plan["reserve_ratio"] == table.plan.reserve_ratio == 0.05
 
 
 # ---- no hidden copies -------------------------------------------------------------------------

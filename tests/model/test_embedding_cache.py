@@ -112,3 +112,21 @@ def test_cache_rejects_too_small_budget() -> None:
         HotRowCache(128, torch.float16, "cpu", 100)
     with pytest.raises(ValueError, match="policy"):
         HotRowCache(4, torch.float32, "cpu", 1024, policy="fifo")
+
+
+def test_a_cache_larger_than_its_shards_holds_at_most_them(caplog) -> None:
+    """A trial's finding: item_table_cache_bytes = 1e9 over ~600 KiB of host shards allocated the whole GB (train
+    peak RSS +1 GB on a CPU, whose log said the cache "adds only bookkeeping"); the plan printed 953 MiB of cache."""
+    from hstu.model.embedding_plan import plan_memory
+
+    with caplog.at_level("INFO", logger="hstu.model.embedding"):
+        e = ShardedEmbedding(1000, D, num_shards=2, placement=["device", "host"], cache_bytes=10**9)
+    host = e.shards[1].nbytes
+    assert list(e.caches) == [1] and e.caches[1].data.nbytes <= host  # its rows (the keys and scores beside them: bookkeeping)
+    assert f"copies of up to {host} bytes of rows" in caplog.text
+    assert e.plan.cache_bytes == host  # the plan it was checked with counts the same
+    plan = plan_memory(1000, D, num_shards=2, placement=["device", "host"], cache_bytes=10**9, num_overflow_rows=1)
+    assert plan.cache_bytes == plan.shards[1].bytes < 10**9
+    ids = torch.arange(1, 1000)
+    with torch.no_grad():
+        assert torch.equal(e(ids), e(ids))  # served from the cache the second time, the same rows

@@ -55,7 +55,15 @@ from torch import nn
 from hstu.backend import Backend, select
 from hstu.backend.cpu import host_memory_info
 from hstu.backend.memory_guard import format_bytes, parse_bytes, unpin
-from hstu.model.embedding_plan import MemoryPlan, MemoryPlanError, ShardPlan, _index_itemsize, index_ranges, plan_memory
+from hstu.model.embedding_plan import (
+    MemoryPlan,
+    MemoryPlanError,
+    ShardPlan,
+    _index_itemsize,
+    cache_bytes_of_shard,
+    index_ranges,
+    plan_memory,
+)
 from hstu.model.embedding_rows import (
     _DTYPE_NAMES,
     OVERFLOW_SALT,
@@ -214,15 +222,16 @@ class ShardedEmbedding(nn.Module):
             if cache_total:
                 log.info("cache_bytes=%d ignored: no host-placed shard", cache_total)
             return {}
-        if self.backend.is_host:
-            log.info("hot-row cache on a CPU compute device: host and device are one memory, so it adds only bookkeeping")
         host_rows = sum(self.shard_rows[s] for s in host_ids)
+        share = {s: cache_bytes_of_shard(cache_total, self.shard_rows[s], host_rows, self.shards[s].nbytes) for s in host_ids}
+        if self.backend.is_host:  # it was said to cost only bookkeeping while it allocated the whole cache_bytes
+            log.info("hot-row cache on a CPU compute device: copies of up to %d bytes of rows, no transfer saved", sum(share.values()))
         return {
             s: HotRowCache(
                 self.embedding_dim,
                 self.dtypes[s],
                 self.compute_device,
-                cache_total * self.shard_rows[s] // host_rows,
+                share[s],
                 ways=self.cache_ways,
                 policy=self.cache_policy,
                 pin_staging=self._pin,

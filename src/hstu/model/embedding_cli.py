@@ -48,7 +48,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-shard-bytes", type=_size, default=parse_bytes("1GiB"), help="largest shard when --shards is not given (default 1GiB)"
     )
-    p.add_argument("--overflow-rows", type=int, default=1024, help="hashed rows for out-of-vocabulary ids (default 1024)")
+    p.add_argument(
+        "--overflow-rows", type=int, default=1, help="hashed rows for out-of-vocabulary ids (default 1, as a run's table is built)"
+    )
     p.add_argument(
         "--placement",
         default="auto",
@@ -63,7 +65,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="backend to query when --device-mem is absent: auto, cpu, cuda, npu")
     p.add_argument("--host-mem", type=_size, default=None, help="host memory (default: available memory of this machine)")
     p.add_argument("--cache-bytes", type=_size, default=0, help="device-side hot-row cache for host shards (default 0)")
-    p.add_argument("--reserve", type=float, default=0.1, help="fraction of each memory kept free (default 0.1)")
+    p.add_argument(
+        "--reserve", type=float, default=0.05, help="fraction of each memory kept free (default 0.05, as a run's table is checked)"
+    )
     p.add_argument(
         "--optimizer",
         choices=["adamw", "rowwise_adagrad"],
@@ -88,6 +92,13 @@ def plan_memory_command(args: argparse.Namespace) -> int:
     if args.max_shard_bytes < MIN_SHARD_BYTES:
         print(
             f"hstu plan-memory: error: --max-shard-bytes must be >= {format_bytes(MIN_SHARD_BYTES)}, got {args.max_shard_bytes}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.optimizer == "adamw" and "fp16" in args.dtype.replace(" ", "").split(","):  # as hstu train refuses it
+        print(
+            "hstu plan-memory: error: --dtype fp16 under --optimizer adamw cannot be trained (AdamW's second moment underflows "
+            "in fp16); plan fp32 / bf16 rows, or fp16 rows with --optimizer rowwise_adagrad",
             file=sys.stderr,
         )
         return 2

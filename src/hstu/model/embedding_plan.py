@@ -133,6 +133,7 @@ def _index_itemsize(shard_rows: Sequence[int], num_shards: int) -> int:
     return 4 if max(shard_rows) < 2**31 else 8
 
 
+MAX_SHARDS = 65_536  # the most shards a plan (and a hashed table) may have
 FORMAT_MAX_SHARDS = 24  # MemoryPlan.format lists at most this many shard lines (first and last ones)
 
 
@@ -148,6 +149,12 @@ def index_ranges(idx: list[int]) -> str:
     return ", ".join(parts) or "none"
 
 
+def cache_bytes_of_shard(cache_bytes: int, rows: int, host_rows: int, shard_bytes: int) -> int:
+    """A host shard's part of the hot-row cache: ``cache_bytes`` split by rows over the host shards (``host_rows``),
+    at most the shard itself (a 1 GB cache over a 300 KiB shard allocated the whole GB)."""
+    return min(cache_bytes * rows // max(1, host_rows), shard_bytes)
+
+
 def _shard_count(num_shards: int | None, dtype: Any, values: int, max_shard: int) -> int:
     """S: ``num_shards``, or (None) ceil(table bytes at the widest dtype / ``max_shard``), at least 1.
 
@@ -160,6 +167,11 @@ def _shard_count(num_shards: int | None, dtype: Any, values: int, max_shard: int
         num_shards = max(1, math.ceil(values * widest / max(1, max_shard)))
     if int(num_shards) < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards!r}")
+    if int(num_shards) > MAX_SHARDS:  # a plan lists every shard: 1e12 x 65,536 fp32 in 1 GiB shards ran for minutes, growing
+        raise ValueError(
+            f"num_shards {int(num_shards):,} is more than {MAX_SHARDS:,} shards (the table is {format_bytes(values * 4)} at fp32): "
+            "give fewer shards or a larger max_shard_bytes (--max-shard-bytes)"
+        )
     return int(num_shards)
 
 
@@ -380,8 +392,8 @@ def plan_memory(
     else:
         places = _given_placement(placement, S)
 
-    any_host = "host" in places
-    cache_used = cache if any_host else 0
+    host_rows = sum(r for r, pl in zip(rows, places) if pl == "host")
+    cache_used = sum(cache_bytes_of_shard(cache, rows[i], host_rows, sizes[i]) for i in range(S) if places[i] == "host")
     shards = [ShardPlan(i, rows[i], dtype_name(dtypes[i]), sizes[i], places[i]) for i in range(S)]
     opt = [training_bytes(optimizer, r, d, it) for r, it in zip(rows, itemsizes)]
     scoring = scoring_bytes(V, rows, d)

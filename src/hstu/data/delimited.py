@@ -177,7 +177,7 @@ def log_files(data_dir: str | Path | list | tuple) -> list[Path]:
         looked = "/".join(TEXT_EXTS) + f" (also {'/'.join(COMPRESSIONS)} compressed)/.parquet/.pq"
         if not found:
             raise FileNotFoundError(f"{p}: no event-log file in it (looked for {looked}); pass the file path instead")
-        if other := sorted(q.name for q in files if q not in found):  # a part in another format must not vanish unsaid
+        if other := sorted(q.name for q in files if not q.name.lower().endswith(LOG_EXTS)):  # another format: said, not lost
             log.warning("%s: %d file(s) not read as event-log parts (only %s): %s", p, len(other), looked, ", ".join(other[:5]))
         return found
     if glob.has_magic(str(data_dir)):

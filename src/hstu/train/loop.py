@@ -78,6 +78,7 @@ from hstu.train.recipe import (
     recipe,
     recipe_text,
     recipe_warnings,
+    recorded_changes,
     resumed_recipe,
     warmed_up,
 )
@@ -309,7 +310,7 @@ def _report(
         "machine": strategy.machine(),
         "recipe": recipe(tcfg, strategy.extra.get("distributed"), model.cfg.num_items),
         **strategy.extra,
-        **{k: v for k, v in read_config(run).items() if k == "recipe_changes"},  # a resume that changed it: from which epoch
+        **recorded_changes(run),  # a resume that changed the recipe: from which epoch
     }
     if calibration is not None:
         metrics["repeat_scale"] = calibration

@@ -237,3 +237,13 @@ def resumed_recipe(saved: dict, tcfg, state: dict, paper: bool) -> tuple:
         log.warning("--resume: from epoch %d the recipe changes: %s (recorded in config.json recipe_changes)", state["epoch"] + 1, text)
         changes.append({"from_epoch": state["epoch"] + 1, "changed": changed})
     return tcfg, changes
+
+
+def recorded_changes(run) -> dict:
+    """``{"recipe_changes": [...]}`` from ``run``'s config.json when it records any (metrics.json repeats them), else {}
+    (also where the run directory is not visible: a torchrun rank other than 0 needs only rank 0 to see it)."""
+    from hstu.runs import CONFIG, read_config
+
+    path = Path(run) / CONFIG
+    changes = read_config(run).get("recipe_changes") if path.exists() else None
+    return {"recipe_changes": changes} if changes else {}

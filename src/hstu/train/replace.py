@@ -57,8 +57,11 @@ def mark_report_stale(run: Path, epoch: int) -> None:
     from hstu.runs import METRICS
 
     path = Path(run) / METRICS
-    if path.exists():
-        m = read_json(path)
+    try:
+        m = read_json(path) if path.exists() else None
+    except ValueError:  # a malformed report: left as it is (the training's own report replaces it), never a stopped training
+        return
+    if m is not None:
         m["status"] = (
             f"stale: epochs up to {epoch} committed since this report of epoch {m.get('epochs')}; hstu train --resume reports them"
         )

@@ -224,7 +224,8 @@ def test_parquet_equals_csv(tmp_path: Path):
 def test_csv_integer_times_units(tmp_path: Path):
     p = _write(tmp_path / "log.csv", "u,i,t\n1,2,1700000000123\n1,3,1700000001999\n")
     assert load_csv(p, columns="user=u,item=i,time=t").timestamps.tolist() == [1700000000, 1700000001]  # auto: ms
-    assert load_csv(p, columns="user=u,item=i,time=t,time_unit=s").timestamps.tolist() == [1700000000123, 1700000001999]
+    with pytest.raises(DataFormatError, match=r"log.csv:2: .*which as seconds \(time_unit\) is after 2262-04-11"):
+        load_csv(p, columns="user=u,item=i,time=t,time_unit=s")  # ms read as s: year ~55,800, which no request can hold
     q = _write(tmp_path / "s.csv", "u,i,t\n1,2,1700000000\n")
     assert load_csv(q, columns="user=u,item=i,time=t").timestamps.tolist() == [1700000000]
     assert load_csv(q, columns="user=u,item=i,time=t", time_unit="ms").timestamps.tolist() == [1700000]

@@ -21,6 +21,7 @@ from hstu.data.ecommerce import load_retailrocket, load_taobao
 from hstu.data.parsing import Column, parse_lines
 from hstu.data.records import open_quote
 from hstu.data.reviews import load_amazon, load_sequences
+from hstu.data.times import TIME_UNITS
 
 COLS = "user=u,item=i,time=t"
 EXTRA = "9,9,9,extra\n"  # a row with an extra field: the C parser stops, the line-by-line pass reads the file
@@ -193,6 +194,22 @@ def test_the_last_time_in_the_automatic_unit_is_2262_04_11(tmp_path: Path):
     pd.DataFrame({"u": [1, 1], "i": [1, 2], "t": [ms + 1, 1700000000000]}).to_parquet(tmp_path / "x.parquet")
     with pytest.raises(DataFormatError, match=r"x.parquet: row 0 \(0-based\): time \('t'\) is .*after 2262-04-11"):
         load_csv(tmp_path / "x.parquet", columns=COLS)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_time_past_2262_is_refused_in_a_unit_set_explicitly_too(tmp_path: Path, slow: bool):
+    """A trial's finding: `time_unit=s` with 9223372037 (or ms with 1e17) trained, and then no history holding it could
+    be generated (generate and serve take seconds up to 2262-04-11): refused at load in any unit, naming the line."""
+    cols = [Column("user", "u", text=True), Column("item", "i", text=True), Column("time", "t")]
+    for unit, t in (("s", 9_223_372_037), ("ms", 10**17)):
+        f = _write(tmp_path / f"{unit}.csv", f"u,i,t\n1,1,1700000000\n1,2,{t}\n")
+        with pytest.raises(DataFormatError, match=rf"{unit}.csv:3: time \('t'\) is '{t}', which as .* \(time_unit\) is after 2262-04-11"):
+            if slow:  # the line-by-line pass
+                parse_lines(f, cols, header=True, sep=",", time_unit=TIME_UNITS[unit], skip_bad_rows=False)
+            else:
+                load_csv(f, columns=COLS + f",time_unit={unit}")
+    ok = _write(tmp_path / "ok.csv", "u,i,t\n1,1,9223372036\n")  # the last whole second is still a time
+    assert _load(ok, slow, columns=COLS + ",time_unit=s").timestamps.tolist()[0] == 9_223_372_036
 
 
 # ----------------------------------------------------------------------------- 6: before 1970

@@ -246,7 +246,7 @@ def _frame_checks(
 def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path: Path, out: dict, problems: list) -> None:
     """The time column's part of :func:`_frame_checks`: ``out["time"]``, ``out["subsecond_ns"]`` and its problems
     (unparsed times; with the automatic unit, integers on the other side of 1e11 than most, :func:`unit_problem`;
-    times before 1970 or, in the automatic unit, after 2262: :func:`range_problem`)."""
+    times before 1970 or after 2262: :func:`range_problem`)."""
     t = exact_times(col, unit, path)
     out["subsecond_ns"] = t.rest
     what = f"time ({mapping['time']!r}) is "
@@ -265,7 +265,7 @@ def _time_checks(col: pd.Series, mapping: dict[str, str], unit: str | None, path
         )
     )
     problems.append((t.mixed, lambda i: what + unit_problem(int(pd.to_numeric(col.iloc[i])))))
-    problems.append((t.out, lambda i: what + range_problem(str(col.iloc[i]).strip(), int(t.secs.iloc[i]), t.per_s)))
+    problems.append((t.out, lambda i: what + range_problem(str(col.iloc[i]).strip(), int(t.secs.iloc[i]), t.per_s, unit is None)))
     out["time"] = t.secs
 
 

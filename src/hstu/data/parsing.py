@@ -300,7 +300,7 @@ def _parse_row(path: Path, line: int, row: list[str], cols: list[Column], idx: d
             vals.append(v)
             continue
         try:
-            vals.append(to_time(raw, time_unit or 1) if c.key == "time" else _to_int(raw))
+            vals.append(to_time(raw, time_unit or 1, time_unit is not None) if c.key == "time" else _to_int(raw))
         except TimeRangeError as exc:
             raise DataFormatError(path, line, f"{c.key} ({c.source!r}) is {exc}") from None
         except (ValueError, OverflowError):

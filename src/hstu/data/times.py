@@ -56,15 +56,17 @@ def after_2262(secs, rest):
     return (secs > MAX_SECONDS) | ((secs == MAX_SECONDS) & (rest > MAX_SUBSECOND_NS))
 
 
-def range_problem(raw, secs: int, per_s: int | None = None) -> str:
+def range_problem(raw, secs: int, per_s: int | None = None, auto: bool = True) -> str:
     """Why time ``raw`` (as written) at ``secs`` Unix seconds is out of range, for a message after "is ": before
-    1970-01-01, or else after 2262 as ``per_s`` ticks per second, the automatic unit (:func:`after_2262`)."""
+    1970-01-01, or else after 2262 as ``per_s`` ticks per second (:func:`after_2262`), the automatic unit (``auto``)
+    or the one set with ``time_unit``: a run's times end there in any unit, as generate and serve take them."""
     if secs < 0:
         return f"{raw!r}, before 1970-01-01 (a negative Unix time: a run's times start at 1970-01-01, as generate and serve require)"
-    return (
-        f"{raw!r}, which as {UNIT_NAMES.get(per_s or 1, 'seconds')} (the automatic unit) is after 2262-04-11: "
-        "microseconds or nanoseconds? set time_unit=us or time_unit=ns in --columns"
-    )
+    unit = UNIT_NAMES.get(per_s or 1, "seconds")
+    if not auto:
+        return f"{raw!r}, which as {unit} (time_unit) is after 2262-04-11, where a run's times end (generate and serve take none later)"
+    fix = "microseconds or nanoseconds? set time_unit=us or time_unit=ns in --columns"
+    return f"{raw!r}, which as {unit} (the automatic unit) is after 2262-04-11: {fix}"
 
 
 def split_time(t, unit: int):
@@ -76,13 +78,14 @@ def split_time(t, unit: int):
     return secs, rest * (NS_PER_S // unit)
 
 
-def to_time(s: str, unit: int) -> tuple[int, int]:
+def to_time(s: str, unit: int, explicit: bool = False) -> tuple[int, int]:
     """A time field -> (Unix seconds, floor; the sub-second rest in ns), see :func:`split_time`.
     ValueError: neither an integer (or whole number) in the int64 range nor an ISO 8601 date-time;
-    TimeRangeError: before 1970-01-01."""
+    TimeRangeError: before 1970-01-01, or with an ``explicit`` unit (time_unit) after 2262-04-11 (the automatic unit
+    is decided, and this checked, on the whole column)."""
     secs, rest = _to_time(s.strip(), unit)
-    if secs < 0:
-        raise TimeRangeError(range_problem(s.strip(), secs))
+    if secs < 0 or (explicit and after_2262(secs, rest)):
+        raise TimeRangeError(range_problem(s.strip(), secs, unit, auto=False))
     return secs, rest
 
 
@@ -112,7 +115,7 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> Times:
     the values are >= 1e11; the mixed-unit mask marks the integers on the other side of 1e11), a datetime
     column, or ISO 8601 strings. Both parts come from the exact value (:func:`split_time`), so ms / ns /
     fractional ISO times keep their order; bad rows (unparsed, or outside int64 ns: years 1677..2262) hold
-    0; ``out`` marks the parsed times before 1970 and, in the automatic unit, after 2262 (:func:`range_problem`)."""
+    0; ``out`` marks the parsed times before 1970 or after 2262 (:func:`range_problem`)."""
     epoch = pd.Timestamp(0, tz="UTC")
     if pd.api.types.is_datetime64_any_dtype(col) or not _mostly_numbers(col):
         t = (
@@ -134,7 +137,7 @@ def exact_times(col: pd.Series, unit: str | None, path: Path) -> Times:
     mixed = np.zeros(len(col), bool)
     mixed[~bad] = odd
     secs, rest = split_time(ticks, per_s)
-    out = (secs < 0) | (after_2262(secs, rest) if unit is None else False)
+    out = (secs < 0) | after_2262(secs, rest)  # in any unit: a run's times end at 2262-04-11, as generate and serve take them
     return Times(secs, rest, bad, mixed, np.asarray(out) & ~bad & ~mixed, per_s)
 
 

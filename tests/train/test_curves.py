@@ -256,3 +256,26 @@ def test_a_resume_killed_before_its_report_leaves_the_old_report_marked_stale(tm
     assert main(["train", *flags, "--resume", "--epochs", "3", "--out", str(run), "--quiet"]) == 0
     done = json.loads((run / "metrics.json").read_text())
     assert done["status"] == "completed" and done["epochs"] == 3
+
+
+def test_a_resume_killed_before_its_first_commit_leaves_the_runs_record(tmp_path):
+    """A resume with other flags wrote config.json (epochs, seed, recipe_changes) before it trained anything, so a
+    later resume went on with a recipe no epoch had used: config.json is written at the resume's first commit."""
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
+    run = tmp_path / "run"
+    assert main(["train", *flags, "--out", str(run), "--quiet"]) == 0
+    cfg = (run / "config.json").read_text()
+    env = {**os.environ, KILL_AT_ENV: "last.safetensors.tmp:1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    p = subprocess.run(
+        [sys.executable, "-m", "hstu", "train", *flags, "--resume", "--epochs", "3", "--seed", "5", "--out", str(run), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert (run / "config.json").read_text() == cfg  # epochs 1, seed 42, no recipe_changes
+    assert main(["train", *flags, "--resume", "--epochs", "2", "--seed", "5", "--out", str(run), "--quiet"]) == 0
+    now = json.loads((run / "config.json").read_text())
+    assert now["train"]["epochs"] == 2 and now["recipe_changes"] == [{"from_epoch": 2, "changed": {"seed": [42, 5]}}]

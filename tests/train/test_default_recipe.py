@@ -72,6 +72,24 @@ def test_saved_train_tables_without_the_new_fields_read_as_the_former_defaults()
     assert train_config_from_dict({"epochs": 3}).packing == "auto"  # a [train] table: today's defaults
 
 
+def test_an_interrupted_resume_changes_no_record_and_epochs_given_are_kept(tmp_path) -> None:
+    """Found by a trial: a resume (--epochs 6 --seed 5) interrupted before its first commit had already written
+    config.json (epochs 6, seed 5, recipe_changes); then `--resume --epochs 3` of the 3-epoch run said "nothing to
+    train" and trained epochs 4-6 at seed 5 (the run's saved epochs were used). Simulated here: config.json of a
+    4-epoch request over 3 committed epochs; --epochs 3 must train nothing; and a resume's config.json is written only
+    once it commits an epoch."""
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 3})
+    out = tmp_path / "run"
+    _train(flags, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["train"]["epochs"] = 4  # as an interrupted `--resume --epochs 4` left it before this fix
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = (out / "model.safetensors").read_bytes()
+    r = _train(["--resume", "--epochs", "3"], out)
+    assert "nothing to train" in r.stderr and "epoch 4/" not in r.stderr
+    assert (out / "model.safetensors").read_bytes() == weights and json.loads((out / "metrics.json").read_text())["epochs"] == 3
+
+
 def test_hstu_train_records_the_resolved_recipe_and_an_old_run_resumes_with_its_own(tmp_path) -> None:
     flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
     out = tmp_path / "run"
@@ -105,6 +123,7 @@ def test_a_resume_records_its_recipe_changes_and_a_finished_run_keeps_its_own(tm
     weights = (out / "model.safetensors").read_bytes()
     r = _train([*flags, "--resume", "--epochs", "2", "--num-negatives", "16", "--seed", "5"], out)
     assert "nothing to train" in r.stderr and (out / "model.safetensors").read_bytes() == weights
+    assert "the run keeps its recorded recipe (num_negatives, seed not used)" in r.stderr
     assert json.loads((out / "config.json").read_text())["train"] == cfg["train"]
     assert json.loads((out / "metrics.json").read_text())["recipe"] == metrics["recipe"]
     r = _train([*flags, "--resume", "--epochs", "3", "--seed", "5"], out)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import hstu.train.recipe as recipes
 from hstu import backend
 from hstu.config import ModelConfig, TrainConfig, model_config_from_dict, train_config_from_dict
 from hstu.data import EventLog, Split, train_batch
@@ -71,18 +72,8 @@ from hstu.train.calibrate import REPEAT_SCALES, action_head_calibration, calibra
 from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
-from hstu.train.recipe import (
-    check_recipe,
-    decay_on_plateau,
-    model_text,
-    recipe,
-    recipe_text,
-    recipe_warnings,
-    recorded_changes,
-    resumed_recipe,
-    warmed_up,
-)
-from hstu.train.replace import drop, mark_report_stale, put_back, set_aside
+from hstu.train.recipe import check_recipe, decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
+from hstu.train.replace import drop, put_back, resumed_commit, set_aside
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported for the old import paths (issue 18): data options and preparation live in
@@ -310,7 +301,7 @@ def _report(
         "machine": strategy.machine(),
         "recipe": recipe(tcfg, strategy.extra.get("distributed"), model.cfg.num_items),
         **strategy.extra,
-        **recorded_changes(run),  # a resume that changed the recipe: from which epoch
+        **recipes.recorded_changes(run),  # a resume that changed the recipe: from which epoch
     }
     if calibration is not None:
         metrics["repeat_scale"] = calibration
@@ -414,12 +405,14 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
     state = {"epoch": 0, "best": -1.0, "best_epoch": 0, "bad_epochs": 0, "train_seconds": 0.0}
     paper = spec.protocol == "paper"
     history = _resume(strategy, run, model, opt, gen, state, paper) if resume and has_train_state(run) else []
-    tcfg, changes = resumed_recipe(read_config(run), tcfg, state, paper) if resume else (tcfg, [])  # a finished run keeps its own
+    tcfg, changes = recipes.resumed_recipe(read_config(run), tcfg, state, paper) if resume else (tcfg, [])  # a finished run: its own
+    config = config_json(mcfg, tcfg, spec, **strategy.extra, **({"recipe_changes": changes} if changes else {}))
     board = TensorBoardCurves(opts["tensorboard"], state["epoch"] + 1) if opts["tensorboard"] and strategy.is_main else None
     aside = set_aside(run) if strategy.is_main and not resume else None  # --overwrite: the old run kept until an epoch commits
     if strategy.is_main:
         run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
-        write_config(run, config_json(mcfg, tcfg, spec, **strategy.extra, **({"recipe_changes": changes} if changes else {})))
+        if not resume:  # a resume's config.json: once its first epoch commits (an interrupted resume changes nothing)
+            write_config(run, config)
         write_idmap(run, log_, split)
         log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
         log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
@@ -433,8 +426,8 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         while state["epoch"] < tcfg.epochs and not stops():  # a resumed run that had stopped early trains no more
             entry = _epoch(strategy, run, model, log_, split, tcfg, opt, gen, state, history, paper, opts)
             aside = drop(aside)
-            if resume and strategy.is_main:  # metrics.json reports an earlier epoch until this training reports
-                mark_report_stale(run, state["epoch"])
+            if resume and strategy.is_main:  # config.json now this training's; metrics.json an earlier epoch's until it reports
+                resumed_commit(run, state["epoch"], config)
             if board is not None:
                 board.epoch(entry)
             if state["epoch"] < tcfg.epochs and not stops() and _time_is_up(strategy, started, opts["max_minutes"]):
@@ -487,13 +480,13 @@ def _epoch(strategy: LocalStrategy, run: Path, model, log_, split, tcfg: TrainCo
         else:
             state["bad_epochs"] += 1
             decay_on_plateau(opt.param_groups, tcfg, state["bad_epochs"], epoch)  # paper protocol: patience 0 (_setup)
-    log.info(
-        epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch, exclude_history=log_.exclude_history_default)
-    )
     history.append(entry)
     state["epoch"] = epoch
     if strategy.is_main:  # the epoch's commit; then its reported weights (a kill in between is repaired by _resume)
         save_train_state(run, plain, opt, gen, {**state, **strategy.extra}, history)
+    log.info(  # after the commit: a line printed is an epoch kept (an interrupt just after it lost a logged epoch)
+        epoch_line(entry, tcfg.epochs, best="valid" in entry and state["best_epoch"] == epoch, exclude_history=log_.exclude_history_default)
+    )
     if paper or state["best_epoch"] == epoch:
         strategy.keep_best(run, plain)
     strategy.barrier()

@@ -223,15 +223,17 @@ def resumed_recipe(saved: dict, tcfg, state: dict, paper: bool) -> tuple:
     for weights they never trained: a trial's finding). A resume that trains with other values than the run's (a flag
     overriding a train setting) warns and appends ``{"from_epoch": E, "changed": {field: [run's, now]}}``: config.json's
     ``train`` table then holds the values from epoch E on. Returns (TrainConfig, list)."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from hstu.config import train_config_from_dict
 
     was, changes = train_config_from_dict(saved["train"], saved=True), list(saved.get("recipe_changes", []))
-    if state["epoch"] >= tcfg.epochs or (not paper and state["bad_epochs"] >= tcfg.early_stopping_patience):
-        return was, changes
     old, new = asdict(was), asdict(tcfg)
     changed = {k: [old[k], v] for k, v in new.items() if k not in RESUME_FREE and old.get(k) != v}
+    if state["epoch"] >= tcfg.epochs or (not paper and state["bad_epochs"] >= tcfg.early_stopping_patience):
+        if changed:
+            log.warning("--resume: nothing left to train, the run keeps its recorded recipe (%s not used)", ", ".join(changed))
+        return replace(was, **{k: getattr(tcfg, k) for k in RESUME_FREE}), changes  # this command's epochs: none to train
     if changed and state["epoch"]:  # epochs were trained with the run's values
         text = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
         log.warning("--resume: from epoch %d the recipe changes: %s (recorded in config.json recipe_changes)", state["epoch"] + 1, text)

@@ -49,12 +49,15 @@ def drop(aside: Path | None) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def mark_report_stale(run: Path, epoch: int) -> None:
-    """metrics.json of a resumed run once a new epoch (``epoch``) has committed: its figures are an earlier epoch's
-    (and model.safetensors may already hold a newer best), so its ``status`` says so until this training reports
-    (a resume interrupted during its final evaluation left a "completed" report of epoch 1 beside 3 committed epochs)."""
+def resumed_commit(run: Path, epoch: int, config: dict) -> None:
+    """A resumed run's files once a new epoch (``epoch``) has committed: config.json becomes this training's ``config``
+    (written only now: a resume interrupted before its first commit changed neither the recorded recipe nor epochs), and
+    metrics.json's figures are an earlier epoch's (model.safetensors may already hold a newer best), so its ``status``
+    says so until this training reports (a resume cut in its final evaluation left "completed" beside newer epochs)."""
     from hstu.model.checkpoint import read_json, write_json
-    from hstu.runs import METRICS
+    from hstu.runs import METRICS, write_config
+
+    write_config(run, config)
 
     path = Path(run) / METRICS
     try:

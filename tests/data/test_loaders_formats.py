@@ -256,12 +256,19 @@ def test_compressed_parts_are_read_as_their_text(tmp_path: Path, caplog):
         with open_(d / f"log.tsv{suffix}", "wt", encoding="utf-8") as fh:
             fh.write(text)
         _write(d / "README.md", "notes beside the parts\n")
+        (d / "older").mkdir()  # a subdirectory is not read either: named with the other files
         with caplog.at_level("WARNING"):
             got = load_csv(d, columns="user=u,item=i,time=t", skip_bad_rows=True)
         _same(got, want)
-        assert "encodings" not in got.facts and "not read as event-log parts" in caplog.text and "README.md" in caplog.text
+        assert "encodings" not in got.facts and "not read as event-log parts" in caplog.text and "README.md, older/" in caplog.text
         with pytest.raises(DataFormatError, match=rf"log.tsv{suffix}:5: "):  # the bad row named by its line, as in the plain file
             load_csv(d / f"log.tsv{suffix}", columns="user=u,item=i,time=t")
+    whole = (tmp_path / "gz" / "log.tsv.gz").read_bytes()  # cut off, or plain text under a compressed name: one line naming it
+    (tmp_path / "cut.csv.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "plain.csv.bz2").write_text(text)
+    for name in ("cut.csv.gz", "plain.csv.bz2"):
+        with pytest.raises(DataFormatError, match=rf"{name}: cannot read it as \.(gz|bz2) compressed text .*: cut off, or not"):
+            load_csv(tmp_path / name, columns="user=u,item=i,time=t")
     (tmp_path / "log.csv.zip").write_bytes(b"PK\x03\x04")
     with pytest.raises(ValueError, match=r"log.csv.zip: .zip files are not read; decompress it"):
         load_csv(tmp_path / "log.csv.zip", columns="user=u,item=i,time=t")

@@ -49,9 +49,8 @@ import pandas as pd
 
 from hstu.data.errors import DataFormatError, plural
 from hstu.data.features import numeric_column, parse_feature_options
-from hstu.data.movielens import file_encoding
 from hstu.data.parsing import MAPPING_KEYS, Column, exact_ids, id_problem, parse_lines, row_width_error, to_event_log
-from hstu.data.records import COMPRESSIONS, check_quotes, opener, record_line, text_suffix
+from hstu.data.records import COMPRESSIONS, check_quotes, record_line, text_encoding, text_suffix
 from hstu.data.sequences import FEATURE_PREFIX, EventLog
 from hstu.data.times import TIME_UNITS, exact_times, range_problem, unit_problem
 
@@ -172,12 +171,12 @@ def log_files(data_dir: str | Path | list | tuple) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        files = [q for q in p.iterdir() if q.is_file() and not q.name.startswith(".")]
-        found = sorted((q for q in files if q.name.lower().endswith(LOG_EXTS)), key=_natural_key)
+        files = [q for q in p.iterdir() if not q.name.startswith(".")]  # subdirectories too: named below, never read
+        found = sorted((q for q in files if q.is_file() and q.name.lower().endswith(LOG_EXTS)), key=_natural_key)
         looked = "/".join(TEXT_EXTS) + f" (also {'/'.join(COMPRESSIONS)} compressed)/.parquet/.pq"
         if not found:
             raise FileNotFoundError(f"{p}: no event-log file in it (looked for {looked}); pass the file path instead")
-        if other := sorted(q.name for q in files if not q.name.lower().endswith(LOG_EXTS)):  # another format: said, not lost
+        if other := sorted(q.name + "/" * q.is_dir() for q in files if q.is_dir() or not q.name.lower().endswith(LOG_EXTS)):
             log.warning("%s: %d file(s) not read as event-log parts (only %s): %s", p, len(other), looked, ", ".join(other[:5]))
         return found
     if glob.has_magic(str(data_dir)):
@@ -357,7 +356,7 @@ def _read_files(
         if path.suffix.lower() in (".parquet", ".pq"):
             df, n = _read_parquet(path, cols, unit, skip_bad_rows)
         else:
-            encodings[path.name] = file_encoding(path, opener(path))
+            encodings[path.name] = text_encoding(path)
             df, n = read_delimited(path, cols, unit, fmt, skip_bad_rows, encodings[path.name])
         if by_file:
             df["action"] = path.name.split(".")[0]

@@ -38,6 +38,23 @@ def text_suffix(path: Path) -> str:
     return suffixes[-2] if len(suffixes) >= 2 and suffixes[-1] in COMPRESSIONS else path.suffix.lower()
 
 
+def text_encoding(path: Path) -> str:
+    """The encoding of a text file, compressed or not (:func:`hstu.data.movielens.file_encoding`, through :func:`opener`).
+    It reads all of the file, so a compressed one cut off or not what its name says fails here: DataFormatError naming
+    it (a truncated .gz was an EOFError traceback, a plain file named .bz2 a bare "Invalid data stream")."""
+    from hstu.data.movielens import file_encoding
+
+    read = opener(path)
+    try:
+        return file_encoding(path, read)
+    except (EOFError, OSError, lzma.LZMAError) as exc:
+        if read is open:
+            raise
+        raise DataFormatError(
+            path, None, f"cannot read it as {path.suffix} compressed text ({exc}): cut off, or not {path.suffix}?"
+        ) from None
+
+
 class _Lines:
     """An iterator over a file's lines that keeps the lines of the record being read (``current``)
     and says when the file has ended (``eof``)."""

@@ -19,7 +19,7 @@ from hstu.data.prepare import DataSpec
 from hstu.model.checkpoint import read_json, write_json
 from hstu.model.embedding import ShardedEmbedding
 from hstu.model.hstu import build_hstu
-from hstu.runs import load_float_run, save_best_weights
+from hstu.runs import load_float_run, load_run, save_best_weights
 from hstu.train.loop import fit
 
 USERS = 200
@@ -121,6 +121,9 @@ def test_quantize_cli_stores_the_shards_in_fp16_and_ranks_as_the_dense_twin(runs
     capsys.readouterr()
     saved = load_file(str(q / "model.quant.safetensors"))
     assert all(saved[f"item_emb.shards.{s}"].dtype == torch.float16 for s in range(4))
+    # the quantized run's config.json says so (it said the float run's dtype: a plan, and its memory check, of other sizes)
+    assert read_json(q / "config.json")["model"]["item_table_dtype"] == "fp16"
+    assert load_run(q)[0].item_emb.plan.shards[0].dtype == "fp16"
     ev, evd = cli_json(capsys, "eval", "--run", q, "--json"), cli_json(capsys, "eval", "--run", qd, "--json")
     assert ev["users"] == evd["users"] == USERS and abs(ev["HR@10"] - evd["HR@10"]) <= 2 / USERS  # a rank or two may move
     # not bit-equal: a dense fp16 table scales its looked-up rows by √d in fp16, a hashed one widens them to float32

@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from hstu import backend
 from hstu.config import model_config_from_dict
 from hstu.model.checkpoint import dir_target, file_sha256, read_idmap, read_json, read_safetensors, save_tensors, staged_dir, write_json
+from hstu.model.embedding_rows import dtype_name
 from hstu.model.run_files import CONFIG, IDMAP, ITEMS, require_run_dir
 from hstu.model.run_files import WEIGHTS as FLOAT_WEIGHTS
 from hstu.quant.int8 import QMAX, Int8Embedding, Int8Linear, quantize_model_int8
@@ -152,6 +153,10 @@ def save_quantized_run(
         for f in (CONFIG, ITEMS, IDMAP):  # items.npz (a large catalogue's, when there is one) before the idmap.json naming it
             if f != ITEMS or (src / f).exists():
                 shutil.copyfile(src / f, tmp / f)
+        if (dt := getattr(model.item_emb, "dtypes", None)) is not None:  # a hashed table: the dtype its shards are stored in
+            cfg = read_json(tmp / CONFIG)  # (a bf16 table quantized with fp32 embeddings said bf16: its memory plan, half)
+            cfg["model"]["item_table_dtype"] = dtype_name(dt[0])
+            write_json(tmp / CONFIG, cfg)
         meta.update(
             {
                 "format": FORMAT,

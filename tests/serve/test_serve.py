@@ -573,13 +573,11 @@ def test_a_serve_config_says_which_tables_it_does_not_use(tmp_path, caplog) -> N
     assert f"--config {cfg}: hstu serve reads its [serve] table only; [model] not used" in caplog.text
 
 
-def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
-    """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM; --access-log lines go to
-    stderr with the other log lines (they went to stdout, which holds only the "listening" line)."""
+def _cli_server(run_dir, *flags: str, **popen) -> tuple[subprocess.Popen, str]:
+    """`hstu serve --run RUN --port 0 --threads 1 FLAGS` in a subprocess, once ready: (process, base URL)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--buckets", "10,20,50", "--threads", "1"]
-    cmd.append("--access-log")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--threads", "1", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, **popen)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -588,6 +586,17 @@ def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
         while httpx.get(url + "/readyz", timeout=5).status_code != 200:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
+    except BaseException:
+        proc.kill()  # never a server left behind by a failed start
+        raise
+    return proc, url
+
+
+def test_cli_serve_on_a_run_directory(run_dir, ratings) -> None:
+    """`hstu serve --run RUN --port 0` in a subprocess: ready, answers, exits 0 on SIGTERM; --access-log lines go to
+    stderr with the other log lines (they went to stdout, which holds only the "listening" line)."""
+    proc, url = _cli_server(run_dir, "--buckets", "10,20,50", "--access-log")
+    try:
         hist = events(ratings, sorted(ratings.user.unique())[0], 15)
         r = post(url, "/v1/generate", {"history": hist, "k": 3})
         assert r.status_code == 200 and len(r.json()["items"]) == 3 and r.json()["bucket"] == 20
@@ -605,19 +614,9 @@ def test_sigterm_to_the_process_group_drains_in_flight_requests(run_dir, ratings
     process loaded during shutdown. The model process now leaves SIGTERM to the server, which drains, then stops it."""
     import threading
 
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "hstu.cli", "serve", "--run", str(run_dir), "--port", "0", "--buckets", "20,50", "--threads", "1"]
-    cmd += ["--max-wait-ms", "1500"]  # the request waits in its batch while the signal arrives
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    proc, url = _cli_server(run_dir, "--buckets", "20,50", "--max-wait-ms", "1500", start_new_session=True)  # 1.5 s: in flight
     got: dict = {}
     try:
-        line = proc.stdout.readline()
-        assert "listening on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
-        url = line.split("listening on ")[1].split()[0]
-        deadline = time.monotonic() + 120
-        while httpx.get(url + "/readyz", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
         hist = events(ratings, sorted(ratings.user.unique())[0], 15)
         t = threading.Thread(target=lambda: got.update(r=post(url, "/v1/generate", {"history": hist, "k": 3})))
         t.start()

@@ -53,6 +53,15 @@ def check_csv_is_history(run):
             assert (math.isnan(row[m]) and want is None) or row[m] == want, (h["epoch"], m, row[m], want)
 
 
+def _killed_train(flags, run, point: str, *extra: str) -> subprocess.CompletedProcess:
+    """`hstu train FLAGS --out RUN EXTRA` in a subprocess SIGKILLed just before the rename ``point`` (KILL_AT_ENV)."""
+    env = {**os.environ, KILL_AT_ENV: point, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    cmd = [sys.executable, "-m", "hstu", "train", *flags, *extra, "--out", str(run), "--quiet"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    return p
+
+
 def test_csv_equals_history_after_a_run(tmp_path):
     run = tmp_path / "run"
     assert main(["train", *_flags(tmp_path), "--out", str(run), "--quiet"]) == 0
@@ -68,16 +77,7 @@ def test_csv_after_kill_and_resume_has_each_epoch_once(tmp_path, point):
     equal to history.json with epochs 1, 2, 3 once each."""
     flags = _flags(tmp_path)
     run = tmp_path / "run"
-    env = {**os.environ, KILL_AT_ENV: point, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    p = subprocess.run(
-        [sys.executable, "-m", "hstu", "train", *flags, "--out", str(run), "--quiet"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    _killed_train(flags, run, point)
     assert pd.read_csv(run / "metrics.csv")["epoch"].tolist() == [1]  # the kill left the CSV at epoch 1
     assert main(["train", "--resume", "--out", str(run), "--quiet"]) == 0
     check_csv_is_history(run)
@@ -240,16 +240,7 @@ def test_a_resume_killed_before_its_report_leaves_the_old_report_marked_stale(tm
     assert main(["train", *flags, "--out", str(run), "--quiet"]) == 0
     before = json.loads((run / "metrics.json").read_text())
     assert before["status"] == "completed" and before["epochs"] == 1
-    env = {**os.environ, KILL_AT_ENV: "metrics.json.tmp:3", "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    p = subprocess.run(  # epochs 2 and 3 mark it (writes 1, 2); killed before the report's own write (3)
-        [sys.executable, "-m", "hstu", "train", *flags, "--resume", "--epochs", "3", "--out", str(run), "--quiet"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    _killed_train(flags, run, "metrics.json.tmp:3", "--resume", "--epochs", "3")  # epochs 2, 3 mark it; killed before its report
     stale = json.loads((run / "metrics.json").read_text())
     assert stale["status"] == "stale: epochs up to 3 committed since this report of epoch 1; hstu train --resume reports them"
     assert {k: v for k, v in stale.items() if k != "status"} == {k: v for k, v in before.items() if k != "status"}
@@ -265,16 +256,7 @@ def test_a_resume_killed_before_its_first_commit_leaves_the_runs_record(tmp_path
     run = tmp_path / "run"
     assert main(["train", *flags, "--out", str(run), "--quiet"]) == 0
     cfg = (run / "config.json").read_text()
-    env = {**os.environ, KILL_AT_ENV: "last.safetensors.tmp:1", "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    p = subprocess.run(
-        [sys.executable, "-m", "hstu", "train", *flags, "--resume", "--epochs", "3", "--seed", "5", "--out", str(run), "--quiet"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    _killed_train(flags, run, "last.safetensors.tmp:1", "--resume", "--epochs", "3", "--seed", "5")
     assert (run / "config.json").read_text() == cfg  # epochs 1, seed 42, no recipe_changes
     assert main(["train", *flags, "--resume", "--epochs", "2", "--seed", "5", "--out", str(run), "--quiet"]) == 0
     now = json.loads((run / "config.json").read_text())

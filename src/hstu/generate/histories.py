@@ -83,15 +83,15 @@ def check_event_int(where: str, name: str, value, minimum: int = 0) -> None:
         raise HistoryError(f"{where}.{name} must be an integer, got {value!r}")
     if name in TIME_FIELDS:
         if not minimum <= value <= TIME_S_MAX:
-            hint = f" (up to 2262-04-11){_ms_hint(value)}"
+            hint = f" (up to 2262-04-11){ms_hint(value)}"
             raise HistoryError(f"{where}.{name} must be Unix seconds in {minimum}..{TIME_S_MAX}{hint}, got {value}")
     elif not minimum <= value <= INT64_MAX:
         raise HistoryError(f"{where}.{name} must be in {minimum}..{INT64_MAX}, got {value}")
 
 
-def _ms_hint(value: int) -> str:
-    """The likely unit of a time past TIME_S_MAX (milliseconds today are ~1.7e12)."""
-    return "; milliseconds? divide by 1000" if TIME_S_MAX < value < TIME_S_MAX * 1000 else ""
+def ms_hint(value) -> str:
+    """The likely unit of a time past TIME_S_MAX (milliseconds today are ~1.7e12): "; milliseconds? ..." or ""."""
+    return "; milliseconds? divide by 1000" if isinstance(value, int) and TIME_S_MAX < value < TIME_S_MAX * 1000 else ""
 
 
 def event_times(timestamps) -> np.ndarray:

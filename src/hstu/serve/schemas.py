@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from hstu.data.sequences import ID_MAX_CHARS
 from hstu.config import BEAM_WIDTH_MAX, INT64_MAX, SEED_MAX, TEMPERATURE_MAX, TIME_S_MAX, TOP_K_MAX, DecodeOptions
+from hstu.generate.histories import TIME_FIELDS, ms_hint
 
 
 class _Strict(BaseModel):
@@ -97,6 +98,8 @@ def public_errors(errors: list[dict]) -> list[dict]:
         if len(loc) >= 3 and loc[-3] == "features" and loc[-1] == "[key]":
             out.append({**e, "loc": loc[:-2], "msg": f"name {str(loc[-2])[:80]!r}: {e.get('msg', 'invalid')}"})
             continue
+        if e.get("type") == "less_than_equal" and loc and loc[-1] in TIME_FIELDS:  # as the CLI and the Python API say it
+            e = {**e, "msg": f"{e.get('msg', 'invalid')} (Unix seconds, up to 2262-04-11{ms_hint(e.get('input'))})"}
         out.append({**e, "loc": loc[:-1]} if loc and loc[-1] == _ID_MEMBER else e)
     return out
 

@@ -28,9 +28,7 @@ ITEM_TABLES = ("dense", "hashed")  # [model] item_table: nn.Embedding | model.em
 TABLE_PLACEMENTS = ("device", "host")  # where a hashed table's shard lives (model/embedding.py)
 TABLE_DTYPES = ("fp32", "fp16", "bf16")  # a hashed table's row storage dtype
 INT64_MAX = 2**63 - 1  # item ids of a history event (CLI files and HTTP alike)
-# a request's times (event timestamps, request_time): Unix seconds up to 2262-04-11, where the data loaders' times end
-# (int64 ns); a millisecond time (~1.7e12 today) is past it and refused, never read as seconds 55,000 years ahead
-TIME_S_MAX = INT64_MAX // 10**9
+TIME_S_MAX = INT64_MAX // 10**9  # request times: Unix seconds up to 2262-04-11, the loaders' end (ms are refused)
 MAX_WIDTH, MAX_BLOCKS = 65_536, 1024  # max_seq_len + max_output_len (position table, attention width N); num_blocks
 
 _BLOCK = {"query_key_map": True, "ffn_hidden": 0, "multi_channel": False}  # HSTU block options and their defaults
@@ -417,31 +415,20 @@ DATA_OPTIONS = ("columns", "format", "time_unit", "meta", "features", "numeric_f
 def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = None) -> Any:
     """A ``[data]`` table -> :class:`hstu.data.prepare.DataSpec`: its fields (``data_dir``, ``items`` relative to ``base``,
     the config file's directory) and the loader options :data:`DATA_OPTIONS`. ValueError names ``where`` and the field."""
-    from hstu.data.prepare import DataSpec
+    from hstu.data.prepare import DataSpec, check_loader_options
 
     valid = {f.name for f in dataclasses.fields(DataSpec)} - {"feature_maps"} | set(DATA_OPTIONS)  # feature_maps: the run's own
     if set(table) - valid:
         raise ValueError(f"{where}: unknown field(s) {sorted(set(table) - valid)} for [data]; valid: {sorted(valid)}")
     rest = {k: v for k, v in table.items() if k not in DATA_OPTIONS}
     opts = {k: table[k] for k in DATA_OPTIONS if k in table}
-    _check_data_options(opts, where)
+    check_loader_options(opts, where)
     if opts:
         if not isinstance(rest.get("options", {}), dict):
             raise ValueError(f"{where}: options must be a table, got {rest['options']!r}")
         rest["options"] = {**rest.get("options", {}), **opts}
     rest.update({k: _beside(base, rest[k]) for k in ("data_dir", "items") if base is not None and k in rest})  # paths, or a list
     return _from_dict(DataSpec, rest, where)
-
-
-def _check_data_options(opts: dict[str, Any], where: str) -> None:
-    """The loader options a config file sets, checked as it is read (the loaders' own errors named no file or table)."""
-    from hstu.data.features import parse_feature_options
-    from hstu.data.times import TIME_UNITS
-
-    if "features" in opts or "numeric_features" in opts:
-        parse_feature_options(opts.get("features"), opts.get("numeric_features"), where)
-    if opts.get("time_unit") is not None and opts["time_unit"] not in TIME_UNITS:
-        raise ValueError(f"{where} time_unit must be one of {list(TIME_UNITS)}, got {opts['time_unit']!r}")
 
 
 def _beside(base: Path, v: Any) -> Any:  # a config file's path (or a list's), relative to its directory

@@ -17,7 +17,8 @@ import numpy as np
 
 from hstu.config import ModelConfig
 from hstu.data import EventLog, Split, load_dataset, make_split
-from hstu.data.features import apply_features, feature_sizes
+from hstu.data.features import apply_features, feature_sizes, parse_feature_options
+from hstu.data.times import TIME_UNITS
 
 log = logging.getLogger(__name__)
 PROTOCOLS = ("clean", "paper")
@@ -177,3 +178,13 @@ def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> Mo
             setattr(cfg, name, n)
         cfg.features = feature_sizes(log_.feature_maps)
     return cfg
+
+
+def check_loader_options(opts: dict, where: str) -> None:
+    """The loader options a config file's ``[data]`` table sets (``features``, ``numeric_features``, ``time_unit``),
+    checked as it is read (:func:`hstu.config.data_spec_from_table`): ValueError naming ``where`` (the file and table)
+    and the option; the loaders' own errors named neither."""
+    if "features" in opts or "numeric_features" in opts:
+        parse_feature_options(opts.get("features"), opts.get("numeric_features"), where)
+    if opts.get("time_unit") is not None and opts["time_unit"] not in TIME_UNITS:
+        raise ValueError(f"{where} time_unit must be one of {list(TIME_UNITS)}, got {opts['time_unit']!r}")

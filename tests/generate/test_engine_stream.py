@@ -161,11 +161,11 @@ def test_streamed_engine_holds_and_creates_no_rows_by_items_tensor(monkeypatch, 
     full = Engine(m, buckets=EDGES, max_batch=4, k_max=6)
     with caplog.at_level(logging.INFO, logger="hstu.generate.engine"):
         stream = streamed_engine(m, monkeypatch, buckets=EDGES, max_batch=4, k_max=6)
-    saved = f"{4 * V * (1 + 1 + 4) / 2**20:.1f} MiB saved"
+    saved = f"{4 * V * (2 + 2 + 4) / 2**20:.1f} MiB saved"  # float16 additive exclusion mask and its beam scratch, float32 scores
     assert any("streamed scoring of 4 rows x 301 items" in r.message and saved in r.message for r in caplog.records), caplog.text
     assert stream._scores is None and stream._excl is None and stream._excl_scratch is None
     assert stream.memory_report()["shared_decode_buffers"] == stream._index.nbytes
-    assert full.memory_report()["shared_decode_buffers"] == full._index.nbytes + 4 * V * (1 + 1 + 4)
+    assert full.memory_report()["shared_decode_buffers"] == full._index.nbytes + 4 * V * (2 + 2 + 4)
     ids, ts, L, rt, *_ = inputs(seed=3)
     for eng, wide in ((full, True), (stream, False)):
         for case in CASES[:3]:

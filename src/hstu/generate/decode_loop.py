@@ -24,6 +24,8 @@ import torch
 from hstu.generate.pool import BucketPool
 from hstu.generate.sampler import Exclusions, beam_step_streamed, next_scores, pick_streamed
 
+NEG_INF = float("-inf")
+
 if TYPE_CHECKING:
     from hstu.generate.engine import Engine
 
@@ -74,7 +76,7 @@ def decode(
                 acts.copy_(eng._items_scratch[:R])
             beam_lp = top_lp
             if not stream:
-                excl.scatter_(1, choice.view(R, 1), True)
+                excl.scatter_(1, choice.view(R, 1), NEG_INF)
         if act is not None:
             acts[:, s] = act
         if s == k - 1:
@@ -144,7 +146,7 @@ def pick_step(eng: Engine, R: int, s: int, user, strategy: str, top_k: int, temp
     choice = eng._pick(scores, strategy, top_k, temperature)  # (R,)
     items[:, s] = choice
     sc[:, s] = scores.gather(1, choice.view(R, 1)).view(R)
-    excl.scatter_(1, choice.view(R, 1), True)
+    excl.scatter_(1, choice.view(R, 1), NEG_INF)
     return choice
 
 
@@ -160,19 +162,20 @@ def step_pairs(pairs: tuple, items: torch.Tensor, rows: torch.Tensor, s: int) ->
 def load_exclusions(eng: Engine, exclude, ri: torch.Tensor, Bu: int, Bp: int, W: int):
     """A group's exclusions: rows ``ri`` (Bu,) of the request's ``exclude`` ((B, I+1) bool,
     :class:`hstu.generate.sampler.Exclusions` (streamed only) or None) for Bp users x W beams.
-    Full path: copied into the engine's (R, I+1) mask with padding id 0 (returns None); streamed:
+    Full path: into the engine's (R, I+1) additive mask (:data:`hstu.generate.sampler.MASK_DTYPE`, -inf where
+    excluded) with padding id 0 (returns None); streamed:
     (rows (n,), ids (n,)) int64 pairs, each user's repeated for its W beams, and the Exclusions'
     ``never`` as a (1, I+1) row or None (padding id 0 is excluded by the streamed scoring itself)."""
     R = Bp * W
     if not eng.streamed:
-        excl = eng._excl[:R]
+        excl = eng._excl[:R]  # additive: 0, or -inf where excluded
         excl.zero_()
-        ex_rows = exclude[ri]  # (Bu, I+1)
+        ex_rows = exclude[ri]  # (Bu, I+1) bool
         if W > 1:
-            excl.view(Bp, W, -1)[:Bu].copy_(ex_rows.view(Bu, 1, -1).expand(Bu, W, -1))
+            excl.view(Bp, W, -1)[:Bu].masked_fill_(ex_rows.view(Bu, 1, -1), NEG_INF)
         else:
-            excl[:Bu].copy_(ex_rows)
-        excl[:, 0] = True
+            excl[:Bu].masked_fill_(ex_rows, NEG_INF)
+        excl[:, 0] = NEG_INF
         return None
     rows, ids = [eng._bidx[:0]], [eng._bidx[:0]]
     sparse = isinstance(exclude, Exclusions)
@@ -186,10 +189,10 @@ def load_exclusions(eng: Engine, exclude, ri: torch.Tensor, Bu: int, Bp: int, W:
 
 def store_exclusions(exclude: torch.Tensor | None, ri: torch.Tensor, final_excl: torch.Tensor | None, items: torch.Tensor) -> None:
     """Add a group's generated items to the request's ``exclude`` (B, I+1) in place (the engine's
-    documented contract): its final mask rows (full path) or the picked ids ``items`` (Bu, k) (streamed;
+    documented contract): its final additive mask rows (full path; -inf = excluded) or the picked ids ``items`` (Bu, k) (streamed;
     an :class:`hstu.generate.sampler.Exclusions` is left as given)."""
     if final_excl is not None:
-        exclude[ri] = final_excl
+        exclude[ri] = final_excl.ne(0)  # the engine's additive mask: -inf where excluded
     elif isinstance(exclude, torch.Tensor):
         exclude[ri.view(-1, 1), items] = True
 

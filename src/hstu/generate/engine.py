@@ -119,7 +119,7 @@ from hstu.generate.hardening import harden
 from hstu.generate.pool import BucketPool, batch_sizes_for, kv_pool_for, log_setup
 from hstu.generate.prefix_cache import PrefixCache, PrefixEntry
 from hstu.generate.requests import EngineResult, EngineCall, check_engine_sizes, prepare_request, row_groups, smallest_edge
-from hstu.generate.sampler import pick
+from hstu.generate.sampler import MASK_DTYPE, pick
 from hstu.model import item_index
 from hstu.model.hstu import HSTUModel
 from hstu.model.kernels import KernelSet, get_kernels
@@ -212,7 +212,7 @@ class Engine:
         log_setup(self)
 
     def _decode_buffers(self) -> None:
-        """The decode loop's buffers, shared by the buckets: (R, I+1) exclusion, scores (none when
+        """The decode loop's buffers, shared by the buckets: (R, I+1) additive exclusion mask (MASK_DTYPE), scores (none when
         ``streamed``: item_index.streams for R rows, decode_loop.py); (R, k_max) picks; allocated once."""
         R, K, I1, dev = self.max_batch, self.k_max, self.model.cfg.num_items + 1, self.device
         self._arange = torch.arange(max(self.model.cfg.width + K + 2, R + 1), device=dev)  # positions and batch rows
@@ -220,10 +220,10 @@ class Engine:
         self.streamed = self.ann is not None or item_index.streams(self._index, R)
         if self.streamed:
             self._excl = self._excl_scratch = self._scores = None
-            saved = R * I1 * (2 + torch.finfo(self.score_dtype).bits // 8) / 2**20
+            saved = R * I1 * (2 * MASK_DTYPE.itemsize + self.score_dtype.itemsize) / 2**20
             log.info("engine: streamed scoring of %d rows x %d items: no (R, I+1) score / exclusion buffers (%.1f MiB saved)", R, I1, saved)
         else:
-            self._excl = torch.zeros(R, I1, dtype=torch.bool, device=dev)
+            self._excl = torch.zeros(R, I1, dtype=MASK_DTYPE, device=dev)  # additive: 0, -inf where excluded
             self._excl_scratch = torch.zeros_like(self._excl)
             self._scores = torch.zeros(R, I1, dtype=self.score_dtype, device=dev)
         self._out_items = torch.zeros(R, K, dtype=torch.int64, device=dev)

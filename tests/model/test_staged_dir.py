@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from hstu.model.checkpoint import dir_target, staged_dir
+from hstu.model.checkpoint import dir_target, staged_dir, write_text
 
 
 def _write(out, last="done.json", fail=False):
@@ -107,3 +107,15 @@ def test_a_killed_writers_temp_directories_go_with_the_next_write(tmp_path):
         (tmp / "a").write_text("1")
     assert not any(d.exists() for d in orphans)
     assert live.is_dir() and all(d.is_dir() for d in foreign) and (out / "a").read_text() == "1"
+
+
+def test_a_failed_text_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    """write_text: a rename that fails (the target a directory) raises, leaves the target as it was
+    and removes its ``.tmp``; a good write replaces the file whole."""
+    (tmp_path / "a.json").mkdir()
+    with pytest.raises(OSError):
+        write_text(tmp_path / "a.json", "{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"] and (tmp_path / "a.json").is_dir()
+    write_text(tmp_path / "b.json", "[1]")
+    write_text(tmp_path / "b.json", "[2]")
+    assert (tmp_path / "b.json").read_text() == "[2]" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]

@@ -49,11 +49,15 @@ def crash_point(tmp: Path) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write UTF-8 text atomically (``path.tmp``, :func:`crash_point`, rename)."""
+    """Write UTF-8 text atomically (``path.tmp``, :func:`crash_point`, rename); after an error
+    (a full disk, ``path`` a directory) ``path`` is as it was and no ``path.tmp`` is left."""
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    crash_point(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        crash_point(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: Path, obj: Any) -> None:

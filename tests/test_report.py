@@ -169,3 +169,66 @@ def test_report_slices_agree_with_the_runs_own_evaluation(run_dir, tmp_path):
     v, (lo, hi) = rep["next_item"]["HR@10"]["value"], rep["next_item"]["HR@10"]["ci"]
     assert rows["HR@10, all users"] == f"{v:.4f} [{lo:.4f}, {hi:.4f}]"
     assert (out / "slices.png").read_bytes().startswith(PNG)
+
+
+def test_report_out_must_be_new_empty_or_an_earlier_report(tmp_path, run_dir, capsys):
+    """A trial: a second report into an --out holding another run's slices.json / slices.png left them beside the new
+    report.md, exit 0. --out follows hstu bench's rule: new or empty, or an earlier report's files only with
+    --overwrite (replaced whole); anything else is refused, checked before any run is read."""
+    out, other = tmp_path / "rep", tmp_path / "other"
+    assert main(["report", "--run", str(run_dir), "--out", str(out)]) == 0
+    (out / "slices.json").write_text("{}")  # an earlier --slices report's file
+    capsys.readouterr()
+    assert main(["report", "--run", str(run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"hstu report: error: --out {out}: holds an earlier report (report.md); pass --overwrite to replace it, or choose another directory"
+    ]
+    assert (out / "slices.json").read_text() == "{}"
+    assert main(["report", "--run", str(run_dir), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([*PLOTS, "report.md"])  # replaced whole: no stale slices.json
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (other / "report.md").write_text("mine")
+    capsys.readouterr()
+    assert main(["report", "--run", str(run_dir), "--out", str(other), "--overwrite"]) == 2
+    assert "holds files that are not an earlier hstu report's output (notes.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt", "report.md"] and (other / "report.md").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "rep"]  # no staging directory left
+
+
+def test_report_out_that_is_a_run_directory_is_refused(tmp_path, run_dir, capsys):
+    """A trial: `hstu report --run r2 --out runs/r1` wrote r2's report over r1's own report.md and plots, exit 0."""
+    import shutil
+
+    victim = tmp_path / "r1"
+    shutil.copytree(run_dir, victim)
+    before = {p.name: p.read_bytes() for p in victim.iterdir() if p.is_file()}
+    for flags in ([], ["--overwrite"]):
+        assert main(["report", "--run", str(run_dir), "--out", str(victim), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--out {victim}: is a run directory" in err[0], err
+    assert {p.name: p.read_bytes() for p in victim.iterdir() if p.is_file()} == before
+
+
+def test_report_resamples_without_slices_is_refused(tmp_path, run_dir, capsys):
+    """A trial: --resamples without --slices was silently ignored."""
+    out = tmp_path / "rep"
+    assert main(["report", "--run", str(run_dir), "--out", str(out), "--resamples", "50"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resamples 50: needs --slices" in err[0], err
+    assert not out.exists()
+
+
+def test_report_of_a_quantized_run_names_its_float_run(tmp_path, run_dir, capsys):
+    """A trial: `hstu report` on an `hstu quantize` output failed with "history.json not found"."""
+    q = tmp_path / "q8"
+    assert main(["quantize", "--run", str(run_dir), "--scheme", "int8", "--no-calibrate", "--out", str(q)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "rep"
+    for argv in (["--run", str(q)], ["--run", str(run_dir), "--vs", str(q)]):
+        assert main(["report", *argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{q}: a quantized copy (quant.json, scheme 'int8') has no training history" in err[0], err
+        assert f"report the float run it was made from: {run_dir.resolve()}" in err[0]
+    assert not out.exists()

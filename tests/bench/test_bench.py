@@ -153,11 +153,35 @@ def test_same_device_name_columns_are_distinct(quick, tmp_path, capsys):
     for f in paths:
         f.parent.mkdir(exist_ok=True)
         f.write_text((out / "bench.json").read_text())
-    files = [out / "bench.json", *paths, paths[2]]
+    files = [out / "bench.json", *paths]
     assert main(["bench", *[x for f in files for x in ("--compare", str(f))]]) == 0
     head = table(capsys.readouterr().out)[0]
-    tags = ["", *(f" ({f})" for f in paths), " (result 5)"]  # c.json twice: a repeated name, so its path
-    assert head[:10] == [h + t for t in tags for h in first] and len(set(head)) == len(head)
+    tags = ["", f" ({paths[0]})", f" ({paths[1]})", " (c.json)"]  # a/bench.json, b/bench.json: a repeated name, so the path
+    assert head[:8] == [h + t for t in tags for h in first] and len(set(head)) == len(head)
+
+
+def test_a_compare_file_given_twice_is_refused(quick, tmp_path, capsys):
+    """A trial: `--compare X --compare X` printed X's columns twice (told apart by "(result 2)"), exit 0."""
+    src = quick[2] / "bench.json"
+    for again in (str(src), str(quick[2] / ".." / quick[2].name / "bench.json")):  # the same file, spelled twice or otherwise
+        assert main(["bench", "--compare", str(src), "--compare", again, "--out", str(tmp_path / "m")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--compare {again}: given twice" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_table_says_how_each_qps_row_is_defined(quick):
+    """The reference port's 910B INT8 QPS (498) is not its batch / P50 (16 / 39.1 ms = 409), unlike the measured
+    columns' QPS (batch / mean call time): bench.md and docs/benchmarks.md say which is which."""
+    from pathlib import Path
+
+    res, md, _ = quick
+    note = "a measured column's is batch ÷ mean call time"
+    assert note in md and "not derivable from its P50" in md
+    cell = res["cells"][0]
+    assert cell["qps"] == pytest.approx(cell["batch"] / (cell["mean_ms"] / 1e3), rel=1e-3)  # what the note says it is
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    assert note in " ".join(docs.split()) and "not derivable from its P50" in " ".join(docs.split())
 
 
 @pytest.mark.parametrize(
@@ -322,6 +346,42 @@ def test_a_broken_quant_json_is_the_runs_error(run_dir, tmp_path, capsys):
     (run / "quant.json").write_text('{"format": 1, "scheme"')
     assert main(["bench", "--run", str(run), "--precisions", "int8", "--quick", "--no-quality"]) == 2
     assert f"{run / 'quant.json'}: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_run_whose_weights_do_not_open_is_one_line_and_writes_nothing(run_dir, tmp_path, capsys):
+    """A trial: a truncated model.safetensors gave exit 0 and bench.json, bench.md and plots with every cell
+    "n/a [1]"; the run is now refused before anything is measured (export, quantize, doctor exit 2 on it too)."""
+    import shutil
+
+    run = tmp_path / "bad"
+    shutil.copytree(run_dir, run)
+    weights = run / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    out = tmp_path / "b"
+    assert main(["bench", "--run", str(run), "--quick", "--precisions", "fp32,int8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{weights}: not a readable safetensors file" in err[0], err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+    weights.unlink()
+    assert main(["bench", "--run", str(run), "--quick", "--out", str(out)]) == 2
+    assert f"{weights}: weights not found" in capsys.readouterr().err and not out.exists()
+
+
+def test_every_other_precision_of_a_quantized_run_has_the_same_footnote(run_dir, tmp_path, monkeypatch, capsys):
+    """A trial: on an INT8 run, BF16 said "checkpoint is quantized with scheme 'int8'" but FP16 blamed the CPU
+    ("no oneDNN fp16 matmul kernel"), which was asked first; both fail because the run is quantized."""
+    import hstu.bench.cells as cells
+
+    q = tmp_path / "q8"
+    assert main(["quantize", "--run", str(run_dir), "--scheme", "int8", "--no-calibrate", "--out", str(q)]) == 0
+    monkeypatch.setattr(cells, "precision_unavailable", lambda be, p: f"no {p} kernel here")  # a CPU with neither kernel
+    assert main(["bench", "--run", str(q), "--precisions", "fp32,fp16,bf16", "--quick", "--no-quality"]) == 0
+    md = capsys.readouterr().out
+    notes = re.findall(r"^\[\d\] .* (FP32|FP16|BF16): (.*)$", md, re.M)
+    assert [n[0] for n in notes] == ["FP32", "FP16", "BF16"], md
+    for prec, why in notes:
+        assert why.startswith("checkpoint is quantized with scheme 'int8'") and str(run_dir.resolve()) in why, why
+        assert why.replace(prec.lower(), "P") == notes[1][1].replace("fp16", "P")
 
 
 def test_no_source_is_one_line(capsys):

@@ -9,6 +9,7 @@ import hashlib
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -19,6 +20,7 @@ from hstu.cli import main
 from hstu.generate.recommend import History
 
 BUCKETS = (20, 50)
+REPO = Path(__file__).resolve().parents[2]
 FORMATS = ("onnx", "pt2")
 
 
@@ -349,3 +351,17 @@ def test_export_needs_no_serve_extra_and_a_missing_package_is_one_line(run_dir, 
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         "hstu export: error: needs the optional package 'fastapi': pip install 'hstu[serve]'"
     ), p.stderr
+
+
+def test_pt2_load_returns_detached_outputs(exported, histories, rec):
+    """A trial: the loaded .pt2 program's outputs required grad, so `.numpy()` failed without `.detach()`. The loader
+    the docs name (hstu.export.pt2_export.load) runs it under inference mode with its weights frozen."""
+    from hstu.export.pt2_export import load
+
+    path = exported["pt2"] / "encoder_E20.pt2"
+    inputs = _feed(rec, histories[20], 20)
+    raw = torch.export.load(str(path)).module()(*inputs)
+    assert raw.requires_grad  # what torch.export.load alone gives
+    got = load(path)(*inputs)
+    assert not got.requires_grad and np.array_equal(got.numpy(), raw.detach().numpy())
+    assert "hstu.export.pt2_export.load(path)" in " ".join((REPO / "docs" / "cli.md").read_text().split())

@@ -86,10 +86,27 @@ def open_run(run: Path, data_dir: str | None = None) -> Source:
     from hstu.quant.checkpoint import read_quant_meta
 
     read_quant_meta(run)  # a quantized run's quant.json: a broken one is the run's error (exit 2), not an n/a column
+    check_weights(run)  # so is a truncated weights file (it was an n/a in every column, exit 0)
     if "data" not in cfg:
         return Source(run, f"run {run}", None, ["the run records no data set: random histories, no quality"])
     log_, split, _ = _run_data(cfg, data_dir)
     return Source(run, f"run {run}", (log_, split))
+
+
+def check_weights(run: Path) -> None:
+    """The run's weights file (model.quant.safetensors for a quantized run, else model.safetensors) opens as
+    safetensors: its header is read, which checks that it covers the whole file, the tensors are not. Raises
+    FileNotFoundError (absent) or ValueError naming the file (truncated, corrupt): the run's error, one line
+    before anything is measured, not an n/a footnote in every column."""
+    from hstu.model.checkpoint import read_safetensors_metadata
+    from hstu.model.run_files import WEIGHTS
+    from hstu.quant.checkpoint import WEIGHTS as QUANT_WEIGHTS
+    from hstu.runs import is_quantized
+
+    path = Path(run) / (QUANT_WEIGHTS if is_quantized(run) else WEIGHTS)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: weights not found; the run is incomplete")
+    read_safetensors_metadata(path)
 
 
 def histories(src: Source, rec, length: int, batch: int, seed: int) -> tuple[list, str]:
@@ -135,10 +152,20 @@ def precision_unavailable(be, precision: str) -> str | None:
 
 
 def model_unavailable(run: Path, precision: str) -> str | None:
-    """Why the run's model cannot run at ``precision`` (the cell is then not run), or None: low-precision
-    inference (:func:`hstu.quant.apply_precision`) converts HSTU models only, so a SASRec run is fp32 only."""
+    """Why the run's model cannot run at ``precision`` (the cell is then not run), or None: a quantized run
+    runs at its own scheme only (every other precision gets the same reason, before the device's kernels are
+    asked: FP16 said "no fp16 kernel" where BF16 said "quantized"); low-precision inference
+    (:func:`hstu.quant.apply_precision`) converts HSTU models only, so a SASRec run is fp32 only."""
     from hstu.model.checkpoint import read_json
+    from hstu.quant.checkpoint import read_quant_meta
 
+    meta = read_quant_meta(run)
+    if meta is not None and precision != meta.get("scheme"):
+        source = f" ({meta['source_run']})" if meta.get("source_run") else ""
+        return (
+            f"checkpoint is quantized with scheme {meta.get('scheme')!r}: it runs at {meta.get('scheme')} only; "
+            f"bench the float run it was made from{source} for {precision}"
+        )
     arch = read_json(Path(run) / "config.json")["model"].get("architecture", "hstu")
     if precision == "fp32" or arch == "hstu":
         return None

@@ -17,6 +17,9 @@ times, the environment), bench.md and PNG plots: built in a hidden directory bes
 there when complete (an error or Ctrl-C leaves --out as it was). --out must be new or empty, or hold
 an earlier bench's output with --overwrite (replaced whole); it is checked before anything is measured.
 
+A run whose weights do not open (missing, truncated) is refused before anything is measured or written; so is a
+--compare file named twice.
+
 Exit codes: 0 done; 2 bad flag, run, result file or --out (one line naming it).
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 
 from hstu.bench.cells import PRECISIONS, Settings
 
-OUT_FILES = ("bench.json", "bench.md", "latency_per_length.png", "latency_cdf.png")  # what --out holds; bench.json last
+OUT_FILES = ("bench.json", "bench.md", "latency_per_length.png", "latency_cdf.png")  # what --out holds; bench.json (its marker) last
 
 QUICK = {"repeats": 5, "warmup": 1, "steps": [5.0, 10.0, 20.0, 40.0], "step_s": 2.0, "serve_budget_s": 30.0}
 FULL = {
@@ -98,7 +101,11 @@ def add_subcommands(subparsers) -> None:
         help="replace an earlier bench in --out (it holds bench.json) once the new one is complete; never other files",
     )
     p.add_argument(
-        "--compare", action="append", default=[], metavar="FILE.json", help="another bench.json to put beside these (repeatable)"
+        "--compare",
+        action="append",
+        default=[],
+        metavar="FILE.json",
+        help="another bench.json to put beside these (repeatable, each file once)",
     )
     p.add_argument("--quick", action="store_true", help="few calls per figure and short HTTP steps (CI, smoke tests)")
     p.set_defaults(func=cmd_bench)
@@ -108,6 +115,7 @@ def cmd_bench(args) -> int:
     """Run ``hstu bench``; ValueError / FileNotFoundError / BackendUnavailableError are one line, exit 2 (hstu.cli.main)."""
     from hstu.bench.table import load_result, markdown
 
+    _check_compare(args.compare)
     others = [load_result(f) for f in args.compare]  # before any measuring: a bad file fails fast
     if args.run is None and args.preset is None and not others:
         raise ValueError("give --run RUN_DIR or --preset NAME (or --compare FILE.json to print saved results)")
@@ -117,27 +125,46 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _check_compare(files: list[str]) -> None:
+    """ValueError (exit 2) naming a --compare file given twice (the same file by another path too): its columns came
+    out twice, told apart only by "(result N)"."""
+    seen: dict[Path, str] = {}
+    for f in files:
+        key = Path(f).resolve()
+        if key in seen:
+            same = "" if f == seen[key] else f" (the same file as {seen[key]})"
+            raise ValueError(f"--compare {f}: given twice{same}; name each result file once")
+        seen[key] = f
+
+
 def _check_out(out: str | None, overwrite: bool) -> None:
+    """:func:`check_out` for ``hstu bench`` (:data:`OUT_FILES`, marked by bench.json)."""
+    check_out(out, overwrite, OUT_FILES, "bench")
+
+
+def check_out(out: str | None, overwrite: bool, files: tuple[str, ...], noun: str) -> None:
     """Refuse an --out that would lose something, before anything is measured: FileExistsError (exit 2, one line
-    naming it) for a file, a directory holding an earlier bench (bench.json and only :data:`OUT_FILES`) without
-    ``overwrite``, or one holding anything else (never replaced); ValueError for ``overwrite`` without ``out``."""
+    naming it) for a file, a directory holding an earlier ``hstu {noun}`` (``files[0]``, its marker, and only
+    ``files``) without ``overwrite``, or one holding anything else (never replaced); ValueError for ``overwrite``
+    without ``out``. The new-or-empty / ``--overwrite`` rule of ``hstu bench`` and ``hstu report``."""
     from hstu.model.checkpoint import dir_target
 
+    marker = files[0]
     if out is None:
         if overwrite:
-            raise ValueError("--overwrite: needs --out (the directory whose earlier bench it replaces)")
+            raise ValueError(f"--overwrite: needs --out (the directory whose earlier {noun} it replaces)")
         return
     d = dir_target(out)  # FileExistsError: a link to nothing
     if d.exists() and not d.is_dir():
         raise FileExistsError(f"--out {out}: exists and is not a directory")
     names = sorted(q.name for q in d.iterdir()) if d.is_dir() else []
-    other = [n for n in names if n not in OUT_FILES]
-    if names and (other or "bench.json" not in names):
-        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "") if other else "no bench.json"
-        raise FileExistsError(f"--out {out}: holds files that are not an earlier hstu bench's output ({shown}); choose another directory")
+    other = [n for n in names if n not in files]
+    if names and (other or marker not in names):
+        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "") if other else f"no {marker}"
+        raise FileExistsError(f"--out {out}: holds files that are not an earlier hstu {noun}'s output ({shown}); choose another directory")
     if names and not overwrite:
         raise FileExistsError(
-            f"--out {out}: holds an earlier bench (bench.json); pass --overwrite to replace it, or choose another directory"
+            f"--out {out}: holds an earlier {noun} ({marker}); pass --overwrite to replace it, or choose another directory"
         )
 
 

@@ -3,7 +3,8 @@ memory, model bytes, HR@10; one column per device x precision), the result JSON,
 
 The reference port's published figures (single device, next-5 at batch 16; its latency growth at
 batch 32 from 50 to 200 events) are printed as separate columns labelled "reference port"; they
-are quoted, not measured here.
+are quoted, not measured here. Their QPS is the port's served throughput, not batch ÷ mean call time as
+the measured columns' (:data:`QPS_NOTE`, printed under the table).
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ REFERENCE = {  # column -> row -> figure, as published by the reference port
     "910B INT8 (reference port)": {"p50": 39.1, "p99": 86.3, "qps": 498, "memory_gb": 12.3},
 }
 DASH = "—"
+QPS_NOTE = (  # the reference port's QPS is its served throughput; 16 / 39.1 ms = 409, not its 498
+    "QPS (users/s): a measured column's is batch ÷ mean call time (users per second of back-to-back calls, one batch "
+    "in flight); a reference column's is the port's published throughput (served, several batches in flight), "
+    "not derivable from its P50 (910B INT8: 16 / 39.1 ms = 409, published 498)."
+)
 HTTP_QPS_ROW = "HTTP QPS offered at P99 ≤ 100 ms"  # the highest offered rate (requests/s) that kept P99 <= 100 ms, only 200s
 
 
@@ -198,7 +204,8 @@ def _ref(column: str, key: str | None) -> str:
 
 def markdown(results: list[dict]) -> str:
     """The table for ``results`` (this run first, then ``--compare`` files), the reference port's
-    columns, a line per result naming its machine and settings, and a note per unavailable cell."""
+    columns, a line per result naming its machine and settings, :data:`QPS_NOTE` (how each column's QPS is
+    defined) and a note per unavailable cell."""
     cols = columns(results)
     missing = [(label, c) for label, c in cols if "unavailable" in c]
     notes = [f"[{n + 1}] {label}: {c['unavailable']}" for n, (label, c) in enumerate(missing)]
@@ -212,7 +219,7 @@ def markdown(results: list[dict]) -> str:
         vals = [marks.get(label, v) if v == DASH else v for (label, _), v in zip(cols, vals)]
         texts.append(f"| {name} | " + " | ".join(vals + [_ref(r, ref_key) for r in REFERENCE]) + " |")
     lines = [_caption(res) for res in results]
-    return "\n".join(lines + [""] + texts + ([""] + notes if notes else [])) + "\n"
+    return "\n".join(lines + [""] + texts + ["", QPS_NOTE] + ([""] + notes if notes else [])) + "\n"
 
 
 def _caption(res: dict) -> str:

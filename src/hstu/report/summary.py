@@ -40,13 +40,29 @@ class RunFacts:
 
 def read_run_facts(run: str | Path, label: str | None = None) -> RunFacts:
     """A run's files, each checked as :mod:`hstu.runs` reads it. Raises FileNotFoundError naming the
-    missing file (a directory without history.json has trained no epoch), ValueError naming file and field."""
+    missing file (a directory without history.json has trained no epoch), ValueError naming file and field
+    or a quantized run (:func:`check_not_quantized`)."""
     path = Path(run)
     require_run_dir(path)
+    check_not_quantized(path)
     metrics = read_json(path / METRICS) if (path / METRICS).exists() else None
     if metrics is not None and not isinstance(metrics, dict):
         raise ValueError(f"{path / METRICS}: expected a JSON object")
     return RunFacts(label or path.name, path, read_config(path), read_idmap(path), read_history(path), metrics)
+
+
+def check_not_quantized(run: Path) -> None:
+    """ValueError (one line) for a quantized run (quant.json): a copy written by ``hstu quantize`` has no training
+    history or metrics (it said "history.json not found"); names the float run it was made from when quant.json
+    records it. A broken quant.json is named as :func:`hstu.quant.checkpoint.read_quant_meta` names it."""
+    from hstu.quant.checkpoint import read_quant_meta
+
+    meta = read_quant_meta(run)
+    if meta is None:
+        return
+    source = meta.get("source_run")
+    where = f"report the float run it was made from: {source}" if source else "report the float run it was made from"
+    raise ValueError(f"{run}: a quantized copy (quant.json, scheme {meta.get('scheme')!r}) has no training history; {where}")
 
 
 def _num(v, digits: int = 4) -> str:

@@ -74,6 +74,11 @@ def test_knowledge_base_schema():
         (lambda d: d["entries"][0].update(colour="red"), r"unknown key\(s\) \['colour'\]"),
         (lambda d: d["entries"][0]["causes"][0].update(cann="~8.0"), "bad CANN spec"),
         (lambda d: d["entries"][0].update(causes=[]), "needs at least one cause"),
+        (
+            lambda d: d["entries"][0]["causes"][1].update(code="EZ[9"),
+            r"entries\[0\] \(acl-model-load-failed\)\.causes\[1\]\.code: invalid regex",
+        ),
+        (lambda d: d.update(reset_codes=["507010"]), "reset_codes must be a list of integers"),
     ],
 )
 def test_knowledge_base_validation_names_entry_and_field(tmp_path, mutate, match):
@@ -262,3 +267,97 @@ def test_a_bad_cann_version_is_refused_before_any_log_is_read(capsys):
     assert "--cann-version: not an Ascend version (expected like 8.0.RC3 or 24.1.0): 'banana'" in err
     with pytest.raises(ValueError, match="--cann-version"):
         dg.diagnose_lines(iter(()), KB, cann_version="8")
+
+
+def test_counts_and_numbers_are_not_return_codes(tmp_path, capsys):
+    """A trial: `result: 507046 users evaluated` read as a stream timeout and `error_count=507015` as an AI Core
+    exception (exit 1): a bare number after any of "result", "error"... was a return code."""
+    log = tmp_path / "codes.log"
+    log.write_text("result: 507046 users evaluated\nerror_count=507015\n")
+    assert main(["diagnose", str(log), "--cann-version", "8.0.RC3"]) == 0
+    assert "no known errors and nothing that looks like an error" in capsys.readouterr().out
+    normal = [
+        "INFO batch job: processed 507010 rows in 3.2s",
+        "ret=507015",  # a plain "ret" names a return code only on a line about the runtime, driver or HCCL
+        "status: 207001",
+        "error code: 507015 users",
+        "query result = 545001 (cached)",
+    ]
+    r = dg.diagnose_lines([("x", i, t) for i, t in enumerate(normal, 1)], KB)
+    assert r.findings == [] and r.unknown == []
+
+
+@pytest.mark.parametrize(
+    "line,entry",
+    [
+        ("error code 507015", "npu-aicore-exception"),
+        ("aclrtSynchronizeStream: ret=507015", "npu-aicore-exception"),
+        ("halMemAlloc failed: drvRetCode=207001", "npu-out-of-memory"),
+        ("LoadModelFromFile: ErrorNo: 545001(Load model error.)", "acl-model-load-failed"),
+        ("rtStreamSynchronize status=507046 in stream 3", "npu-task-timeout"),
+        ("[ERROR] RUNTIME(1,x):2024 [s.cc:1] sync failed, result is 507046", "npu-task-timeout"),
+        ("EE9999: Inner Error!", "cann-ee-family"),
+    ],
+)
+def test_return_codes_in_their_real_forms_still_match(line, entry):
+    assert ids(dg.diagnose_lines([("x", 1, line)], KB)) == [entry]
+
+
+@pytest.mark.parametrize(
+    "code,first",
+    [("EZ9999", "EZ9xxx is an internal operator error"), ("EZ1001", "an operator (aclnn API) rejected its inputs")],
+)
+def test_family_causes_fit_the_code(code, first, capsys):
+    """A trial: for EZ9999 the first cause listed said it applies to codes below EZ9000."""
+    r = dg.diagnose_lines([("x", 1, f"[ERROR] OP(1,x):2024 [op.cc:1] {code}: op failed")], KB)
+    (f,) = r.findings
+    assert f.entry.id == "cann-ez-family" and [c.why[: len(first)] for c in f.causes] == [first]
+    both = dg.diagnose_lines([("x", 1, "EE1001: bad arg"), ("x", 2, "EE9999: inner")], KB).findings[0]
+    assert len(both.causes) == 2  # both codes seen: both causes fit
+
+
+def _brute_force(text):
+    """What diagnose matched before the prefilter: every pattern of every entry, then the unknown markers."""
+    for fallback in (False, True):
+        hits = [(e.id, e.search(text).group(0)) for e in KB.entries if e.fallback == fallback and e.search(text)]
+        if hits:
+            return hits, False
+    return [], any(p.search(text) for p in KB.unknown_markers)
+
+
+def test_prefilter_matches_what_every_pattern_would():
+    lines = [t for f in sorted(LOGS.rglob("*")) if f.is_file() for t in f.read_text(errors="replace").splitlines()]
+    lines += ["EZ9999 x", "ez9999", "Ünïcode FATAL error", "ERR00100 PTA call", "KeyError: 'x'", "x" * 300]
+    matcher = dg._Matcher(KB)
+    assert len(matcher.always) <= 2  # nearly every pattern has strings to look for first
+    for text in lines:
+        hits, marked = matcher.match(text)
+        assert ([(e.id, m.group(0)) for e, m in hits], marked) == _brute_force(text), text
+
+
+@pytest.mark.parametrize(
+    "pattern,needs",
+    [
+        (r"(?i)\bload model\b.*\bfail", {"load model"}),
+        (r"NCCL error|ncclSystemError", {"nccl error", "ncclsystemerror"}),
+        (r"a(?:bc)?d", None),  # only short or optional text
+        (r"(?:foo)+bar", {"foo"}),  # at least one foo; "bar" is no longer
+        (r"x(?=yz)y", {"xy"}),  # zero-width parts keep the text either side adjacent
+    ],
+)
+def test_needs_of_a_pattern(pattern, needs):
+    import re as _re
+
+    got = dg._needs(dg._sre_parse.parse(pattern, _re.compile(pattern).flags))
+    assert (set(got) if got is not None else None) == needs
+
+
+def test_most_patterns_are_skipped_on_ordinary_lines():
+    """A trial: 22.7 s for a 300k-line log, every pattern of every entry searched on every line."""
+    matcher = dg._Matcher(KB)
+    n = len(matcher.pats)
+    assert n > 80
+    for text in ["2024-05-10 INFO hstu.train step 12 loss 0.4 throughput 5121 samples/s", "DEBUG GET /recommend 200 12ms"]:
+        assert list(matcher._candidates(text)) == matcher.always  # searched with at most 2 of them
+    assert len(list(matcher._candidates("Traceback: NPU out of memory"))) < 5
+    assert ids(dg.diagnose_lines([("x", 1, "DEBUG ok")] * 1000 + [("x", 2, "error code 507015")], KB)) == ["npu-aicore-exception"]

@@ -225,7 +225,7 @@ def test_rules_that_could_never_fire_are_refused(tmp_path, capsys, caplog):
     typo = tmp_path / "typo.yaml"
     typo.write_text("rules:\n  - {name: Typo, when: 'hstu_host_memry_utilization_ratio > 90%'}\n")
     assert main(["monitor", "--rules", str(typo), "--once"]) == 2
-    assert "rule Typo: unknown metric hstu_host_memry_utilization_ratio (hstu monitor exports: " in capsys.readouterr().err
+    assert f"{typo}:2 (Typo): when: unknown metric hstu_host_memry_utilization_ratio (hstu monitor exports: " in capsys.readouterr().err
     slip = tmp_path / "slip.yaml"
     slip.write_text("rules:\n  - {name: Slip, when: 'hstu_host_memory_utilization_ratio > 90'}\n")
     assert main(["monitor", "--rules", str(slip), "--once"]) == 2
@@ -235,3 +235,27 @@ def test_rules_that_could_never_fire_are_refused(tmp_path, capsys, caplog):
     with caplog.at_level("WARNING"):
         assert main(["monitor", "--rules", str(serve), "--once"]) == 0
     assert "rule Queue reads hstu_serve_queue_depth, which hstu serve exports, not hstu monitor" in caplog.text
+
+
+def test_export_rules_refuses_what_the_monitor_refuses(tmp_path, capsys, caplog):
+    """A trial: `--rules typo.yaml --export-rules out.yml` exited 0 and wrote a rule on an unknown metric that
+    `--once` refused (exit 2); and that refusal said `rule R:` where the loader's errors say `typo.yaml:2 (R):`."""
+    typo = tmp_path / "typo.yaml"
+    ok, bad = "hstu_host_memory_utilization_ratio > 0.9", "hstu_host_memory_utilisation_ratio > 0.9"
+    typo.write_text(f"rules:\n  - name: Ok\n    when: {ok}\n  - name: R\n    when: {bad}\n")
+    out = tmp_path / "out.yml"
+    for mode in (["--export-rules", str(out)], ["--export-rules", "-"], ["--once"]):
+        assert main(["monitor", "--rules", str(typo), *mode]) == 2
+        got = capsys.readouterr()
+        assert got.err.startswith(f"hstu monitor: {typo}:4 (R): when: unknown metric hstu_host_memory_utilisation_ratio (")
+        assert got.out == ""
+    assert not out.exists()  # nothing written
+    toml = tmp_path / "typo.toml"
+    toml.write_text('[[rules]]\nname = "R"\nwhen = "hstu_nope > 1"\n')
+    assert main(["monitor", "--rules", str(toml), "--export-rules", str(out)]) == 2
+    assert f"{toml}: rules[0] (R): when: unknown metric hstu_nope" in capsys.readouterr().err and not out.exists()
+    serve = tmp_path / "serve.yaml"  # a server metric fires in Prometheus: exported, without the monitor's warning
+    serve.write_text("rules:\n  - {name: Queue, when: 'hstu_serve_queue_depth > 200'}\n")
+    with caplog.at_level("WARNING"):
+        assert main(["monitor", "--rules", str(serve), "--export-rules", str(out)]) == 0
+    assert "alert: Queue" in out.read_text() and "never here" not in caplog.text

@@ -284,6 +284,9 @@ def test_plan_validation():
         RecoveryPlan(reset_cmd="x", max_attempts=-2)
     with pytest.raises(ValueError, match="^--wait must be >= 0 seconds, got -1$"):
         RecoveryPlan(reset_cmd="x", wait_s=-1)
+    with pytest.raises(ValueError, match="^--health-interval must be > 0 seconds, got 0$"):
+        RecoveryPlan(reset_cmd="x", health_interval_s=0)
+    assert RecoveryPlan(reset_cmd="x", wait_s=0).wait_s == 0  # no wait after the reset is allowed
 
 
 @pytest.mark.parametrize(
@@ -293,6 +296,8 @@ def test_plan_validation():
         ("--step-timeout", "0s", "--step-timeout must be > 0 seconds, got 0"),
         ("--cooldown", "0", "--cooldown must be > 0 seconds, got 0"),
         ("--poll", "0ms", "--poll must be > 0 seconds, got 0"),
+        ("--health-interval", "0", "--health-interval must be > 0 seconds, got 0"),  # a trial: was accepted
+        ("--health-interval", "0s", "--health-interval must be > 0 seconds, got 0"),
         ("--health-retries", "0", "--health-retries must be >= 1, got 0"),
         ("--max-attempts", "0", "--max-attempts must be >= 1, got 0"),
     ],
@@ -358,7 +363,7 @@ def test_cli_exits_1_at_once_after_giving_up_and_0_on_interrupt(tmp_path, capsys
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "a.log").write_text(RESET_LINE)
-    args = ["watchdog", "--log-dir", str(logs), "--health-cmd", "false", "--wait", "0s", "--health-interval", "0s"]
+    args = ["watchdog", "--log-dir", str(logs), "--health-cmd", "false", "--wait", "0s", "--health-interval", "10ms"]
     args += ["--from-start", "--poll", "10ms"]
     rc = []
     th = threading.Thread(target=lambda: rc.append(main(args + ["--on-reset", "true", "--max-attempts", "1"])), daemon=True)
@@ -384,6 +389,16 @@ def test_cli_exits_1_at_once_after_giving_up_and_0_on_interrupt(tmp_path, capsys
             True,
         ),
         ("aclrtSynchronizeStream failed, error code = 507010", True),
+        ("[ 9700.5] [ascend] [devdrv] [ERROR] <kworker/0:1:93> device 2 heartbeat lost, start hot reset", True),
+        ("[ERROR] DRV(1,null):2024-05-10-14:35:02.900.001 [hb.c:88] heartbeat lost, dev_id=3", True),
+        ("npu 3 heartbeat timeout", True),
+        ("rtStreamSynchronize failed, runtime result = 507010", True),
+        # ordinary application lines: a bare number, an application's own heartbeat (a trial: they reset the device)
+        ("INFO batch job: processed 507010 rows in 3.2s", False),
+        ("INFO kafka consumer heartbeat timeout, rejoining group", False),
+        ("result: 507010 users evaluated", False),
+        ("error_count=507010", False),
+        ("ret=507010", False),  # a plain "ret" only on a line about the runtime / driver
         ("[ 9600.0] NVRM: Xid (PCI:0000:86:00): 94, pid=912, name=python, Ch 00000008", False),  # ECC: app restart
         (
             "ERR00100 PTA call acl api failed: getRepoStopFlag in Run, throw FORCE STOP.",
@@ -394,3 +409,19 @@ def test_cli_exits_1_at_once_after_giving_up_and_0_on_interrupt(tmp_path, capsys
 )
 def test_default_reset_markers(line, is_reset):
     assert any(m.search(line) for m in MARKERS) == is_reset
+
+
+def test_cli_ordinary_app_lines_do_not_start_a_recovery(tmp_path, capsys):
+    """A trial: `processed 507010 rows` and a Kafka heartbeat timeout were reset markers: the watchdog stopped the
+    service and reset the device on ordinary application log lines."""
+    logs = tmp_path / "wd" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "app.log").write_text("INFO batch job: processed 507010 rows in 3.2s\nINFO kafka consumer heartbeat timeout, rejoining group\n")
+    r = tmp_path / "wd" / "r.txt"
+    args = ["watchdog", "--log-dir", str(logs), "--on-reset", f"echo RESET >> {r}", "--stop-cmd", f"echo STOP >> {r}"]
+    assert main(args + ["--wait", "100ms", "--from-start", "--once"]) == 0
+    assert capsys.readouterr().out == "no reset marker found\n"
+    assert not r.exists()  # neither the stop nor the reset command ran
+    append(logs / "app.log", RESET_LINE)  # a real device reset still starts the recovery
+    assert main(args + ["--wait", "0s", "--from-start", "--once"]) == 0
+    assert r.read_text().split() == ["STOP", "RESET"]

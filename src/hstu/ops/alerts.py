@@ -87,6 +87,11 @@ class AlertRule:
     summary: str = ""
     description: str = ""
     labels: tuple[tuple[str, str], ...] = ()
+    where: str = field(default="rule", compare=False)  # where it was read, e.g. "alerts.yaml:2", for errors
+
+    def ref(self) -> str:
+        """``alerts.yaml:2 (Name)``: how an error about this rule starts, as the loader's errors do."""
+        return f"{self.where} ({self.name})"
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], where: str = "rule") -> AlertRule:
@@ -122,6 +127,7 @@ class AlertRule:
             summary=str(d.get("summary") or name),
             description=str(d.get("description") or ""),
             labels=tuple(sorted((k, str(v)) for k, v in labels.items())),
+            where=where,
         )
 
 

@@ -46,6 +46,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from hstu.ops import doctor
 
     _ensure_logging(getattr(args, "verbose", False))
+    if wrong := _doctor_flag_error(args):
+        print(f"hstu doctor: {wrong}", file=sys.stderr)
+        return 2
     if args.conformance:
         return cmd_conformance(args)
     roots = tuple(Path(r) for r in args.ascend_root) if args.ascend_root else None
@@ -63,31 +66,64 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor.exit_code(checks)
 
 
-def cmd_conformance(args: argparse.Namespace) -> int:
-    """``hstu doctor --conformance``: exit 2 without the device (nothing written), 1 when a check fails."""
-    from hstu.backend import BackendUnavailableError, select
-    from hstu.ops.conformance import Conformance, render, write_report
+_CONFORMANCE_FLAGS = ("device", "run", "report", "reps")  # dests: None unless given
+_CHECK_FLAGS = ("compat", "ascend_root", "no_import_probes")  # the environment checks' inputs, unused by --conformance
 
+
+def _doctor_flag_error(args: argparse.Namespace) -> str | None:
+    """The line refusing a flag the chosen mode would ignore (a conformance flag without --conformance, an
+    environment-check flag with it), or None."""
+    if not args.conformance:
+        given = [d for d in _CONFORMANCE_FLAGS if getattr(args, d) is not None]
+        return f"--{given[0]} needs --conformance" if given else None
+    given = [d for d in _CHECK_FLAGS if getattr(args, d)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        return f"{flag} is for the environment checks, which --conformance does not run: run `hstu doctor {flag} ...` on its own"
+    return None
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    """``hstu doctor --conformance``: exit 2 without the device, for a bad --report or --run (nothing run, nothing
+    written), 1 when a check fails. ``--json`` prints the report itself (the file is written too)."""
+    import json
+
+    from hstu.backend import BackendUnavailableError, select
+    from hstu.ops.conformance import Conformance, check_report_path, render, write_report
+
+    device = args.device or "npu"
     try:
-        be = select(args.device)
+        be = select(device)
     except (BackendUnavailableError, ValueError) as exc:
-        print(f"hstu doctor --conformance: no {args.device} device here: {exc}", file=sys.stderr)
+        print(f"hstu doctor --conformance: no {device} device here: {exc}", file=sys.stderr)
         return 2
-    model = _conformance_model(args.run)
-    report = Conformance(model, be.device, reps=args.reps).run()
-    path = write_report(report, Path(args.report or f"hstu_conformance_{be.name}.json"))
-    print(render(report))
-    print(f"report: {path} (send this file back)")
+    try:
+        path = check_report_path(Path(args.report or f"hstu_conformance_{be.name}.json"))
+        model = _conformance_model(args.run)
+    except ValueError as exc:
+        print(f"hstu doctor --conformance: {exc}", file=sys.stderr)
+        return 2
+    report = Conformance(model, be.device, reps=args.reps or 20).run()
+    try:
+        write_report(report, path)
+    except OSError as exc:
+        print(f"hstu doctor --conformance: --report {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, default=str) if args.json else render(report))
+    print(f"report: {path} (send this file back)", file=sys.stderr if args.json else sys.stdout)
     return 0 if report["status"] == "pass" else 1
 
 
 def _conformance_model(run: str | None):
-    """The run's float model on the CPU, or the small preset with seeded random weights (ML-1M's 3706 items)."""
+    """The run's float model on the CPU, or the small preset with seeded random weights (ML-1M's 3706 items).
+    ValueError for a quantized run (:func:`hstu.ops.conformance.refuse_quantized`)."""
     import torch
 
     if run:
+        from hstu.ops.conformance import refuse_quantized
         from hstu.runs import load_float_run
 
+        refuse_quantized(run)
         return load_float_run(run, "cpu")[0]
     from hstu.config import PRESETS, ModelConfig
     from hstu.model import build_hstu
@@ -125,18 +161,18 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------- monitor
 
 
-def _rules_this_monitor_reads(rules, packaged: bool) -> None:
-    """ValueError naming the rule for a metric that neither `hstu monitor` (hstu.ops.metrics.METRICS) nor `hstu serve`
-    (``hstu_serve_*``) exports (a misspelling: the rule could never fire); a warning for one of the server's, which
-    such a rule reads where both are scraped (Prometheus: ``--export-rules``), never inside the monitor (info for the
-    ``packaged`` default rules)."""
+def _rules_this_monitor_reads(rules, packaged: bool, exporting: bool = False) -> None:
+    """ValueError naming the rule's file and line for a metric that neither `hstu monitor` (hstu.ops.metrics.METRICS)
+    nor `hstu serve` (``hstu_serve_*``) exports (a misspelling: the rule could never fire); unless ``exporting``, a
+    warning for one of the server's, which such a rule reads where both are scraped (Prometheus: ``--export-rules``),
+    never inside the monitor (info for the ``packaged`` default rules)."""
     from hstu.ops.metrics import METRICS
 
     for r in rules:
         names = sorted(r.expr.metrics() - METRICS.keys())
         if bad := [n for n in names if not n.startswith("hstu_serve_")]:
-            raise ValueError(f"rule {r.name}: unknown metric {bad[0]} (hstu monitor exports: {', '.join(sorted(METRICS))})")
-        if names:
+            raise ValueError(f"{r.ref()}: when: unknown metric {bad[0]} (hstu monitor exports: {', '.join(sorted(METRICS))})")
+        if names and not exporting:
             (log.info if packaged else log.warning)(
                 "rule %s reads %s, which hstu serve exports, not hstu monitor: it fires in Prometheus "
                 "(hstu monitor --export-rules), never here",
@@ -159,7 +195,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
         return 2
     try:
         rules = [] if args.no_rules else alerts.load_rules(args.rules)
-    except (OSError, ValueError) as exc:
+        _rules_this_monitor_reads(rules, packaged=not args.rules, exporting=bool(args.export_rules))
+    except (OSError, ValueError) as exc:  # refused before anything is exported, sampled or served
         print(f"hstu monitor: {exc}", file=sys.stderr)
         return 2
     if args.export_rules:
@@ -170,11 +207,6 @@ def cmd_monitor(args: argparse.Namespace) -> int:
             Path(args.export_rules).write_text(text, encoding="utf-8")
             print(f"wrote {len(rules)} alerting rule(s) to {args.export_rules}; check with: promtool check rules {args.export_rules}")
         return 0
-    try:
-        _rules_this_monitor_reads(rules, packaged=not args.rules)
-    except ValueError as exc:
-        print(f"hstu monitor: {exc}", file=sys.stderr)
-        return 2
     engine = alerts.AlertEngine(rules) if rules else None
     mon = monitor.Monitor(engine=engine, interval_s=args.interval)
     if args.once:
@@ -302,6 +334,8 @@ def _needs_extra(handler):
 
 
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
+    from hstu.cli import number_in  # the command line's ranged-number type (a lazy import: hstu.cli loads this module)
+
     p.add_argument("--json", action="store_true", help="machine-readable output (checks + raw environment)")
     p.add_argument(
         "--ascend-root",
@@ -320,10 +354,14 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
         help="replay every op the model runs on --device against the CPU reference (relative error per op), check each "
         "bucket's device graphs against eager, time next-5; writes one report file; exit 2 without the device",
     )
-    c.add_argument("--device", default="npu", help="device to check (default npu; cuda; cpu checks the tool itself)")
-    c.add_argument("--run", metavar="RUN", help="check this run's model (default: the small preset, seeded random weights)")
-    c.add_argument("--report", metavar="FILE", help="report path (default hstu_conformance_<device>.json)")
-    c.add_argument("--reps", type=int, default=20, help="timed next-5 rounds per side in the graphs section (default 20)")
+    c.add_argument("--device", help="device to check (default npu; cuda; cpu checks the tool itself)")
+    c.add_argument(
+        "--run", metavar="RUN", help="check this float run's model (default: the small preset, seeded random weights; not a quantized run)"
+    )
+    c.add_argument("--report", metavar="FILE", help="report path, its directory existing (default hstu_conformance_<device>.json)")
+    c.add_argument(
+        "--reps", type=number_in(int, 1), metavar="N", help="timed next-5 rounds per side in the graphs section, >= 1 (default 20)"
+    )
 
 
 def _diagnose_arguments(p: argparse.ArgumentParser) -> None:
@@ -354,7 +392,7 @@ def _watchdog_arguments(p: argparse.ArgumentParser) -> None:
     for flag, default, what in (
         ("--wait", 30.0, "wait after the reset (default 30s)"),
         ("--cooldown", 300.0, "minimum time between recoveries (default 5m)"),
-        ("--health-interval", 10.0, "between health checks (default 10s)"),
+        ("--health-interval", 10.0, "between health checks, > 0 (default 10s)"),
         ("--step-timeout", 600.0, "timeout of each command, > 0 (default 10m); a reset that times out is a failed recovery"),
         ("--poll", 1.0, "log polling interval, > 0 (default 1s)"),
     ):

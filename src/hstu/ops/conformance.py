@@ -20,14 +20,15 @@ What it does (issue 19, "the same checks for Ascend owners"):
    reports the section as skipped.
 
 The device defaults to ``npu``; where it is not usable the command says why and exits 2 (nothing is
-written). ``--device cpu`` replays on the CPU itself (a check of the tool: every error is 0).
+written). ``--device cpu`` replays on the CPU itself (a check of the tool: every error is 0). A quantized run
+(``hstu quantize``) is refused, naming the float run it came from (:func:`refuse_quantized` says why), as are
+a ``--report`` directory or missing parent, before anything runs.
 Exit 0: every compared op and check within tolerance; 1: some are not (the report lists them).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -274,12 +275,43 @@ def device_facts(device: torch.device) -> dict:
     return facts
 
 
+def refuse_quantized(run: str | Path) -> None:
+    """ValueError naming ``run`` and the float run it was made from where ``run`` is quantized (holds quant.json).
+
+    The checks need the float model: the training forward and backward (a quantized model has no trainable
+    weights), float ops replayed within :data:`TOLERANCE` and an fp32 end-to-end bound; an INT8 copy also runs a
+    CPU-only prepacked GEMM (:mod:`hstu.quant.int8_kernels`) where a device runs another kernel, so there is no
+    op-for-op reference. The float run exercises every op the device runs for it."""
+    from hstu.runs import read_quant_meta
+
+    meta = read_quant_meta(run)
+    if meta is None:
+        return
+    src = meta.get("source_run")
+    raise ValueError(
+        f"--run {run} is a quantized run ({meta.get('scheme', '?')}, quant.json): conformance checks float weights only; "
+        f"check the float run it was made from{f' (--run {src})' if src else ''}"
+    )
+
+
+def check_report_path(path: Path) -> Path:
+    """``path`` if a report can be written there; ValueError naming it for a directory or a missing parent
+    (checked before the run, which takes minutes)."""
+    if path.is_dir():
+        raise ValueError(f"--report {path}: is a directory; give a file path, e.g. {path / 'hstu_conformance.json'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"--report {path}: {parent} {'is not a directory' if parent.exists() else 'does not exist'}")
+    return path
+
+
 def write_report(report: dict, path: Path) -> Path:
-    """Write ``report`` as JSON to ``path`` whole or not at all (a temporary file renamed)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """Write ``report`` as JSON to ``path`` whole or not at all (:func:`hstu.generate.batch_parts.atomic_write`: a
+    temporary file, renamed, removed on any failure). Raises OSError (e.g. ``path`` a directory, no parent)."""
+    from hstu.generate.batch_parts import atomic_write
+
+    data = (json.dumps(report, indent=2, default=str) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
     return path
 
 

@@ -67,10 +67,10 @@ class RecoveryPlan:
     def __post_init__(self) -> None:
         if not self.reset_cmd.strip():
             raise ValueError("reset command (--on-reset) must not be empty")
-        for name in ("wait_s", "health_interval_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{_FLAGS[name]} must be >= 0 seconds, got {getattr(self, name):g}")
-        for name in ("cooldown_s", "step_timeout_s"):  # a 0 cool-down would loop; a 0 timeout fails every command
+        if self.wait_s < 0:
+            raise ValueError(f"{_FLAGS['wait_s']} must be >= 0 seconds, got {self.wait_s:g}")
+        # a 0 cool-down would loop, a 0 timeout fails every command, 0 between health checks retries at once
+        for name in ("cooldown_s", "step_timeout_s", "health_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_FLAGS[name]} must be > 0 seconds, got {getattr(self, name):g}")
         for name in ("health_retries", "max_attempts"):

@@ -32,6 +32,8 @@ def interrupted(args, exc: KeyboardInterrupt) -> int:
         hint = f"; the graphs built so far stay in {Path(args.run) / 'graphs'}: the same command builds the rest"
     elif args.command != "train" or not out:
         hint = ""
+    elif getattr(exc, "old_run_restored", False):  # --overwrite cut before the new training's first commit
+        hint = f"; no epoch of the new training was committed: {out} holds the old run, as it was (run the command again to replace it)"
     else:
         from hstu.runs import has_train_state
 

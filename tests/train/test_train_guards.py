@@ -6,6 +6,7 @@ a model too big to allocate is one line naming its sizes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import signal
 import pytest
 from conftest import TINY_MODEL, tiny_csv
 
+from hstu import interrupts
 from hstu.cli import main
 from hstu.config import ModelConfig, TrainConfig
 from hstu.data.prepare import DataSpec
@@ -296,7 +298,7 @@ def test_cli_resume_refuses_fewer_epochs_than_committed(tmp_path, monkeypatch, c
     assert [e["epoch"] for e in read_history(tmp_path / "run")] == [1, 2]
 
 
-def test_overwrite_keeps_the_old_run_until_the_new_one_commits_an_epoch(tmp_path, monkeypatch):
+def test_overwrite_keeps_the_old_run_until_the_new_one_commits_an_epoch(tmp_path, monkeypatch, capsys):
     """A trial: Ctrl-C in the first epoch of `train --overwrite` deleted the old run ("nothing is kept"). Its files
     now wait in RUN/.replaced/ until the new run commits an epoch, and come back if it does not."""
     spec, run = _log(tmp_path), tmp_path / "run"
@@ -309,9 +311,16 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_commits_an_epoch(tmp_path
         raise KeyboardInterrupt
 
     monkeypatch.setattr(loop, "train_one_epoch", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as exc:
         _fit(run, spec, overwrite=True)
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before  # the old run, whole; no .replaced left
+    args = argparse.Namespace(command="train", out=str(run))  # the line said "continue with --resume", which then refused
+    assert interrupts.interrupted(args, exc.value) == 130  # the new run's flags (the old run's differ)
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"hstu train: interrupted; no epoch of the new training was committed: {run} holds the old run, as it was "
+        "(run the command again to replace it)"
+    )
     (run / ".replaced").mkdir()  # a start killed outright: the old run aside, that start's config.json beside it
     for name in before:
         (run / name).rename(run / ".replaced" / name)

@@ -438,9 +438,10 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         if stops():
             status = f"early stopping at epoch {state['epoch']} (best {state['best_epoch']})"
             log.info(status)
-    except BaseException:
+    except BaseException as exc:
         if strategy.is_main and not resume and state["epoch"] == 0:  # nothing committed: no half-written run, an old one back
             put_back(run, aside)
+            exc.old_run_restored = aside is not None  # hstu.interrupts says so (not "continue with --resume")
         raise
     finally:
         if board is not None:

@@ -73,6 +73,18 @@ def test_an_unusable_history_file_is_one_line_naming_it(run_dir, tmp_path, capsy
     assert err.startswith(f"hstu generate: error: {f}: {why}") and "\n" not in err, err
 
 
+def test_flags_one_users_call_does_not_read_are_warned(run_dir, tmp_path, capsys) -> None:
+    """A trial: `generate --history F --top-k 3 --beam-width 8 --data-dir /nonexistent` ran greedy without a word."""
+    f = tmp_path / "h.json"
+    f.write_text(json.dumps([{"item_id": 1, "timestamp": 1_000_000}, {"item_id": 2, "timestamp": 1_000_060}]))
+    argv = ["generate", "--run", str(run_dir), "--history", str(f), "-k", "2"]
+    assert main([*argv, "--top-k", "3", "--beam-width", "8", "--data-dir", str(tmp_path / "none")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --top-k 3, --beam-width 8: not used by strategy 'greedy', ignored" in err, err
+    assert f"warning: --data-dir {tmp_path / 'none'}: not read with --history" in err, err
+    assert main([*argv, "--strategy", "beam", "--beam-width", "8"]) == 0 and "warning" not in capsys.readouterr().err
+
+
 def test_stdout_closed_by_the_reader_ends_quietly() -> None:
     """The reader goes away before the command writes (as `| head` does after its lines): no BrokenPipeError
     traceback, and no 'Exception ignored' at exit (Python docs, signal module, "Note on SIGPIPE")."""

@@ -31,7 +31,9 @@ def test_quantize_reports_the_item_tables_share(run_dir, tmp_path, capsys):
     cos = (f * q).sum(-1)
     t = cfg["model"]["temperature"]
     assert got["rows"] == cfg["model"]["num_items"] and got["temperature"] == t
-    assert got["min_cosine"] == pytest.approx(float(cos.min()), abs=1e-9) and 0.999 < got["min_cosine"] < 1.0
-    assert got["max_abs_score_err"] == pytest.approx(float((q - f).norm(dim=-1).max()) / t, rel=1e-6) and got["max_abs_score_err"] > 0
+    # the command scores float32-normalised rows (item_vectors, as generation does): ~1e-7 per element off these float64
+    # ones, which moves the cosine of nearly parallel rows by ~1e-9 and the norm of their ~0.01 difference by ~1e-5 of it
+    assert got["min_cosine"] == pytest.approx(float(cos.min()), abs=1e-8) and 0.999 < got["min_cosine"] < 1.0
+    assert got["max_abs_score_err"] == pytest.approx(float((q - f).norm(dim=-1).max()) / t, rel=1e-4) and got["max_abs_score_err"] > 0
     line = next(ln for ln in text.splitlines() if ln.startswith("item table"))
     assert f"min cosine to float {got['min_cosine']:.6f}" in line and f"max |Δ score| {got['max_abs_score_err']:.4g}" in line

@@ -236,6 +236,18 @@ def test_cold_start_skips_untrained_items_and_warns_of_ignored_decoding(server, 
         ]
 
 
+def test_decoding_fields_the_strategy_does_not_read_are_warned(server, ratings) -> None:
+    """A trial: {"strategy": "beam", "top_k": 3} answered with no warning (top_k is topk's alone, silently dropped)."""
+    hist = events(ratings, sorted(ratings.user.unique())[3], 12)
+    body = {"history": hist, "k": 3}
+    r = post(server.url, "/v1/generate", {**body, "decoding": {"strategy": "beam", "top_k": 3, "temperature": 0.5}}).json()
+    assert r["warnings"] == ["decoding.top_k=3, decoding.temperature=0.5: not used by strategy 'beam', ignored"], r
+    r = post(server.url, "/v1/generate", {**body, "decoding": {"strategy": "topk", "top_k": 3, "seed": 2, "beam_width": 8}}).json()
+    assert r["warnings"] == ["decoding.beam_width=8: not used by strategy 'topk', ignored"], r
+    r = post(server.url, "/v1/generate", {**body, "decoding": {"strategy": "greedy", "top_k": 50, "beam_width": 4}}).json()
+    assert r["warnings"] == []  # the defaults: nothing was asked for
+
+
 def test_unknown_items_drop_or_reject(server, ratings, ref) -> None:
     hist = events(ratings, sorted(ratings.user.unique())[7], 12)
     dirty = hist[:4] + [{"item_id": 10**9, "timestamp": hist[4]["timestamp"]}] + hist[4:]

@@ -57,6 +57,20 @@ def decode_options(decoding, fields: dict) -> DecodeOptions:
     return decoding.options()  # a new DecodeOptions: validated again (fields may have been set since)
 
 
+# the decoding fields each strategy reads (greedy reads none); DecodeOptions carries the others, unused
+USED_BY = {"top_k": "topk", "temperature": "topk", "seed": "topk", "beam_width": "beam"}
+
+
+def ignored_decoding(d: DecodeOptions, flags: bool = False) -> str | None:
+    """A warning naming the decoding fields that ``d`` sets away from their defaults but its strategy does not read
+    (top_k, temperature, seed: topk only; beam_width: beam only), or None; as command-line flags (``--top-k 3``)
+    with ``flags``, else as request fields (``decoding.top_k=3``). They were ignored without a word."""
+    base = DecodeOptions()
+    off = [(n, getattr(d, n)) for n, s in USED_BY.items() if d.strategy != s and getattr(d, n) != getattr(base, n)]
+    named = [f"--{n.replace('_', '-')} {v}" if flags else f"decoding.{n}={v}" for n, v in off]
+    return f"{', '.join(named)}: not used by strategy '{d.strategy}', ignored" if named else None
+
+
 def flag_arg(value, name: str) -> bool | None:
     """A yes / no option of the API (``exclude_history``, ``allow_untrained``): None (the run's default) or a bool.
     TypeError naming ``name`` otherwise (a string such as "no" was truthy: it excluded the history; HTTP refuses it too)."""

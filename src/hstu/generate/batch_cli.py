@@ -9,6 +9,7 @@ the data set or the model is loaded where they can.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,10 +62,25 @@ def add_arguments(q) -> None:
 
 
 def reject_batch_flags(args) -> None:
-    """ValueError naming the batch flags given without --all-users."""
+    """ValueError naming the batch flags given without --all-users; a warning on stderr for the flags one user's
+    call does not read (:func:`warn_unused_flags`)."""
     given = [f for f, dest in BATCH_FLAGS.items() if getattr(args, dest, None) is not None]
     if given:
         raise ValueError(f"{', '.join(given)}: only with --all-users")
+    warn_unused_flags(args)
+
+
+def warn_unused_flags(args) -> None:
+    """``warning: ...`` on stderr for decoding flags the --strategy does not read
+    (:func:`hstu.generate.api_checks.ignored_decoding`) and --data-dir with --history (no data set is read)."""
+    from hstu.config import DecodeOptions
+    from hstu.generate.api_checks import ignored_decoding
+
+    notes = [ignored_decoding(DecodeOptions(args.strategy, args.top_k, args.temperature, args.beam_width, args.seed), flags=True)]
+    if getattr(args, "history", None) and getattr(args, "data_dir", None):
+        notes.append(f"--data-dir {args.data_dir}: not read with --history (the history comes from the file), ignored")
+    for note in filter(None, notes):
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def cmd_all_users(args, load_log: Callable[[dict], object]) -> int:
@@ -77,6 +93,7 @@ def cmd_all_users(args, load_log: Callable[[dict], object]) -> int:
 
     if args.user is not None or args.history is not None:
         raise ValueError("--all-users generates for every user of the run's data set: give it without --user / --history")
+    warn_unused_flags(args)
     if args.out is None:
         raise ValueError("--all-users needs --out FILE (.parquet or .jsonl)")
     if getattr(args, "ann", None):

@@ -24,6 +24,7 @@ import numpy as np
 from hstu import backend as backends
 from hstu.backend.cpu import host_memory_info
 from hstu.config import ServeConfig, check_k
+from hstu.generate.api_checks import ignored_decoding
 from hstu.generate.prefix_cache import entry_bytes
 from hstu.generate.recommend import History, HistoryError, Prepared, Recommender
 from hstu.serve.batcher import MicroBatcher, Rejected
@@ -398,6 +399,7 @@ class Service:
                 warnings.append(f"decoding: strategy '{d.strategy}' is not used for a cold-start answer (the most popular items, in order)")
         else:
             dec = d.options() if d else DecodeOptions()
+            warnings += filter(None, [ignored_decoding(dec)])  # e.g. top_k with strategy beam: said, not silently dropped
             self.check_room(prep, req, dec)  # before the request joins a batch: a 422 for it alone
             bucket = self.model.bucket_for(len(prep.ids))
             ranked = await self.batcher.submit(

@@ -224,6 +224,10 @@ def test_round_trip_eval_generate_api_http(tmp_path, capsys):
     unknown = rec.prepare(History(hist.items, hist.timestamps, features=[{"price": None, "brand": None}] * len(hist.items)))
     assert np.array_equal(plain.categories, rec.item_tokens_np[prep.ids]) and (unknown.categories[:, 1:] == 0).all()
     assert not np.array_equal(plain.categories, prep.categories)
+    odd = rec.prepare(History(hist.items, hist.timestamps, features=[{"brand": "no-such-brand"}] * len(hist.items)))
+    col = 1 + rec.features.names.index("brand")  # a value the run never saw reads as none, and says so (a trial: silent)
+    assert (odd.categories[:, col] == 0).all() and not any("features." in w for w in prep.warnings)
+    assert any(w.startswith("features.brand: unknown value(s) ['no-such-brand']") for w in odd.warnings), odd.warnings
     with pytest.raises(HistoryError, match=r"^history\[2\]\.features\.colour: unknown feature 'colour'"):
         rec.prepare(History(hist.items[:3], hist.timestamps[:3], features=[None, None, {"colour": "red"}]))
 

@@ -13,11 +13,14 @@ from hstu.generate.histories import History, HistoryError
 _UNSET = object()  # a feature an event does not name (History.features)
 
 
-def event_tokens(features: FeatureMaps, item_tokens: np.ndarray, h: History, ids: np.ndarray, keep: np.ndarray) -> np.ndarray:
+def event_tokens(
+    features: FeatureMaps, item_tokens: np.ndarray, h: History, ids: np.ndarray, keep: np.ndarray, warnings: list[str] | None = None
+) -> np.ndarray:
     """The kept events' categories: (n,) from the item table ``item_tokens`` ((I+1,) or (I+1, 1+F) int64)
     at their dense ``ids`` ((n,) int64), or with side features (``features``: the run's maps) (n, 1+F)
     token columns, the events' own feature values (``h.features``; ``keep`` (n,) their indices in ``h``)
-    where given. HistoryError naming ``history[i].features[.NAME]`` for a bad entry, an unknown name or a bad value."""
+    where given. HistoryError naming ``history[i].features[.NAME]`` for a bad entry, an unknown name or a bad value;
+    a categorical value the run does not know reads as none (0), named in ``warnings`` (as an unknown action is)."""
     cats = item_tokens[ids]  # a copy (fancy indexing)
     if h.features is None:
         return cats
@@ -41,4 +44,7 @@ def event_tokens(features: FeatureMaps, item_tokens: np.ndarray, h: History, ids
         except ValueError as exc:
             raise HistoryError(str(exc)) from None
         cats[:, j] = np.where(named, codes[keep], cats[:, j])
+        unknown = sorted({str(vals[i]) for i in keep if vals[i] is not _UNSET and vals[i] is not None and codes[i] == 0})
+        if unknown and warnings is not None and features.maps[j - 1]["kind"] != "numeric":
+            warnings.append(f"features.{name}: unknown value(s) {unknown[:5]} (not in this run's data); those events read none")
     return cats

@@ -267,7 +267,7 @@ class Recommender:
         self._warn_untrained(ids, warnings)
         # NumPy, not a torch op: in the HTTP process a torch op releases the GIL and may wait to get it
         # back from the executor threads (measured: ~0.2 ms per request under load vs ~1 us here)
-        cats = event_tokens(self.features, self.item_tokens_np, h, ids, keep_a)
+        cats = event_tokens(self.features, self.item_tokens_np, h, ids, keep_a, warnings)
         rt = int(h.request_time) if h.request_time is not None else int(ts[keep_a].max())
         if rt < int(ts[keep_a].max()):
             warnings.append("request_time is earlier than the last event; using the last event's time")

@@ -180,6 +180,12 @@ def test_table_optimizer_flags_train_as_the_config_fields_and_the_recipe_states_
     ):
         assert main(["train", *flags, *extra, "--out", str(tmp_path / "bad"), "--quiet"]) == 2
         assert err in capsys.readouterr().err
+    (tmp_path / "f").mkdir()  # a trial: the config file's rate without rowwise_adagrad was recorded and ignored
+    bad = tiny_csv_flags(tmp_path / "f", train={"epochs": 1, "table_learning_rate": 0.5})
+    assert main(["train", *bad, "--out", str(tmp_path / "bad"), "--quiet"]) == 2 and not (tmp_path / "bad").exists()
+    assert "[train] table_learning_rate = 0.5 needs table_optimizer = 'rowwise_adagrad'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"table_learning_rate = 0.5 needs table_optimizer = 'rowwise_adagrad'"):
+        loop.fit(tmp_path / "bad", mcfg, TrainConfig(**common, table_learning_rate=0.5), spec, progress=False)
     data = flags[: flags.index("--config")]
     resume = ["train", *data, "--epochs", "2", "--out", str(tmp_path / "cli"), "--resume", "--quiet"]
     assert main([*resume, "--table-optimizer", "adamw"]) == 2

@@ -188,7 +188,8 @@ RESUME_KEEPS = {"softmax": "sampled", "in_batch_negatives": 0, "lr_warmup_steps"
 
 def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None = None, where: str | Path = "config.json") -> None:
     """The recipe's refusals, made before anything is written (``hstu train`` before the data is read, :func:`hstu.train.loop.fit`
-    again for Python callers): ``softmax = "full"``, ``negatives_pool`` and ``in_batch_negatives`` with a repeat head
+    again for Python callers): a ``table_learning_rate`` without ``rowwise_adagrad`` in one process (it was recorded and
+    ignored); ``softmax = "full"``, ``negatives_pool`` and ``in_batch_negatives`` with a repeat head
     (``repeat_window`` > 0: the resumed run's) or ``distributed``; with ``saved`` (a resumed run's config.json train table,
     at ``where``) another value of a :data:`RESUME_KEEPS` field than the run's. Raises ValueError naming the field and flag."""
     why = "with a repeat head (repeat_window > 0)" if repeat_window > 0 else "by --distributed yet" if distributed else ""
@@ -197,6 +198,11 @@ def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None
     for name in ("negatives_pool", "in_batch_negatives"):  # hstu.train.losses.training_loss's own refusals
         if getattr(tcfg, name) and why:
             raise ValueError(f"[train] {name} (--{name.replace('_', '-')}) is not supported {why}; set it to 0")
+    if not distributed and tcfg.table_learning_rate > 0 and tcfg.table_optimizer != "rowwise_adagrad":  # the flag's refusal, for a file too
+        raise ValueError(
+            f"[train] table_learning_rate = {tcfg.table_learning_rate:g} needs table_optimizer = 'rowwise_adagrad' "
+            f"(with {tcfg.table_optimizer!r} the table trains at learning_rate)"
+        )
     for name, missing in RESUME_KEEPS.items() if saved is not None else ():
         now, was = getattr(tcfg, name), saved.get(name, missing)
         if was is not None and now != was:

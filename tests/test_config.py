@@ -105,3 +105,30 @@ def test_config_file_that_is_not_tables(tmp_path, name, text, message):
     with pytest.raises(ValueError) as e:
         load_config_file(f)
     assert str(e.value) == f"{f}{message if message.startswith(':') else ' ' + message}", str(e.value)
+
+
+def test_a_runs_config_json_is_a_config_file(tmp_path):
+    """A trial: `hstu train --config RUN/config.json` was refused (unknown table 'hstu_version', then [data]
+    feature_maps), though the run wrote it. Its records are left out, its settings read: the same run again."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from conftest import tiny_csv_flags
+
+    from hstu.cli import main
+    from hstu.config import load_config_tables
+
+    flags = tiny_csv_flags(tmp_path, train={"epochs": 1})
+    assert main(["train", *flags, "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert main(["train", "--config", str(tmp_path / "a" / "config.json"), "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    a, b = (json.loads((tmp_path / r / "metrics.json").read_text()) for r in "ab")
+    assert a["test"] == b["test"] and a["recipe"] == b["recipe"]
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())  # a distributed run's records: left out with its tables'
+    cfg |= {"distributed": {"table_optimizer": "adam"}, "recipe_changes": [{"from_epoch": 2}]}
+    cfg["data"]["feature_maps"] = [{"name": "x"}]
+    (tmp_path / "d.json").write_text(json.dumps(cfg))
+    tables = load_config_tables(tmp_path / "d.json")
+    assert set(tables) == {"model", "train", "data"} and "feature_maps" not in tables["data"]
+    assert "table_optimizer" not in tables["train"] and tables["train"]["epochs"] == 1

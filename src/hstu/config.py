@@ -1,9 +1,6 @@
-"""Typed configuration: ModelConfig, TrainConfig, DecodeOptions / GenerateConfig, ServeConfig.
-
-Loaded from TOML or JSON; unknown keys are rejected with a ValueError naming the field.
-Defaults follow the HSTU ML-1M recipe (Zhai et al. 2024, §4.1; reference repository's
-ML-1M configuration) unless a comment says otherwise.
-"""
+"""Typed configuration: ModelConfig, TrainConfig, DecodeOptions / GenerateConfig, ServeConfig. Loaded from TOML or JSON
+(or a run's config.json); unknown keys are rejected with a ValueError naming the field. Defaults follow the HSTU ML-1M
+recipe (Zhai et al. 2024, §4.1; reference repository's ML-1M configuration) unless a comment says otherwise."""
 
 from __future__ import annotations
 
@@ -440,8 +437,7 @@ def _beside(base: Path, v: Any) -> Any:  # a config file's path (or a list's), r
 def load_config_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML or JSON file with optional [model], [train], [generate], [serve], [data] tables: a dict of the
     dataclasses present. Raises ValueError (unknown table or field) or FileNotFoundError."""
-    path = Path(path)
-    raw = load_config_tables(path)
+    raw = load_config_tables(path := Path(path))
     return {
         k: data_spec_from_table(v, f"{path} [{k}]", path.parent) if k == "data" else _from_dict(_TABLES[k], v, f"{path} [{k}]")
         for k, v in raw.items()
@@ -461,6 +457,10 @@ def load_config_tables(path: str | Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"{path}: cannot parse config: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected tables such as [model] and [train], got {type(raw).__name__}")
+    if "hstu_version" in raw and isinstance(raw.get("model"), dict):  # a run's config.json: its records are no settings
+        from hstu.model.run_files import config_as_settings
+
+        raw = config_as_settings(raw, path)
     if unknown := sorted(set(raw) - set(_TABLES)):
         raise ValueError(f"{path}: unknown table(s) {unknown}; valid: {sorted(_TABLES)}")
     if bad := next((k for k, v in raw.items() if not isinstance(v, dict)), None):

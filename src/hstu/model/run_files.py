@@ -12,6 +12,7 @@ written by a newer hstu). The directory's layout is :mod:`hstu.runs`.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ import numpy as np
 
 from hstu.config import ModelConfig, TrainConfig, _from_dict
 from hstu.data.prepare import DataSpec
+
+log = logging.getLogger(__name__)
 
 # The run directory's file names, defined once (hstu.runs re-exports them and documents the layout;
 # they live here, below quant, because the quantized weights format reads and copies them too).
@@ -235,3 +238,22 @@ def check_run_json(path: str | Path, obj: Any) -> Any:
     (else returned as it is). Raises ValueError naming ``path`` and the field."""
     check = CHECKS.get(Path(path).name)
     return obj if check is None else check(str(path), obj)
+
+
+RUN_RECORDS = ("hstu_version", "recipe_changes", "distributed")  # what a run's config.json holds beside its settings
+
+
+def config_as_settings(raw: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """A run's config.json read by ``--config`` (it records ``hstu_version``): the tables a new run takes as settings.
+    Its records go (``hstu_version``, ``recipe_changes``; [data] ``feature_maps``, the maps fitted to that run's data,
+    which a new run fits to its own); with a ``distributed`` table, also its [train] ``table_optimizer`` /
+    ``table_learning_rate``: they record one process's defaults, not FBGEMM's optimizer the run trained with
+    (``--distributed`` picks that again, ``--table-optimizer`` another). Said at INFO."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items() if k not in RUN_RECORDS}
+    dropped = [k for k in RUN_RECORDS if k in raw]
+    if isinstance(out.get("data"), dict) and out["data"].pop("feature_maps", None) is not None:
+        dropped.append("data.feature_maps")
+    if "distributed" in raw and isinstance(out.get("train"), dict):
+        dropped += [f"train.{k}" for k in ("table_optimizer", "table_learning_rate") if out["train"].pop(k, None) is not None]
+    log.info("--config %s: a run's config.json; its records are not settings, left out: %s", path, ", ".join(dropped))
+    return out

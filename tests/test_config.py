@@ -78,6 +78,11 @@ def test_invalid_values_name_the_field():
         ("serve", 'buckets = ["a"]', "[serve]: buckets must be list[int], got ['a']"),
         ("serve", "prefix_cache_mb = -1", "[serve]: ServeConfig.prefix_cache_mb must be finite and >= 0, got -1"),
         ("serve", "max_wait_ms = inf", "[serve]: ServeConfig.max_wait_ms must be finite and >= 0, got inf"),
+        (  # a trial: the top-level value won without a word
+            "data",
+            'dataset = "csv"\ncolumns = "user=0,item=1,time=4"\noptions = {columns = "user=0,item=2,time=4"}',
+            "[data]: columns is given twice, 'user=0,item=1,time=4' and options.columns = 'user=0,item=2,time=4'",
+        ),
     ],
 )
 def test_config_file_errors_name_the_file_table_and_field(tmp_path, table, body, message):

@@ -396,9 +396,8 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
         if check is not None and not check(value):
             raise ValueError(f"{where}: {name} must be {fields[name].type}, got {value!r}")
     try:
-        obj = cls(**data)  # DecodeOptions / GenerateConfig validate on construction
-        if hasattr(obj, "validate"):
-            obj.validate()
+        obj = cls(**data)  # DecodeOptions / GenerateConfig validate on construction; the others now
+        getattr(obj, "validate", lambda: None)()
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return obj
@@ -423,6 +422,8 @@ def data_spec_from_table(table: dict[str, Any], where: str, base: Path | None = 
     if opts:
         if not isinstance(rest.get("options", {}), dict):
             raise ValueError(f"{where}: options must be a table, got {rest['options']!r}")
+        if k := next((k for k in opts if rest.get("options", {}).get(k, opts[k]) != opts[k]), None):  # one silently won
+            raise ValueError(f"{where}: {k} is given twice, {opts[k]!r} and options.{k} = {rest['options'][k]!r}")
         rest["options"] = {**rest.get("options", {}), **opts}
     rest.update({k: _beside(base, rest[k]) for k in ("data_dir", "items") if base is not None and k in rest})  # paths, or a list
     return _from_dict(DataSpec, rest, where)
@@ -481,8 +482,7 @@ def model_config_from_preset(name: str, **overrides: Any) -> ModelConfig:
     return _from_dict(ModelConfig, merged, f"preset {name}")
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
+to_dict = dataclasses.asdict  # a config dataclass -> its dict of fields
 
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:

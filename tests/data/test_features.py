@@ -73,9 +73,12 @@ def test_edges_from_training_events_only(tmp_path, caplog):
         assert model_config_for(log_, ModelConfig(num_items=log_.num_items), False).num_items == log_.num_items
         n = model_config_for(log_, ModelConfig(num_actions=7, num_categories=log_.num_categories), True).num_actions
         assert n == (log_.num_actions if log_.num_actions > 1 else 0) != 7  # a trial's: replaced without a word
-    assert [r.getMessage().split(": ")[1] for r in caplog.records] == [
+        mc = ModelConfig(num_categories=log_.num_categories, features={"brand": 5})  # another trial's: silent too
+        assert model_config_for(log_, mc, True).features == {"brand": 2, "price": 3}
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         f"{log_.num_items} items in the data; [model] num_items = 7 is replaced by it",
         f"the data gives num_actions = {n}; [model] num_actions = 7 is replaced by it",
+        "the data's side features are {'brand': 2, 'price': 3}; [model] features = {'brand': 5} is replaced by them",
     ]
     fm = FeatureMaps(log_.feature_maps)
     assert fm.encode("price", [None, 10.0, 1e9], "history[{i}].features").tolist() == [0, 1, 3]

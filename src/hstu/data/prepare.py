@@ -176,7 +176,10 @@ def model_config_for(log_: EventLog, cfg: ModelConfig, use_features: bool) -> Mo
             if getattr(cfg, name) and getattr(cfg, name) != n:  # as num_items: the data decides, said aloud
                 log.warning("%s: the data gives %s = %d; [model] %s = %d is replaced by it", log_.name, name, n, name, getattr(cfg, name))
             setattr(cfg, name, n)
-        cfg.features = feature_sizes(log_.feature_maps)
+        sizes = feature_sizes(log_.feature_maps)
+        if cfg.features and cfg.features != sizes:  # as num_items: the data (its --feature columns) decides, said aloud
+            log.warning("%s: the data's side features are %s; [model] features = %s is replaced by them", log_.name, sizes, cfg.features)
+        cfg.features = sizes
     return cfg
 
 

@@ -147,14 +147,15 @@ def test_an_out_of_range_seed_is_refused_before_the_run_is_replaced(tmp_path, ca
     assert not (tmp_path / "new").exists()  # nothing half-written
 
 
-@pytest.mark.parametrize("dim", [2**40, 10**22])
-def test_a_model_too_big_to_allocate_is_one_line_naming_its_sizes(tmp_path, capsys, dim):
+@pytest.mark.parametrize("field, value", [("embedding_dim", 2**40), ("embedding_dim", 10**22), ("num_time_buckets", 10**12)])
+def test_a_model_too_big_to_allocate_is_one_line_naming_its_sizes(tmp_path, capsys, field, value):
+    """The sizes named include the one at fault (a trial: a huge num_time_buckets was not among them)."""
     flags = _cli_flags(tmp_path)
-    model = "\n".join(f"{k} = {v if k != 'embedding_dim' else dim}" for k, v in CFG.items())
+    model = "\n".join(f"{k} = {v}" for k, v in {**CFG, field: value}.items())
     (tmp_path / "t.toml").write_text(f"[model]\n{model}\n[train]\nbatch_size = 8\nnum_negatives = 4\n")
     assert main([*flags, "--config", str(tmp_path / "t.toml"), "--epochs", "1", "--out", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("hstu train: error: the model's tensors do not fit (") and f"embedding_dim = {dim}" in err[0]
+    assert len(err) == 1 and err[0].startswith("hstu train: error: the model's tensors do not fit (") and f"{field} = {value}" in err[0]
     assert not (tmp_path / "run").exists()
 
 

@@ -316,7 +316,8 @@ def build_hstu(cfg: ModelConfig, **kwargs) -> HSTUModel:
         text = str(exc)
         if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "Overflow when unpacking" in text):
             raise
-        sizes = ", ".join(f"{k} = {getattr(cfg, k)}" for k in ("num_items", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v"))
+        names = ("num_items", "embedding_dim", "num_blocks", "num_heads", "d_qk", "d_v", "max_seq_len", "num_time_buckets", "ffn_hidden")
+        sizes = ", ".join(f"{k} = {getattr(cfg, k)}" for k in names)  # every size a parameter's shape follows (a trial: the buckets)
         asked = re.search(r"allocate (\d+) bytes", text)
         why = "a tensor size overflows int64" if "Overflow" in text else text.splitlines()[0][-200:]
         why = f"one tensor needs {int(asked[1]) / 2**30:,.1f} GiB" if asked else why

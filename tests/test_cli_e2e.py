@@ -307,13 +307,15 @@ def test_resume_keeps_the_runs_data_and_refuses_contradicting_flags(run_dir, tmp
 
     before = (run_dir / "config.json").read_text()
     p = hstu("train", "--resume", "--out", run_dir, "--data-dir", ML1M, "--max-users", 200, check=False)
-    assert p.returncode == 2 and "--max-users is 200 here but 300 in the run" in p.stderr and "config.json" in p.stderr, p.stderr
+    assert (
+        p.returncode == 2 and "--max-users ([data] max_users) is 200 here but 300 in the run" in p.stderr and "config.json" in p.stderr
+    ), p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--preset", "large", check=False)
     assert p.returncode == 2 and "drop --preset large" in p.stderr and "num_blocks = 8 (the run: 2)" in p.stderr, p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--protocol", "paper", "--data-dir", ML1M, check=False)
-    assert p.returncode == 2 and "--protocol is 'paper' here but 'clean'" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--protocol ([data] protocol) is 'paper' here but 'clean'" in p.stderr, p.stderr
     p = hstu("train", "--resume", "--out", run_dir, "--dataset", "taobao", check=False)  # refused before its data is looked for
-    assert p.returncode == 2 and "--dataset is 'taobao' here but 'ml-1m'" in p.stderr, p.stderr
+    assert p.returncode == 2 and "--dataset ([data] dataset) is 'taobao' here but 'ml-1m'" in p.stderr, p.stderr
     other = tmp_path / "other"  # the same options over other data (40 users): the item ids differ
     other.mkdir()
     with open(ML1M / "ratings.dat", encoding="latin-1") as f:

@@ -125,9 +125,11 @@ def test_resume_checks_name_the_run_file(tmp_path, events_csv):
         runs.check_resume_items(tmp_path, other)
     path = tmp_path / runs.CONFIG
     runs.check_resume_data(path, {"protocol": "clean", "max_users": None}, {"protocol": "clean", "data_dir": "/moved"})
-    with pytest.raises(ValueError, match=r"--protocol is 'paper' here but 'clean' in the run .*config\.json data\.protocol"):
+    with pytest.raises(
+        ValueError, match=r"--protocol \(\[data\] protocol\) is 'paper' here but 'clean' in the run .*config\.json data\.protocol"
+    ):
         runs.check_resume_data(path, {"protocol": "clean"}, {"protocol": "paper"})
-    with pytest.raises(ValueError, match=r"--columns is .* data\.options"):
+    with pytest.raises(ValueError, match=r"--columns \(\[data\] options\) is .* data\.options"):
         runs.check_resume_data(path, {"options": COLUMNS}, {"options": {}})
 
 

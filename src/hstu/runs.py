@@ -274,7 +274,7 @@ def check_resume_data(config_path: Path, saved: dict, given: dict) -> None:
                 here, was = (f"--no-{flag[2:]}" if v is False else flag if v else "neither flag" for v in (value, saved[name]))
                 said = f"{here} here but the run was trained with {was}" + (" (the data set's default)" if saved[name] is None else "")
             else:
-                said = f"{flag} is {value!r} here but {saved[name]!r} in the run"
+                said = f"{flag} ([data] {name}) is {value!r} here but {saved[name]!r} in the run"  # a flag or a config file's
             raise ValueError(f"--resume: {said} ({config_path} data.{name}); resume with the run's data options or train a new --out")
 
 

@@ -330,3 +330,16 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_commits_an_epoch(tmp_path
     _fit(run, spec, overwrite=True)
     assert not (run / ".replaced").exists() and json.loads((run / "config.json").read_text())["model"]
     assert [e["epoch"] for e in read_history(run)] == [1]
+
+
+def test_torchrun_without_distributed_is_refused(tmp_path, capsys, monkeypatch):
+    """A trial: `torchrun --nproc-per-node 2 hstu train ...` without --distributed started two whole trainings into one
+    --out (one failed on the run lock, then torchrun killed the other). Refused in one line, nothing written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = _cli_flags(tmp_path)
+    assert main([*flags, "--config", str(tmp_path / "t.toml"), "--epochs", "1", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "hstu train: error: WORLD_SIZE=2 (torchrun?) but one process trains alone here: add --distributed (fit: DistributedStrategy)"
+    )
+    assert not (tmp_path / "run").exists()

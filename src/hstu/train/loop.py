@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -142,7 +143,10 @@ class LocalStrategy:
     packs = True  # trains packed rows (TrainConfig.packing "pack"); a strategy without it refuses them in fit
 
     def start(self, device: str, tcfg: TrainConfig) -> None:
-        """Select the device (BackendUnavailableError if unusable)."""
+        """Select the device (BackendUnavailableError if unusable); ValueError under a launcher of several processes
+        (``WORLD_SIZE`` > 1: torchrun without ``--distributed`` started that many whole trainings into one --out)."""
+        if (n := os.environ.get("WORLD_SIZE", "1")).isdigit() and int(n) > 1:
+            raise ValueError(f"WORLD_SIZE={n} (torchrun?) but one process trains alone here: add --distributed (fit: DistributedStrategy)")
         self.backend = backend.select(device)
 
     def stop(self) -> None:

@@ -194,6 +194,12 @@ def test_table_optimizer_flags_train_as_the_config_fields_and_the_recipe_states_
     assert "--table-learning-rate is 0.2 here but 0.05 in the run" in capsys.readouterr().err
     assert main([*resume, "--table-learning-rate", "0.05"]) == 0  # the run's own rate: resumed
     assert len(json.loads((tmp_path / "cli" / "history.json").read_text())) == 2
+    legacy = tmp_path / "legacy"  # recorded before the refusal (adamw beside a rate it ignored): resumes as it was
+    assert main(["train", *flags, "--out", str(legacy), "--quiet"]) == 0
+    cfg = json.loads((legacy / "config.json").read_text())
+    cfg["train"]["table_learning_rate"] = 0.1
+    (legacy / "config.json").write_text(json.dumps(cfg))
+    assert main(["train", *data, "--epochs", "2", "--out", str(legacy), "--resume", "--quiet"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("shards", [1, 3])

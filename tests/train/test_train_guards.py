@@ -322,6 +322,12 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_commits_an_epoch(tmp_path
         f"hstu train: interrupted; no epoch of the new training was committed: {run} holds the old run, as it was "
         "(run the command again to replace it)"
     )
+    for where in ("prepare_data", "write_idmap"):  # a trial: stopped loading its data (before the old run was set aside)
+        monkeypatch.setattr(loop, where, lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))  # or just after
+        with pytest.raises(KeyboardInterrupt) as exc:
+            _fit(run, spec, overwrite=True)
+        assert exc.value.old_run_restored and {p.name: p.read_bytes() for p in run.iterdir()} == before, where
+        monkeypatch.undo()
     (run / ".replaced").mkdir()  # a start killed outright: the old run aside, that start's config.json beside it
     for name in before:
         (run / name).rename(run / ".replaced" / name)

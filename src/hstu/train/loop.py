@@ -74,11 +74,10 @@ from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
 from hstu.train.recipe import check_recipe, decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
-from hstu.train.replace import drop, put_back, resumed_commit, set_aside
+from hstu.train.replace import drop, last_commit, put_back, resumed_commit, set_aside
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
-# Re-exported for the old import paths (issue 18): data options and preparation live in
-# hstu.data.prepare, the run directory in hstu.runs; this module is the training recipe only.
+# Re-exported above (noqa: F401) for the old import paths (issue 18): data in hstu.data.prepare, the run in hstu.runs.
 
 log = logging.getLogger(__name__)
 clock = time.monotonic  # the wall clock of --max-minutes (a test seam)
@@ -143,8 +142,7 @@ class LocalStrategy:
     packs = True  # trains packed rows (TrainConfig.packing "pack"); a strategy without it refuses them in fit
 
     def start(self, device: str, tcfg: TrainConfig) -> None:
-        """Select the device (BackendUnavailableError if unusable); ValueError under a launcher of several processes
-        (``WORLD_SIZE`` > 1: torchrun without ``--distributed`` started that many whole trainings into one --out)."""
+        """Select the device (BackendUnavailableError if unusable); ValueError where WORLD_SIZE > 1 (torchrun, no --distributed)."""
         if (n := os.environ.get("WORLD_SIZE", "1")).isdigit() and int(n) > 1:
             raise ValueError(f"WORLD_SIZE={n} (torchrun?) but one process trains alone here: add --distributed (fit: DistributedStrategy)")
         self.backend = backend.select(device)
@@ -358,8 +356,12 @@ def fit(
     strategy = strategy or LocalStrategy()
     strategy.start(device, tcfg)
     opts = {"progress": progress, "on_step": on_step, "max_minutes": max_minutes, "tensorboard": tensorboard}
+    before = last_commit(run) if not resume else None  # an --overwrite's old run: its last commit
     try:
         return _fit(strategy, run, mcfg, tcfg, spec, resume, use_features, data, opts)
+    except BaseException as exc:  # stopped before the new run's first commit: the old run, as it was (hstu.interrupts says so)
+        exc.old_run_restored = before is not None and last_commit(run) == before
+        raise
     finally:
         strategy.stop()
 
@@ -412,20 +414,21 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
     tcfg, changes = recipes.resumed_recipe(read_config(run), tcfg, state, paper) if resume else (tcfg, [])  # a finished run: its own
     config = config_json(mcfg, tcfg, spec, **strategy.extra, **({"recipe_changes": changes} if changes else {}))
     board = TensorBoardCurves(opts["tensorboard"], state["epoch"] + 1) if opts["tensorboard"] and strategy.is_main else None
-    aside = set_aside(run) if strategy.is_main and not resume else None  # --overwrite: the old run kept until an epoch commits
-    if strategy.is_main:
-        run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
-        if not resume:  # a resume's config.json: once its first epoch commits (an interrupted resume changes nothing)
-            write_config(run, config)
-        write_idmap(run, log_, split)
-        log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
-        log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
-        steps = len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1)) if tcfg.lr_warmup_steps else None  # for a warm-up only
-        for warning in recipe_warnings(tcfg, steps):
-            log.warning(warning)
-    strategy.barrier()
-    started, status = clock(), "completed"
+    started, status, aside, placed = clock(), "completed", None, False
     try:
+        if strategy.is_main and not resume:  # --overwrite: the old run kept until an epoch commits, put back if none does
+            aside, placed = set_aside(run), True
+        if strategy.is_main:
+            run.mkdir(parents=True, exist_ok=True)  # only now: a bad device or data set leaves no empty --out behind
+            if not resume:  # a resume's config.json: once its first epoch commits (an interrupted resume changes nothing)
+                write_config(run, config)
+            write_idmap(run, log_, split)
+            log.info("model: %s", model_text(mcfg, sum(p.numel() for p in model.parameters())))
+            log.info("recipe: %s", recipe_text(tcfg, strategy.extra.get("distributed"), mcfg.num_items))
+            steps = len(epoch_batches(log_, split, tcfg, mcfg.max_seq_len, 1)) if tcfg.lr_warmup_steps else None  # a warm-up's
+            for warning in recipe_warnings(tcfg, steps):
+                log.warning(warning)
+        strategy.barrier()
         stops = lambda: not paper and state["bad_epochs"] >= tcfg.early_stopping_patience  # noqa: E731
         while state["epoch"] < tcfg.epochs and not stops():  # a resumed run that had stopped early trains no more
             entry = _epoch(strategy, run, model, log_, split, tcfg, opt, gen, state, history, paper, opts)
@@ -442,10 +445,9 @@ def _fit(strategy: LocalStrategy, run: Path, mcfg, tcfg: TrainConfig, spec: Data
         if stops():
             status = f"early stopping at epoch {state['epoch']} (best {state['best_epoch']})"
             log.info(status)
-    except BaseException as exc:
-        if strategy.is_main and not resume and state["epoch"] == 0:  # nothing committed: no half-written run, an old one back
+    except BaseException:
+        if placed and state["epoch"] == 0:  # nothing committed: no half-written run, an old one back
             put_back(run, aside)
-            exc.old_run_restored = aside is not None  # hstu.interrupts says so (not "continue with --resume")
         raise
     finally:
         if board is not None:

@@ -198,7 +198,13 @@ def check_recipe(tcfg, repeat_window: int, distributed: bool, saved: dict | None
     for name in ("negatives_pool", "in_batch_negatives"):  # hstu.train.losses.training_loss's own refusals
         if getattr(tcfg, name) and why:
             raise ValueError(f"[train] {name} (--{name.replace('_', '-')}) is not supported {why}; set it to 0")
-    if not distributed and tcfg.table_learning_rate > 0 and tcfg.table_optimizer != "rowwise_adagrad":  # the flag's refusal, for a file too
+    was_rate = (saved or {}).get("table_learning_rate")  # a run recorded before this check resumes as it was
+    if (
+        not distributed
+        and tcfg.table_learning_rate > 0
+        and tcfg.table_optimizer != "rowwise_adagrad"
+        and tcfg.table_learning_rate != was_rate
+    ):
         raise ValueError(
             f"[train] table_learning_rate = {tcfg.table_learning_rate:g} needs table_optimizer = 'rowwise_adagrad' "
             f"(with {tcfg.table_optimizer!r} the table trains at learning_rate)"

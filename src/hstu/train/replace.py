@@ -69,3 +69,14 @@ def resumed_commit(run: Path, epoch: int, config: dict) -> None:
             f"stale: epochs up to {epoch} committed since this report of epoch {m.get('epochs')}; hstu train --resume reports them"
         )
         write_json(path, m)
+
+
+def last_commit(run: Path) -> dict | None:
+    """``run``'s last commit (:func:`hstu.runs.read_manifest`), or None where it has none or it cannot be read: equal
+    before and after an interrupted ``--overwrite``, the old run is there as it was."""
+    from hstu.runs import has_train_state, read_manifest
+
+    try:
+        return read_manifest(run) if has_train_state(run) else None
+    except (OSError, ValueError):  # unreadable: no promise
+        return None

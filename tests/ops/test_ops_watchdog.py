@@ -393,9 +393,21 @@ def test_cli_exits_1_at_once_after_giving_up_and_0_on_interrupt(tmp_path, capsys
         ("[ERROR] DRV(1,null):2024-05-10-14:35:02.900.001 [hb.c:88] heartbeat lost, dev_id=3", True),
         ("npu 3 heartbeat timeout", True),
         ("rtStreamSynchronize failed, runtime result = 507010", True),
+        # a second trial's real forms: a period after the code, a syslog prefix, the device's index in other spellings
+        ("[ERROR] RUNTIME(1234,python):2024-05-10 rtStreamSynchronize failed, error code is 507010.", True),
+        ("Jan 01 12:00:00 host python[123]: [ERROR] TSCH(-1,null):2024-05-10 [hb.c:1] heartbeat lost", True),
+        ("2024-05-01T12:00:00Z [ERROR] DRV(5678,dmp):2024-05-01 [hb.c:2] heart beat timeout", True),
+        ("device(0) heartbeat lost", True),
+        ("devId=0, heartbeat lost", True),
+        ("hot reset of device 3", True),
+        ("npu-smi set -t reset -i 0 -c 0", True),
         # ordinary application lines: a bare number, an application's own heartbeat (a trial: they reset the device)
         ("INFO batch job: processed 507010 rows in 3.2s", False),
         ("INFO kafka consumer heartbeat timeout, rejoining group", False),
+        ("INFO user requested: reset device settings for account 42", False),  # the second trial's: no device index
+        ("INFO hot reset of the config cache done", False),
+        ("INFO device reset password email sent", False),
+        ("WARN mobile device heartbeat timeout for session 9f3a", False),
         ("result: 507010 users evaluated", False),
         ("error_count=507010", False),
         ("ret=507010", False),  # a plain "ret" only on a line about the runtime / driver

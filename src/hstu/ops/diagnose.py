@@ -91,7 +91,7 @@ _NOT_A_NOUN = r"(?!\s+(?!(?:in|at|on|of|from|for|to|when|while|during|after|by|w
 
 def _code_pattern(codes: list[int]) -> str:
     alt = "|".join(str(int(c)) for c in codes)
-    return rf"(?:{_CODE_WORD}|{_DEVICE_LINE}.*?{_PLAIN_WORD})\b\s*(?:[=:]\s*|is\s+)?(?<![\d.])(?:{alt})(?![\d.]){_NOT_A_NOUN}"
+    return rf"(?:{_CODE_WORD}|{_DEVICE_LINE}.*?{_PLAIN_WORD})\b\s*(?:[=:]\s*|is\s+)?(?<![\d.])(?:{alt})(?!\d|\.\d){_NOT_A_NOUN}"
 
 
 def _code_list(codes: Any, where: str) -> list[re.Pattern]:

@@ -44,7 +44,7 @@ def event_tokens(
         except ValueError as exc:
             raise HistoryError(str(exc)) from None
         cats[:, j] = np.where(named, codes[keep], cats[:, j])
-        unknown = sorted({str(vals[i]) for i in keep if vals[i] is not _UNSET and vals[i] is not None and codes[i] == 0})
+        unknown = sorted({str(vals[i])[:40] for i in keep if vals[i] is not _UNSET and vals[i] is not None and codes[i] == 0})
         if unknown and warnings is not None and features.maps[j - 1]["kind"] != "numeric":
             warnings.append(f"features.{name}: unknown value(s) {unknown[:5]} (not in this run's data); those events read none")
     return cats

@@ -255,5 +255,10 @@ def config_as_settings(raw: dict[str, Any], path: str | Path) -> dict[str, Any]:
         dropped.append("data.feature_maps")
     if "distributed" in raw and isinstance(out.get("train"), dict):
         dropped += [f"train.{k}" for k in ("table_optimizer", "table_learning_rate") if out["train"].pop(k, None) is not None]
-    log.info("--config %s: a run's config.json; its records are not settings, left out: %s", path, ", ".join(dropped))
+    if str(path) not in _SAID:  # a command reads its config file more than once
+        _SAID.add(str(path))
+        log.info("--config %s: a run's config.json; its records are not settings, left out: %s", path, ", ".join(dropped))
     return out
+
+
+_SAID: set[str] = set()

@@ -74,7 +74,7 @@ from hstu.train.evaluate import evaluate
 from hstu.train.logs import TensorBoardCurves, epoch_line, progress
 from hstu.train.losses import resolve_packing, training_loss
 from hstu.train.recipe import check_recipe, decay_on_plateau, model_text, recipe, recipe_text, recipe_warnings, warmed_up
-from hstu.train.replace import drop, last_commit, put_back, resumed_commit, set_aside
+from hstu.train.replace import drop, last_commit, put_back, resumed_commit, said_restored, set_aside
 from hstu.train.sparse_optim import TableAndDenseOptimizer, check_table_trainable, table_learning_rate
 
 # Re-exported above (noqa: F401) for the old import paths (issue 18): data in hstu.data.prepare, the run in hstu.runs.
@@ -360,7 +360,7 @@ def fit(
     try:
         return _fit(strategy, run, mcfg, tcfg, spec, resume, use_features, data, opts)
     except BaseException as exc:  # stopped before the new run's first commit: the old run, as it was (hstu.interrupts says so)
-        exc.old_run_restored = before is not None and last_commit(run) == before
+        said_restored(exc, before is not None and last_commit(run) == before)
         raise
     finally:
         strategy.stop()

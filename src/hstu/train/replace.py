@@ -80,3 +80,12 @@ def last_commit(run: Path) -> dict | None:
         return read_manifest(run) if has_train_state(run) else None
     except (OSError, ValueError):  # unreadable: no promise
         return None
+
+
+def said_restored(exc: BaseException, restored: bool) -> None:
+    """Mark ``exc`` (``old_run_restored``) for :func:`hstu.interrupts.interrupted`'s line; an exception that takes no
+    attribute is left as it is (the line then reads as without a mark)."""
+    try:
+        exc.old_run_restored = restored
+    except (AttributeError, TypeError):
+        pass

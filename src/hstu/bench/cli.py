@@ -138,34 +138,10 @@ def _check_compare(files: list[str]) -> None:
 
 
 def _check_out(out: str | None, overwrite: bool) -> None:
-    """:func:`check_out` for ``hstu bench`` (:data:`OUT_FILES`, marked by bench.json)."""
-    check_out(out, overwrite, OUT_FILES, "bench")
+    """:func:`hstu.model.checkpoint.check_out_dir` for ``hstu bench`` (:data:`OUT_FILES`, marked by bench.json)."""
+    from hstu.model.checkpoint import check_out_dir
 
-
-def check_out(out: str | None, overwrite: bool, files: tuple[str, ...], noun: str) -> None:
-    """Refuse an --out that would lose something, before anything is measured: FileExistsError (exit 2, one line
-    naming it) for a file, a directory holding an earlier ``hstu {noun}`` (``files[0]``, its marker, and only
-    ``files``) without ``overwrite``, or one holding anything else (never replaced); ValueError for ``overwrite``
-    without ``out``. The new-or-empty / ``--overwrite`` rule of ``hstu bench`` and ``hstu report``."""
-    from hstu.model.checkpoint import dir_target
-
-    marker = files[0]
-    if out is None:
-        if overwrite:
-            raise ValueError(f"--overwrite: needs --out (the directory whose earlier {noun} it replaces)")
-        return
-    d = dir_target(out)  # FileExistsError: a link to nothing
-    if d.exists() and not d.is_dir():
-        raise FileExistsError(f"--out {out}: exists and is not a directory")
-    names = sorted(q.name for q in d.iterdir()) if d.is_dir() else []
-    other = [n for n in names if n not in files]
-    if names and (other or marker not in names):
-        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "") if other else f"no {marker}"
-        raise FileExistsError(f"--out {out}: holds files that are not an earlier hstu {noun}'s output ({shown}); choose another directory")
-    if names and not overwrite:
-        raise FileExistsError(
-            f"--out {out}: holds an earlier {noun} ({marker}); pass --overwrite to replace it, or choose another directory"
-        )
+    check_out_dir(out, overwrite, OUT_FILES, "bench")
 
 
 def _settings(args, mode: dict) -> Settings:

@@ -59,14 +59,14 @@ def decode_options(decoding, fields: dict) -> DecodeOptions:
 
 # the decoding fields each strategy reads (greedy reads none); DecodeOptions carries the others, unused
 USED_BY = {"top_k": "topk", "temperature": "topk", "seed": "topk", "beam_width": "beam"}
+_DEFAULTS = DecodeOptions()  # built once: every served request is compared with it
 
 
 def ignored_decoding(d: DecodeOptions, flags: bool = False) -> str | None:
     """A warning naming the decoding fields that ``d`` sets away from their defaults but its strategy does not read
     (top_k, temperature, seed: topk only; beam_width: beam only), or None; as command-line flags (``--top-k 3``)
     with ``flags``, else as request fields (``decoding.top_k=3``). They were ignored without a word."""
-    base = DecodeOptions()
-    off = [(n, getattr(d, n)) for n, s in USED_BY.items() if d.strategy != s and getattr(d, n) != getattr(base, n)]
+    off = [(n, getattr(d, n)) for n, s in USED_BY.items() if d.strategy != s and getattr(d, n) != getattr(_DEFAULTS, n)]
     named = [f"--{n.replace('_', '-')} {v}" if flags else f"decoding.{n}={v}" for n, v in off]
     return f"{', '.join(named)}: not used by strategy '{d.strategy}', ignored" if named else None
 

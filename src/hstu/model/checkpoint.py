@@ -76,6 +76,30 @@ def dir_target(out: str | Path) -> Path:
     return out
 
 
+def check_out_dir(out: str | None, overwrite: bool, files: tuple[str, ...], noun: str) -> None:
+    """Refuse an --out that would lose something, before anything is measured: FileExistsError (exit 2, one line
+    naming it) for a file, a directory holding an earlier ``hstu {noun}`` (``files[0]``, its marker, and only
+    ``files``) without ``overwrite``, or one holding anything else (never replaced); ValueError for ``overwrite``
+    without ``out``. The new-or-empty / ``--overwrite`` rule of ``hstu bench`` and ``hstu report``."""
+    marker = files[0]
+    if out is None:
+        if overwrite:
+            raise ValueError(f"--overwrite: needs --out (the directory whose earlier {noun} it replaces)")
+        return
+    d = dir_target(out)  # FileExistsError: a link to nothing
+    if d.exists() and not d.is_dir():
+        raise FileExistsError(f"--out {out}: exists and is not a directory")
+    names = sorted(q.name for q in d.iterdir()) if d.is_dir() else []
+    other = [n for n in names if n not in files]
+    if names and (other or marker not in names):
+        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "") if other else f"no {marker}"
+        raise FileExistsError(f"--out {out}: holds files that are not an earlier hstu {noun}'s output ({shown}); choose another directory")
+    if names and not overwrite:
+        raise FileExistsError(
+            f"--out {out}: holds an earlier {noun} ({marker}); pass --overwrite to replace it, or choose another directory"
+        )
+
+
 @contextlib.contextmanager
 def staged_dir(out: str | Path, *, last: str | None = None) -> Iterator[Path]:
     """Build a directory whole or not at all: yield a hidden temp directory beside ``out``

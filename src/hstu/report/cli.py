@@ -6,7 +6,7 @@ Writes into DIR: ``loss.png`` (mean training loss per epoch), ``valid_hr10.png``
 with ``--slices`` also ``slices.png`` and ``slices.json`` (:mod:`hstu.report.slices`).
 Every run is read and checked before anything is written. DIR must be new or empty, or hold an earlier
 report's files only (report.md, the PNG files, slices.json) with ``--overwrite``: the rule of ``hstu bench --out``
-(:func:`hstu.bench.cli.check_out`), checked before any run is evaluated; a run directory (config.json and
+(:func:`hstu.model.checkpoint.check_out_dir`), checked before any run is evaluated; a run directory (config.json and
 idmap.json) is refused, as its own report.md and plots are there. The report is built in a hidden directory
 beside DIR and moved there when complete (:func:`hstu.model.checkpoint.staged_dir`): an error or Ctrl-C
 leaves DIR as it was. A quantized run (quant.json) has no training history: refused, naming the float run
@@ -56,9 +56,9 @@ def _labels(paths: list[str]) -> list[str]:
 
 def check_out(out: str | Path, overwrite: bool = False) -> None:
     """Refuse an --out that would lose something (exit 2, one line): a file at it or on its path (ValueError), a run
-    directory (FileExistsError: its own report.md and plots are there), else :func:`hstu.bench.cli.check_out`'s rule
+    directory (FileExistsError: its own report.md and plots are there), else :func:`hstu.model.checkpoint.check_out_dir`'s rule
     with :data:`OUT_FILES` (new or empty, or an earlier report's files only with ``overwrite``)."""
-    from hstu.bench.cli import check_out as check_new_or_earlier
+    from hstu.model.checkpoint import check_out_dir
     from hstu.model.run_files import CONFIG, IDMAP
 
     out = Path(out)
@@ -67,7 +67,7 @@ def check_out(out: str | Path, overwrite: bool = False) -> None:
         raise ValueError(f"--out {out}: not a directory ({blocker} is a file)")
     if (out / CONFIG).is_file() and (out / IDMAP).is_file():
         raise FileExistsError(f"--out {out}: is a run directory (it holds {CONFIG} and {IDMAP}); write the report to another directory")
-    check_new_or_earlier(str(out), overwrite, OUT_FILES, "report")
+    check_out_dir(str(out), overwrite, OUT_FILES, "report")
 
 
 def write_report(
